@@ -1,0 +1,170 @@
+//! The arithmetic of one group: parameters from a range, values to codes, codes to values.
+//!
+//! [`Codec`] is what every layout of the workspace shares: the offline tensor quantizer of
+//! this crate, the streaming cache of `kvq-cache-layout` and the scalar references of the
+//! kernels all encode and decode through it, so their codes agree bit for bit.
+
+use crate::codebook::Codebook;
+use crate::error::Result;
+use crate::format::{CodebookSource, Kind, ParamDtype, QuantSpec};
+use crate::fp8::Fp8Format;
+use crate::params::{Round, round_param};
+
+/// Adding and subtracting 1.5 · 2^23 rounds an f32 of magnitude below 2^22 to the nearest
+/// integer, ties to even, with plain SSE2/NEON arithmetic (no libm call, vectorizable).
+const ROUND_MAGIC: f32 = 12_582_912.0;
+
+#[inline(always)]
+fn round_even(v: f32) -> f32 {
+    (v + ROUND_MAGIC) - ROUND_MAGIC
+}
+
+/// The parameters of one group: `x̂ = decode(code) · scale + offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct GroupParams {
+    /// Step (affine, symmetric) or multiplier (FP8, codebook).
+    pub scale: f32,
+    /// Affine minimum; 0 for the other kinds.
+    pub offset: f32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Math {
+    Affine { levels: f32 },
+    Symmetric { qmax: f32, zero: f32 },
+    Fp8(Fp8Format),
+    Codebook(Codebook),
+}
+
+/// Encoder and decoder of one spec's groups.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Codec {
+    math: Math,
+    dtype: ParamDtype,
+}
+
+impl Codec {
+    /// The codec of `spec`. A Lloyd-Max spec has no levels until fitted: pass them as
+    /// `fitted` (ignored by every other kind); without them NF4 levels are used.
+    pub fn new(spec: &QuantSpec, fitted: Option<&Codebook>) -> Self {
+        let bits = spec.bits();
+        let math = match spec.kind() {
+            Kind::Affine => Math::Affine {
+                levels: ((1u32 << bits) - 1) as f32,
+            },
+            Kind::Symmetric => {
+                let half = (1u32 << (bits - 1)) as f32;
+                Math::Symmetric {
+                    qmax: half - 1.0,
+                    zero: half,
+                }
+            }
+            Kind::Fp8(f) => Math::Fp8(*f),
+            Kind::Codebook(CodebookSource::Fixed(cb)) => Math::Codebook(cb.clone()),
+            Kind::Codebook(CodebookSource::Nf4) => Math::Codebook(Codebook::nf4()),
+            Kind::Codebook(CodebookSource::LloydMax) => {
+                Math::Codebook(fitted.cloned().unwrap_or_else(Codebook::nf4))
+            }
+        };
+        Self {
+            math,
+            dtype: spec.param_dtype(),
+        }
+    }
+
+    /// Parameters for a group whose values span `[min, max]` (finite, `min <= max`), rounded
+    /// to the storage type so that the whole range stays representable.
+    ///
+    /// # Errors
+    /// [`QuantError::ParamOverflow`](crate::QuantError::ParamOverflow) when a parameter does not
+    /// fit the storage type.
+    pub fn params(&self, min: f32, max: f32) -> Result<GroupParams> {
+        let absmax = min.abs().max(max.abs());
+        let (scale, offset) = match &self.math {
+            Math::Affine { levels } => {
+                let offset = round_param(min, self.dtype, Round::Down)?;
+                let scale = round_param((max - offset) / levels, self.dtype, Round::Up)?;
+                (scale, offset)
+            }
+            Math::Symmetric { qmax, .. } => {
+                (round_param(absmax / qmax, self.dtype, Round::Up)?, 0.0)
+            }
+            Math::Fp8(f) => (
+                round_param(absmax / f.max_value(), self.dtype, Round::Up)?,
+                0.0,
+            ),
+            Math::Codebook(_) => (round_param(absmax, self.dtype, Round::Up)?, 0.0),
+        };
+        Ok(GroupParams { scale, offset })
+    }
+
+    /// Encodes `x` with parameters `p` into `out` (same length). Values outside the range
+    /// the parameters cover saturate to the extreme codes.
+    #[inline]
+    pub fn encode(&self, x: &[f32], p: GroupParams, out: &mut [u8]) {
+        // A zero (or subnormal) scale means a constant group: every value maps to the code of
+        // the offset, and the reciprocal is kept finite so that 0 · inv is never NaN.
+        let inv = if p.scale > f32::MIN_POSITIVE {
+            1.0 / p.scale
+        } else {
+            0.0
+        };
+        match &self.math {
+            Math::Affine { levels } => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    *o = round_even((v - p.offset) * inv).clamp(0.0, *levels) as u8;
+                }
+            }
+            Math::Symmetric { qmax, zero } => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    *o = (round_even(v * inv).clamp(-qmax, *qmax) + zero) as u8;
+                }
+            }
+            Math::Fp8(f) => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    *o = f.encode(v * inv);
+                }
+            }
+            Math::Codebook(cb) => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    *o = cb.encode(v * inv);
+                }
+            }
+        }
+    }
+
+    /// Decodes `codes` with parameters `p` into `out` (same length).
+    #[inline]
+    pub fn decode(&self, codes: &[u8], p: GroupParams, out: &mut [f32]) {
+        match &self.math {
+            Math::Affine { .. } => {
+                for (o, &c) in out.iter_mut().zip(codes) {
+                    *o = f32::from(c) * p.scale + p.offset;
+                }
+            }
+            Math::Symmetric { zero, .. } => {
+                for (o, &c) in out.iter_mut().zip(codes) {
+                    *o = (f32::from(c) - zero) * p.scale;
+                }
+            }
+            Math::Fp8(f) => {
+                for (o, &c) in out.iter_mut().zip(codes) {
+                    *o = f.decode(c) * p.scale;
+                }
+            }
+            Math::Codebook(cb) => {
+                for (o, &c) in out.iter_mut().zip(codes) {
+                    *o = cb.decode(c) * p.scale;
+                }
+            }
+        }
+    }
+
+    /// The codebook levels, for codebook kinds.
+    pub fn codebook(&self) -> Option<&Codebook> {
+        match &self.math {
+            Math::Codebook(cb) => Some(cb),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! What a quantization *spec* is: the format of one group (kind, bits, parameter storage)
+//! and the granularity that decides which elements share a group.
+//!
+//! Specs have a short textual form used by the CLI and config files, parsed by
+//! [`QuantSpec::from_str`](std::str::FromStr) and printed by `Display`:
+//!
+//! ```text
+//! spec  := kind [ "-" granularity ] [ "-f32" ]
+//! kind  := "int" BITS        affine (asymmetric min/max), 1..=8 bits
+//!        | "sym" BITS        symmetric (absmax, zero point 0), 2..=8 bits
+//!        | "fp8e4m3" | "fp8e5m2"
+//!        | "nf4"             NormalFloat-4 codebook (QLoRA levels), absmax scale
+//!        | "lloyd" BITS      Lloyd-Max codebook fitted to the data, 1..=8 bits
+//! granularity := "tensor" | "head" | "channel" | "channel" N | "token" | "g" N
+//! ```
+//! The default granularity is `token` and parameters are stored as f16 unless `-f32` is given:
+//! `int4-channel`, `int2-g32`, `fp8e4m3-token`, `int8-tensor-f32`.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::codebook::Codebook;
+use crate::error::{QuantError, Result};
+use crate::fp8::Fp8Format;
+use crate::tensor::Shape;
+
+/// How the values of one group map to codes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kind {
+    /// Asymmetric min/max: `q = round((x - min) / (max - min) * (2^b - 1))`.
+    Affine,
+    /// Symmetric absmax: `scale = absmax / (2^(b-1) - 1)`, zero point 0.
+    Symmetric,
+    /// An 8-bit float with a per-group scale (`scale = absmax / format max`).
+    Fp8(Fp8Format),
+    /// A table of `2^b` levels in `[-1, 1]`, scaled by the group's absmax.
+    Codebook(CodebookSource),
+}
+
+/// Where a codebook's levels come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CodebookSource {
+    /// The 16 NormalFloat-4 levels of QLoRA (4 bits only).
+    Nf4,
+    /// A Lloyd-Max (1-D k-means) codebook fitted to the tensor being quantized.
+    LloydMax,
+    /// Levels given by the caller (e.g. fitted on a calibration set).
+    Fixed(Codebook),
+}
+
+/// Storage type of the per-group parameters (scale and, for affine, offset).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum ParamDtype {
+    /// IEEE half precision: 2 bytes per parameter.
+    F16,
+    /// IEEE single precision: 4 bytes per parameter.
+    F32,
+}
+
+impl ParamDtype {
+    /// Bytes one parameter occupies.
+    pub const fn size(self) -> usize {
+        match self {
+            ParamDtype::F16 => 2,
+            ParamDtype::F32 => 4,
+        }
+    }
+
+    /// Lower-case name (`"f16"`, `"f32"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            ParamDtype::F16 => "f16",
+            ParamDtype::F32 => "f32",
+        }
+    }
+}
+
+/// Which elements of a `[batch, heads, tokens, head_dim]` tensor share one set of parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Granularity {
+    /// One group for the whole tensor.
+    PerTensor,
+    /// One group per (sequence, head).
+    PerHead,
+    /// One group per channel (head_dim index) over a block of tokens: `token_group` tokens
+    /// (the last block of a head may be shorter), or all tokens of the head when `None`.
+    PerChannel {
+        /// Tokens per block; `None` for the whole sequence.
+        token_group: Option<usize>,
+    },
+    /// One group per token (row of `head_dim` values).
+    PerToken,
+    /// Groups of `G` consecutive channels within a token; `G` divides `head_dim`.
+    Group(usize),
+}
+
+/// A full quantization spec: format kind, bit width, granularity and parameter storage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantSpec {
+    kind: Kind,
+    bits: u8,
+    granularity: Granularity,
+    param_dtype: ParamDtype,
+}
+
+impl QuantSpec {
+    /// Builds and validates a spec.
+    ///
+    /// # Errors
+    /// [`QuantError::BitsOutOfRange`] for a width the kind does not support (affine and
+    /// Lloyd-Max 1..=8, symmetric 2..=8, FP8 exactly 8, NF4 exactly 4),
+    /// [`QuantError::InvalidSpec`] for a fixed codebook whose size is not `2^bits`, and
+    /// [`QuantError::GroupSize`] for a zero group or token-group size.
+    pub fn new(
+        kind: Kind,
+        bits: u8,
+        granularity: Granularity,
+        param_dtype: ParamDtype,
+    ) -> Result<Self> {
+        let (name, min, max) = match &kind {
+            Kind::Affine => ("affine", 1, 8),
+            Kind::Symmetric => ("symmetric", 2, 8),
+            Kind::Fp8(_) => ("fp8", 8, 8),
+            Kind::Codebook(CodebookSource::Nf4) => ("nf4", 4, 4),
+            Kind::Codebook(_) => ("codebook", 1, 8),
+        };
+        if bits < min || bits > max {
+            return Err(QuantError::BitsOutOfRange {
+                format: name,
+                bits,
+                min,
+                max,
+            });
+        }
+        if let Kind::Codebook(CodebookSource::Fixed(cb)) = &kind {
+            if cb.levels().len() != 1 << bits {
+                return Err(QuantError::InvalidSpec(format!(
+                    "a {bits}-bit codebook needs {} levels, got {}",
+                    1 << bits,
+                    cb.levels().len()
+                )));
+            }
+        }
+        match granularity {
+            Granularity::Group(0)
+            | Granularity::PerChannel {
+                token_group: Some(0),
+            } => {
+                return Err(QuantError::GroupSize {
+                    group: 0,
+                    head_dim: 0,
+                });
+            }
+            _ => {}
+        }
+        Ok(Self {
+            kind,
+            bits,
+            granularity,
+            param_dtype,
+        })
+    }
+
+    /// Affine (asymmetric) spec with f16 parameters.
+    pub fn affine(bits: u8, granularity: Granularity) -> Result<Self> {
+        Self::new(Kind::Affine, bits, granularity, ParamDtype::F16)
+    }
+
+    /// Symmetric spec with f16 parameters.
+    pub fn symmetric(bits: u8, granularity: Granularity) -> Result<Self> {
+        Self::new(Kind::Symmetric, bits, granularity, ParamDtype::F16)
+    }
+
+    /// FP8 spec with f16 scales.
+    pub fn fp8(format: Fp8Format, granularity: Granularity) -> Result<Self> {
+        Self::new(Kind::Fp8(format), 8, granularity, ParamDtype::F16)
+    }
+
+    /// The same spec with parameters stored as `dtype`.
+    pub fn with_param_dtype(mut self, dtype: ParamDtype) -> Self {
+        self.param_dtype = dtype;
+        self
+    }
+
+    /// The format kind.
+    pub fn kind(&self) -> &Kind {
+        &self.kind
+    }
+
+    /// Bits per code.
+    pub fn bits(&self) -> u8 {
+        self.bits
+    }
+
+    /// Which elements share parameters.
+    pub fn granularity(&self) -> Granularity {
+        self.granularity
+    }
+
+    /// Storage type of the parameters.
+    pub fn param_dtype(&self) -> ParamDtype {
+        self.param_dtype
+    }
+
+    /// Whether each group stores an offset (the affine minimum) besides its scale.
+    pub fn has_offset(&self) -> bool {
+        matches!(self.kind, Kind::Affine)
+    }
+
+    /// Checks that the spec can quantize a tensor of `shape`.
+    ///
+    /// # Errors
+    /// [`QuantError::EmptyTensor`] and [`QuantError::GroupSize`] (a group that does not divide
+    /// `head_dim`).
+    pub fn check_shape(&self, shape: Shape) -> Result<()> {
+        if shape.checked_len().is_none_or(|n| n == 0) {
+            return Err(QuantError::EmptyTensor(shape));
+        }
+        if let Granularity::Group(g) = self.granularity {
+            if g == 0 || shape.head_dim % g != 0 {
+                return Err(QuantError::GroupSize {
+                    group: g,
+                    head_dim: shape.head_dim,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for QuantSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            Kind::Affine => write!(f, "int{}", self.bits)?,
+            Kind::Symmetric => write!(f, "sym{}", self.bits)?,
+            Kind::Fp8(Fp8Format::E4M3) => f.write_str("fp8e4m3")?,
+            Kind::Fp8(Fp8Format::E5M2) => f.write_str("fp8e5m2")?,
+            Kind::Codebook(CodebookSource::Nf4) => f.write_str("nf4")?,
+            Kind::Codebook(CodebookSource::LloydMax) => write!(f, "lloyd{}", self.bits)?,
+            Kind::Codebook(CodebookSource::Fixed(_)) => write!(f, "codebook{}", self.bits)?,
+        }
+        match self.granularity {
+            Granularity::PerTensor => f.write_str("-tensor")?,
+            Granularity::PerHead => f.write_str("-head")?,
+            Granularity::PerChannel { token_group: None } => f.write_str("-channel")?,
+            Granularity::PerChannel {
+                token_group: Some(n),
+            } => write!(f, "-channel{n}")?,
+            Granularity::PerToken => f.write_str("-token")?,
+            Granularity::Group(g) => write!(f, "-g{g}")?,
+        }
+        if self.param_dtype == ParamDtype::F32 {
+            f.write_str("-f32")?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for QuantSpec {
+    type Err = QuantError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |why: &str| QuantError::InvalidSpec(format!("{s:?}: {why}"));
+        let mut parts = s.trim().split('-');
+        let head = parts.next().unwrap_or_default().to_ascii_lowercase();
+        let number = |text: &str| {
+            text.parse::<u8>()
+                .map_err(|_| bad("expected a bit width after the kind"))
+        };
+        let (kind, bits) = if let Some(b) = head.strip_prefix("int") {
+            (Kind::Affine, number(b)?)
+        } else if let Some(b) = head.strip_prefix("sym") {
+            (Kind::Symmetric, number(b)?)
+        } else if head == "fp8e4m3" {
+            (Kind::Fp8(Fp8Format::E4M3), 8)
+        } else if head == "fp8e5m2" {
+            (Kind::Fp8(Fp8Format::E5M2), 8)
+        } else if head == "nf4" {
+            (Kind::Codebook(CodebookSource::Nf4), 4)
+        } else if let Some(b) = head.strip_prefix("lloyd") {
+            (Kind::Codebook(CodebookSource::LloydMax), number(b)?)
+        } else {
+            return Err(bad("unknown kind (int, sym, fp8e4m3, fp8e5m2, nf4, lloyd)"));
+        };
+        let mut granularity = Granularity::PerToken;
+        let mut dtype = ParamDtype::F16;
+        for part in parts {
+            let part = part.to_ascii_lowercase();
+            let size = |text: &str| text.parse::<usize>().map_err(|_| bad("expected a size"));
+            granularity = match part.as_str() {
+                "f32" => {
+                    dtype = ParamDtype::F32;
+                    continue;
+                }
+                "f16" => {
+                    dtype = ParamDtype::F16;
+                    continue;
+                }
+                "tensor" => Granularity::PerTensor,
+                "head" => Granularity::PerHead,
+                "channel" => Granularity::PerChannel { token_group: None },
+                "token" => Granularity::PerToken,
+                p if p.starts_with("channel") => Granularity::PerChannel {
+                    token_group: Some(size(&p[7..])?),
+                },
+                p if p.starts_with('g') => Granularity::Group(size(&p[1..])?),
+                _ => {
+                    return Err(bad(
+                        "unknown granularity (tensor, head, channel[N], token, gN)",
+                    ));
+                }
+            };
+        }
+        QuantSpec::new(kind, bits, granularity, dtype)
+    }
+}

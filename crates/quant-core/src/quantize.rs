@@ -1,0 +1,371 @@
+//! Quantizing whole tensors: groups from the granularity, parameters from each group's range,
+//! codes packed row by row.
+//!
+//! Every granularity reduces to one rule: row `r` (a token of a head) reads its parameters
+//! from a run of groups starting at `first_group(r)`, element `d` using group
+//! `first_group(r) + d / segment`. Per-tensor and per-head rows use one group (`segment =
+//! head_dim`), per-token and grouped rows their own groups, per-channel rows one group per
+//! channel (`segment = 1`) shared by the tokens of a block.
+
+use crate::codebook::Codebook;
+use crate::codec::{Codec, GroupParams};
+use crate::error::{QuantError, Result};
+use crate::format::{CodebookSource, Granularity, Kind, QuantSpec};
+use crate::memory::MemoryReport;
+use crate::pack::{pack_into, packed_len_unchecked, unpack_into};
+use crate::params::ParamVec;
+use crate::tensor::{Shape, Tensor, check_finite};
+
+/// At most this many normalized values feed a Lloyd-Max fit.
+const LLOYD_SAMPLES: usize = 1 << 16;
+
+/// How a tensor's rows map to parameter groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupLayout {
+    shape: Shape,
+    granularity: Granularity,
+}
+
+impl GroupLayout {
+    /// The layout of `granularity` over `shape` (validated by [`QuantSpec::check_shape`]).
+    pub fn new(shape: Shape, granularity: Granularity) -> Self {
+        Self { shape, granularity }
+    }
+
+    fn channel_blocks(&self) -> (usize, usize) {
+        let t = self.shape.tokens;
+        let tg = match self.granularity {
+            Granularity::PerChannel {
+                token_group: Some(n),
+            } => n.min(t).max(1),
+            _ => t.max(1),
+        };
+        (tg, t.div_ceil(tg))
+    }
+
+    /// Number of parameter groups.
+    pub fn groups(&self) -> usize {
+        let s = self.shape;
+        match self.granularity {
+            Granularity::PerTensor => 1,
+            Granularity::PerHead => s.batch * s.heads,
+            Granularity::PerChannel { .. } => {
+                s.batch * s.heads * self.channel_blocks().1 * s.head_dim
+            }
+            Granularity::PerToken => s.rows(),
+            Granularity::Group(g) => s.rows() * (s.head_dim / g),
+        }
+    }
+
+    /// `(first group, segment length)` of row `row`.
+    #[inline]
+    pub fn row_groups(&self, row: usize) -> (usize, usize) {
+        let s = self.shape;
+        let d = s.head_dim;
+        match self.granularity {
+            Granularity::PerTensor => (0, d),
+            Granularity::PerHead => (row / s.tokens, d),
+            Granularity::PerChannel { .. } => {
+                let (tg, blocks) = self.channel_blocks();
+                let (bh, t) = (row / s.tokens, row % s.tokens);
+                ((bh * blocks + t / tg) * d, 1)
+            }
+            Granularity::PerToken => (row, d),
+            Granularity::Group(g) => (row * (d / g), g),
+        }
+    }
+}
+
+/// A quantized tensor: packed codes row by row, and the parameters of every group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantizedTensor {
+    spec: QuantSpec,
+    shape: Shape,
+    row_bytes: usize,
+    codes: Vec<u8>,
+    scales: ParamVec,
+    offsets: Option<ParamVec>,
+    /// Levels of a fitted codebook, which must be stored with the tensor.
+    fitted: Option<Codebook>,
+}
+
+/// Quantizes `tensor` with `spec`, taking each group's range from the data (dynamic ranges).
+///
+/// # Errors
+/// [`QuantError::EmptyTensor`], [`QuantError::NonFinite`] (naming the first bad element),
+/// [`QuantError::GroupSize`] and [`QuantError::ParamOverflow`].
+///
+/// # Example
+/// ```
+/// use kvq_quant_core::{quantize, QuantSpec, Shape, Tensor};
+/// let x = Tensor::new(Shape::new(1, 2, 4), vec![0.0, 1.0, 2.0, 3.0, -1.0, 0.5, 0.25, 1.0]).unwrap();
+/// let spec: QuantSpec = "int4-token-f32".parse().unwrap();
+/// let q = quantize(&x, &spec).unwrap();
+/// let y = q.dequantize();
+/// assert!((y.data()[3] - 3.0).abs() < 1e-6);
+/// assert_eq!(q.memory().code_bytes, 4); // 8 codes of 4 bits
+/// ```
+pub fn quantize(tensor: &Tensor, spec: &QuantSpec) -> Result<QuantizedTensor> {
+    let shape = tensor.shape();
+    spec.check_shape(shape)?;
+    check_finite(shape, tensor.data())?;
+    let layout = GroupLayout::new(shape, spec.granularity());
+    let (mins, maxs) = group_ranges(tensor, &layout);
+    quantize_with_ranges(tensor, spec, &mins, &maxs)
+}
+
+/// Quantizes `tensor` with ranges given per group (e.g. from a static calibration), in the
+/// order of [`GroupLayout`]. Values outside their group's range saturate.
+///
+/// # Errors
+/// As [`quantize`], and [`QuantError::ShapeMismatch`] when the range vectors do not have one
+/// entry per group, [`QuantError::InvalidArgument`] for a non-finite or inverted range.
+pub fn quantize_with_ranges(
+    tensor: &Tensor,
+    spec: &QuantSpec,
+    mins: &[f32],
+    maxs: &[f32],
+) -> Result<QuantizedTensor> {
+    let shape = tensor.shape();
+    spec.check_shape(shape)?;
+    check_finite(shape, tensor.data())?;
+    let layout = GroupLayout::new(shape, spec.granularity());
+    let groups = layout.groups();
+    if mins.len() != groups || maxs.len() != groups {
+        return Err(QuantError::ShapeMismatch {
+            expected: format!("{groups} ranges for {} over {shape}", spec),
+            got: format!("{} minima and {} maxima", mins.len(), maxs.len()),
+        });
+    }
+    if let Some(i) =
+        (0..groups).find(|&i| !(mins[i].is_finite() && maxs[i].is_finite() && mins[i] <= maxs[i]))
+    {
+        return Err(QuantError::InvalidArgument(format!(
+            "group {i} has range [{}, {}]",
+            mins[i], maxs[i]
+        )));
+    }
+
+    let plain = Codec::new(spec, None);
+    let mut params = Vec::with_capacity(groups);
+    for (&lo, &hi) in mins.iter().zip(maxs) {
+        params.push(plain.params(lo, hi)?);
+    }
+    let fitted = match spec.kind() {
+        Kind::Codebook(CodebookSource::LloydMax) => Some(Codebook::fit_lloyd_max(
+            &normalized_sample(tensor, &layout, &params),
+            spec.bits(),
+        )?),
+        _ => None,
+    };
+    let codec = if fitted.is_some() {
+        Codec::new(spec, fitted.as_ref())
+    } else {
+        plain
+    };
+
+    let d = shape.head_dim;
+    let row_bytes = packed_len_unchecked(d, spec.bits());
+    let mut codes = vec![0u8; row_bytes * shape.rows()];
+    let mut row_codes = vec![0u8; d];
+    for (r, (x, out)) in tensor
+        .data()
+        .chunks_exact(d)
+        .zip(codes.chunks_exact_mut(row_bytes))
+        .enumerate()
+    {
+        let (first, seg) = layout.row_groups(r);
+        if seg == 1 {
+            for ((c, v), p) in row_codes.iter_mut().zip(x).zip(&params[first..first + d]) {
+                codec.encode(std::slice::from_ref(v), *p, std::slice::from_mut(c));
+            }
+        } else {
+            for (g, (xs, cs)) in x.chunks(seg).zip(row_codes.chunks_mut(seg)).enumerate() {
+                codec.encode(xs, params[first + g], cs);
+            }
+        }
+        pack_into(&row_codes, spec.bits(), out);
+    }
+
+    let dtype = spec.param_dtype();
+    let scales: Vec<f32> = params.iter().map(|p| p.scale).collect();
+    let offsets = spec.has_offset().then(|| {
+        let o: Vec<f32> = params.iter().map(|p| p.offset).collect();
+        ParamVec::from_rounded(dtype, &o)
+    });
+    Ok(QuantizedTensor {
+        spec: spec.clone(),
+        shape,
+        row_bytes,
+        codes,
+        scales: ParamVec::from_rounded(dtype, &scales),
+        offsets,
+        fitted,
+    })
+}
+
+/// Minimum and maximum of every group of `layout` over `tensor`.
+pub fn group_ranges(tensor: &Tensor, layout: &GroupLayout) -> (Vec<f32>, Vec<f32>) {
+    let groups = layout.groups();
+    let mut mins = vec![f32::INFINITY; groups];
+    let mut maxs = vec![f32::NEG_INFINITY; groups];
+    let d = tensor.shape().head_dim;
+    for (r, x) in tensor.data().chunks_exact(d).enumerate() {
+        let (first, seg) = layout.row_groups(r);
+        if seg == 1 {
+            for ((lo, hi), &v) in mins[first..first + d]
+                .iter_mut()
+                .zip(&mut maxs[first..first + d])
+                .zip(x)
+            {
+                *lo = lo.min(v);
+                *hi = hi.max(v);
+            }
+        } else {
+            for (g, xs) in x.chunks(seg).enumerate() {
+                let (lo, hi) = min_max(xs);
+                mins[first + g] = mins[first + g].min(lo);
+                maxs[first + g] = maxs[first + g].max(hi);
+            }
+        }
+    }
+    (mins, maxs)
+}
+
+/// Minimum and maximum of a slice, in lanes of 8 so the compiler vectorizes it.
+#[inline]
+pub(crate) fn min_max(xs: &[f32]) -> (f32, f32) {
+    let mut lo = [f32::INFINITY; 8];
+    let mut hi = [f32::NEG_INFINITY; 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            lo[i] = if c[i] < lo[i] { c[i] } else { lo[i] };
+            hi[i] = if c[i] > hi[i] { c[i] } else { hi[i] };
+        }
+    }
+    for &v in chunks.remainder() {
+        lo[0] = lo[0].min(v);
+        hi[0] = hi[0].max(v);
+    }
+    (
+        lo.iter().copied().fold(f32::INFINITY, f32::min),
+        hi.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+    )
+}
+
+/// Up to [`LLOYD_SAMPLES`] values, evenly strided, each divided by its group's scale.
+fn normalized_sample(tensor: &Tensor, layout: &GroupLayout, params: &[GroupParams]) -> Vec<f32> {
+    let data = tensor.data();
+    let d = tensor.shape().head_dim;
+    let stride = data.len().div_ceil(LLOYD_SAMPLES).max(1);
+    (0..data.len())
+        .step_by(stride)
+        .map(|i| {
+            let (first, seg) = layout.row_groups(i / d);
+            let p = params[first + (i % d) / seg];
+            if p.scale > 0.0 {
+                (data[i] / p.scale).clamp(-1.0, 1.0)
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+impl QuantizedTensor {
+    /// The spec it was quantized with.
+    pub fn spec(&self) -> &QuantSpec {
+        &self.spec
+    }
+
+    /// The shape of the original tensor.
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    /// Bytes of one packed row (`head_dim` codes).
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// All packed codes, row after row.
+    pub fn codes(&self) -> &[u8] {
+        &self.codes
+    }
+
+    /// Packed codes of row `row` (`(batch · heads + head) · tokens + token`).
+    pub fn row_codes(&self, row: usize) -> &[u8] {
+        &self.codes[row * self.row_bytes..(row + 1) * self.row_bytes]
+    }
+
+    /// Per-group scales.
+    pub fn scales(&self) -> &ParamVec {
+        &self.scales
+    }
+
+    /// Per-group offsets (affine only).
+    pub fn offsets(&self) -> Option<&ParamVec> {
+        self.offsets.as_ref()
+    }
+
+    /// The fitted codebook stored with the tensor (Lloyd-Max only).
+    pub fn fitted_codebook(&self) -> Option<&Codebook> {
+        self.fitted.as_ref()
+    }
+
+    /// The group layout of the tensor.
+    pub fn layout(&self) -> GroupLayout {
+        GroupLayout::new(self.shape, self.spec.granularity())
+    }
+
+    /// The parameters of group `g`.
+    pub fn group_params(&self, g: usize) -> GroupParams {
+        GroupParams {
+            scale: self.scales.get(g),
+            offset: self.offsets.as_ref().map_or(0.0, |o| o.get(g)),
+        }
+    }
+
+    /// The codec that decodes this tensor's codes.
+    pub fn codec(&self) -> Codec {
+        Codec::new(&self.spec, self.fitted.as_ref())
+    }
+
+    /// Unpacked codes of the whole tensor, one byte each (for inspection and tests).
+    pub fn unpacked_codes(&self) -> Vec<u8> {
+        let d = self.shape.head_dim;
+        let mut out = vec![0u8; self.shape.rows() * d];
+        for (r, o) in out.chunks_exact_mut(d).enumerate() {
+            unpack_into(self.row_codes(r), self.spec.bits(), o);
+        }
+        out
+    }
+
+    /// Decodes the whole tensor to f32.
+    pub fn dequantize(&self) -> Tensor {
+        let d = self.shape.head_dim;
+        let codec = self.codec();
+        let layout = self.layout();
+        let mut data = vec![0f32; self.shape.rows() * d];
+        let mut row_codes = vec![0u8; d];
+        for (r, out) in data.chunks_exact_mut(d).enumerate() {
+            unpack_into(self.row_codes(r), self.spec.bits(), &mut row_codes);
+            let (first, seg) = layout.row_groups(r);
+            for (g, (cs, os)) in row_codes.chunks(seg).zip(out.chunks_mut(seg)).enumerate() {
+                codec.decode(cs, self.group_params(first + g), os);
+            }
+        }
+        Tensor::new(self.shape, data).expect("a quantized tensor decodes to its own shape")
+    }
+
+    /// Exact bytes of codes and parameters.
+    pub fn memory(&self) -> MemoryReport {
+        MemoryReport {
+            elements: self.shape.len(),
+            code_bytes: self.codes.len(),
+            param_bytes: self.scales.bytes() + self.offsets.as_ref().map_or(0, ParamVec::bytes),
+            codebook_bytes: self.fitted.as_ref().map_or(0, |cb| cb.levels().len() * 4),
+        }
+    }
+}
