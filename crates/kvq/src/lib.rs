@@ -1,1 +1,36 @@
-//! placeholder
+//! # kvq
+//!
+//! Quantized key/value caches for transformer inference. This facade re-exports the
+//! workspace's crates and hosts the analysis behind the `kvq` command-line tool.
+//!
+//! - [`quant`] (`kvq-quant-core`): formats, packing, metrics, safetensors input.
+//! - [`layout`] (`kvq-cache-layout`): paged cache storage (not yet implemented).
+//! - [`kernels`] (`kvq-kernels-simd`): fused SIMD kernels (not yet implemented).
+//! - [`analysis`]: the `kvq analyze` report.
+//!
+//! ```
+//! use kvq::analysis::{analyze, layers_from_file, KvSpec, Options};
+//! use kvq::quant::io::TensorFile;
+//!
+//! let file = TensorFile::from_bytes("sample", kvq::SAMPLE.to_vec())?;
+//! let layers = layers_from_file(&file)?;
+//! let specs = [KvSpec::parse("int4-channel/int4-token")?];
+//! let report = analyze("sample", &layers[..1], &specs, &Options::default(), |_, _| {})?;
+//! assert!(report.layers[0].rows[0].attn_rel_err < 0.2);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod analysis;
+
+pub use kvq_cache_layout as layout;
+pub use kvq_kernels_simd as kernels;
+pub use kvq_quant_core as quant;
+
+/// The embedded default data: the first 256 tokens of the Q, K and V of three layers of
+/// SmolLM2-135M reading *Botchan* (see `crates/kvq/data/README.md`).
+pub const SAMPLE: &[u8] = include_bytes!("../data/sample.safetensors");
+
+/// The README's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+mod readme {}

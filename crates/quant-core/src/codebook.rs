@@ -48,14 +48,10 @@ impl Codebook {
             )));
         }
         if levels.iter().any(|l| !l.is_finite() || l.abs() > 1.0) {
-            return Err(QuantError::InvalidSpec(
-                "codebook levels must be finite and within [-1, 1]".into(),
-            ));
+            return Err(QuantError::InvalidSpec("codebook levels must be finite and within [-1, 1]".into()));
         }
         if levels.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(QuantError::InvalidSpec(
-                "codebook levels must be strictly increasing".into(),
-            ));
+            return Err(QuantError::InvalidSpec("codebook levels must be strictly increasing".into()));
         }
         let bounds = levels.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
         Ok(Self { levels, bounds })
@@ -75,22 +71,13 @@ impl Codebook {
     /// empty sample or values outside `[-1, 1]` (NaN included).
     pub fn fit_lloyd_max(samples: &[f32], bits: u8) -> Result<Self> {
         if !(1..=8).contains(&bits) {
-            return Err(QuantError::BitsOutOfRange {
-                format: "codebook",
-                bits,
-                min: 1,
-                max: 8,
-            });
+            return Err(QuantError::BitsOutOfRange { format: "codebook", bits, min: 1, max: 8 });
         }
         if samples.is_empty() {
-            return Err(QuantError::InvalidArgument(
-                "no samples to fit a codebook to".into(),
-            ));
+            return Err(QuantError::InvalidArgument("no samples to fit a codebook to".into()));
         }
-        if samples.iter().any(|s| !(s.abs() <= 1.0)) {
-            return Err(QuantError::InvalidArgument(
-                "codebook samples must lie in [-1, 1]".into(),
-            ));
+        if samples.iter().any(|s| s.is_nan() || s.abs() > 1.0) {
+            return Err(QuantError::InvalidArgument("codebook samples must lie in [-1, 1]".into()));
         }
         let n = 1usize << bits;
         let mut sorted: Vec<f64> = samples.iter().map(|&s| f64::from(s)).collect();
@@ -101,9 +88,8 @@ impl Codebook {
             prefix.push(prefix.last().copied().unwrap_or(0.0) + s);
         }
         let len = sorted.len();
-        let mut levels: Vec<f64> = (0..n)
-            .map(|i| sorted[((2 * i + 1) * len / (2 * n)).min(len - 1)])
-            .collect();
+        let mut levels: Vec<f64> =
+            (0..n).map(|i| sorted[((2 * i + 1) * len / (2 * n)).min(len - 1)]).collect();
         for _ in 0..100 {
             let mut moved = 0.0f64;
             let mut start = 0;
@@ -155,10 +141,7 @@ impl Codebook {
 /// give duplicate levels), keeping them within `[-1, 1]`.
 fn spread_strictly(levels: Vec<f64>) -> Vec<f32> {
     let n = levels.len();
-    let mut out: Vec<f32> = levels
-        .iter()
-        .map(|&l| (l as f32).clamp(-1.0, 1.0))
-        .collect();
+    let mut out: Vec<f32> = levels.iter().map(|&l| (l as f32).clamp(-1.0, 1.0)).collect();
     for i in 1..n {
         if out[i] <= out[i - 1] {
             out[i] = next_up(out[i - 1]);

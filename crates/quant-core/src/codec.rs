@@ -10,13 +10,24 @@ use crate::format::{CodebookSource, Kind, ParamDtype, QuantSpec};
 use crate::fp8::Fp8Format;
 use crate::params::{Round, round_param};
 
-/// Adding and subtracting 1.5 · 2^23 rounds an f32 of magnitude below 2^22 to the nearest
-/// integer, ties to even, with plain SSE2/NEON arithmetic (no libm call, vectorizable).
+/// Adding 1.5 · 2^23 to an f32 in `[0, 2^22)` rounds it to an integer (ties to even) held in
+/// the low mantissa bits: the sum's low byte *is* the rounded value. This converts to codes
+/// with plain SSE2/NEON arithmetic, no libm call and no saturating float-to-int cast, so the
+/// encoding loops vectorize.
 const ROUND_MAGIC: f32 = 12_582_912.0;
 
+/// `round(v)` as a byte, for `v` already clamped to `[0, 255]`.
 #[inline(always)]
-fn round_even(v: f32) -> f32 {
-    (v + ROUND_MAGIC) - ROUND_MAGIC
+fn round_to_code(v: f32) -> u8 {
+    ((v + ROUND_MAGIC).to_bits() & 0xff) as u8
+}
+
+/// Clamps to `[lo, hi]` with plain comparisons (no NaN handling: inputs are finite), which
+/// compile to min/max instructions.
+#[inline(always)]
+fn clamp(v: f32, lo: f32, hi: f32) -> f32 {
+    let v = if v < lo { lo } else { v };
+    if v > hi { hi } else { v }
 }
 
 /// The parameters of one group: `x̂ = decode(code) · scale + offset`.
@@ -49,15 +60,10 @@ impl Codec {
     pub fn new(spec: &QuantSpec, fitted: Option<&Codebook>) -> Self {
         let bits = spec.bits();
         let math = match spec.kind() {
-            Kind::Affine => Math::Affine {
-                levels: ((1u32 << bits) - 1) as f32,
-            },
+            Kind::Affine => Math::Affine { levels: ((1u32 << bits) - 1) as f32 },
             Kind::Symmetric => {
                 let half = (1u32 << (bits - 1)) as f32;
-                Math::Symmetric {
-                    qmax: half - 1.0,
-                    zero: half,
-                }
+                Math::Symmetric { qmax: half - 1.0, zero: half }
             }
             Kind::Fp8(f) => Math::Fp8(*f),
             Kind::Codebook(CodebookSource::Fixed(cb)) => Math::Codebook(cb.clone()),
@@ -66,10 +72,7 @@ impl Codec {
                 Math::Codebook(fitted.cloned().unwrap_or_else(Codebook::nf4))
             }
         };
-        Self {
-            math,
-            dtype: spec.param_dtype(),
-        }
+        Self { math, dtype: spec.param_dtype() }
     }
 
     /// Parameters for a group whose values span `[min, max]` (finite, `min <= max`), rounded
@@ -86,13 +89,8 @@ impl Codec {
                 let scale = round_param((max - offset) / levels, self.dtype, Round::Up)?;
                 (scale, offset)
             }
-            Math::Symmetric { qmax, .. } => {
-                (round_param(absmax / qmax, self.dtype, Round::Up)?, 0.0)
-            }
-            Math::Fp8(f) => (
-                round_param(absmax / f.max_value(), self.dtype, Round::Up)?,
-                0.0,
-            ),
+            Math::Symmetric { qmax, .. } => (round_param(absmax / qmax, self.dtype, Round::Up)?, 0.0),
+            Math::Fp8(f) => (round_param(absmax / f.max_value(), self.dtype, Round::Up)?, 0.0),
             Math::Codebook(_) => (round_param(absmax, self.dtype, Round::Up)?, 0.0),
         };
         Ok(GroupParams { scale, offset })
@@ -104,20 +102,20 @@ impl Codec {
     pub fn encode(&self, x: &[f32], p: GroupParams, out: &mut [u8]) {
         // A zero (or subnormal) scale means a constant group: every value maps to the code of
         // the offset, and the reciprocal is kept finite so that 0 · inv is never NaN.
-        let inv = if p.scale > f32::MIN_POSITIVE {
-            1.0 / p.scale
-        } else {
-            0.0
-        };
+        let inv = if p.scale > f32::MIN_POSITIVE { 1.0 / p.scale } else { 0.0 };
         match &self.math {
             Math::Affine { levels } => {
+                let levels = *levels;
                 for (o, &v) in out.iter_mut().zip(x) {
-                    *o = round_even((v - p.offset) * inv).clamp(0.0, *levels) as u8;
+                    *o = round_to_code(clamp((v - p.offset) * inv, 0.0, levels));
                 }
             }
             Math::Symmetric { qmax, zero } => {
+                // The zero point 2^(b-1) is even for b >= 2, so rounding after the shift
+                // rounds ties exactly as rounding before it would.
+                let (qmax, zero) = (*qmax, *zero);
                 for (o, &v) in out.iter_mut().zip(x) {
-                    *o = (round_even(v * inv).clamp(-qmax, *qmax) + zero) as u8;
+                    *o = round_to_code(clamp(v * inv, -qmax, qmax) + zero);
                 }
             }
             Math::Fp8(f) => {

@@ -111,12 +111,7 @@ impl QuantSpec {
     /// Lloyd-Max 1..=8, symmetric 2..=8, FP8 exactly 8, NF4 exactly 4),
     /// [`QuantError::InvalidSpec`] for a fixed codebook whose size is not `2^bits`, and
     /// [`QuantError::GroupSize`] for a zero group or token-group size.
-    pub fn new(
-        kind: Kind,
-        bits: u8,
-        granularity: Granularity,
-        param_dtype: ParamDtype,
-    ) -> Result<Self> {
+    pub fn new(kind: Kind, bits: u8, granularity: Granularity, param_dtype: ParamDtype) -> Result<Self> {
         let (name, min, max) = match &kind {
             Kind::Affine => ("affine", 1, 8),
             Kind::Symmetric => ("symmetric", 2, 8),
@@ -125,40 +120,24 @@ impl QuantSpec {
             Kind::Codebook(_) => ("codebook", 1, 8),
         };
         if bits < min || bits > max {
-            return Err(QuantError::BitsOutOfRange {
-                format: name,
-                bits,
-                min,
-                max,
-            });
+            return Err(QuantError::BitsOutOfRange { format: name, bits, min, max });
         }
-        if let Kind::Codebook(CodebookSource::Fixed(cb)) = &kind {
-            if cb.levels().len() != 1 << bits {
-                return Err(QuantError::InvalidSpec(format!(
-                    "a {bits}-bit codebook needs {} levels, got {}",
-                    1 << bits,
-                    cb.levels().len()
-                )));
-            }
+        if let Kind::Codebook(CodebookSource::Fixed(cb)) = &kind
+            && cb.levels().len() != 1 << bits
+        {
+            return Err(QuantError::InvalidSpec(format!(
+                "a {bits}-bit codebook needs {} levels, got {}",
+                1 << bits,
+                cb.levels().len()
+            )));
         }
         match granularity {
-            Granularity::Group(0)
-            | Granularity::PerChannel {
-                token_group: Some(0),
-            } => {
-                return Err(QuantError::GroupSize {
-                    group: 0,
-                    head_dim: 0,
-                });
+            Granularity::Group(0) | Granularity::PerChannel { token_group: Some(0) } => {
+                return Err(QuantError::GroupSize { group: 0, head_dim: 0 });
             }
             _ => {}
         }
-        Ok(Self {
-            kind,
-            bits,
-            granularity,
-            param_dtype,
-        })
+        Ok(Self { kind, bits, granularity, param_dtype })
     }
 
     /// Affine (asymmetric) spec with f16 parameters.
@@ -216,13 +195,10 @@ impl QuantSpec {
         if shape.checked_len().is_none_or(|n| n == 0) {
             return Err(QuantError::EmptyTensor(shape));
         }
-        if let Granularity::Group(g) = self.granularity {
-            if g == 0 || shape.head_dim % g != 0 {
-                return Err(QuantError::GroupSize {
-                    group: g,
-                    head_dim: shape.head_dim,
-                });
-            }
+        if let Granularity::Group(g) = self.granularity
+            && (g == 0 || !shape.head_dim.is_multiple_of(g))
+        {
+            return Err(QuantError::GroupSize { group: g, head_dim: shape.head_dim });
         }
         Ok(())
     }
@@ -243,9 +219,7 @@ impl fmt::Display for QuantSpec {
             Granularity::PerTensor => f.write_str("-tensor")?,
             Granularity::PerHead => f.write_str("-head")?,
             Granularity::PerChannel { token_group: None } => f.write_str("-channel")?,
-            Granularity::PerChannel {
-                token_group: Some(n),
-            } => write!(f, "-channel{n}")?,
+            Granularity::PerChannel { token_group: Some(n) } => write!(f, "-channel{n}")?,
             Granularity::PerToken => f.write_str("-token")?,
             Granularity::Group(g) => write!(f, "-g{g}")?,
         }
@@ -263,10 +237,7 @@ impl FromStr for QuantSpec {
         let bad = |why: &str| QuantError::InvalidSpec(format!("{s:?}: {why}"));
         let mut parts = s.trim().split('-');
         let head = parts.next().unwrap_or_default().to_ascii_lowercase();
-        let number = |text: &str| {
-            text.parse::<u8>()
-                .map_err(|_| bad("expected a bit width after the kind"))
-        };
+        let number = |text: &str| text.parse::<u8>().map_err(|_| bad("expected a bit width after the kind"));
         let (kind, bits) = if let Some(b) = head.strip_prefix("int") {
             (Kind::Affine, number(b)?)
         } else if let Some(b) = head.strip_prefix("sym") {
@@ -300,14 +271,12 @@ impl FromStr for QuantSpec {
                 "head" => Granularity::PerHead,
                 "channel" => Granularity::PerChannel { token_group: None },
                 "token" => Granularity::PerToken,
-                p if p.starts_with("channel") => Granularity::PerChannel {
-                    token_group: Some(size(&p[7..])?),
-                },
+                p if p.starts_with("channel") => {
+                    Granularity::PerChannel { token_group: Some(size(&p[7..])?) }
+                }
                 p if p.starts_with('g') => Granularity::Group(size(&p[1..])?),
                 _ => {
-                    return Err(bad(
-                        "unknown granularity (tensor, head, channel[N], token, gN)",
-                    ));
+                    return Err(bad("unknown granularity (tensor, head, channel[N], token, gN)"));
                 }
             };
         }

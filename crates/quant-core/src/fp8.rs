@@ -31,11 +31,7 @@ const fn build(exp_bits: u32, man_bits: u32, max_code: u8) -> Table {
         let e = (c >> man_bits) as i32;
         let m = (c & ((1 << man_bits) - 1)) as f32;
         let frac = m * pow2(-(man_bits as i32));
-        values[c as usize] = if e == 0 {
-            frac * pow2(1 - bias)
-        } else {
-            (1.0 + frac) * pow2(e - bias)
-        };
+        values[c as usize] = if e == 0 { frac * pow2(1 - bias) } else { (1.0 + frac) * pow2(e - bias) };
         c += 1;
     }
     Table { values, max_code }
@@ -94,18 +90,9 @@ impl Fp8Format {
             // Both differences are exact (Sterbenz), so the tie test is exact too.
             let below = a - t.values[lo];
             let above = t.values[lo + 1] - a;
-            if below < above || (below == above && lo % 2 == 0) {
-                lo
-            } else {
-                lo + 1
-            }
+            if below < above || (below == above && lo % 2 == 0) { lo } else { lo + 1 }
         };
-        code as u8
-            | if x.is_sign_negative() && code != 0 {
-                0x80
-            } else {
-                0
-            }
+        code as u8 | if x.is_sign_negative() && code != 0 { 0x80 } else { 0 }
     }
 }
 

@@ -92,10 +92,8 @@ impl TensorFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, TensorFileError> {
         let path = path.as_ref();
         let label = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|source| TensorFileError::Io {
-            file: label.clone(),
-            source,
-        })?;
+        let bytes =
+            std::fs::read(path).map_err(|source| TensorFileError::Io { file: label.clone(), source })?;
         Self::from_bytes(label, bytes)
     }
 
@@ -105,10 +103,8 @@ impl TensorFile {
     /// [`TensorFileError::Corrupt`].
     pub fn from_bytes(label: impl Into<String>, bytes: Vec<u8>) -> Result<Self, TensorFileError> {
         let label = label.into();
-        SafeTensors::deserialize(&bytes).map_err(|e| TensorFileError::Corrupt {
-            file: label.clone(),
-            reason: e.to_string(),
-        })?;
+        SafeTensors::deserialize(&bytes)
+            .map_err(|e| TensorFileError::Corrupt { file: label.clone(), reason: e.to_string() })?;
         Ok(Self { label, bytes })
     }
 
@@ -157,13 +153,24 @@ impl TensorFile {
     /// [`TensorFileError::WrongRank`].
     pub fn read(&self, name: &str) -> Result<Tensor, TensorFileError> {
         let st = self.parsed();
-        let view = st
-            .tensor(name)
-            .map_err(|_| TensorFileError::MissingTensor {
-                file: self.label.clone(),
-                name: name.to_string(),
-                available: st.len(),
-            })?;
+        let view = st.tensor(name).map_err(|_| TensorFileError::MissingTensor {
+            file: self.label.clone(),
+            name: name.to_string(),
+            available: st.len(),
+        })?;
+        let raw = view.data();
+        let data: Vec<f32> = match view.dtype() {
+            Dtype::F32 => raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F16 => raw.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::BF16 => raw.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => {
+                return Err(TensorFileError::UnsupportedDtype {
+                    file: self.label.clone(),
+                    name: name.into(),
+                    dtype: format!("{other:?}"),
+                });
+            }
+        };
         let dims = view.shape();
         let shape = match *dims {
             [h, t, d] => Shape::new(h, t, d),
@@ -173,28 +180,6 @@ impl TensorFile {
                     file: self.label.clone(),
                     name: name.into(),
                     shape: dims.to_vec(),
-                });
-            }
-        };
-        let raw = view.data();
-        let data: Vec<f32> = match view.dtype() {
-            Dtype::F32 => raw
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::F16 => raw
-                .chunks_exact(2)
-                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => raw
-                .chunks_exact(2)
-                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(TensorFileError::UnsupportedDtype {
-                    file: self.label.clone(),
-                    name: name.into(),
-                    dtype: format!("{other:?}"),
                 });
             }
         };

@@ -22,11 +22,7 @@ impl MemoryReport {
 
     /// Bits per element, metadata included.
     pub fn bits_per_element(&self) -> f64 {
-        if self.elements == 0 {
-            0.0
-        } else {
-            self.total_bytes() as f64 * 8.0 / self.elements as f64
-        }
+        if self.elements == 0 { 0.0 } else { self.total_bytes() as f64 * 8.0 / self.elements as f64 }
     }
 
     /// How many times smaller than the same values in f16.
@@ -41,11 +37,7 @@ impl MemoryReport {
 
     fn ratio_vs(&self, bytes_per_element: usize) -> f64 {
         let total = self.total_bytes();
-        if total == 0 {
-            0.0
-        } else {
-            (self.elements * bytes_per_element) as f64 / total as f64
-        }
+        if total == 0 { 0.0 } else { (self.elements * bytes_per_element) as f64 / total as f64 }
     }
 
     /// The sum of two reports (e.g. K and V).

@@ -43,16 +43,9 @@ fn same_len(a: usize, b: usize) -> Result<()> {
 /// empty inputs, [`QuantError::NonFinite`] for NaN or ±Inf in either.
 pub fn error_stats(reference: &[f32], approx: &[f32]) -> Result<ErrorStats> {
     same_len(reference.len(), approx.len())?;
-    let mut bad = reference
-        .iter()
-        .chain(approx)
-        .enumerate()
-        .filter(|(_, v)| !v.is_finite());
+    let mut bad = reference.iter().chain(approx).enumerate().filter(|(_, v)| !v.is_finite());
     if let Some((i, &v)) = bad.next() {
-        return Err(QuantError::NonFinite {
-            position: [0, 0, 0, i % reference.len()],
-            value: v,
-        });
+        return Err(QuantError::NonFinite { position: [0, 0, 0, i % reference.len()], value: v });
     }
     let (mut err2, mut ref2, mut app2, mut dot, mut max_abs) = (0f64, 0f64, 0f64, 0f64, 0f64);
     for (&r, &a) in reference.iter().zip(approx) {
@@ -87,11 +80,7 @@ pub fn error_stats(reference: &[f32], approx: &[f32]) -> Result<ErrorStats> {
         nmse,
         cosine,
         max_abs,
-        snr_db: if nmse == 0.0 {
-            f64::INFINITY
-        } else {
-            -10.0 * nmse.log10()
-        },
+        snr_db: if nmse == 0.0 { f64::INFINITY } else { -10.0 * nmse.log10() },
     })
 }
 
@@ -126,8 +115,7 @@ impl AttentionOutputs {
 
     /// Output vector for `(batch, position index, query head)`.
     pub fn output(&self, batch: usize, pos_index: usize, head: usize) -> &[f64] {
-        let i =
-            ((batch * self.positions.len() + pos_index) * self.query_heads + head) * self.head_dim;
+        let i = ((batch * self.positions.len() + pos_index) * self.query_heads + head) * self.head_dim;
         &self.outputs[i..i + self.head_dim]
     }
 }
@@ -139,12 +127,7 @@ impl AttentionOutputs {
 /// different heads, or the query heads are not a multiple of the KV heads;
 /// [`QuantError::InvalidArgument`] for no positions or a position past the end;
 /// [`QuantError::EmptyTensor`] / [`QuantError::NonFinite`] for bad data.
-pub fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    positions: &[usize],
-) -> Result<AttentionOutputs> {
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, positions: &[usize]) -> Result<AttentionOutputs> {
     let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
     if ks != vs {
         return Err(QuantError::ShapeMismatch {
@@ -159,9 +142,7 @@ pub fn attention(
         || qs.heads % ks.heads != 0
     {
         return Err(QuantError::ShapeMismatch {
-            expected: format!(
-                "Q with the batch, tokens and head_dim of K {ks} and a multiple of its heads"
-            ),
+            expected: format!("Q with the batch, tokens and head_dim of K {ks} and a multiple of its heads"),
             got: qs.to_string(),
         });
     }
@@ -169,10 +150,7 @@ pub fn attention(
         return Err(QuantError::InvalidArgument("no query positions".into()));
     }
     if let Some(&p) = positions.iter().find(|&&p| p >= ks.tokens) {
-        return Err(QuantError::InvalidArgument(format!(
-            "query position {p} past the {} tokens",
-            ks.tokens
-        )));
+        return Err(QuantError::InvalidArgument(format!("query position {p} past the {} tokens", ks.tokens)));
     }
     for t in [q, k, v] {
         t.validate()?;
@@ -189,11 +167,7 @@ pub fn attention(
                 let qrow: Vec<f64> = q.row(b, h, p).iter().map(|&x| f64::from(x)).collect();
                 let mut s: Vec<f64> = (0..=p)
                     .map(|t| {
-                        k.row(b, kv, t)
-                            .iter()
-                            .zip(&qrow)
-                            .map(|(&kk, &qq)| f64::from(kk) * qq)
-                            .sum::<f64>()
+                        k.row(b, kv, t).iter().zip(&qrow).map(|(&kk, &qq)| f64::from(kk) * qq).sum::<f64>()
                             * scale
                     })
                     .collect();
@@ -240,10 +214,7 @@ pub struct AttentionError {
 ///
 /// # Errors
 /// [`QuantError::ShapeMismatch`] when the two were computed for different shapes or positions.
-pub fn compare_attention(
-    reference: &AttentionOutputs,
-    approx: &AttentionOutputs,
-) -> Result<AttentionError> {
+pub fn compare_attention(reference: &AttentionOutputs, approx: &AttentionOutputs) -> Result<AttentionError> {
     if reference.positions != approx.positions
         || reference.batch != approx.batch
         || reference.query_heads != approx.query_heads
@@ -305,10 +276,7 @@ mod tests {
         assert_eq!(z.cosine, 1.0);
         assert!(error_stats(&[1.0], &[1.0, 2.0]).is_err());
         assert!(error_stats(&[], &[]).is_err());
-        assert!(matches!(
-            error_stats(&[1.0, f32::NAN], &[1.0, 1.0]),
-            Err(QuantError::NonFinite { .. })
-        ));
+        assert!(matches!(error_stats(&[1.0, f32::NAN], &[1.0, 1.0]), Err(QuantError::NonFinite { .. })));
     }
 
     #[test]

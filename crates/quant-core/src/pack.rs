@@ -32,12 +32,7 @@ fn check_bits(bits: u8) -> Result<()> {
     if (1..=8).contains(&bits) {
         Ok(())
     } else {
-        Err(QuantError::BitsOutOfRange {
-            format: "packing",
-            bits,
-            min: 1,
-            max: 8,
-        })
+        Err(QuantError::BitsOutOfRange { format: "packing", bits, min: 1, max: 8 })
     }
 }
 
@@ -51,10 +46,7 @@ pub fn packed_len(n: usize, bits: u8) -> Result<usize> {
 }
 
 pub(crate) fn packed_len_unchecked(n: usize, bits: u8) -> usize {
-    planes(bits)
-        .iter()
-        .map(|&w| (n * w as usize).div_ceil(8))
-        .sum()
+    planes(bits).iter().map(|&w| (n * w as usize).div_ceil(8)).sum()
 }
 
 /// Packs `codes` (each below `2^bits`) into a new buffer of [`packed_len`] bytes.
@@ -202,11 +194,7 @@ mod tests {
                 let codes: Vec<u8> = (0..n).map(|i| ((i * 37 + n) % (1 << bits)) as u8).collect();
                 let packed = pack(&codes, bits).unwrap();
                 assert_eq!(packed.len(), packed_len(n, bits).unwrap());
-                assert_eq!(
-                    unpack(&packed, bits, n).unwrap(),
-                    codes,
-                    "bits {bits} n {n}"
-                );
+                assert_eq!(unpack(&packed, bits, n).unwrap(), codes, "bits {bits} n {n}");
             }
         }
     }

@@ -84,10 +84,7 @@ pub(crate) enum Round {
 /// # Errors
 /// [`QuantError::ParamOverflow`] when the result does not fit (|x| beyond 65504 for f16).
 pub(crate) fn round_param(x: f32, dtype: ParamDtype, dir: Round) -> Result<f32> {
-    let overflow = || QuantError::ParamOverflow {
-        value: x,
-        dtype: dtype.name(),
-    };
+    let overflow = || QuantError::ParamOverflow { value: x, dtype: dtype.name() };
     match dtype {
         ParamDtype::F32 => x.is_finite().then_some(x).ok_or_else(overflow),
         ParamDtype::F16 => {
@@ -98,10 +95,7 @@ pub(crate) fn round_param(x: f32, dtype: ParamDtype, dir: Round) -> Result<f32> 
                 Round::Up if v < x => step(h, true),
                 _ => h,
             };
-            stepped
-                .is_finite()
-                .then(|| stepped.to_f32())
-                .ok_or_else(overflow)
+            stepped.is_finite().then(|| stepped.to_f32()).ok_or_else(overflow)
         }
     }
 }
@@ -115,11 +109,7 @@ fn step(h: f16, up: bool) -> f16 {
         return f16::from_bits(if up { 0x0001 } else { 0x8001 });
     }
     // Moving away from zero increases the magnitude bits, towards zero decreases them.
-    if up != negative {
-        f16::from_bits(bits + 1)
-    } else {
-        f16::from_bits(bits - 1)
-    }
+    if up != negative { f16::from_bits(bits + 1) } else { f16::from_bits(bits - 1) }
 }
 
 #[cfg(test)]

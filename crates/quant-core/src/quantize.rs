@@ -35,9 +35,7 @@ impl GroupLayout {
     fn channel_blocks(&self) -> (usize, usize) {
         let t = self.shape.tokens;
         let tg = match self.granularity {
-            Granularity::PerChannel {
-                token_group: Some(n),
-            } => n.min(t).max(1),
+            Granularity::PerChannel { token_group: Some(n) } => n.min(t).max(1),
             _ => t.max(1),
         };
         (tg, t.div_ceil(tg))
@@ -49,9 +47,7 @@ impl GroupLayout {
         match self.granularity {
             Granularity::PerTensor => 1,
             Granularity::PerHead => s.batch * s.heads,
-            Granularity::PerChannel { .. } => {
-                s.batch * s.heads * self.channel_blocks().1 * s.head_dim
-            }
+            Granularity::PerChannel { .. } => s.batch * s.heads * self.channel_blocks().1 * s.head_dim,
             Granularity::PerToken => s.rows(),
             Granularity::Group(g) => s.rows() * (s.head_dim / g),
         }
@@ -108,10 +104,9 @@ pub struct QuantizedTensor {
 pub fn quantize(tensor: &Tensor, spec: &QuantSpec) -> Result<QuantizedTensor> {
     let shape = tensor.shape();
     spec.check_shape(shape)?;
-    check_finite(shape, tensor.data())?;
     let layout = GroupLayout::new(shape, spec.granularity());
-    let (mins, maxs) = group_ranges(tensor, &layout);
-    quantize_with_ranges(tensor, spec, &mins, &maxs)
+    let (mins, maxs) = group_ranges(tensor, &layout)?;
+    encode_tensor(tensor, spec, &layout, &mins, &maxs)
 }
 
 /// Quantizes `tensor` with ranges given per group (e.g. from a static calibration), in the
@@ -140,40 +135,39 @@ pub fn quantize_with_ranges(
     if let Some(i) =
         (0..groups).find(|&i| !(mins[i].is_finite() && maxs[i].is_finite() && mins[i] <= maxs[i]))
     {
-        return Err(QuantError::InvalidArgument(format!(
-            "group {i} has range [{}, {}]",
-            mins[i], maxs[i]
-        )));
+        return Err(QuantError::InvalidArgument(format!("group {i} has range [{}, {}]", mins[i], maxs[i])));
     }
+    encode_tensor(tensor, spec, &layout, mins, maxs)
+}
 
+/// Parameters from validated ranges, then codes row by row.
+fn encode_tensor(
+    tensor: &Tensor,
+    spec: &QuantSpec,
+    layout: &GroupLayout,
+    mins: &[f32],
+    maxs: &[f32],
+) -> Result<QuantizedTensor> {
+    let shape = tensor.shape();
+    let groups = layout.groups();
     let plain = Codec::new(spec, None);
     let mut params = Vec::with_capacity(groups);
     for (&lo, &hi) in mins.iter().zip(maxs) {
         params.push(plain.params(lo, hi)?);
     }
     let fitted = match spec.kind() {
-        Kind::Codebook(CodebookSource::LloydMax) => Some(Codebook::fit_lloyd_max(
-            &normalized_sample(tensor, &layout, &params),
-            spec.bits(),
-        )?),
+        Kind::Codebook(CodebookSource::LloydMax) => {
+            Some(Codebook::fit_lloyd_max(&normalized_sample(tensor, layout, &params), spec.bits())?)
+        }
         _ => None,
     };
-    let codec = if fitted.is_some() {
-        Codec::new(spec, fitted.as_ref())
-    } else {
-        plain
-    };
+    let codec = if fitted.is_some() { Codec::new(spec, fitted.as_ref()) } else { plain };
 
     let d = shape.head_dim;
     let row_bytes = packed_len_unchecked(d, spec.bits());
     let mut codes = vec![0u8; row_bytes * shape.rows()];
     let mut row_codes = vec![0u8; d];
-    for (r, (x, out)) in tensor
-        .data()
-        .chunks_exact(d)
-        .zip(codes.chunks_exact_mut(row_bytes))
-        .enumerate()
-    {
+    for (r, (x, out)) in tensor.data().chunks_exact(d).zip(codes.chunks_exact_mut(row_bytes)).enumerate() {
         let (first, seg) = layout.row_groups(r);
         if seg == 1 {
             for ((c, v), p) in row_codes.iter_mut().zip(x).zip(&params[first..first + d]) {
@@ -205,53 +199,65 @@ pub fn quantize_with_ranges(
 }
 
 /// Minimum and maximum of every group of `layout` over `tensor`.
-pub fn group_ranges(tensor: &Tensor, layout: &GroupLayout) -> (Vec<f32>, Vec<f32>) {
+///
+/// # Errors
+/// [`QuantError::NonFinite`] naming the first NaN or ±Inf (found in the same pass).
+pub fn group_ranges(tensor: &Tensor, layout: &GroupLayout) -> Result<(Vec<f32>, Vec<f32>)> {
     let groups = layout.groups();
     let mut mins = vec![f32::INFINITY; groups];
     let mut maxs = vec![f32::NEG_INFINITY; groups];
     let d = tensor.shape().head_dim;
+    let mut finite = true;
     for (r, x) in tensor.data().chunks_exact(d).enumerate() {
         let (first, seg) = layout.row_groups(r);
         if seg == 1 {
-            for ((lo, hi), &v) in mins[first..first + d]
-                .iter_mut()
-                .zip(&mut maxs[first..first + d])
-                .zip(x)
-            {
-                *lo = lo.min(v);
-                *hi = hi.max(v);
+            for ((lo, hi), &v) in mins[first..first + d].iter_mut().zip(&mut maxs[first..first + d]).zip(x) {
+                *lo = if v < *lo { v } else { *lo };
+                *hi = if v > *hi { v } else { *hi };
             }
+            finite &= all_finite(x);
         } else {
-            for (g, xs) in x.chunks(seg).enumerate() {
-                let (lo, hi) = min_max(xs);
+            for (g, xs) in x.chunks_exact(seg).enumerate() {
+                let (lo, hi, ok) = row_stats(xs);
+                finite &= ok;
                 mins[first + g] = mins[first + g].min(lo);
                 maxs[first + g] = maxs[first + g].max(hi);
             }
         }
     }
-    (mins, maxs)
+    if !finite {
+        check_finite(tensor.shape(), tensor.data())?;
+    }
+    Ok((mins, maxs))
 }
 
-/// Minimum and maximum of a slice, in lanes of 8 so the compiler vectorizes it.
+/// Minimum, maximum and whether every value is finite, in 8 independent lanes so that the
+/// compiler vectorizes it. `x · 0` is 0 for finite `x` and NaN for NaN or ±Inf.
 #[inline]
-pub(crate) fn min_max(xs: &[f32]) -> (f32, f32) {
+pub(crate) fn row_stats(xs: &[f32]) -> (f32, f32, bool) {
     let mut lo = [f32::INFINITY; 8];
     let mut hi = [f32::NEG_INFINITY; 8];
+    let mut zero = [0f32; 8];
     let mut chunks = xs.chunks_exact(8);
     for c in &mut chunks {
         for i in 0..8 {
             lo[i] = if c[i] < lo[i] { c[i] } else { lo[i] };
             hi[i] = if c[i] > hi[i] { c[i] } else { hi[i] };
+            zero[i] += c[i] * 0.0;
         }
     }
     for &v in chunks.remainder() {
-        lo[0] = lo[0].min(v);
-        hi[0] = hi[0].max(v);
+        lo[0] = if v < lo[0] { v } else { lo[0] };
+        hi[0] = if v > hi[0] { v } else { hi[0] };
+        zero[0] += v * 0.0;
     }
-    (
-        lo.iter().copied().fold(f32::INFINITY, f32::min),
-        hi.iter().copied().fold(f32::NEG_INFINITY, f32::max),
-    )
+    let min = lo.iter().copied().fold(f32::INFINITY, f32::min);
+    let max = hi.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    (min, max, zero.iter().sum::<f32>() == 0.0)
+}
+
+fn all_finite(xs: &[f32]) -> bool {
+    row_stats(xs).2
 }
 
 /// Up to [`LLOYD_SAMPLES`] values, evenly strided, each divided by its group's scale.
@@ -264,11 +270,7 @@ fn normalized_sample(tensor: &Tensor, layout: &GroupLayout, params: &[GroupParam
         .map(|i| {
             let (first, seg) = layout.row_groups(i / d);
             let p = params[first + (i % d) / seg];
-            if p.scale > 0.0 {
-                (data[i] / p.scale).clamp(-1.0, 1.0)
-            } else {
-                0.0
-            }
+            if p.scale > 0.0 { (data[i] / p.scale).clamp(-1.0, 1.0) } else { 0.0 }
         })
         .collect()
 }
@@ -321,10 +323,7 @@ impl QuantizedTensor {
 
     /// The parameters of group `g`.
     pub fn group_params(&self, g: usize) -> GroupParams {
-        GroupParams {
-            scale: self.scales.get(g),
-            offset: self.offsets.as_ref().map_or(0.0, |o| o.get(g)),
-        }
+        GroupParams { scale: self.scales.get(g), offset: self.offsets.as_ref().map_or(0.0, |o| o.get(g)) }
     }
 
     /// The codec that decodes this tensor's codes.

@@ -21,9 +21,7 @@ impl Rng {
             x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             x ^ (x >> 31)
         };
-        Self {
-            s: [next(), next(), next(), next()],
-        }
+        Self { s: [next(), next(), next(), next()] }
     }
 
     /// The next 64 random bits.

@@ -1,0 +1,352 @@
+//! `kvq analyze`: how much each quantization spec damages a model's keys, values and
+//! attention, and what it saves.
+//!
+//! For every layer and every [`KvSpec`] the keys and values are quantized offline, compared
+//! element-wise with the originals, and attention is recomputed in f64 with the quantized K
+//! and V at a spread of query positions.
+
+use std::fmt::Write as _;
+
+use kvq_quant_core::io::{TensorFile, TensorFileError};
+use kvq_quant_core::metrics::{AttentionOutputs, attention, compare_attention, error_stats};
+use kvq_quant_core::synth::normal_tensor;
+use kvq_quant_core::{QuantError, QuantSpec, Shape, Tensor, quantize};
+use rayon::prelude::*;
+
+/// Why an analysis could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum AnalyzeError {
+    /// The tensor file could not be read.
+    #[error(transparent)]
+    File(#[from] TensorFileError),
+    /// The file has no `layer{L}.q/.k/.v` triple.
+    #[error("{0}: no layers found (expected tensors named layer<L>.q, layer<L>.k and layer<L>.v)")]
+    NoLayers(String),
+    /// A layer's tensors cannot be analyzed (bad shapes, NaN, ...).
+    #[error("{layer}: {source}")]
+    Layer {
+        /// The layer.
+        layer: String,
+        /// What went wrong.
+        source: QuantError,
+    },
+    /// A spec cannot quantize a layer.
+    #[error("{layer}, spec {spec}: {source}")]
+    Spec {
+        /// The layer.
+        layer: String,
+        /// The spec.
+        spec: String,
+        /// What went wrong.
+        source: QuantError,
+    },
+    /// A spec string could not be parsed.
+    #[error(transparent)]
+    Parse(#[from] QuantError),
+}
+
+/// Specs for keys and values, which may differ (mixed precision, per-channel K with per-token V).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvSpec {
+    /// Spec for the keys.
+    pub k: QuantSpec,
+    /// Spec for the values.
+    pub v: QuantSpec,
+}
+
+impl KvSpec {
+    /// The same spec for K and V.
+    pub fn same(spec: QuantSpec) -> Self {
+        Self { k: spec.clone(), v: spec }
+    }
+
+    /// Parses `SPEC` (both) or `KSPEC/VSPEC`, e.g. `int4-channel/int4-token`.
+    ///
+    /// # Errors
+    /// [`QuantError::InvalidSpec`] for either half.
+    pub fn parse(s: &str) -> Result<Self, QuantError> {
+        match s.split_once('/') {
+            Some((k, v)) => Ok(Self { k: k.parse()?, v: v.parse()? }),
+            None => Ok(Self::same(s.parse()?)),
+        }
+    }
+
+    /// `KSPEC/VSPEC`, or one spec when both are the same.
+    pub fn name(&self) -> String {
+        if self.k == self.v { self.k.to_string() } else { format!("{}/{}", self.k, self.v) }
+    }
+}
+
+/// The default comparison: INT8, INT4 and INT2 per tensor, per head, per-channel keys with
+/// per-token values, and groups of 32; FP8 e4m3 and NF4 per token.
+pub fn default_specs() -> Vec<KvSpec> {
+    let mut out = Vec::new();
+    for bits in [8, 4, 2] {
+        for s in ["tensor", "head", "channel/int{b}-token", "g32"] {
+            let text = format!("int{bits}-{}", s.replace("{b}", &bits.to_string()));
+            out.push(KvSpec::parse(&text).expect("built-in specs parse"));
+        }
+    }
+    out.push(KvSpec::parse("fp8e4m3-token").expect("built-in spec"));
+    out.push(KvSpec::parse("nf4-token").expect("built-in spec"));
+    out
+}
+
+/// The Q, K and V of one layer.
+#[derive(Debug, Clone)]
+pub struct LayerInput {
+    /// Layer name (`layer9`).
+    pub name: String,
+    /// Queries `[batch, query heads, tokens, head_dim]`.
+    pub q: Tensor,
+    /// Keys `[batch, kv heads, tokens, head_dim]`.
+    pub k: Tensor,
+    /// Values, shaped like the keys.
+    pub v: Tensor,
+}
+
+/// Every `layer{L}` with `.q`, `.k` and `.v` tensors in `file`, ordered by `L`.
+///
+/// # Errors
+/// [`AnalyzeError::File`] for unreadable tensors, [`AnalyzeError::NoLayers`] when none match.
+pub fn layers_from_file(file: &TensorFile) -> Result<Vec<LayerInput>, AnalyzeError> {
+    let mut ids: Vec<u64> = file
+        .list()
+        .iter()
+        .filter_map(|t| t.name.strip_prefix("layer")?.strip_suffix(".k")?.parse().ok())
+        .collect();
+    ids.sort_unstable();
+    let mut layers = Vec::new();
+    for id in ids {
+        let name = format!("layer{id}");
+        if !file.contains(&format!("{name}.q")) || !file.contains(&format!("{name}.v")) {
+            continue;
+        }
+        let read = |suffix: &str| file.read(&format!("{name}.{suffix}"));
+        layers.push(LayerInput { q: read("q")?, k: read("k")?, v: read("v")?, name });
+    }
+    if layers.is_empty() {
+        return Err(AnalyzeError::NoLayers(file.label().to_string()));
+    }
+    Ok(layers)
+}
+
+/// The seed's synthetic benchmark: standard normal K, V and Q shaped `[1, 32, 512, 128]`
+/// (MHA), from fixed seeds.
+pub fn synthetic_layer() -> LayerInput {
+    let shape = Shape::with_batch(1, 32, 512, 128);
+    LayerInput {
+        name: "synthetic".into(),
+        k: normal_tensor(shape, 1),
+        v: normal_tensor(shape, 2),
+        q: normal_tensor(shape, 3),
+    }
+}
+
+/// Analysis settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Options {
+    /// Number of query positions at which attention is compared, spread evenly over the second
+    /// half of the sequence (the last position included).
+    pub positions: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { positions: 32 }
+    }
+}
+
+/// `n` query positions spread evenly over the second half of `tokens`, ending at the last.
+pub fn query_positions(tokens: usize, n: usize) -> Vec<usize> {
+    if tokens == 0 || n == 0 {
+        return Vec::new();
+    }
+    let first = tokens / 2;
+    let span = tokens - 1 - first;
+    let n = n.min(span + 1);
+    if n == 1 {
+        return vec![tokens - 1];
+    }
+    (0..n).map(|i| first + i * span / (n - 1)).collect()
+}
+
+/// One line of the table: a spec on a layer.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Row {
+    /// The spec's name (`KSPEC/VSPEC` when they differ).
+    pub spec: String,
+    /// Bits per element of K and V together, parameters included.
+    pub bits_per_element: f64,
+    /// MSE of the keys.
+    pub k_mse: f64,
+    /// MSE of the values.
+    pub v_mse: f64,
+    /// Cosine similarity of the keys.
+    pub k_cosine: f64,
+    /// Relative L2 error of the attention outputs with quantized K and V.
+    pub attn_rel_err: f64,
+    /// Mean KL divergence of the attention probabilities (nats).
+    pub attn_kl: f64,
+    /// Bytes of K and V in f16 divided by their quantized bytes.
+    pub ratio_vs_f16: f64,
+}
+
+/// The rows of one layer.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct LayerReport {
+    /// Layer name.
+    pub layer: String,
+    /// Shape of K (and V).
+    pub kv_shape: Shape,
+    /// Query heads.
+    pub query_heads: usize,
+    /// Query positions of the attention comparison.
+    pub positions: Vec<usize>,
+    /// One row per spec.
+    pub rows: Vec<Row>,
+}
+
+/// The analysis of a file (or the synthetic benchmark).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Report {
+    /// What was analyzed.
+    pub source: String,
+    /// One entry per layer.
+    pub layers: Vec<LayerReport>,
+}
+
+/// Analyzes every layer with every spec. `progress` is called after each layer with
+/// `(layers done, layers in all)`.
+///
+/// # Errors
+/// [`AnalyzeError::Layer`] when a layer's tensors cannot be compared, [`AnalyzeError::Spec`]
+/// when a spec cannot quantize them.
+pub fn analyze(
+    source: &str,
+    layers: &[LayerInput],
+    specs: &[KvSpec],
+    options: &Options,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Report, AnalyzeError> {
+    let mut out = Vec::with_capacity(layers.len());
+    for (i, layer) in layers.iter().enumerate() {
+        out.push(analyze_layer(layer, specs, options)?);
+        progress(i + 1, layers.len());
+    }
+    Ok(Report { source: source.to_string(), layers: out })
+}
+
+fn analyze_layer(
+    layer: &LayerInput,
+    specs: &[KvSpec],
+    options: &Options,
+) -> Result<LayerReport, AnalyzeError> {
+    let layer_err = |source| AnalyzeError::Layer { layer: layer.name.clone(), source };
+    let positions = query_positions(layer.k.shape().tokens, options.positions);
+    let reference = attention(&layer.q, &layer.k, &layer.v, &positions).map_err(layer_err)?;
+    let rows = specs
+        .par_iter()
+        .map(|spec| {
+            analyze_spec(layer, spec, &positions, &reference).map_err(|source| AnalyzeError::Spec {
+                layer: layer.name.clone(),
+                spec: spec.name(),
+                source,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(LayerReport {
+        layer: layer.name.clone(),
+        kv_shape: layer.k.shape(),
+        query_heads: layer.q.shape().heads,
+        positions,
+        rows,
+    })
+}
+
+fn analyze_spec(
+    layer: &LayerInput,
+    spec: &KvSpec,
+    positions: &[usize],
+    reference: &AttentionOutputs,
+) -> Result<Row, QuantError> {
+    let qk = quantize(&layer.k, &spec.k)?;
+    let qv = quantize(&layer.v, &spec.v)?;
+    let (k_hat, v_hat) = (qk.dequantize(), qv.dequantize());
+    let ke = error_stats(layer.k.data(), k_hat.data())?;
+    let ve = error_stats(layer.v.data(), v_hat.data())?;
+    let approx = attention(&layer.q, &k_hat, &v_hat, positions)?;
+    let ae = compare_attention(reference, &approx)?;
+    let memory = qk.memory().combine(&qv.memory());
+    Ok(Row {
+        spec: spec.name(),
+        bits_per_element: memory.bits_per_element(),
+        k_mse: ke.mse,
+        v_mse: ve.mse,
+        k_cosine: ke.cosine,
+        attn_rel_err: ae.output_rel_l2,
+        attn_kl: ae.kl_mean,
+        ratio_vs_f16: memory.ratio_vs_f16(),
+    })
+}
+
+impl Report {
+    /// The report as a plain-text table, one block per layer.
+    pub fn to_table(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "source: {}", self.source);
+        for layer in &self.layers {
+            let _ = writeln!(
+                s,
+                "\n{}: K/V {}, {} query heads, attention at {} positions ({}..={})",
+                layer.layer,
+                layer.kv_shape,
+                layer.query_heads,
+                layer.positions.len(),
+                layer.positions.first().copied().unwrap_or(0),
+                layer.positions.last().copied().unwrap_or(0),
+            );
+            let _ = writeln!(
+                s,
+                "{:<26} {:>6} {:>10} {:>10} {:>9} {:>10} {:>10} {:>7}",
+                "spec", "bits", "K MSE", "V MSE", "K cos", "attn err", "attn KL", "vs f16"
+            );
+            for r in &layer.rows {
+                let _ = writeln!(
+                    s,
+                    "{:<26} {:>6.3} {:>10.3e} {:>10.3e} {:>9.6} {:>10.3e} {:>10.3e} {:>6.2}x",
+                    r.spec,
+                    r.bits_per_element,
+                    r.k_mse,
+                    r.v_mse,
+                    r.k_cosine,
+                    r.attn_rel_err,
+                    r.attn_kl,
+                    r.ratio_vs_f16
+                );
+            }
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_cover_the_second_half() {
+        assert_eq!(query_positions(10, 3), vec![5, 7, 9]);
+        assert_eq!(query_positions(10, 100), vec![5, 6, 7, 8, 9]);
+        assert_eq!(query_positions(1, 4), vec![0]);
+        assert_eq!(query_positions(0, 4), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn kv_spec_names_round_trip() {
+        for s in ["int4-channel/int4-token", "int8-tensor", "fp8e4m3-token", "nf4-token"] {
+            assert_eq!(KvSpec::parse(s).unwrap().name(), s);
+        }
+        assert_eq!(default_specs().len(), 14);
+    }
+}

@@ -1,0 +1,83 @@
+//! The `kvq` binary, run as a user runs it.
+
+use std::process::{Command, Output};
+
+fn kvq(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvq")).args(args).output().expect("kvq runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+#[test]
+fn analyze_synthetic_table() {
+    let out = kvq(&["analyze", "--synthetic"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The table prints 3-4 significant digits, which is the rounding of the snapshot.
+    insta::assert_snapshot!(stdout(&out));
+}
+
+#[test]
+fn analyze_embedded_sample_structure() {
+    let out = kvq(&["analyze"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = stdout(&out);
+    for layer in ["layer0", "layer9", "layer29"] {
+        assert!(text.contains(&format!("\n{layer}: K/V [3, 256, 64], 9 query heads")), "{text}");
+    }
+    assert_eq!(text.lines().filter(|l| l.starts_with("int4-channel/int4-token")).count(), 3);
+}
+
+#[test]
+fn analyze_json_has_every_field() {
+    let out = kvq(&["analyze", "--json", "--specs", "int4-channel/int4-token,nf4-token", "--positions", "4"]);
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let layers = v["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 3);
+    for layer in layers {
+        assert_eq!(layer["positions"].as_array().unwrap().len(), 4);
+        let rows = layer["rows"].as_array().unwrap();
+        assert_eq!(rows[0]["spec"], "int4-channel/int4-token");
+        for key in
+            ["bits_per_element", "k_mse", "v_mse", "k_cosine", "attn_rel_err", "attn_kl", "ratio_vs_f16"]
+        {
+            assert!(rows[1][key].as_f64().unwrap().is_finite(), "{key}");
+        }
+    }
+}
+
+#[test]
+fn analyze_shared_data_if_present() {
+    let path =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/kv-smollm2-135m-sample.safetensors");
+    if !std::path::Path::new(path).exists() {
+        assert!(std::env::var_os("CI").is_none(), "CI must provide ../shared/data");
+        return;
+    }
+    let out = kvq(&["analyze", path, "--specs", "int4-tensor,int4-channel/int4-token", "--positions", "8"]);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    assert!(
+        text.contains("layer9: K/V [3, 2048, 64], 9 query heads, attention at 8 positions (1024..=2047)"),
+        "{text}"
+    );
+}
+
+#[test]
+fn errors_are_one_line_with_exit_code_1() {
+    for (args, needle) in [
+        (vec!["analyze", "/nonexistent.safetensors"], "/nonexistent.safetensors"),
+        (vec!["analyze", "--specs", "int9-token"], "int9"),
+        (vec!["analyze", "--specs", "int4-g48"], "group size 48"),
+        (vec!["analyze", "Cargo.toml"], "not a valid safetensors file"),
+    ] {
+        let out = kvq(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(err.starts_with("kvq: error: ") && err.contains(needle), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    }
+    assert_eq!(kvq(&["analyze", "--bogus"]).status.code(), Some(2));
+}

@@ -1,0 +1,85 @@
+//! Property tests: packing round-trips, and per-element error bounds of every format.
+
+use kvq_quant_core::pack::{pack, packed_len, unpack};
+use kvq_quant_core::{Codebook, Fp8Format, QuantSpec, Shape, Tensor, quantize};
+use proptest::prelude::*;
+
+/// A small tensor with head_dim a multiple of 8 and values of varied scale and offset.
+fn tensor() -> impl Strategy<Value = Tensor> {
+    (1usize..3, 1usize..9, 1usize..5, -3i32..4, -4.0f32..4.0).prop_flat_map(
+        |(heads, tokens, d8, exp, shift)| {
+            let shape = Shape::new(heads, tokens, d8 * 8);
+            let scale = 10f32.powi(exp);
+            prop::collection::vec(-1.0f32..1.0, shape.len()).prop_map(move |v| {
+                Tensor::new(shape, v.iter().map(|x| x * scale + shift * scale).collect()).unwrap()
+            })
+        },
+    )
+}
+
+const GRANULARITIES: [&str; 6] = ["tensor", "head", "channel", "channel3", "token", "g8"];
+
+/// Checks `bound(x, x̂, params of x's group)` for every element.
+fn check_elements(
+    x: &Tensor,
+    spec: &QuantSpec,
+    bound: impl Fn(f32, f32, f32) -> bool,
+) -> Result<(), TestCaseError> {
+    let q = quantize(x, spec).unwrap();
+    let y = q.dequantize();
+    let d = x.shape().head_dim;
+    let layout = q.layout();
+    for (i, (&a, &b)) in x.data().iter().zip(y.data()).enumerate() {
+        let (first, seg) = layout.row_groups(i / d);
+        let p = q.group_params(first + (i % d) / seg);
+        prop_assert!(bound(a, b, p.scale), "{spec}: x {a} x̂ {b} scale {}", p.scale);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn pack_round_trips(bits in 1u8..=8, seed in prop::collection::vec(any::<u8>(), 0..600)) {
+        let codes: Vec<u8> = seed.iter().map(|c| c & ((1u16 << bits) - 1) as u8).collect();
+        let packed = pack(&codes, bits).unwrap();
+        prop_assert_eq!(packed.len(), packed_len(codes.len(), bits).unwrap());
+        prop_assert!(packed.len() <= (codes.len() * bits as usize).div_ceil(8) + 2);
+        prop_assert_eq!(unpack(&packed, bits, codes.len()).unwrap(), codes);
+    }
+
+    #[test]
+    fn affine_error_is_at_most_half_a_step(x in tensor(), bits in 1u8..=8, g in 0usize..6, f32_params in any::<bool>()) {
+        let suffix = if f32_params { "-f32" } else { "" };
+        let spec: QuantSpec = format!("int{bits}-{}{suffix}", GRANULARITIES[g]).parse().unwrap();
+        // Half a step, plus f32 rounding of the decode relative to the values' magnitude.
+        check_elements(&x, &spec, |a, b, step| (a - b).abs() <= 0.5 * step * (1.0 + 1e-4) + 4.0 * f32::EPSILON * a.abs().max(b.abs()))?;
+    }
+
+    #[test]
+    fn symmetric_error_is_at_most_half_a_step(x in tensor(), bits in 2u8..=8, g in 0usize..6) {
+        let spec: QuantSpec = format!("sym{bits}-{}", GRANULARITIES[g]).parse().unwrap();
+        check_elements(&x, &spec, |a, b, step| (a - b).abs() <= 0.5 * step * (1.0 + 1e-4) + 4.0 * f32::EPSILON * a.abs())?;
+    }
+
+    #[test]
+    fn fp8_error_is_relative(x in tensor(), e5m2 in any::<bool>(), g in 0usize..6) {
+        let (name, fmt, mantissa) = if e5m2 { ("fp8e5m2", Fp8Format::E5M2, 2) } else { ("fp8e4m3", Fp8Format::E4M3, 3) };
+        let spec: QuantSpec = format!("{name}-{}", GRANULARITIES[g]).parse().unwrap();
+        // Round to nearest: half an ulp relative to the value, or half the smallest
+        // subnormal step (times the scale) near zero.
+        let rel = 0.5f32.powi(mantissa + 1);
+        check_elements(&x, &spec, |a, b, scale| {
+            let bound = (a.abs() * rel).max(0.5 * scale * fmt.min_positive());
+            (a - b).abs() <= bound * (1.0 + 1e-4) + 4.0 * f32::EPSILON * a.abs()
+        })?;
+    }
+
+    #[test]
+    fn nf4_error_is_half_the_widest_gap(x in tensor(), g in 0usize..6) {
+        let spec: QuantSpec = format!("nf4-{}", GRANULARITIES[g]).parse().unwrap();
+        let gap = Codebook::nf4().levels().windows(2).map(|w| w[1] - w[0]).fold(0.0, f32::max);
+        check_elements(&x, &spec, |a, b, scale| (a - b).abs() <= 0.5 * gap * scale * (1.0 + 1e-4) + 4.0 * f32::EPSILON * a.abs())?;
+    }
+}

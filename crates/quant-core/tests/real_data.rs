@@ -1,0 +1,79 @@
+//! Real keys, values and queries of SmolLM2-135M: what the granularities do on data with
+//! outlier channels.
+
+mod common;
+
+use kvq_quant_core::metrics::{attention, compare_attention, error_stats};
+use kvq_quant_core::{QuantSpec, Tensor, quantize};
+
+fn mse(x: &Tensor, spec: &str) -> (f64, Tensor) {
+    let spec: QuantSpec = spec.parse().unwrap();
+    let y = quantize(x, &spec).unwrap().dequantize();
+    (error_stats(x.data(), y.data()).unwrap().mse, y)
+}
+
+#[test]
+fn granularity_order_on_real_layers() {
+    // 2048 tokens: on the 256-token excerpt per-channel ranges span too few tokens to say.
+    let Some(file) = common::full_capture() else { return };
+    for layer in [0, 9, 29] {
+        let read = |s: &str| file.read(&format!("layer{layer}.{s}")).unwrap();
+        let (q, k, v) = (read("q"), read("k"), read("v"));
+        let tokens = k.shape().tokens;
+        let positions: Vec<usize> = (tokens - 32..tokens).collect();
+        let reference = attention(&q, &k, &v, &positions).unwrap();
+        let attn_err = |k_hat: &Tensor, v_hat: &Tensor| {
+            compare_attention(&reference, &attention(&q, k_hat, v_hat, &positions).unwrap())
+                .unwrap()
+                .output_rel_l2
+        };
+
+        let (k_tensor, k_tensor_hat) = mse(&k, "int4-tensor");
+        let (k_channel, k_channel_hat) = mse(&k, "int4-channel");
+        assert!(
+            k_channel < 0.25 * k_tensor,
+            "layer {layer}: K per-channel {k_channel} vs per-tensor {k_tensor}"
+        );
+        assert!(attn_err(&k_channel_hat, &v) < attn_err(&k_tensor_hat, &v), "layer {layer}: attention, keys");
+
+        let (v_token, v_token_hat) = mse(&v, "int4-token");
+        let (v_channel, v_channel_hat) = mse(&v, "int4-channel");
+        let (a_token, a_channel) = (attn_err(&k, &v_token_hat), attn_err(&k, &v_channel_hat));
+        if layer == 0 {
+            // Layer 0's values are the exception the data's notes describe (kurtosis 32, a
+            // 40x smaller scale): a few channels carry most of the range for every token, so
+            // per-channel ranges fit them better than per-token ranges. Asserted so that a
+            // change in this behaviour is noticed, not to tune anything.
+            assert!(v_channel < v_token, "layer 0: V per-channel {v_channel} vs per-token {v_token}");
+        } else {
+            assert!(v_token < v_channel, "layer {layer}: V per-token {v_token} vs per-channel {v_channel}");
+            assert!(a_token < a_channel, "layer {layer}: attention, values: {a_token} vs {a_channel}");
+        }
+    }
+}
+
+#[test]
+fn f64_attention_reproduces_the_models_own_output() {
+    let Some(file) = common::full_capture() else { return };
+    for layer in [0, 9, 29] {
+        let read = |s: &str| file.read(&format!("layer{layer}.{s}")).unwrap();
+        let (q, k, v, reference) = (read("q"), read("k"), read("v"), read("attn_out"));
+        let tokens = k.shape().tokens;
+        let ref_positions = reference.shape().tokens;
+        let positions: Vec<usize> = (tokens - ref_positions..tokens).collect();
+        let ours = attention(&q, &k, &v, &positions).unwrap();
+        // attn_out is [heads, positions, head_dim]; ours is [positions, heads, head_dim].
+        let (mut e2, mut r2) = (0f64, 0f64);
+        for (pi, _) in positions.iter().enumerate() {
+            for h in 0..q.shape().heads {
+                for (a, &r) in ours.output(0, pi, h).iter().zip(reference.row(0, h, pi)) {
+                    e2 += (a - f64::from(r)).powi(2);
+                    r2 += f64::from(r).powi(2);
+                }
+            }
+        }
+        let rel = (e2 / r2).sqrt();
+        // The capture's notes: f16 q/k/v reproduce attn_out to 1e-4..1e-3.
+        assert!(rel < 2e-3, "layer {layer}: relative error {rel}");
+    }
+}
