@@ -158,6 +158,29 @@ impl Codec {
         }
     }
 
+    /// Encodes `x` with one set of parameters per element (`params[i]` for `x[i]`), as
+    /// per-channel groups need. Each element is encoded exactly as [`Codec::encode`] would.
+    pub fn encode_per_element(&self, x: &[f32], params: &[GroupParams], out: &mut [u8]) {
+        if let Math::Affine { levels } = &self.math {
+            let levels = *levels;
+            for ((o, &v), p) in out.iter_mut().zip(x).zip(params) {
+                let inv = if p.scale > f32::MIN_POSITIVE { 1.0 / p.scale } else { 0.0 };
+                *o = round_to_code(clamp((v - p.offset) * inv, 0.0, levels));
+            }
+            return;
+        }
+        for ((o, v), p) in out.iter_mut().zip(x).zip(params) {
+            self.encode(std::slice::from_ref(v), *p, std::slice::from_mut(o));
+        }
+    }
+
+    /// Decodes `codes` with one set of parameters per element.
+    pub fn decode_per_element(&self, codes: &[u8], params: &[GroupParams], out: &mut [f32]) {
+        for ((o, c), p) in out.iter_mut().zip(codes).zip(params) {
+            self.decode(std::slice::from_ref(c), *p, std::slice::from_mut(o));
+        }
+    }
+
     /// The codebook levels, for codebook kinds.
     pub fn codebook(&self) -> Option<&Codebook> {
         match &self.math {

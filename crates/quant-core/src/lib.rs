@@ -25,6 +25,7 @@
 //! # Ok::<(), kvq_quant_core::QuantError>(())
 //! ```
 
+pub mod calibration;
 pub mod codebook;
 pub mod codec;
 pub mod error;
@@ -39,6 +40,7 @@ pub mod quantize;
 pub mod synth;
 pub mod tensor;
 
+pub use calibration::{Calibration, Part};
 pub use codebook::Codebook;
 pub use codec::{Codec, GroupParams};
 pub use error::{QuantError, Result};
@@ -46,5 +48,5 @@ pub use format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec};
 pub use fp8::Fp8Format;
 pub use memory::MemoryReport;
 pub use params::ParamVec;
-pub use quantize::{GroupLayout, QuantizedTensor, quantize, quantize_with_ranges};
+pub use quantize::{GroupLayout, QuantizedTensor, quantize, quantize_with_ranges, row_stats};
 pub use tensor::{Shape, Tensor};

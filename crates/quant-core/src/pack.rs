@@ -86,6 +86,41 @@ pub fn unpack(packed: &[u8], bits: u8, n: usize) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Packs a row of `codes` into `out` (exactly [`packed_len`] bytes), without allocating.
+/// Bits of a code above `bits` are ignored.
+///
+/// # Errors
+/// [`QuantError::BitsOutOfRange`], or [`QuantError::ShapeMismatch`] for a wrong `out` length.
+pub fn pack_row(codes: &[u8], bits: u8, out: &mut [u8]) -> Result<()> {
+    check_bits(bits)?;
+    check_len(codes.len(), bits, out.len())?;
+    pack_into(codes, bits, out);
+    Ok(())
+}
+
+/// Unpacks a row of `out.len()` codes from `packed` (exactly [`packed_len`] bytes).
+///
+/// # Errors
+/// [`QuantError::BitsOutOfRange`], or [`QuantError::ShapeMismatch`] for a wrong `packed` length.
+pub fn unpack_row(packed: &[u8], bits: u8, out: &mut [u8]) -> Result<()> {
+    check_bits(bits)?;
+    check_len(out.len(), bits, packed.len())?;
+    unpack_into(packed, bits, out);
+    Ok(())
+}
+
+fn check_len(n: usize, bits: u8, bytes: usize) -> Result<()> {
+    let want = packed_len_unchecked(n, bits);
+    if bytes == want {
+        Ok(())
+    } else {
+        Err(QuantError::ShapeMismatch {
+            expected: format!("{want} bytes for {n} codes of {bits} bits"),
+            got: format!("{bytes} bytes"),
+        })
+    }
+}
+
 /// Packs `codes` into `out`, which must be [`packed_len`] bytes long. Bits of a code above
 /// `bits` are ignored. Internal fast path: lengths are the caller's invariant.
 pub(crate) fn pack_into(codes: &[u8], bits: u8, out: &mut [u8]) {

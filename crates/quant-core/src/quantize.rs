@@ -170,9 +170,7 @@ fn encode_tensor(
     for (r, (x, out)) in tensor.data().chunks_exact(d).zip(codes.chunks_exact_mut(row_bytes)).enumerate() {
         let (first, seg) = layout.row_groups(r);
         if seg == 1 {
-            for ((c, v), p) in row_codes.iter_mut().zip(x).zip(&params[first..first + d]) {
-                codec.encode(std::slice::from_ref(v), *p, std::slice::from_mut(c));
-            }
+            codec.encode_per_element(x, &params[first..first + d], &mut row_codes);
         } else {
             for (g, (xs, cs)) in x.chunks(seg).zip(row_codes.chunks_mut(seg)).enumerate() {
                 codec.encode(xs, params[first + g], cs);
@@ -233,8 +231,9 @@ pub fn group_ranges(tensor: &Tensor, layout: &GroupLayout) -> Result<(Vec<f32>, 
 
 /// Minimum, maximum and whether every value is finite, in 8 independent lanes so that the
 /// compiler vectorizes it. `x · 0` is 0 for finite `x` and NaN for NaN or ±Inf.
+/// An empty slice gives `(+∞, −∞, true)`.
 #[inline]
-pub(crate) fn row_stats(xs: &[f32]) -> (f32, f32, bool) {
+pub fn row_stats(xs: &[f32]) -> (f32, f32, bool) {
     let mut lo = [f32::INFINITY; 8];
     let mut hi = [f32::NEG_INFINITY; 8];
     let mut zero = [0f32; 8];

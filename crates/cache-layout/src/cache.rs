@@ -1,0 +1,568 @@
+//! The paged cache: sequences of tokens per layer, stored in blocks of the pool.
+//!
+//! Each sequence has, per layer, a block table (logical block `b` of KV head `h` is
+//! `blocks[b · heads + h]`), full-precision attention sinks, and for per-channel parts a
+//! full-precision tail (KIVI's residual window). A block holds `block_size` tokens of one
+//! layer and one KV head: its K region, then its V region (see [`crate::part`]).
+//!
+//! Every mutating call validates its input and reserves the blocks it needs before it
+//! changes anything, so a failed call leaves every sequence and the pool as they were.
+
+use std::collections::BTreeMap;
+
+use kvq_quant_core::calibration::Part;
+use kvq_quant_core::{GroupParams, ParamDtype, Tensor};
+
+use crate::config::CacheConfig;
+use crate::error::{CacheError, Result};
+use crate::part::{Mode, PartLayout, TailBuf};
+use crate::pool::{BlockId, BlockPool};
+
+/// Identifies a sequence of the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SeqId(pub u64);
+
+/// Per-sequence, per-layer state.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LayerSeq {
+    /// Tokens stored for this layer.
+    pub(crate) len: usize,
+    /// Logical block `b` of head `h` is `blocks[b * heads + h]`.
+    pub(crate) blocks: Vec<BlockId>,
+    /// Full-precision sink tokens, per head, `[K, V]`.
+    pub(crate) sinks: [Vec<TailBuf>; 2],
+    /// Per part `[K, V]`: tokens after the sinks already quantized into blocks (row and
+    /// static parts: all of them).
+    pub(crate) done: [usize; 2],
+    /// Per part, per head: full-precision rows of tokens `done..` (channel parts only).
+    pub(crate) tails: [Vec<TailBuf>; 2],
+}
+
+/// One sequence: a [`LayerSeq`] per layer.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Sequence {
+    pub(crate) layers: Vec<LayerSeq>,
+}
+
+/// Counters of what streaming did to the data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheStats {
+    /// Values outside their calibrated range, clamped to it.
+    pub clamped_values: u64,
+    /// Blocks copied because a shared block was written (copy-on-write).
+    pub copied_blocks: u64,
+}
+
+/// A paged, streaming, quantized KV cache.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PagedCache {
+    pub(crate) config: CacheConfig,
+    pub(crate) parts: [PartLayout; 2],
+    /// Calibrated parameters and ranges of static parts: `[part][layer * heads + head]`.
+    pub(crate) statics: [Vec<Vec<GroupParams>>; 2],
+    pub(crate) static_ranges: [Vec<Vec<(f32, f32)>>; 2],
+    pub(crate) pool: BlockPool,
+    pub(crate) seqs: BTreeMap<SeqId, Sequence>,
+    pub(crate) next_id: u64,
+    pub(crate) stats: CacheStats,
+}
+
+const PARTS: [Part; 2] = [Part::K, Part::V];
+
+fn part_index(part: Part) -> usize {
+    match part {
+        Part::K => 0,
+        Part::V => 1,
+    }
+}
+
+impl PagedCache {
+    /// Creates an empty cache; the pool is allocated at full capacity.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] when the config does not validate.
+    pub fn new(config: CacheConfig) -> Result<Self> {
+        config.validate()?;
+        let calibrated = config.calibration.is_some();
+        let make = |spec| PartLayout::new(spec, config.head_dim, config.block_size, calibrated);
+        let parts = [make(&config.k_spec)?, make(&config.v_spec)?];
+        let mut statics: [Vec<Vec<GroupParams>>; 2] = Default::default();
+        let mut static_ranges: [Vec<Vec<(f32, f32)>>; 2] = Default::default();
+        for (i, layout) in parts.iter().enumerate() {
+            if let (Mode::Static { .. }, Some(cal)) = (layout.mode, &config.calibration) {
+                for layer in 0..config.layers {
+                    for head in 0..config.kv_heads {
+                        let ranges = cal.group_ranges(PARTS[i], layer, head, layout.spec.granularity())?;
+                        let params = ranges
+                            .iter()
+                            .map(|&(lo, hi)| layout.codec.params(lo, hi))
+                            .collect::<Result<_, _>>()?;
+                        statics[i].push(params);
+                        static_ranges[i].push(ranges);
+                    }
+                }
+            }
+        }
+        let pool = BlockPool::new(config.capacity_blocks, parts[0].bytes() + parts[1].bytes());
+        Ok(Self {
+            config,
+            parts,
+            statics,
+            static_ranges,
+            pool,
+            seqs: BTreeMap::new(),
+            next_id: 0,
+            stats: CacheStats::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    /// The layout of the K or V region of a block.
+    pub fn part(&self, part: Part) -> &PartLayout {
+        &self.parts[part_index(part)]
+    }
+
+    /// The block pool.
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Streaming counters.
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    /// Live sequences, in id order.
+    pub fn sequences(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.seqs.keys().copied()
+    }
+
+    /// Tokens stored for `layer` of `seq`.
+    ///
+    /// # Errors
+    /// [`CacheError::UnknownSequence`], [`CacheError::Layer`].
+    pub fn len(&self, seq: SeqId, layer: usize) -> Result<usize> {
+        Ok(self.layer_seq(seq, layer)?.len)
+    }
+
+    /// The block table of `layer` of `seq`: logical block `b` of KV head `h` is entry
+    /// `b · kv_heads + h`.
+    ///
+    /// # Errors
+    /// [`CacheError::UnknownSequence`], [`CacheError::Layer`].
+    pub fn block_table(&self, seq: SeqId, layer: usize) -> Result<&[BlockId]> {
+        Ok(&self.layer_seq(seq, layer)?.blocks)
+    }
+
+    pub(crate) fn layer_seq(&self, seq: SeqId, layer: usize) -> Result<&LayerSeq> {
+        self.check_layer(layer)?;
+        Ok(&self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?.layers[layer])
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        if layer < self.config.layers {
+            Ok(())
+        } else {
+            Err(CacheError::Layer { layer, layers: self.config.layers })
+        }
+    }
+
+    fn empty_layer(&self) -> LayerSeq {
+        let heads = self.config.kv_heads;
+        let bufs = || (0..heads).map(|_| TailBuf::new(self.config.tail_dtype)).collect::<Vec<_>>();
+        LayerSeq {
+            len: 0,
+            blocks: Vec::new(),
+            sinks: [bufs(), bufs()],
+            done: [0, 0],
+            tails: [bufs(), bufs()],
+        }
+    }
+
+    /// Starts an empty sequence.
+    pub fn create(&mut self) -> SeqId {
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        let layers = (0..self.config.layers).map(|_| self.empty_layer()).collect();
+        self.seqs.insert(id, Sequence { layers });
+        id
+    }
+
+    /// Appends one token to `layer`: `k` and `v` hold `kv_heads × head_dim` values, head-major.
+    ///
+    /// # Errors
+    /// [`CacheError::Shape`], [`CacheError::NonFinite`], [`CacheError::Quant`] (a value too
+    /// large for the parameter type), [`CacheError::PoolExhausted`]; nothing changes on error.
+    pub fn append(&mut self, seq: SeqId, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        let hd = self.config.kv_heads * self.config.head_dim;
+        for (name, x) in [("K", k), ("V", v)] {
+            if x.len() != hd {
+                return Err(CacheError::Shape {
+                    expected: format!("{name} of {hd} values (kv_heads × head_dim)"),
+                    got: format!("{} values", x.len()),
+                });
+            }
+        }
+        let d = self.config.head_dim;
+        self.extend_with(seq, layer, 1, |part, h, _| {
+            let x = if part == 0 { k } else { v };
+            &x[h * d..(h + 1) * d]
+        })
+    }
+
+    /// Appends one token to every layer: `k` and `v` hold `layers × kv_heads × head_dim`
+    /// values. All layers are checked, and blocks reserved, before any is written.
+    ///
+    /// # Errors
+    /// As [`PagedCache::append`].
+    pub fn append_all_layers(&mut self, seq: SeqId, k: &[f32], v: &[f32]) -> Result<()> {
+        let per_layer = self.config.kv_heads * self.config.head_dim;
+        let n = self.config.layers * per_layer;
+        if k.len() != n || v.len() != n {
+            return Err(CacheError::Shape {
+                expected: format!("{n} values for K and V (layers × kv_heads × head_dim)"),
+                got: format!("{} and {}", k.len(), v.len()),
+            });
+        }
+        let needed: usize = (0..self.config.layers)
+            .map(|l| self.blocks_needed(seq, l, 1))
+            .collect::<Result<Vec<_>>>()?
+            .iter()
+            .sum();
+        if needed > self.pool.free_blocks() {
+            return Err(CacheError::PoolExhausted { needed, free: self.pool.free_blocks() });
+        }
+        for l in 0..self.config.layers {
+            let range = l * per_layer..(l + 1) * per_layer;
+            self.validate(seq, l, 1, |part, h, _| {
+                let x = if part == 0 { &k[range.clone()] } else { &v[range.clone()] };
+                &x[h * self.config.head_dim..(h + 1) * self.config.head_dim]
+            })?;
+        }
+        for l in 0..self.config.layers {
+            let range = l * per_layer..(l + 1) * per_layer;
+            self.append(seq, l, &k[range.clone()], &v[range])?;
+        }
+        Ok(())
+    }
+
+    /// Appends many tokens to `layer` (prefill): `k` and `v` are `[1, kv_heads, tokens,
+    /// head_dim]` tensors.
+    ///
+    /// # Errors
+    /// As [`PagedCache::append`].
+    pub fn extend(&mut self, seq: SeqId, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (ks, vs) = (k.shape(), v.shape());
+        if ks != vs
+            || ks.batch != 1
+            || ks.heads != self.config.kv_heads
+            || ks.head_dim != self.config.head_dim
+        {
+            return Err(CacheError::Shape {
+                expected: format!("K and V of [{}, tokens, {}]", self.config.kv_heads, self.config.head_dim),
+                got: format!("K {ks}, V {vs}"),
+            });
+        }
+        self.extend_with(
+            seq,
+            layer,
+            ks.tokens,
+            |part, h, t| if part == 0 { k.row(0, h, t) } else { v.row(0, h, t) },
+        )
+    }
+
+    /// Blocks an extension of `layer` by `n` tokens needs: new blocks plus copies of shared
+    /// blocks it would write.
+    fn blocks_needed(&self, seq: SeqId, layer: usize, n: usize) -> Result<usize> {
+        let ls = self.layer_seq(seq, layer)?;
+        let plan = WritePlan::new(&self.config, &self.parts, ls, n);
+        let heads = self.config.kv_heads;
+        let shared = (plan.first_written * heads..plan.have * heads)
+            .filter(|&i| self.pool.refcount(ls.blocks[i]) > 1)
+            .count();
+        Ok((plan.want - plan.have) * heads + shared)
+    }
+
+    /// Checks values (finite, and small enough for the parameter type) before any write.
+    fn validate<'a>(
+        &self,
+        seq: SeqId,
+        layer: usize,
+        n: usize,
+        row: impl Fn(usize, usize, usize) -> &'a [f32],
+    ) -> Result<()> {
+        let start = self.layer_seq(seq, layer)?.len;
+        for (i, layout) in self.parts.iter().enumerate() {
+            // Bounds under which no parameter of any format can overflow its storage type.
+            let limit = match layout.dtype {
+                ParamDtype::F16 => 32752.0,
+                ParamDtype::F32 => 1e37,
+            };
+            for h in 0..self.config.kv_heads {
+                for t in 0..n {
+                    let x = row(i, h, t);
+                    if let Some(c) = x.iter().position(|v| !v.is_finite()) {
+                        return Err(CacheError::NonFinite {
+                            part: if i == 0 { "key" } else { "value" },
+                            layer,
+                            head: h,
+                            token: start + t,
+                            channel: c,
+                            value: x[c],
+                        });
+                    }
+                    if let Some(&big) = x.iter().find(|v| v.abs() > limit) {
+                        return Err(CacheError::Quant(kvq_quant_core::QuantError::ParamOverflow {
+                            value: big,
+                            dtype: layout.dtype.name(),
+                        }));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn extend_with<'a>(
+        &mut self,
+        seq: SeqId,
+        layer: usize,
+        n: usize,
+        row: impl Fn(usize, usize, usize) -> &'a [f32],
+    ) -> Result<()> {
+        self.validate(seq, layer, n, &row)?;
+        let needed = self.blocks_needed(seq, layer, n)?;
+        if needed > self.pool.free_blocks() {
+            return Err(CacheError::PoolExhausted { needed, free: self.pool.free_blocks() });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let (bs, heads, sinks, d) =
+            (self.config.block_size, self.config.kv_heads, self.config.sink_tokens, self.config.head_dim);
+        let Self { parts, statics, static_ranges, pool, seqs, stats, config, .. } = self;
+        let ls = &mut seqs.get_mut(&seq).expect("checked by blocks_needed").layers[layer];
+
+        // Copy-on-write every shared block this call writes, then add the new blocks.
+        let plan = WritePlan::new(config, parts, ls, n);
+        for i in plan.first_written * heads..plan.have * heads {
+            if pool.refcount(ls.blocks[i]) > 1 {
+                ls.blocks[i] = pool.copy_on_write(ls.blocks[i]);
+                stats.copied_blocks += 1;
+            }
+        }
+        for _ in plan.have * heads..plan.want * heads {
+            ls.blocks.push(pool.alloc().expect("blocks reserved above"));
+        }
+
+        let k_bytes = parts[0].bytes();
+        let mut scratch = vec![0u8; d];
+        let mut rows = Vec::with_capacity(bs * d);
+        for t in 0..n {
+            let pos = ls.len + t;
+            if pos < sinks {
+                for (i, sink) in ls.sinks.iter_mut().enumerate() {
+                    for (h, buf) in sink.iter_mut().enumerate() {
+                        buf.push(row(i, h, t));
+                    }
+                }
+                continue;
+            }
+            let p = pos - sinks;
+            let (b, r) = (p / bs, p % bs);
+            for (i, layout) in parts.iter().enumerate() {
+                let span = if i == 0 { 0..k_bytes } else { k_bytes..k_bytes + layout.bytes() };
+                match layout.mode {
+                    Mode::Row { .. } => {
+                        for h in 0..heads {
+                            let id = ls.blocks[b * heads + h];
+                            layout.encode_row(
+                                row(i, h, t),
+                                &mut pool.block_mut(id)[span.clone()],
+                                r,
+                                &mut scratch,
+                            )?;
+                        }
+                        ls.done[i] = p + 1;
+                    }
+                    Mode::Static { .. } => {
+                        for h in 0..heads {
+                            let id = ls.blocks[b * heads + h];
+                            let g = layer * heads + h;
+                            stats.clamped_values += layout.encode_static(
+                                row(i, h, t),
+                                &statics[i][g],
+                                &static_ranges[i][g],
+                                &mut pool.block_mut(id)[span.clone()],
+                                r,
+                                &mut scratch,
+                            )?;
+                        }
+                        ls.done[i] = p + 1;
+                    }
+                    Mode::Channel => {
+                        for (h, tail) in ls.tails[i].iter_mut().enumerate() {
+                            tail.push(row(i, h, t));
+                        }
+                        if p + 1 - ls.done[i] >= (config.residual_blocks + 1) * bs {
+                            let fb = ls.done[i] / bs;
+                            for h in 0..heads {
+                                rows.clear();
+                                ls.tails[i][h].extend_f32(0..bs * d, &mut rows);
+                                let id = ls.blocks[fb * heads + h];
+                                layout.encode_channel_block(
+                                    &rows,
+                                    &mut pool.block_mut(id)[span.clone()],
+                                    &mut scratch,
+                                )?;
+                                ls.tails[i][h].drain_front(bs * d);
+                            }
+                            ls.done[i] += bs;
+                        }
+                    }
+                }
+            }
+        }
+        ls.len += n;
+        Ok(())
+    }
+
+    /// A new sequence sharing every block of `seq` (copy-on-write); tails and sinks are copied.
+    ///
+    /// # Errors
+    /// [`CacheError::UnknownSequence`].
+    pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
+        let copy = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?.clone();
+        for ls in &copy.layers {
+            for &id in &ls.blocks {
+                self.pool.retain(id);
+            }
+        }
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(id, copy);
+        Ok(id)
+    }
+
+    /// Shortens every layer of `seq` to at most `len` tokens (rollback after speculative
+    /// decoding). Per-channel keys already quantized over a block can only be cut at a block
+    /// boundary; tokens still in the full-precision window can be cut anywhere.
+    ///
+    /// # Errors
+    /// [`CacheError::UnknownSequence`], [`CacheError::TruncateIntoBlock`].
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        let (bs, heads, sinks, d) =
+            (self.config.block_size, self.config.kv_heads, self.config.sink_tokens, self.config.head_dim);
+        let s = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
+        let p_new = len.saturating_sub(sinks);
+        for (layer, ls) in s.layers.iter().enumerate() {
+            for (i, layout) in self.parts.iter().enumerate() {
+                if layout.has_tail() && len < ls.len && p_new < ls.done[i] && !p_new.is_multiple_of(bs) {
+                    return Err(CacheError::TruncateIntoBlock {
+                        layer,
+                        len,
+                        quantized_from: sinks + p_new / bs * bs,
+                        quantized_until: sinks + ls.done[i],
+                    });
+                }
+            }
+        }
+        let Self { parts, pool, seqs, .. } = self;
+        let s = seqs.get_mut(&seq).expect("checked above");
+        for ls in &mut s.layers {
+            if len >= ls.len {
+                continue;
+            }
+            for sink in &mut ls.sinks {
+                for buf in sink.iter_mut() {
+                    buf.truncate(len.min(sinks) * d);
+                }
+            }
+            for (i, layout) in parts.iter().enumerate() {
+                if layout.has_tail() {
+                    if p_new >= ls.done[i] {
+                        for tail in &mut ls.tails[i] {
+                            tail.truncate((p_new - ls.done[i]) * d);
+                        }
+                    } else {
+                        ls.done[i] = p_new;
+                        for tail in &mut ls.tails[i] {
+                            tail.truncate(0);
+                        }
+                    }
+                } else {
+                    ls.done[i] = p_new;
+                }
+            }
+            let keep = p_new.div_ceil(bs) * heads;
+            for id in ls.blocks.drain(keep.min(ls.blocks.len())..) {
+                pool.release(id);
+            }
+            ls.len = len;
+        }
+        Ok(())
+    }
+
+    /// Ends `seq`, returning its blocks to the pool (shared blocks stay with their other owners).
+    ///
+    /// # Errors
+    /// [`CacheError::UnknownSequence`].
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        let s = self.seqs.remove(&seq).ok_or(CacheError::UnknownSequence(seq))?;
+        for ls in &s.layers {
+            for &id in &ls.blocks {
+                self.pool.release(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// The K or V region of block `id`.
+    pub fn region(&self, id: BlockId, part: Part) -> &[u8] {
+        let k = self.parts[0].bytes();
+        let block = self.pool.block(id);
+        match part {
+            Part::K => &block[..k],
+            Part::V => &block[k..],
+        }
+    }
+
+    /// Calibrated parameters of a static part for `(layer, head)` (empty for other modes).
+    pub fn static_params(&self, part: Part, layer: usize, head: usize) -> &[GroupParams] {
+        self.statics[part_index(part)].get(layer * self.config.kv_heads + head).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// Which blocks an extension by `n` tokens touches: logical blocks `first_written..have`
+/// already exist and are written; `have..want` are new.
+struct WritePlan {
+    first_written: usize,
+    have: usize,
+    want: usize,
+}
+
+impl WritePlan {
+    fn new(config: &CacheConfig, parts: &[PartLayout; 2], ls: &LayerSeq, n: usize) -> Self {
+        let (bs, heads, sinks) = (config.block_size, config.kv_heads, config.sink_tokens);
+        let p0 = ls.len.saturating_sub(sinks);
+        let p1 = (ls.len + n).saturating_sub(sinks);
+        let have = ls.blocks.len() / heads;
+        let mut first_written = have;
+        for (i, layout) in parts.iter().enumerate() {
+            if layout.has_tail() {
+                // A channel part writes blocks when tokens leave its residual window.
+                let tail = p1 - ls.done[i];
+                if tail >= (config.residual_blocks + 1) * bs {
+                    first_written = first_written.min(ls.done[i] / bs);
+                }
+            } else if p1 > p0 {
+                first_written = first_written.min(p0 / bs);
+            }
+        }
+        Self { first_written, have, want: p1.div_ceil(bs).max(have) }
+    }
+}

@@ -1,0 +1,170 @@
+//! What a cache holds and how: model shape, K and V specs, block size, residual window,
+//! attention sinks, tail precision, capacity and calibration.
+
+use kvq_quant_core::{Calibration, CodebookSource, Granularity, Kind, QuantSpec};
+
+use crate::error::{CacheError, Result};
+
+/// Storage type of full-precision tokens (residual tails and attention sinks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TailDtype {
+    /// 2 bytes per value (values are rounded to f16 on arrival).
+    F16,
+    /// 4 bytes per value (exact).
+    F32,
+}
+
+impl TailDtype {
+    /// Bytes per value.
+    pub fn size(self) -> usize {
+        match self {
+            TailDtype::F16 => 2,
+            TailDtype::F32 => 4,
+        }
+    }
+}
+
+/// A cache's configuration. Build one with [`CacheConfig::new`] and the `with_*` methods.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheConfig {
+    /// Transformer layers.
+    pub layers: usize,
+    /// KV heads per layer.
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Spec of the keys.
+    pub k_spec: QuantSpec,
+    /// Spec of the values.
+    pub v_spec: QuantSpec,
+    /// Complete blocks kept in full precision, besides the one being filled, for specs
+    /// grouped over tokens (per-channel): KIVI's residual window is `(residual_blocks + 1)
+    /// × block_size` tokens at most.
+    pub residual_blocks: usize,
+    /// The first tokens of every sequence kept in full precision (attention sinks).
+    pub sink_tokens: usize,
+    /// Storage type of full-precision tokens.
+    pub tail_dtype: TailDtype,
+    /// Blocks in the pool (one block: `block_size` tokens of one layer and KV head, K and V).
+    pub capacity_blocks: usize,
+    /// Static ranges for per-tensor and per-head specs (and per-channel specs that should
+    /// quantize at once instead of through the residual window).
+    pub calibration: Option<Calibration>,
+}
+
+impl CacheConfig {
+    /// A config with KIVI-style defaults: INT4 per-channel keys and INT4 per-token values,
+    /// blocks of 32 tokens, no extra residual blocks, no sinks, f16 tails.
+    pub fn new(layers: usize, kv_heads: usize, head_dim: usize, capacity_blocks: usize) -> Self {
+        Self {
+            layers,
+            kv_heads,
+            head_dim,
+            block_size: 32,
+            k_spec: QuantSpec::affine(4, Granularity::PerChannel { token_group: None }).expect("valid spec"),
+            v_spec: QuantSpec::affine(4, Granularity::PerToken).expect("valid spec"),
+            residual_blocks: 0,
+            sink_tokens: 0,
+            tail_dtype: TailDtype::F16,
+            capacity_blocks,
+            calibration: None,
+        }
+    }
+
+    /// Sets the K and V specs.
+    pub fn with_specs(mut self, k: QuantSpec, v: QuantSpec) -> Self {
+        self.k_spec = k;
+        self.v_spec = v;
+        self
+    }
+
+    /// Sets the block size.
+    pub fn with_block_size(mut self, block_size: usize) -> Self {
+        self.block_size = block_size;
+        self
+    }
+
+    /// Sets the number of extra full-precision blocks.
+    pub fn with_residual_blocks(mut self, n: usize) -> Self {
+        self.residual_blocks = n;
+        self
+    }
+
+    /// Sets the number of attention-sink tokens.
+    pub fn with_sink_tokens(mut self, n: usize) -> Self {
+        self.sink_tokens = n;
+        self
+    }
+
+    /// Sets the tail storage type.
+    pub fn with_tail_dtype(mut self, dtype: TailDtype) -> Self {
+        self.tail_dtype = dtype;
+        self
+    }
+
+    /// Sets the calibration.
+    pub fn with_calibration(mut self, calibration: Calibration) -> Self {
+        self.calibration = Some(calibration);
+        self
+    }
+
+    /// Checks the config.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] naming the first problem.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(CacheError::Config(m));
+        if self.layers == 0 || self.kv_heads == 0 || self.head_dim == 0 || self.block_size == 0 {
+            return bad("layers, kv_heads, head_dim and block_size must be positive".into());
+        }
+        if self.head_dim * self.block_size * self.kv_heads > 1 << 30 {
+            return bad("blocks of over 2^30 values per layer are not supported".into());
+        }
+        for (name, spec) in [("K", &self.k_spec), ("V", &self.v_spec)] {
+            if let Kind::Codebook(CodebookSource::LloydMax) = spec.kind() {
+                return bad(format!(
+                    "{name} spec {spec}: a streaming cache needs fixed codebook levels (fit them on a calibration set and pass a fixed codebook)"
+                ));
+            }
+            match spec.granularity() {
+                Granularity::Group(g) if g == 0 || !self.head_dim.is_multiple_of(g) => {
+                    return bad(format!(
+                        "{name} spec {spec}: group {g} does not divide head_dim {}",
+                        self.head_dim
+                    ));
+                }
+                Granularity::PerChannel { token_group: Some(n) }
+                    if n != self.block_size && self.calibration.is_none() =>
+                {
+                    return bad(format!(
+                        "{name} spec {spec}: per-channel groups stream one block at a time; use `channel` or `channel{}`",
+                        self.block_size
+                    ));
+                }
+                Granularity::PerTensor | Granularity::PerHead if self.calibration.is_none() => {
+                    return bad(format!(
+                        "{name} spec {spec}: per-tensor and per-head ranges change as tokens stream in; give a calibration"
+                    ));
+                }
+                _ => {}
+            }
+        }
+        if let Some(c) = &self.calibration
+            && (c.layers() != self.layers || c.heads() != self.kv_heads || c.head_dim() != self.head_dim)
+        {
+            return bad(format!(
+                "calibration is for {} layers × {} heads × {} channels, the cache for {} × {} × {}",
+                c.layers(),
+                c.heads(),
+                c.head_dim(),
+                self.layers,
+                self.kv_heads,
+                self.head_dim
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,86 @@
+//! Errors of the cache. A failed call leaves the cache exactly as it was.
+
+use kvq_quant_core::QuantError;
+
+use crate::SeqId;
+
+/// Why a cache operation was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CacheError {
+    /// The configuration cannot describe a cache.
+    #[error("invalid cache config: {0}")]
+    Config(String),
+    /// Not enough free blocks; nothing was changed.
+    #[error("block pool exhausted: the operation needs {needed} blocks, {free} are free")]
+    PoolExhausted {
+        /// Blocks the operation needed.
+        needed: usize,
+        /// Blocks that were free.
+        free: usize,
+    },
+    /// No live sequence has this id.
+    #[error("unknown sequence {0:?}")]
+    UnknownSequence(SeqId),
+    /// Input of the wrong size or layer.
+    #[error("shape mismatch: expected {expected}, got {got}")]
+    Shape {
+        /// What the call needed.
+        expected: String,
+        /// What it was given.
+        got: String,
+    },
+    /// NaN or ±Inf in appended data.
+    #[error(
+        "non-finite {part} value {value} at layer {layer}, head {head}, token {token}, channel {channel}"
+    )]
+    NonFinite {
+        /// "key" or "value".
+        part: &'static str,
+        /// Layer.
+        layer: usize,
+        /// KV head.
+        head: usize,
+        /// Token position in the sequence.
+        token: usize,
+        /// Channel.
+        channel: usize,
+        /// The value.
+        value: f32,
+    },
+    /// Truncating would cut into a block whose keys were already quantized with parameters
+    /// over the whole block; the full-precision tokens needed to re-group them are gone.
+    #[error(
+        "cannot truncate layer {layer} to {len} tokens: tokens {quantized_from}.. are quantized per channel in whole blocks; truncate to a block boundary or to at least {quantized_until}"
+    )]
+    TruncateIntoBlock {
+        /// Layer.
+        layer: usize,
+        /// Requested length.
+        len: usize,
+        /// Start of the block that would be cut.
+        quantized_from: usize,
+        /// End of the quantized tokens.
+        quantized_until: usize,
+    },
+    /// A layer index past the model's layers.
+    #[error("layer {layer} out of range ({layers} layers)")]
+    Layer {
+        /// Requested layer.
+        layer: usize,
+        /// Layers in the cache.
+        layers: usize,
+    },
+    /// Quantization refused the data (e.g. a parameter overflowing f16).
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+    /// An offload file could not be read back; the cache is unchanged.
+    #[error("offload file: {0}")]
+    Offload(String),
+    /// An offload file was written or read with an I/O error.
+    #[error("offload file: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = CacheError> = std::result::Result<T, E>;

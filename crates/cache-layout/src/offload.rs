@@ -1,0 +1,456 @@
+//! Offload: a whole cache, or one sequence, to a versioned binary file with a checksum, and
+//! back, bit for bit.
+//!
+//! Layout (all integers little-endian):
+//! ```text
+//! magic "KVQCACHE" | version u32 | kind u8 (0 cache, 1 sequence) | header length u32 |
+//! header (JSON: the cache config) | body | CRC-32 of everything before it (u32)
+//! ```
+//! The checksum is verified and the whole file parsed and checked for consistency before
+//! anything is built or allocated: a corrupt or truncated file is an error and changes nothing.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use kvq_quant_core::{Calibration, QuantSpec};
+
+use crate::cache::{CacheStats, LayerSeq, PagedCache, SeqId, Sequence};
+use crate::config::{CacheConfig, TailDtype};
+use crate::error::{CacheError, Result};
+use crate::part::TailBuf;
+use crate::pool::{BlockId, BlockPool};
+
+const MAGIC: &[u8; 8] = b"KVQCACHE";
+/// The offload format version this build writes and reads.
+pub const OFFLOAD_VERSION: u32 = 1;
+const KIND_CACHE: u8 = 0;
+const KIND_SEQUENCE: u8 = 1;
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ConfigWire {
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    k_spec: String,
+    v_spec: String,
+    residual_blocks: usize,
+    sink_tokens: usize,
+    tail_dtype: TailDtype,
+    capacity_blocks: usize,
+    calibration: Option<Calibration>,
+}
+
+fn to_wire(c: &CacheConfig) -> Result<ConfigWire> {
+    let spec = |s: &QuantSpec| -> Result<String> {
+        let text = s.to_string();
+        text.parse::<QuantSpec>().ok().filter(|p| p == s).map(|_| text.clone()).ok_or_else(|| {
+            CacheError::Offload(format!("spec {text} has no text form that reads back (fixed codebook)"))
+        })
+    };
+    Ok(ConfigWire {
+        layers: c.layers,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        block_size: c.block_size,
+        k_spec: spec(&c.k_spec)?,
+        v_spec: spec(&c.v_spec)?,
+        residual_blocks: c.residual_blocks,
+        sink_tokens: c.sink_tokens,
+        tail_dtype: c.tail_dtype,
+        capacity_blocks: c.capacity_blocks,
+        calibration: c.calibration.clone(),
+    })
+}
+
+fn from_wire(w: ConfigWire) -> Result<CacheConfig> {
+    let spec = |s: &str| s.parse::<QuantSpec>().map_err(|e| CacheError::Offload(format!("spec {s:?}: {e}")));
+    let c = CacheConfig {
+        layers: w.layers,
+        kv_heads: w.kv_heads,
+        head_dim: w.head_dim,
+        block_size: w.block_size,
+        k_spec: spec(&w.k_spec)?,
+        v_spec: spec(&w.v_spec)?,
+        residual_blocks: w.residual_blocks,
+        sink_tokens: w.sink_tokens,
+        tail_dtype: w.tail_dtype,
+        capacity_blocks: w.capacity_blocks,
+        calibration: w.calibration,
+    };
+    c.validate().map_err(|e| CacheError::Offload(format!("config: {e}")))?;
+    Ok(c)
+}
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        self.u64(b.len() as u64);
+        self.0.extend_from_slice(b);
+    }
+    fn tail(&mut self, t: &TailBuf) {
+        let mut b = Vec::with_capacity(t.bytes());
+        t.to_le_bytes(&mut b);
+        self.bytes(&b);
+    }
+}
+
+struct Reader<'a> {
+    data: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end =
+            self.at.checked_add(n).filter(|&e| e <= self.data.len()).ok_or_else(|| truncated(self.at))?;
+        let s = &self.data[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    fn usize(&mut self) -> Result<usize> {
+        usize::try_from(self.u64()?)
+            .map_err(|_| CacheError::Offload("length does not fit this machine".into()))
+    }
+    fn bytes(&mut self) -> Result<&'a [u8]> {
+        let n = self.usize()?;
+        self.take(n)
+    }
+    fn tail(&mut self, dtype: TailDtype) -> Result<TailBuf> {
+        let b = self.bytes()?;
+        if !b.len().is_multiple_of(dtype.size()) {
+            return Err(CacheError::Offload("tail of a partial value".into()));
+        }
+        Ok(TailBuf::from_le_bytes(dtype, b))
+    }
+}
+
+fn truncated(at: usize) -> CacheError {
+    CacheError::Offload(format!("truncated at byte {at}"))
+}
+
+fn seal(mut w: Writer) -> Vec<u8> {
+    let crc = crc32fast::hash(&w.0);
+    w.u32(crc);
+    w.0
+}
+
+/// Checks magic, version, kind and checksum; returns the config and a reader at the body.
+fn open(bytes: &[u8], kind: u8) -> Result<(CacheConfig, Reader<'_>)> {
+    if bytes.len() < MAGIC.len() + 4 + 1 + 4 + 4 {
+        return Err(truncated(bytes.len()));
+    }
+    if &bytes[..8] != MAGIC {
+        return Err(CacheError::Offload("not a kvq cache file (bad magic)".into()));
+    }
+    let (content, crc) = bytes.split_at(bytes.len() - 4);
+    let mut r = Reader { data: content, at: 8 };
+    let version = r.u32()?;
+    if version != OFFLOAD_VERSION {
+        return Err(CacheError::Offload(format!(
+            "version {version} is not supported (this build reads {OFFLOAD_VERSION})"
+        )));
+    }
+    if crc32fast::hash(content) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
+        return Err(CacheError::Offload("checksum mismatch: the file is corrupt or truncated".into()));
+    }
+    let k = r.u8()?;
+    if k != kind {
+        let what = |k| if k == KIND_CACHE { "a whole cache" } else { "one sequence" };
+        return Err(CacheError::Offload(format!("the file holds {}, not {}", what(k), what(kind))));
+    }
+    let header_len = r.u32()? as usize;
+    let header = r.take(header_len)?;
+    let wire: ConfigWire =
+        serde_json::from_slice(header).map_err(|e| CacheError::Offload(format!("header: {e}")))?;
+    Ok((from_wire(wire)?, r))
+}
+
+fn start(config: &CacheConfig, kind: u8) -> Result<Writer> {
+    let mut w = Writer(Vec::new());
+    w.0.extend_from_slice(MAGIC);
+    w.u32(OFFLOAD_VERSION);
+    w.u8(kind);
+    let header = serde_json::to_vec(&to_wire(config)?).map_err(|e| CacheError::Offload(e.to_string()))?;
+    w.u32(header.len() as u32);
+    w.0.extend_from_slice(&header);
+    Ok(w)
+}
+
+impl PagedCache {
+    fn write_layer(&self, w: &mut Writer, ls: &LayerSeq, with_blocks: bool) {
+        w.u64(ls.len as u64);
+        w.u64(ls.done[0] as u64);
+        w.u64(ls.done[1] as u64);
+        w.u64(ls.blocks.len() as u64);
+        for &id in &ls.blocks {
+            if with_blocks {
+                w.bytes(self.pool.block(id));
+            } else {
+                w.u32(id);
+            }
+        }
+        for bufs in ls.sinks.iter().chain(&ls.tails) {
+            for t in bufs {
+                w.tail(t);
+            }
+        }
+    }
+
+    fn read_layer<'a>(
+        &self,
+        r: &mut Reader<'a>,
+        blocks: &mut dyn FnMut(&mut Reader<'a>) -> Result<BlockId>,
+    ) -> Result<LayerSeq> {
+        let c = &self.config;
+        let (len, done_k, done_v, n_blocks) = (r.usize()?, r.usize()?, r.usize()?, r.usize()?);
+        let p = len.saturating_sub(c.sink_tokens);
+        if n_blocks < p.div_ceil(c.block_size) * c.kv_heads {
+            return Err(CacheError::Offload(format!("{n_blocks} blocks cannot hold {len} tokens")));
+        }
+        if n_blocks > self.pool.capacity() {
+            return Err(CacheError::Offload(format!("{n_blocks} blocks exceed the pool")));
+        }
+        let mut ids = Vec::with_capacity(n_blocks);
+        for _ in 0..n_blocks {
+            ids.push(blocks(r)?);
+        }
+        let read_bufs = |r: &mut Reader<'a>| -> Result<Vec<TailBuf>> {
+            (0..c.kv_heads).map(|_| r.tail(c.tail_dtype)).collect()
+        };
+        let sinks = [read_bufs(r)?, read_bufs(r)?];
+        let tails = [read_bufs(r)?, read_bufs(r)?];
+        let ls = LayerSeq { len, blocks: ids, sinks, done: [done_k, done_v], tails };
+        self.check_layer_state(&ls)?;
+        Ok(ls)
+    }
+
+    /// Consistency of a layer read from a file: lengths of sinks and tails, done counters.
+    fn check_layer_state(&self, ls: &LayerSeq) -> Result<()> {
+        let c = &self.config;
+        let d = c.head_dim;
+        let p = ls.len.saturating_sub(c.sink_tokens);
+        let bad = |m: &str| Err(CacheError::Offload(format!("inconsistent sequence: {m}")));
+        if ls.sinks.iter().flatten().any(|s| s.len() != ls.len.min(c.sink_tokens) * d) {
+            return bad("sink lengths");
+        }
+        if ls.blocks.len() < p.div_ceil(c.block_size) * c.kv_heads
+            || !ls.blocks.len().is_multiple_of(c.kv_heads)
+        {
+            return bad("block count");
+        }
+        for (i, layout) in self.parts.iter().enumerate() {
+            let done = ls.done[i];
+            let ok = if layout.has_tail() {
+                done <= p
+                    && done.is_multiple_of(c.block_size)
+                    && ls.tails[i].iter().all(|t| t.len() == (p - done) * d)
+            } else {
+                done == p && ls.tails[i].iter().all(TailBuf::is_empty)
+            };
+            if !ok {
+                return bad("quantized and tail lengths");
+            }
+        }
+        Ok(())
+    }
+
+    /// The whole cache as bytes: config, pool, every sequence, statistics.
+    ///
+    /// # Errors
+    /// [`CacheError::Offload`] when a spec cannot be written (fixed codebooks).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let mut w = start(&self.config, KIND_CACHE)?;
+        w.u64(self.next_id);
+        w.u64(self.stats.clamped_values);
+        w.u64(self.stats.copied_blocks);
+        let cap = self.pool.capacity();
+        for id in 0..cap as BlockId {
+            w.u32(self.pool.refcount(id));
+        }
+        w.u64(self.pool.free_list().len() as u64);
+        for &id in self.pool.free_list() {
+            w.u32(id);
+        }
+        for id in 0..cap as BlockId {
+            if self.pool.refcount(id) > 0 {
+                w.0.extend_from_slice(self.pool.block(id));
+            }
+        }
+        w.u64(self.seqs.len() as u64);
+        for (id, s) in &self.seqs {
+            w.u64(id.0);
+            for ls in &s.layers {
+                self.write_layer(&mut w, ls, false);
+            }
+        }
+        Ok(seal(w))
+    }
+
+    /// Rebuilds a cache written by [`PagedCache::to_bytes`].
+    ///
+    /// # Errors
+    /// [`CacheError::Offload`] for a file that is corrupt, truncated, of another version or
+    /// inconsistent.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let (config, mut r) = open(bytes, KIND_CACHE)?;
+        let mut cache = PagedCache::new(config)?;
+        let next_id = r.u64()?;
+        let stats = CacheStats { clamped_values: r.u64()?, copied_blocks: r.u64()? };
+        let cap = cache.pool.capacity();
+        let refcount = (0..cap).map(|_| r.u32()).collect::<Result<Vec<_>>>()?;
+        let n_free = r.usize()?;
+        if n_free > cap {
+            return Err(CacheError::Offload("free list longer than the pool".into()));
+        }
+        let free = (0..n_free).map(|_| r.u32()).collect::<Result<Vec<_>>>()?;
+        let bb = cache.pool.block_bytes();
+        let mut arena = vec![0u8; cap * bb];
+        for (id, &rc) in refcount.iter().enumerate() {
+            if rc > 0 {
+                arena[id * bb..(id + 1) * bb].copy_from_slice(r.take(bb)?);
+            }
+        }
+        let n_seqs = r.usize()?;
+        let mut seqs = BTreeMap::new();
+        let mut refs = vec![0u32; cap];
+        for _ in 0..n_seqs {
+            let id = SeqId(r.u64()?);
+            let mut layers = Vec::with_capacity(cache.config.layers);
+            for _ in 0..cache.config.layers {
+                let ls = cache.read_layer(&mut r, &mut |r| {
+                    let b = r.u32()?;
+                    if b as usize >= cap {
+                        return Err(CacheError::Offload(format!("block id {b} outside the pool")));
+                    }
+                    Ok(b)
+                })?;
+                for &b in &ls.blocks {
+                    refs[b as usize] += 1;
+                }
+                layers.push(ls);
+            }
+            if id.0 >= next_id || seqs.insert(id, Sequence { layers }).is_some() {
+                return Err(CacheError::Offload(format!(
+                    "sequence id {} repeated or beyond the next id",
+                    id.0
+                )));
+            }
+        }
+        if r.at != r.data.len() {
+            return Err(CacheError::Offload("trailing bytes after the last sequence".into()));
+        }
+        let mut free_sorted = free.clone();
+        free_sorted.sort_unstable();
+        free_sorted.dedup();
+        let expect_free: Vec<BlockId> = (0..cap as BlockId).filter(|&b| refcount[b as usize] == 0).collect();
+        if refs != refcount || free_sorted != expect_free || free_sorted.len() != free.len() {
+            return Err(CacheError::Offload(
+                "reference counts or free list disagree with the block tables".into(),
+            ));
+        }
+        cache.pool = BlockPool::from_parts(bb, arena, refcount, free);
+        cache.seqs = seqs;
+        cache.next_id = next_id;
+        cache.stats = stats;
+        Ok(cache)
+    }
+
+    /// Writes the whole cache to `path`.
+    ///
+    /// # Errors
+    /// As [`PagedCache::to_bytes`], and I/O errors.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        std::fs::write(path, self.to_bytes()?)?;
+        Ok(())
+    }
+
+    /// Reads a cache written by [`PagedCache::save`].
+    ///
+    /// # Errors
+    /// As [`PagedCache::from_bytes`], and I/O errors.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        Self::from_bytes(&std::fs::read(path)?)
+    }
+
+    /// One sequence, with the contents of its blocks, as bytes (for offloading it while other
+    /// sequences keep decoding). The sequence stays in the cache; free it to reclaim its blocks.
+    ///
+    /// # Errors
+    /// [`CacheError::UnknownSequence`], [`CacheError::Offload`] (fixed codebooks).
+    pub fn export_sequence(&self, seq: SeqId) -> Result<Vec<u8>> {
+        let s = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
+        let mut w = start(&self.config, KIND_SEQUENCE)?;
+        for ls in &s.layers {
+            self.write_layer(&mut w, ls, true);
+        }
+        Ok(seal(w))
+    }
+
+    /// Brings back a sequence written by [`PagedCache::export_sequence`] as a new sequence,
+    /// in fresh blocks.
+    ///
+    /// # Errors
+    /// [`CacheError::Offload`] for a bad file or a different cache config,
+    /// [`CacheError::PoolExhausted`]; nothing changes on error.
+    pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
+        let (config, mut r) = open(bytes, KIND_SEQUENCE)?;
+        if (CacheConfig { capacity_blocks: self.config.capacity_blocks, ..config }) != self.config {
+            return Err(CacheError::Offload(
+                "the sequence was written by a cache of another configuration".into(),
+            ));
+        }
+        let bb = self.pool.block_bytes();
+        let mut contents: Vec<&[u8]> = Vec::new();
+        let mut layers = Vec::with_capacity(self.config.layers);
+        for _ in 0..self.config.layers {
+            let ls = self.read_layer(&mut r, &mut |r| {
+                let b = r.bytes()?;
+                if b.len() != bb {
+                    return Err(CacheError::Offload(format!("block of {} bytes, expected {bb}", b.len())));
+                }
+                contents.push(b);
+                // A placeholder: real ids are allocated once the whole file has been read.
+                Ok(0)
+            })?;
+            layers.push(ls);
+        }
+        if r.at != r.data.len() {
+            return Err(CacheError::Offload("trailing bytes after the last layer".into()));
+        }
+        let needed = contents.len();
+        if needed > self.pool.free_blocks() {
+            return Err(CacheError::PoolExhausted { needed, free: self.pool.free_blocks() });
+        }
+        let mut it = contents.into_iter();
+        for ls in &mut layers {
+            for id in &mut ls.blocks {
+                *id = self.pool.alloc().expect("reserved above");
+                self.pool.block_mut(*id).copy_from_slice(it.next().expect("one content per block"));
+            }
+        }
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(id, Sequence { layers });
+        Ok(id)
+    }
+}

@@ -1,0 +1,354 @@
+//! How the keys (or values) of one block are laid out and encoded.
+//!
+//! A block's K (or V) region is `[codes][scales][offsets]`: `block_size` packed rows, then the
+//! per-block parameters in their storage type, scales first (structure of arrays, for SIMD).
+//! Which parameters a block holds depends on the streaming mode of the spec:
+//! - **row** (per-token, groups along head_dim): each row's groups, quantized on arrival;
+//! - **channel** (per-channel over the block's tokens): one group per channel, written when
+//!   the block leaves the residual window;
+//! - **static** (per-tensor, per-head, or calibrated per-channel): none in the block; the
+//!   calibrated parameters live once in the cache.
+
+use half::f16;
+use kvq_quant_core::pack::{pack_row, packed_len, unpack_row};
+use kvq_quant_core::{Codec, Granularity, GroupParams, ParamDtype, QuantSpec, row_stats};
+
+use crate::config::TailDtype;
+use crate::error::Result;
+
+/// How a part's tokens become codes as they stream in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Row-local groups of `seg` channels (`seg = head_dim` for per-token), quantized at once.
+    Row {
+        /// Channels per group.
+        seg: usize,
+    },
+    /// One group per channel over a block, quantized when the block leaves the residual window.
+    Channel,
+    /// Calibrated parameters: `seg = head_dim` (one group per row) or 1 (per channel).
+    Static {
+        /// Channels per group.
+        seg: usize,
+    },
+}
+
+/// The layout of the K or V region of a block.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartLayout {
+    pub(crate) spec: QuantSpec,
+    pub(crate) codec: Codec,
+    pub(crate) mode: Mode,
+    pub(crate) head_dim: usize,
+    pub(crate) block_size: usize,
+    pub(crate) row_bytes: usize,
+    /// Parameter groups stored in each block.
+    pub(crate) groups: usize,
+    pub(crate) dtype: ParamDtype,
+    pub(crate) has_offset: bool,
+}
+
+impl PartLayout {
+    pub(crate) fn new(
+        spec: &QuantSpec,
+        head_dim: usize,
+        block_size: usize,
+        calibrated: bool,
+    ) -> Result<Self> {
+        let mode = match spec.granularity() {
+            Granularity::PerToken => Mode::Row { seg: head_dim },
+            Granularity::Group(g) => Mode::Row { seg: g },
+            Granularity::PerChannel { .. } if calibrated => Mode::Static { seg: 1 },
+            Granularity::PerChannel { .. } => Mode::Channel,
+            Granularity::PerTensor | Granularity::PerHead => Mode::Static { seg: head_dim },
+        };
+        let groups = match mode {
+            Mode::Row { seg } => block_size * (head_dim / seg),
+            Mode::Channel => head_dim,
+            Mode::Static { .. } => 0,
+        };
+        Ok(Self {
+            spec: spec.clone(),
+            codec: Codec::new(spec, None),
+            mode,
+            head_dim,
+            block_size,
+            row_bytes: packed_len(head_dim, spec.bits())?,
+            groups,
+            dtype: spec.param_dtype(),
+            has_offset: spec.has_offset(),
+        })
+    }
+
+    /// Bytes of packed codes in a block.
+    pub fn code_bytes(&self) -> usize {
+        self.block_size * self.row_bytes
+    }
+
+    /// Bytes of parameters in a block.
+    pub fn param_bytes(&self) -> usize {
+        self.groups * self.dtype.size() * if self.has_offset { 2 } else { 1 }
+    }
+
+    /// Bytes of the whole region.
+    pub fn bytes(&self) -> usize {
+        self.code_bytes() + self.param_bytes()
+    }
+
+    /// The spec.
+    pub fn spec(&self) -> &QuantSpec {
+        &self.spec
+    }
+
+    /// The streaming mode.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Bytes of one packed row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// The codec of the spec.
+    pub fn codec(&self) -> &Codec {
+        &self.codec
+    }
+
+    /// Whether tokens wait in a full-precision tail before they are quantized.
+    pub fn has_tail(&self) -> bool {
+        self.mode == Mode::Channel
+    }
+
+    fn write_param(&self, region: &mut [u8], g: usize, p: GroupParams) {
+        let base = self.code_bytes();
+        let size = self.dtype.size();
+        let put = |region: &mut [u8], at: usize, v: f32| match self.dtype {
+            ParamDtype::F16 => region[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+            ParamDtype::F32 => region[at..at + 4].copy_from_slice(&v.to_le_bytes()),
+        };
+        put(region, base + g * size, p.scale);
+        if self.has_offset {
+            put(region, base + (self.groups + g) * size, p.offset);
+        }
+    }
+
+    /// Parameters of group `g` of a block region.
+    pub fn read_param(&self, region: &[u8], g: usize) -> GroupParams {
+        read_params(&region[self.code_bytes()..], self.dtype, self.groups, self.has_offset, g)
+    }
+
+    /// Encodes one row of a row-mode part into row `row` of `region`.
+    pub(crate) fn encode_row(
+        &self,
+        x: &[f32],
+        region: &mut [u8],
+        row: usize,
+        scratch: &mut [u8],
+    ) -> Result<()> {
+        let Mode::Row { seg } = self.mode else { unreachable!("encode_row on a {:?} part", self.mode) };
+        let per_row = self.head_dim / seg;
+        for (g, (xs, cs)) in x.chunks_exact(seg).zip(scratch.chunks_exact_mut(seg)).enumerate() {
+            let (lo, hi, _) = row_stats(xs);
+            let p = self.codec.params(lo, hi)?;
+            self.codec.encode(xs, p, cs);
+            self.write_param(region, row * per_row + g, p);
+        }
+        pack_row(scratch, self.spec.bits(), &mut region[row * self.row_bytes..(row + 1) * self.row_bytes])?;
+        Ok(())
+    }
+
+    /// Encodes one row with calibrated parameters; returns how many values fell outside
+    /// their calibrated range (and were clamped).
+    pub(crate) fn encode_static(
+        &self,
+        x: &[f32],
+        params: &[GroupParams],
+        ranges: &[(f32, f32)],
+        region: &mut [u8],
+        row: usize,
+        scratch: &mut [u8],
+    ) -> Result<u64> {
+        let Mode::Static { seg } = self.mode else { unreachable!("encode_static on a {:?} part", self.mode) };
+        let mut clamped = 0u64;
+        if seg == 1 {
+            self.codec.encode_per_element(x, params, scratch);
+            for (&v, &(lo, hi)) in x.iter().zip(ranges) {
+                clamped += u64::from(v < lo || v > hi);
+            }
+        } else {
+            self.codec.encode(x, params[0], scratch);
+            let (lo, hi) = ranges[0];
+            clamped += x.iter().filter(|&&v| v < lo || v > hi).count() as u64;
+        }
+        pack_row(scratch, self.spec.bits(), &mut region[row * self.row_bytes..(row + 1) * self.row_bytes])?;
+        Ok(clamped)
+    }
+
+    /// Quantizes a whole block of `block_size` rows (row-major in `rows`) with one group per
+    /// channel, as [`kvq_quant_core::quantize`] does with `channel{block_size}`.
+    pub(crate) fn encode_channel_block(
+        &self,
+        rows: &[f32],
+        region: &mut [u8],
+        scratch: &mut [u8],
+    ) -> Result<()> {
+        let d = self.head_dim;
+        let mut lo = vec![f32::INFINITY; d];
+        let mut hi = vec![f32::NEG_INFINITY; d];
+        for x in rows.chunks_exact(d) {
+            for ((l, h), &v) in lo.iter_mut().zip(hi.iter_mut()).zip(x) {
+                *l = if v < *l { v } else { *l };
+                *h = if v > *h { v } else { *h };
+            }
+        }
+        let mut params = Vec::with_capacity(d);
+        for (&l, &h) in lo.iter().zip(&hi) {
+            params.push(self.codec.params(l, h)?);
+        }
+        for (g, &p) in params.iter().enumerate() {
+            self.write_param(region, g, p);
+        }
+        for (r, x) in rows.chunks_exact(d).enumerate() {
+            self.codec.encode_per_element(x, &params, scratch);
+            pack_row(scratch, self.spec.bits(), &mut region[r * self.row_bytes..(r + 1) * self.row_bytes])?;
+        }
+        Ok(())
+    }
+
+    /// Decodes row `row` of a block region into `out` (`head_dim` values). `statics` are the
+    /// calibrated parameters of static parts.
+    pub fn decode_row(
+        &self,
+        region: &[u8],
+        row: usize,
+        statics: &[GroupParams],
+        out: &mut [f32],
+        scratch: &mut [u8],
+    ) {
+        unpack_row(&region[row * self.row_bytes..(row + 1) * self.row_bytes], self.spec.bits(), scratch)
+            .expect("block regions hold whole rows");
+        match self.mode {
+            Mode::Row { seg } => {
+                let per_row = self.head_dim / seg;
+                for (g, (cs, os)) in scratch.chunks_exact(seg).zip(out.chunks_exact_mut(seg)).enumerate() {
+                    self.codec.decode(cs, self.read_param(region, row * per_row + g), os);
+                }
+            }
+            Mode::Channel => {
+                let params: Vec<GroupParams> =
+                    (0..self.head_dim).map(|g| self.read_param(region, g)).collect();
+                self.codec.decode_per_element(scratch, &params, out);
+            }
+            Mode::Static { seg: 1 } => self.codec.decode_per_element(scratch, statics, out),
+            Mode::Static { .. } => self.codec.decode(scratch, statics[0], out),
+        }
+    }
+}
+
+/// Reads group `g` from a parameter area laid out as `[scales; groups][offsets; groups]`.
+pub(crate) fn read_params(
+    area: &[u8],
+    dtype: ParamDtype,
+    groups: usize,
+    has_offset: bool,
+    g: usize,
+) -> GroupParams {
+    let get = |i: usize| match dtype {
+        ParamDtype::F16 => f16::from_le_bytes([area[2 * i], area[2 * i + 1]]).to_f32(),
+        ParamDtype::F32 => {
+            f32::from_le_bytes([area[4 * i], area[4 * i + 1], area[4 * i + 2], area[4 * i + 3]])
+        }
+    };
+    GroupParams { scale: get(g), offset: if has_offset { get(groups + g) } else { 0.0 } }
+}
+
+/// Full-precision rows (tails and sinks) in their storage type.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TailBuf {
+    /// Half precision.
+    F16(Vec<f16>),
+    /// Single precision.
+    F32(Vec<f32>),
+}
+
+impl TailBuf {
+    pub(crate) fn new(dtype: TailDtype) -> Self {
+        match dtype {
+            TailDtype::F16 => TailBuf::F16(Vec::new()),
+            TailDtype::F32 => TailBuf::F32(Vec::new()),
+        }
+    }
+
+    pub(crate) fn push(&mut self, x: &[f32]) {
+        match self {
+            TailBuf::F16(v) => v.extend(x.iter().map(|&a| f16::from_f32(a))),
+            TailBuf::F32(v) => v.extend_from_slice(x),
+        }
+    }
+
+    /// Number of values held.
+    pub fn len(&self) -> usize {
+        match self {
+            TailBuf::F16(v) => v.len(),
+            TailBuf::F32(v) => v.len(),
+        }
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            TailBuf::F16(v) => v.len() * 2,
+            TailBuf::F32(v) => v.len() * 4,
+        }
+    }
+
+    /// Values `range` widened to f32, appended to `out`.
+    pub fn extend_f32(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        match self {
+            TailBuf::F16(v) => out.extend(v[range].iter().map(|h| h.to_f32())),
+            TailBuf::F32(v) => out.extend_from_slice(&v[range]),
+        }
+    }
+
+    pub(crate) fn truncate(&mut self, n: usize) {
+        match self {
+            TailBuf::F16(v) => v.truncate(n),
+            TailBuf::F32(v) => v.truncate(n),
+        }
+    }
+
+    pub(crate) fn drain_front(&mut self, n: usize) {
+        match self {
+            TailBuf::F16(v) => {
+                v.drain(..n);
+            }
+            TailBuf::F32(v) => {
+                v.drain(..n);
+            }
+        }
+    }
+
+    pub(crate) fn to_le_bytes(&self, out: &mut Vec<u8>) {
+        match self {
+            TailBuf::F16(v) => v.iter().for_each(|h| out.extend_from_slice(&h.to_le_bytes())),
+            TailBuf::F32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        }
+    }
+
+    pub(crate) fn from_le_bytes(dtype: TailDtype, bytes: &[u8]) -> Self {
+        match dtype {
+            TailDtype::F16 => {
+                TailBuf::F16(bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect())
+            }
+            TailDtype::F32 => TailBuf::F32(
+                bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            ),
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! The block pool: a flat arena of fixed-size blocks addressed by id, with a free list and
+//! reference counts. Allocation and release are O(1) (a stack pop and push), as in vLLM's and
+//! mistral.rs's block pools; the arena is allocated once, at its full capacity.
+
+/// Index of a block in the pool.
+pub type BlockId = u32;
+
+/// A fixed-capacity arena of equally sized blocks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockPool {
+    block_bytes: usize,
+    arena: Vec<u8>,
+    refcount: Vec<u32>,
+    /// Free ids, the next to hand out last.
+    free: Vec<BlockId>,
+}
+
+impl BlockPool {
+    /// A pool of `capacity` blocks of `block_bytes` bytes each, all free.
+    pub fn new(capacity: usize, block_bytes: usize) -> Self {
+        Self {
+            block_bytes,
+            arena: vec![0; capacity * block_bytes],
+            refcount: vec![0; capacity],
+            free: (0..capacity as BlockId).rev().collect(),
+        }
+    }
+
+    /// Blocks in the pool.
+    pub fn capacity(&self) -> usize {
+        self.refcount.len()
+    }
+
+    /// Free blocks.
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Bytes of one block.
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    /// References held on `id`.
+    pub fn refcount(&self, id: BlockId) -> u32 {
+        self.refcount[id as usize]
+    }
+
+    /// Takes a free block (zeroed, refcount 1), or `None` when the pool is exhausted.
+    pub(crate) fn alloc(&mut self) -> Option<BlockId> {
+        let id = self.free.pop()?;
+        self.refcount[id as usize] = 1;
+        Some(id)
+    }
+
+    /// Adds a reference (a fork shares the block).
+    pub(crate) fn retain(&mut self, id: BlockId) {
+        self.refcount[id as usize] += 1;
+    }
+
+    /// Drops a reference; the block returns to the free list when none are left.
+    pub(crate) fn release(&mut self, id: BlockId) {
+        let rc = &mut self.refcount[id as usize];
+        debug_assert!(*rc > 0, "release of a free block");
+        *rc -= 1;
+        if *rc == 0 {
+            // Free blocks are kept zeroed, so that a pool's state is its live data alone
+            // (an offloaded and reloaded cache compares equal to the original).
+            self.block_mut(id).fill(0);
+            self.free.push(id);
+        }
+    }
+
+    /// The bytes of block `id`.
+    pub fn block(&self, id: BlockId) -> &[u8] {
+        let s = id as usize * self.block_bytes;
+        &self.arena[s..s + self.block_bytes]
+    }
+
+    pub(crate) fn block_mut(&mut self, id: BlockId) -> &mut [u8] {
+        let s = id as usize * self.block_bytes;
+        &mut self.arena[s..s + self.block_bytes]
+    }
+
+    /// Copies block `from` into a fresh block (copy-on-write), releasing one reference to
+    /// `from`. The caller has checked that a block is free.
+    pub(crate) fn copy_on_write(&mut self, from: BlockId) -> BlockId {
+        let to = self.alloc().expect("caller reserved a free block");
+        let (b, f, t) = (self.block_bytes, from as usize, to as usize);
+        self.arena.copy_within(f * b..(f + 1) * b, t * b);
+        self.release(from);
+        to
+    }
+
+    pub(crate) fn free_list(&self) -> &[BlockId] {
+        &self.free
+    }
+
+    pub(crate) fn from_parts(
+        block_bytes: usize,
+        arena: Vec<u8>,
+        refcount: Vec<u32>,
+        free: Vec<BlockId>,
+    ) -> Self {
+        Self { block_bytes, arena, refcount, free }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_release_and_exhaustion() {
+        let mut p = BlockPool::new(3, 8);
+        let a = p.alloc().unwrap();
+        let b = p.alloc().unwrap();
+        assert_eq!((a, b), (0, 1));
+        p.retain(a);
+        p.release(a);
+        assert_eq!(p.refcount(a), 1);
+        let c = p.alloc().unwrap();
+        assert!(p.alloc().is_none());
+        p.release(b);
+        assert_eq!(p.alloc(), Some(b));
+        p.block_mut(c).copy_from_slice(&[7; 8]);
+        p.release(a);
+        p.retain(c);
+        let d = p.copy_on_write(c);
+        assert_eq!(p.block(d), &[7; 8]);
+        assert_eq!(p.refcount(c), 1);
+    }
+}

@@ -1,0 +1,272 @@
+//! Reading the cache: ordered segments of a (sequence, layer, head) for the kernels, a
+//! reference dequantization, memory accounting and block-table dumps.
+
+use std::fmt::Write as _;
+
+use kvq_quant_core::GroupParams;
+use kvq_quant_core::calibration::Part;
+
+use crate::cache::{PagedCache, SeqId};
+use crate::error::Result;
+use crate::part::{Mode, PartLayout, TailBuf};
+use crate::pool::BlockId;
+
+/// A run of consecutive tokens of one (sequence, layer, KV head), for K or V.
+#[derive(Debug, Clone, Copy)]
+pub enum Segment<'a> {
+    /// Tokens held in full precision (attention sinks, or the residual window): `rows` holds
+    /// `tokens × head_dim` values.
+    Full {
+        /// Position of the first token.
+        first_token: usize,
+        /// Tokens in the run.
+        tokens: usize,
+        /// The values, in the tail's storage type.
+        rows: &'a TailBuf,
+        /// Offset of the first value in `rows`.
+        offset: usize,
+    },
+    /// Tokens quantized in a block.
+    Quantized(BlockView<'a>),
+}
+
+/// The K or V region of one block, ready for a kernel: packed rows and parameters, no copy.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockView<'a> {
+    /// Position of the first token.
+    pub first_token: usize,
+    /// Valid rows (a block being filled has fewer than `block_size`).
+    pub tokens: usize,
+    /// The pool block.
+    pub block: BlockId,
+    /// The whole region: `block_size` packed rows, then the parameters.
+    pub region: &'a [u8],
+    /// How the region is laid out and decoded.
+    pub layout: &'a PartLayout,
+    /// Calibrated parameters (static parts only).
+    pub statics: &'a [GroupParams],
+}
+
+impl BlockView<'_> {
+    /// Packed codes of row `r`.
+    pub fn row_codes(&self, r: usize) -> &[u8] {
+        &self.region[r * self.layout.row_bytes..(r + 1) * self.layout.row_bytes]
+    }
+
+    /// Parameters of group `g` stored in the block (row parts: `row × groups_per_row + group`;
+    /// channel parts: the channel).
+    pub fn params(&self, g: usize) -> GroupParams {
+        self.layout.read_param(self.region, g)
+    }
+
+    /// Decodes row `r` to f32 (reference path).
+    pub fn decode_row(&self, r: usize, out: &mut [f32]) {
+        let mut scratch = vec![0u8; self.layout.head_dim];
+        self.layout.decode_row(self.region, r, self.statics, out, &mut scratch);
+    }
+}
+
+/// Bytes of one layer of the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct LayerMemory {
+    /// Packed codes of the blocks this layer holds (every block counted once, shared or not).
+    pub code_bytes: usize,
+    /// Parameters stored in those blocks.
+    pub param_bytes: usize,
+    /// Calibrated parameters of static parts (held once per layer and head).
+    pub static_param_bytes: usize,
+    /// Full-precision residual tails.
+    pub tail_bytes: usize,
+    /// Full-precision attention sinks.
+    pub sink_bytes: usize,
+    /// Block tables (4 bytes per entry).
+    pub table_bytes: usize,
+    /// Blocks held.
+    pub blocks: usize,
+}
+
+impl LayerMemory {
+    /// All bytes.
+    pub fn total(&self) -> usize {
+        self.code_bytes
+            + self.param_bytes
+            + self.static_param_bytes
+            + self.tail_bytes
+            + self.sink_bytes
+            + self.table_bytes
+    }
+}
+
+/// Exact memory of the cache.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CacheMemory {
+    /// One entry per layer.
+    pub layers: Vec<LayerMemory>,
+    /// Blocks free in the pool.
+    pub free_blocks: usize,
+    /// Bytes of the free blocks.
+    pub free_bytes: usize,
+    /// Bytes of one block.
+    pub block_bytes: usize,
+}
+
+impl CacheMemory {
+    /// Bytes in use (everything but free blocks).
+    pub fn used_bytes(&self) -> usize {
+        self.layers.iter().map(LayerMemory::total).sum()
+    }
+}
+
+impl PagedCache {
+    fn part_of(&self, part: Part) -> usize {
+        match part {
+            Part::K => 0,
+            Part::V => 1,
+        }
+    }
+
+    /// The ordered segments of K or V of `(seq, layer, head)`: sinks, quantized blocks, then
+    /// the full-precision tail.
+    ///
+    /// # Errors
+    /// [`crate::CacheError::UnknownSequence`], [`crate::CacheError::Layer`], or
+    /// [`crate::CacheError::Shape`] for a head out of range.
+    pub fn segments(&self, seq: SeqId, layer: usize, head: usize, part: Part) -> Result<Vec<Segment<'_>>> {
+        let ls = self.layer_seq(seq, layer)?;
+        let heads = self.config.kv_heads;
+        if head >= heads {
+            return Err(crate::CacheError::Shape {
+                expected: format!("a head below {heads}"),
+                got: head.to_string(),
+            });
+        }
+        let i = self.part_of(part);
+        let (bs, d, sinks) = (self.config.block_size, self.config.head_dim, self.config.sink_tokens);
+        let layout = &self.parts[i];
+        let mut out = Vec::new();
+        let n_sinks = ls.len.min(sinks);
+        if n_sinks > 0 {
+            out.push(Segment::Full { first_token: 0, tokens: n_sinks, rows: &ls.sinks[i][head], offset: 0 });
+        }
+        let done = ls.done[i];
+        for b in 0..done.div_ceil(bs) {
+            let id = ls.blocks[b * heads + head];
+            out.push(Segment::Quantized(BlockView {
+                first_token: sinks + b * bs,
+                tokens: (done - b * bs).min(bs),
+                block: id,
+                region: self.region(id, part),
+                layout,
+                statics: self.static_params(part, layer, head),
+            }));
+        }
+        let tail = &ls.tails[i][head];
+        if !tail.is_empty() {
+            out.push(Segment::Full {
+                first_token: sinks + done,
+                tokens: tail.len() / d,
+                rows: tail,
+                offset: 0,
+            });
+        }
+        Ok(out)
+    }
+
+    /// K or V of `(seq, layer, head)` decoded to f32, `tokens × head_dim` (reference path).
+    ///
+    /// # Errors
+    /// As [`PagedCache::segments`].
+    pub fn dequantize(&self, seq: SeqId, layer: usize, head: usize, part: Part) -> Result<Vec<f32>> {
+        let d = self.config.head_dim;
+        let mut out = Vec::with_capacity(self.len(seq, layer)? * d);
+        for s in self.segments(seq, layer, head, part)? {
+            match s {
+                Segment::Full { tokens, rows, offset, .. } => {
+                    rows.extend_f32(offset..offset + tokens * d, &mut out)
+                }
+                Segment::Quantized(b) => {
+                    let mut row = vec![0f32; d];
+                    for r in 0..b.tokens {
+                        b.decode_row(r, &mut row);
+                        out.extend_from_slice(&row);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Exact memory, per layer; shared blocks are counted once.
+    pub fn memory(&self) -> CacheMemory {
+        let heads = self.config.kv_heads;
+        let mut seen = vec![false; self.pool.capacity()];
+        let mut layers = vec![LayerMemory::default(); self.config.layers];
+        let block_codes = self.parts[0].code_bytes() + self.parts[1].code_bytes();
+        let block_params = self.parts[0].param_bytes() + self.parts[1].param_bytes();
+        for s in self.seqs.values() {
+            for (l, ls) in s.layers.iter().enumerate() {
+                let m = &mut layers[l];
+                for &id in &ls.blocks {
+                    if !std::mem::replace(&mut seen[id as usize], true) {
+                        m.blocks += 1;
+                        m.code_bytes += block_codes;
+                        m.param_bytes += block_params;
+                    }
+                }
+                m.table_bytes += ls.blocks.len() * std::mem::size_of::<BlockId>();
+                m.tail_bytes += ls.tails.iter().flatten().map(TailBuf::bytes).sum::<usize>();
+                m.sink_bytes += ls.sinks.iter().flatten().map(TailBuf::bytes).sum::<usize>();
+            }
+        }
+        for (i, layout) in self.parts.iter().enumerate() {
+            if let Mode::Static { .. } = layout.mode {
+                let per_group = layout.dtype.size() * if layout.has_offset { 2 } else { 1 };
+                for (l, m) in layers.iter_mut().enumerate() {
+                    m.static_param_bytes +=
+                        (0..heads).map(|h| self.statics[i][l * heads + h].len() * per_group).sum::<usize>();
+                }
+            }
+        }
+        CacheMemory {
+            layers,
+            free_blocks: self.pool.free_blocks(),
+            free_bytes: self.pool.free_blocks() * self.pool.block_bytes(),
+            block_bytes: self.pool.block_bytes(),
+        }
+    }
+
+    /// A plain-text dump of every sequence's block tables, for debugging and snapshots.
+    pub fn dump_tables(&self) -> String {
+        let heads = self.config.kv_heads;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "pool: {} blocks, {} free, {} bytes each",
+            self.pool.capacity(),
+            self.pool.free_blocks(),
+            self.pool.block_bytes()
+        );
+        for (id, seq) in &self.seqs {
+            let _ = writeln!(s, "seq {}:", id.0);
+            for (l, ls) in seq.layers.iter().enumerate() {
+                let _ = write!(
+                    s,
+                    "  layer {l}: len {}, quantized K {} V {}, blocks",
+                    ls.len, ls.done[0], ls.done[1]
+                );
+                for chunk in ls.blocks.chunks(heads) {
+                    let ids: Vec<String> = chunk
+                        .iter()
+                        .map(|&b| {
+                            let rc = self.pool.refcount(b);
+                            if rc > 1 { format!("{b}(x{rc})") } else { b.to_string() }
+                        })
+                        .collect();
+                    let _ = write!(s, " [{}]", ids.join(" "));
+                }
+                let _ = writeln!(s);
+            }
+        }
+        s
+    }
+}

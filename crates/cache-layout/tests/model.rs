@@ -1,0 +1,386 @@
+//! Model-based test: random operations applied to the cache and to a plain `Vec<f32>` model.
+//!
+//! After every step each live sequence must dequantize to what quantizing the model's tokens
+//! with the same grouping gives (bit for bit), no block may leak, reference counts must match
+//! the block tables, and a failed operation must leave the cache exactly as it was.
+
+use std::collections::BTreeMap;
+
+use half::f16;
+use kvq_cache_layout::{CacheConfig, CacheError, PagedCache, Segment, SeqId, TailDtype};
+use kvq_quant_core::calibration::Part;
+use kvq_quant_core::{QuantSpec, Shape, Tensor, quantize};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Create,
+    Append { seq: usize, layer: usize, seed: u64 },
+    AppendAll { seq: usize, seed: u64 },
+    Extend { seq: usize, layer: usize, tokens: usize, seed: u64 },
+    Fork { seq: usize },
+    Truncate { seq: usize, len: usize },
+    Free { seq: usize },
+    Reload,
+    ExportImport { seq: usize },
+    BadAppend { seq: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        1 => Just(Op::Create),
+        6 => (0..8usize, 0..2usize, any::<u64>()).prop_map(|(seq, layer, seed)| Op::Append { seq, layer, seed }),
+        3 => (0..8usize, any::<u64>()).prop_map(|(seq, seed)| Op::AppendAll { seq, seed }),
+        3 => (0..8usize, 0..2usize, 0..11usize, any::<u64>()).prop_map(|(seq, layer, tokens, seed)| Op::Extend { seq, layer, tokens, seed }),
+        2 => (0..8usize).prop_map(|seq| Op::Fork { seq }),
+        2 => (0..8usize, 0..20usize).prop_map(|(seq, len)| Op::Truncate { seq, len }),
+        1 => (0..8usize).prop_map(|seq| Op::Free { seq }),
+        1 => Just(Op::Reload),
+        1 => (0..8usize).prop_map(|seq| Op::ExportImport { seq }),
+        1 => (0..8usize).prop_map(|seq| Op::BadAppend { seq }),
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct Setup {
+    heads: usize,
+    d: usize,
+    bs: usize,
+    residual: usize,
+    sinks: usize,
+    tail: TailDtype,
+    k: &'static str,
+    v: &'static str,
+    capacity: usize,
+}
+
+fn setup() -> impl Strategy<Value = Setup> {
+    (
+        1..3usize,
+        prop::sample::select(vec![8usize, 16]),
+        prop::sample::select(vec![2usize, 4]),
+        0..3usize,
+        0..3usize,
+        any::<bool>(),
+        prop::sample::select(vec!["int4-channel", "int3-channel", "int8-g4", "sym4-token"]),
+        prop::sample::select(vec!["int4-token", "int2-g4", "fp8e4m3-token", "nf4-channel"]),
+        6..30usize,
+    )
+        .prop_map(|(heads, d, bs, residual, sinks, f16_tail, k, v, capacity)| Setup {
+            heads,
+            d,
+            bs,
+            residual,
+            sinks,
+            tail: if f16_tail { TailDtype::F16 } else { TailDtype::F32 },
+            k,
+            v,
+            capacity,
+        })
+}
+
+const LAYERS: usize = 2;
+
+/// The model: per sequence, per layer, per part, per head, the appended rows; and per part
+/// the number of post-sink tokens quantized into blocks, following the documented rule.
+#[derive(Debug, Clone, Default)]
+struct ModelSeq {
+    rows: Vec<[Vec<Vec<f32>>; 2]>,
+    done: Vec<[usize; 2]>,
+}
+
+fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut rng = kvq_quant_core::synth::Rng::new(seed);
+    // Mixed scales and an occasional constant run, so zero-range groups occur.
+    let scale = [0.01f64, 1.0, 30.0][rng.below(3) as usize];
+    let constant = rng.below(8) == 0;
+    (0..n).map(|_| if constant { 0.5 } else { (rng.normal() * scale) as f32 }).collect()
+}
+
+struct World {
+    s: Setup,
+    cache: PagedCache,
+    model: BTreeMap<SeqId, ModelSeq>,
+}
+
+impl World {
+    fn spec(&self, part: usize) -> QuantSpec {
+        let text = if part == 0 { self.s.k } else { self.s.v };
+        text.parse().unwrap()
+    }
+
+    fn channel(&self, part: usize) -> bool {
+        (if part == 0 { self.s.k } else { self.s.v }).contains("channel")
+    }
+
+    fn nth(&self, i: usize) -> Option<SeqId> {
+        let ids: Vec<SeqId> = self.model.keys().copied().collect();
+        (!ids.is_empty()).then(|| ids[i % ids.len()])
+    }
+
+    /// Applies a successful append of `n` tokens to the model's layer.
+    fn model_append(&mut self, seq: SeqId, layer: usize, k: &[Vec<f32>], v: &[Vec<f32>]) {
+        let (bs, r, sinks, d) = (self.s.bs, self.s.residual, self.s.sinks, self.s.d);
+        let channel = [self.channel(0), self.channel(1)];
+        let m = self.model.get_mut(&seq).unwrap();
+        for (part, data) in [k, v].into_iter().enumerate() {
+            for (h, rows) in data.iter().enumerate() {
+                m.rows[layer][part][h].extend_from_slice(rows);
+            }
+        }
+        let len = m.rows[layer][0][0].len() / d;
+        let p = len.saturating_sub(sinks);
+        for (done, channel) in m.done[layer].iter_mut().zip(channel) {
+            if channel {
+                while p - *done >= (r + 1) * bs {
+                    *done += bs;
+                }
+            } else {
+                *done = p;
+            }
+        }
+    }
+
+    fn expected(&self, seq: SeqId, layer: usize, head: usize, part: usize) -> Vec<f32> {
+        let (bs, sinks, d) = (self.s.bs, self.s.sinks, self.s.d);
+        let m = &self.model[&seq];
+        let rows = &m.rows[layer][part][head];
+        let len = rows.len() / d;
+        let done = m.done[layer][part];
+        let full = |x: &[f32]| -> Vec<f32> {
+            match self.s.tail {
+                TailDtype::F32 => x.to_vec(),
+                TailDtype::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+            }
+        };
+        let n_sinks = len.min(sinks);
+        let mut out = full(&rows[..n_sinks * d]);
+        let spec = self.spec(part);
+        let q = |tokens: usize, from: usize| {
+            let t =
+                Tensor::new(Shape::new(1, tokens, d), rows[from * d..(from + tokens) * d].to_vec()).unwrap();
+            quantize(&t, &spec).unwrap().dequantize().into_data()
+        };
+        if self.channel(part) {
+            // Tokens wait in the tail in its storage type: with an f16 tail the block is
+            // quantized from the f16-rounded values, which is all the cache ever saw.
+            let stored = full(rows);
+            for b in 0..done / bs {
+                let from = (sinks + b * bs) * d;
+                let t = Tensor::new(Shape::new(1, bs, d), stored[from..from + bs * d].to_vec()).unwrap();
+                out.extend(quantize(&t, &spec).unwrap().dequantize().into_data());
+            }
+            out.extend(full(&rows[(n_sinks + done) * d..]));
+        } else {
+            for t in sinks..len {
+                out.extend(q(1, t));
+            }
+        }
+        out
+    }
+
+    fn check(&self) {
+        // Every live sequence decodes to the model.
+        for &seq in self.model.keys() {
+            for layer in 0..LAYERS {
+                for head in 0..self.s.heads {
+                    for (part, p) in [Part::K, Part::V].into_iter().enumerate() {
+                        let got = self.cache.dequantize(seq, layer, head, p).unwrap();
+                        let want = self.expected(seq, layer, head, part);
+                        assert_eq!(got.len(), want.len(), "seq {seq:?} layer {layer} head {head} {p:?}");
+                        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                            assert!(
+                                a.to_bits() == b.to_bits(),
+                                "seq {seq:?} L{layer} h{head} {p:?} value {i}: {a} vs {b}"
+                            );
+                        }
+                        let segs = self.cache.segments(seq, layer, head, p).unwrap();
+                        let covered: usize = segs
+                            .iter()
+                            .map(|s| match s {
+                                Segment::Full { tokens, .. } => *tokens,
+                                Segment::Quantized(b) => b.tokens,
+                            })
+                            .sum();
+                        assert_eq!(covered, want.len() / self.s.d);
+                    }
+                }
+            }
+        }
+        // Reference counts equal the references in block tables; free = capacity - used.
+        let pool = self.cache.pool();
+        let mut refs = vec![0u32; pool.capacity()];
+        for &seq in self.model.keys() {
+            for layer in 0..LAYERS {
+                for &id in self.cache.block_table(seq, layer).unwrap() {
+                    refs[id as usize] += 1;
+                }
+            }
+        }
+        let dump = self.cache.dump_tables();
+        let used = refs.iter().filter(|&&r| r > 0).count();
+        for (id, &r) in refs.iter().enumerate() {
+            assert_eq!(pool.refcount(id as u32), r, "block {id}\n{dump}");
+        }
+        assert_eq!(pool.free_blocks(), pool.capacity() - used, "leak\n{dump}");
+    }
+
+    fn apply(&mut self, op: &Op) {
+        let before = self.cache.clone();
+        let (heads, d) = (self.s.heads, self.s.d);
+        let result: Result<(), CacheError> = match *op {
+            Op::Create => {
+                let id = self.cache.create();
+                let empty = || std::array::from_fn(|_| vec![Vec::new(); heads]);
+                self.model.insert(
+                    id,
+                    ModelSeq { rows: (0..LAYERS).map(|_| empty()).collect(), done: vec![[0, 0]; LAYERS] },
+                );
+                Ok(())
+            }
+            Op::Append { seq, layer, seed } => {
+                let Some(id) = self.nth(seq) else { return };
+                let (k, v) = (values(seed, heads * d), values(seed ^ 1, heads * d));
+                let r = self.cache.append(id, layer, &k, &v);
+                if r.is_ok() {
+                    let split = |x: &[f32]| x.chunks(d).map(<[f32]>::to_vec).collect::<Vec<_>>();
+                    self.model_append(id, layer, &split(&k), &split(&v));
+                }
+                r
+            }
+            Op::AppendAll { seq, seed } => {
+                let Some(id) = self.nth(seq) else { return };
+                let (k, v) = (values(seed, LAYERS * heads * d), values(seed ^ 1, LAYERS * heads * d));
+                let r = self.cache.append_all_layers(id, &k, &v);
+                if r.is_ok() {
+                    for layer in 0..LAYERS {
+                        let split = |x: &[f32]| {
+                            x[layer * heads * d..(layer + 1) * heads * d]
+                                .chunks(d)
+                                .map(<[f32]>::to_vec)
+                                .collect::<Vec<_>>()
+                        };
+                        self.model_append(id, layer, &split(&k), &split(&v));
+                    }
+                }
+                r
+            }
+            Op::Extend { seq, layer, tokens, seed } => {
+                let Some(id) = self.nth(seq) else { return };
+                let shape = Shape::new(heads, tokens, d);
+                let k = Tensor::new(shape, values(seed, shape.len())).unwrap();
+                let v = Tensor::new(shape, values(seed ^ 1, shape.len())).unwrap();
+                let r = self.cache.extend(id, layer, &k, &v);
+                if r.is_ok() {
+                    let split = |x: &Tensor| {
+                        (0..heads)
+                            .map(|h| x.data()[h * tokens * d..(h + 1) * tokens * d].to_vec())
+                            .collect::<Vec<_>>()
+                    };
+                    self.model_append(id, layer, &split(&k), &split(&v));
+                }
+                r
+            }
+            Op::Fork { seq } => {
+                let Some(id) = self.nth(seq) else { return };
+                let new = self.cache.fork(id).unwrap();
+                let copy = self.model[&id].clone();
+                self.model.insert(new, copy);
+                Ok(())
+            }
+            Op::Truncate { seq, len } => {
+                let Some(id) = self.nth(seq) else { return };
+                let r = self.cache.truncate(id, len);
+                let channel = [self.channel(0), self.channel(1)];
+                if r.is_ok() {
+                    let (bs, sinks) = (self.s.bs, self.s.sinks);
+                    let m = self.model.get_mut(&id).unwrap();
+                    for layer in 0..LAYERS {
+                        for part in 0..2 {
+                            for rows in &mut m.rows[layer][part] {
+                                rows.truncate(len * d);
+                            }
+                        }
+                        let p = (m.rows[layer][0][0].len() / d).saturating_sub(sinks);
+                        for (part, channel) in channel.into_iter().enumerate() {
+                            let done = &mut m.done[layer][part];
+                            if p < *done {
+                                // Quantized per-channel blocks can only be dropped whole.
+                                assert!(!channel || p.is_multiple_of(bs), "truncate into a block succeeded");
+                                *done = p;
+                            }
+                        }
+                    }
+                }
+                r
+            }
+            Op::Free { seq } => {
+                let Some(id) = self.nth(seq) else { return };
+                self.model.remove(&id);
+                self.cache.free(id)
+            }
+            Op::Reload => {
+                let bytes = self.cache.to_bytes().unwrap();
+                let back = PagedCache::from_bytes(&bytes).unwrap();
+                assert!(back == self.cache, "reloaded cache differs");
+                // A corrupted copy is refused.
+                let mut bad = bytes.clone();
+                let i = bad.len() / 2;
+                bad[i] ^= 0x40;
+                assert!(PagedCache::from_bytes(&bad).is_err());
+                assert!(PagedCache::from_bytes(&bytes[..bytes.len() - 3]).is_err());
+                self.cache = back;
+                Ok(())
+            }
+            Op::ExportImport { seq } => {
+                let Some(id) = self.nth(seq) else { return };
+                let bytes = self.cache.export_sequence(id).unwrap();
+                let r = self.cache.import_sequence(&bytes);
+                if let Ok(new) = r {
+                    let copy = self.model[&id].clone();
+                    self.model.insert(new, copy);
+                }
+                let mut bad = bytes.clone();
+                bad[20] ^= 1;
+                let snapshot = self.cache.clone();
+                assert!(self.cache.import_sequence(&bad).is_err());
+                assert!(snapshot == self.cache);
+                r.map(|_| ())
+            }
+            Op::BadAppend { seq } => {
+                let Some(id) = self.nth(seq) else { return };
+                let mut k = values(7, heads * d);
+                k[heads * d - 1] = f32::NAN;
+                let r = self.cache.append(id, 0, &k, &values(8, heads * d));
+                assert!(matches!(r, Err(CacheError::NonFinite { .. })));
+                assert!(self.cache.append(id, 0, &k[1..], &k[1..]).is_err());
+                r
+            }
+        };
+        if let Err(e) = result {
+            assert!(before == self.cache, "{op:?} failed with {e} but changed the cache");
+        }
+        self.check();
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn cache_matches_model(s in setup(), ops in prop::collection::vec(op(), 1..40)) {
+        let k: QuantSpec = s.k.parse().unwrap();
+        let v: QuantSpec = s.v.parse().unwrap();
+        let config = CacheConfig::new(LAYERS, s.heads, s.d, s.capacity)
+            .with_specs(k, v)
+            .with_block_size(s.bs)
+            .with_residual_blocks(s.residual)
+            .with_sink_tokens(s.sinks)
+            .with_tail_dtype(s.tail);
+        let mut w = World { cache: PagedCache::new(config).unwrap(), model: BTreeMap::new(), s };
+        w.apply(&Op::Create);
+        for op in &ops {
+            w.apply(op);
+        }
+    }
+}
