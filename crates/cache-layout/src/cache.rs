@@ -361,6 +361,7 @@ impl PagedCache {
 
         let k_bytes = parts[0].bytes();
         let mut scratch = vec![0u8; d];
+        let mut params = vec![GroupParams::default(); d];
         let mut rows = Vec::with_capacity(bs * d);
         for t in 0..n {
             let pos = ls.len + t;
@@ -385,6 +386,7 @@ impl PagedCache {
                                 &mut pool.block_mut(id)[span.clone()],
                                 r,
                                 &mut scratch,
+                                &mut params,
                             )?;
                         }
                         ls.done[i] = p + 1;

@@ -11,7 +11,7 @@
 
 use half::f16;
 use kvq_quant_core::pack::{pack_row, packed_len, unpack_row};
-use kvq_quant_core::{Codec, Granularity, GroupParams, ParamDtype, QuantSpec, row_stats};
+use kvq_quant_core::{Codec, Granularity, GroupParams, ParamDtype, QuantSpec, quantize_row};
 
 use crate::config::TailDtype;
 use crate::error::Result;
@@ -145,16 +145,16 @@ impl PartLayout {
         region: &mut [u8],
         row: usize,
         scratch: &mut [u8],
+        params: &mut [GroupParams],
     ) -> Result<()> {
         let Mode::Row { seg } = self.mode else { unreachable!("encode_row on a {:?} part", self.mode) };
         let per_row = self.head_dim / seg;
-        for (g, (xs, cs)) in x.chunks_exact(seg).zip(scratch.chunks_exact_mut(seg)).enumerate() {
-            let (lo, hi, _) = row_stats(xs);
-            let p = self.codec.params(lo, hi)?;
-            self.codec.encode(xs, p, cs);
+        let params = &mut params[..per_row];
+        let codes = row * self.row_bytes..(row + 1) * self.row_bytes;
+        quantize_row(&self.codec, self.spec.bits(), x, seg, params, scratch, &mut region[codes])?;
+        for (g, &p) in params.iter().enumerate() {
             self.write_param(region, row * per_row + g, p);
         }
-        pack_row(scratch, self.spec.bits(), &mut region[row * self.row_bytes..(row + 1) * self.row_bytes])?;
         Ok(())
     }
 

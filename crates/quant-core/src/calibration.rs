@@ -312,7 +312,10 @@ mod tests {
         let (k, v) = sample();
         assert!(Calibration::from_tensors(&[], &[], None).is_err());
         assert!(Calibration::from_tensors(std::slice::from_ref(&k), &[], None).is_err());
-        assert!(Calibration::from_tensors(std::slice::from_ref(&k), std::slice::from_ref(&v), Some(30.0)).is_err());
+        assert!(
+            Calibration::from_tensors(std::slice::from_ref(&k), std::slice::from_ref(&v), Some(30.0))
+                .is_err()
+        );
         let other = Tensor::new(Shape::new(3, 1, 4), vec![0.0; 12]).unwrap();
         assert!(Calibration::from_tensors(std::slice::from_ref(&k), &[other], None).is_err());
         let mut data = v.data().to_vec();

@@ -30,6 +30,36 @@ fn clamp(v: f32, lo: f32, hi: f32) -> f32 {
     if v > hi { hi } else { v }
 }
 
+/// `code = round(clamp((x − offset) · inv, lo, hi) + add)` for every element: 16 at a time
+/// with `wide` (SSE2/NEON), the rest one by one with exactly the same operations, so every
+/// element gets the same code whatever its position.
+#[inline]
+fn encode_linear(x: &[f32], offset: f32, inv: f32, lo: f32, hi: f32, add: f32, out: &mut [u8]) {
+    use wide::{f32x8, i16x8, u8x16};
+    let n = x.len().min(out.len());
+    let full = n / 16 * 16;
+    let (off_v, inv_v, lo_v, hi_v, add_v, magic) = (
+        f32x8::splat(offset),
+        f32x8::splat(inv),
+        f32x8::splat(lo),
+        f32x8::splat(hi),
+        f32x8::splat(add),
+        f32x8::splat(ROUND_MAGIC),
+    );
+    let lane = |v: &[f32]| {
+        let v = f32x8::from(<[f32; 8]>::try_from(v).expect("8 lanes"));
+        let t = ((v - off_v) * inv_v).fast_max(lo_v).fast_min(hi_v) + add_v;
+        // Rounded to an integral float in [0, 255], so truncation is exact.
+        i16x8::from_i32x8_saturate(((t + magic) - magic).fast_trunc_int())
+    };
+    for (xs, os) in x[..full].chunks_exact(16).zip(out[..full].chunks_exact_mut(16)) {
+        os.copy_from_slice(&u8x16::narrow_i16x8(lane(&xs[..8]), lane(&xs[8..])).to_array());
+    }
+    for (o, &v) in out[full..n].iter_mut().zip(&x[full..n]) {
+        *o = round_to_code(clamp((v - offset) * inv, lo, hi) + add);
+    }
+}
+
 /// The parameters of one group: `x̂ = decode(code) · scale + offset`.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct GroupParams {
@@ -104,20 +134,10 @@ impl Codec {
         // the offset, and the reciprocal is kept finite so that 0 · inv is never NaN.
         let inv = if p.scale > f32::MIN_POSITIVE { 1.0 / p.scale } else { 0.0 };
         match &self.math {
-            Math::Affine { levels } => {
-                let levels = *levels;
-                for (o, &v) in out.iter_mut().zip(x) {
-                    *o = round_to_code(clamp((v - p.offset) * inv, 0.0, levels));
-                }
-            }
-            Math::Symmetric { qmax, zero } => {
-                // The zero point 2^(b-1) is even for b >= 2, so rounding after the shift
-                // rounds ties exactly as rounding before it would.
-                let (qmax, zero) = (*qmax, *zero);
-                for (o, &v) in out.iter_mut().zip(x) {
-                    *o = round_to_code(clamp(v * inv, -qmax, qmax) + zero);
-                }
-            }
+            Math::Affine { levels } => encode_linear(x, p.offset, inv, 0.0, *levels, 0.0, out),
+            // The zero point 2^(b-1) is even for b >= 2, so rounding after the shift rounds
+            // ties exactly as rounding before it would.
+            Math::Symmetric { qmax, zero } => encode_linear(x, 0.0, inv, -qmax, *qmax, *zero, out),
             Math::Fp8(f) => {
                 for (o, &v) in out.iter_mut().zip(x) {
                     *o = f.encode(v * inv);
@@ -165,7 +185,7 @@ impl Codec {
             let levels = *levels;
             for ((o, &v), p) in out.iter_mut().zip(x).zip(params) {
                 let inv = if p.scale > f32::MIN_POSITIVE { 1.0 / p.scale } else { 0.0 };
-                *o = round_to_code(clamp((v - p.offset) * inv, 0.0, levels));
+                *o = round_to_code(clamp((v - p.offset) * inv, 0.0, levels) + 0.0);
             }
             return;
         }

@@ -48,5 +48,5 @@ pub use format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec};
 pub use fp8::Fp8Format;
 pub use memory::MemoryReport;
 pub use params::ParamVec;
-pub use quantize::{GroupLayout, QuantizedTensor, quantize, quantize_with_ranges, row_stats};
+pub use quantize::{GroupLayout, QuantizedTensor, quantize, quantize_row, quantize_with_ranges, row_stats};
 pub use tensor::{Shape, Tensor};

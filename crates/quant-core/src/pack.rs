@@ -158,32 +158,73 @@ pub(crate) fn unpack_into(packed: &[u8], bits: u8, out: &mut [u8]) {
 }
 
 fn pack_plane(codes: &[u8], shift: u8, w: u8, out: &mut [u8]) {
-    let m = (8 / w) as usize;
-    let mask = (1u8 << w) - 1;
+    // Plane widths are compile-time constants in each instance, so the per-byte shifts and
+    // masks are constants and the full-chunk loop vectorizes.
+    match w {
+        1 => pack_plane_w::<1>(codes, shift, out),
+        2 => pack_plane_w::<2>(codes, shift, out),
+        _ => pack_plane_w::<4>(codes, shift, out),
+    }
+}
+
+fn unpack_plane(plane: &[u8], shift: u8, w: u8, out: &mut [u8]) {
+    match w {
+        1 => unpack_plane_w::<1>(plane, shift, out),
+        2 => unpack_plane_w::<2>(plane, shift, out),
+        _ => unpack_plane_w::<4>(plane, shift, out),
+    }
+}
+
+fn pack_plane_w<const W: u8>(codes: &[u8], shift: u8, out: &mut [u8]) {
+    let m = (8 / W) as usize;
+    let mask = (1u8 << W) - 1;
     let chunk = 16 * m;
-    for (src, dst) in codes.chunks(chunk).zip(out.chunks_mut(16)) {
+    let mut src_chunks = codes.chunks_exact(chunk);
+    for (src, dst) in (&mut src_chunks).zip(out.chunks_exact_mut(16)) {
+        let mut acc = [0u8; 16];
+        for (k, part) in src.chunks_exact(16).enumerate() {
+            let part: &[u8; 16] = part.try_into().expect("16-byte part");
+            for j in 0..16 {
+                acc[j] |= ((part[j] >> shift) & mask) << (k as u8 * W);
+            }
+        }
+        dst.copy_from_slice(&acc);
+    }
+    // A last, shorter chunk: stride ceil(r / m) instead of 16.
+    let src = src_chunks.remainder();
+    if !src.is_empty() {
         let stride = src.len().div_ceil(m);
-        let dst = &mut dst[..stride];
+        let done = codes.len() / chunk * 16;
+        let dst = &mut out[done..done + stride];
         dst.fill(0);
         for (k, part) in src.chunks(stride).enumerate() {
-            let at = k as u8 * w;
             for (d, &c) in dst.iter_mut().zip(part) {
-                *d |= ((c >> shift) & mask) << at;
+                *d |= ((c >> shift) & mask) << (k as u8 * W);
             }
         }
     }
 }
 
-fn unpack_plane(plane: &[u8], shift: u8, w: u8, out: &mut [u8]) {
-    let m = (8 / w) as usize;
-    let mask = (1u8 << w) - 1;
+fn unpack_plane_w<const W: u8>(plane: &[u8], shift: u8, out: &mut [u8]) {
+    let m = (8 / W) as usize;
+    let mask = (1u8 << W) - 1;
     let chunk = 16 * m;
-    for (dst, src) in out.chunks_mut(chunk).zip(plane.chunks(16)) {
+    let full = out.len() / chunk;
+    for (dst, src) in out.chunks_exact_mut(chunk).zip(plane.chunks_exact(16)) {
+        let src: &[u8; 16] = src.try_into().expect("16-byte chunk");
+        for (k, part) in dst.chunks_exact_mut(16).enumerate() {
+            for j in 0..16 {
+                part[j] |= ((src[j] >> (k as u8 * W)) & mask) << shift;
+            }
+        }
+    }
+    let dst = &mut out[full * chunk..];
+    if !dst.is_empty() {
+        let src = &plane[full * 16..];
         let stride = dst.len().div_ceil(m);
         for (k, part) in dst.chunks_mut(stride).enumerate() {
-            let at = k as u8 * w;
             for (o, &b) in part.iter_mut().zip(src) {
-                *o |= ((b >> at) & mask) << shift;
+                *o |= ((b >> (k as u8 * W)) & mask) << shift;
             }
         }
     }

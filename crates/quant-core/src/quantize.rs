@@ -196,6 +196,46 @@ fn encode_tensor(
     })
 }
 
+/// Quantizes one row with row-local groups of `seg` channels (per-token: `seg = x.len()`):
+/// each group's range, its parameters (written to `params`, one per group), codes (through
+/// `scratch`, `x.len()` bytes) and the packed row (`packed`, [`packed_len`] bytes). This is
+/// the streaming path of a cache; it allocates nothing and gives the codes [`quantize`] gives.
+///
+/// [`packed_len`]: crate::pack::packed_len
+///
+/// # Errors
+/// [`QuantError::GroupSize`], [`QuantError::ShapeMismatch`] for buffers of the wrong length,
+/// [`QuantError::NonFinite`], [`QuantError::ParamOverflow`].
+pub fn quantize_row(
+    codec: &Codec,
+    bits: u8,
+    x: &[f32],
+    seg: usize,
+    params: &mut [GroupParams],
+    scratch: &mut [u8],
+    packed: &mut [u8],
+) -> Result<()> {
+    let n = x.len();
+    if seg == 0 || !n.is_multiple_of(seg) {
+        return Err(QuantError::GroupSize { group: seg, head_dim: n });
+    }
+    if params.len() != n / seg || scratch.len() != n {
+        return Err(QuantError::ShapeMismatch {
+            expected: format!("{} parameter slots and {n} scratch bytes", n / seg),
+            got: format!("{} and {}", params.len(), scratch.len()),
+        });
+    }
+    for ((xs, cs), p) in x.chunks_exact(seg).zip(scratch.chunks_exact_mut(seg)).zip(params.iter_mut()) {
+        let (lo, hi, finite) = row_stats(xs);
+        if !finite {
+            check_finite(Shape::new(1, 1, n), x)?;
+        }
+        *p = codec.params(lo, hi)?;
+        codec.encode(xs, *p, cs);
+    }
+    crate::pack::pack_row(scratch, bits, packed)
+}
+
 /// Minimum and maximum of every group of `layout` over `tensor`.
 ///
 /// # Errors
@@ -229,30 +269,36 @@ pub fn group_ranges(tensor: &Tensor, layout: &GroupLayout) -> Result<(Vec<f32>, 
     Ok((mins, maxs))
 }
 
-/// Minimum, maximum and whether every value is finite, in 8 independent lanes so that the
-/// compiler vectorizes it. `x · 0` is 0 for finite `x` and NaN for NaN or ±Inf.
-/// An empty slice gives `(+∞, −∞, true)`.
+/// Minimum, maximum and whether every value is finite, eight lanes at a time (`wide`, so
+/// SSE2 or NEON with no target flags). Infinities show in the extremes; NaN is tracked by an
+/// unordered self-compare, because min/max instructions drop it. An empty slice gives
+/// `(+∞, −∞, true)`.
 #[inline]
 pub fn row_stats(xs: &[f32]) -> (f32, f32, bool) {
-    let mut lo = [f32::INFINITY; 8];
-    let mut hi = [f32::NEG_INFINITY; 8];
-    let mut zero = [0f32; 8];
+    use wide::f32x8;
+    let mut lo = f32x8::splat(f32::INFINITY);
+    let mut hi = f32x8::splat(f32::NEG_INFINITY);
+    let mut nan = f32x8::splat(0.0);
     let mut chunks = xs.chunks_exact(8);
     for c in &mut chunks {
-        for i in 0..8 {
-            lo[i] = if c[i] < lo[i] { c[i] } else { lo[i] };
-            hi[i] = if c[i] > hi[i] { c[i] } else { hi[i] };
-            zero[i] += c[i] * 0.0;
-        }
+        let v = f32x8::from(<[f32; 8]>::try_from(c).expect("8 lanes"));
+        lo = lo.fast_min(v);
+        hi = hi.fast_max(v);
+        nan |= v.is_nan();
+    }
+    let (mut min, mut max) = (f32::INFINITY, f32::NEG_INFINITY);
+    let mut any_nan = nan.any();
+    for (&l, &h) in lo.to_array().iter().zip(&hi.to_array()) {
+        min = min.min(l);
+        max = max.max(h);
     }
     for &v in chunks.remainder() {
-        lo[0] = if v < lo[0] { v } else { lo[0] };
-        hi[0] = if v > hi[0] { v } else { hi[0] };
-        zero[0] += v * 0.0;
+        any_nan |= v.is_nan();
+        min = min.min(v);
+        max = max.max(v);
     }
-    let min = lo.iter().copied().fold(f32::INFINITY, f32::min);
-    let max = hi.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    (min, max, zero.iter().sum::<f32>() == 0.0)
+    let finite = !any_nan && min.is_finite() && max.is_finite() || xs.is_empty();
+    (min, max, finite)
 }
 
 fn all_finite(xs: &[f32]) -> bool {

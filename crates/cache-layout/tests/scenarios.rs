@@ -1,0 +1,233 @@
+//! Scripted scenarios: block-table snapshots, exhaustion, calibration, memory, real data.
+
+use kvq_cache_layout::{CacheConfig, CacheError, PagedCache, TailDtype};
+use kvq_quant_core::calibration::Part;
+use kvq_quant_core::io::TensorFile;
+use kvq_quant_core::metrics::{attention, compare_attention};
+use kvq_quant_core::{Calibration, QuantSpec, Shape, Tensor, quantize};
+
+fn row(seed: usize, n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 31 + seed * 17) % 23) as f32 * 0.25 - 2.5).collect()
+}
+
+fn small_cache(capacity: usize) -> PagedCache {
+    let config =
+        CacheConfig::new(2, 2, 8, capacity).with_block_size(4).with_residual_blocks(1).with_sink_tokens(1);
+    PagedCache::new(config).unwrap()
+}
+
+#[test]
+fn block_tables_through_fork_truncate_and_free() {
+    let mut c = small_cache(24);
+    let a = c.create();
+    for t in 0..10 {
+        c.append_all_layers(a, &row(t, 32), &row(t + 100, 32)).unwrap();
+    }
+    let mut log = format!("after 10 tokens\n{}", c.dump_tables());
+    let b = c.fork(a).unwrap();
+    log += &format!("\nafter fork\n{}", c.dump_tables());
+    c.append(b, 0, &row(50, 16), &row(51, 16)).unwrap();
+    log += &format!("\nafter appending to the fork's layer 0\n{}", c.dump_tables());
+    c.truncate(a, 5).unwrap();
+    log += &format!("\nafter truncating the original to 5\n{}", c.dump_tables());
+    c.free(b).unwrap();
+    log += &format!("\nafter freeing the fork\n{}", c.dump_tables());
+    c.free(a).unwrap();
+    assert_eq!(c.pool().free_blocks(), 24);
+    insta::assert_snapshot!(log);
+}
+
+#[test]
+fn exhaustion_is_an_error_that_changes_nothing() {
+    let mut c = small_cache(5);
+    let a = c.create();
+    // 1 sink + 8 tokens: 2 blocks × 2 heads for layer 0.
+    for t in 0..9 {
+        c.append(a, 0, &row(t, 16), &row(t, 16)).unwrap();
+    }
+    let before = c.clone();
+    let err = c.append(a, 0, &row(9, 16), &row(9, 16)).unwrap_err();
+    assert!(matches!(err, CacheError::PoolExhausted { needed: 2, free: 1 }), "{err}");
+    assert!(before == c);
+    let big = Tensor::new(Shape::new(2, 20, 8), row(3, 320)).unwrap();
+    assert!(matches!(c.extend(a, 1, &big, &big), Err(CacheError::PoolExhausted { .. })));
+    assert!(before == c);
+    // Freeing makes room again.
+    c.free(a).unwrap();
+    let b = c.create();
+    c.extend(b, 1, &big.prefix(9).unwrap(), &big.prefix(9).unwrap()).unwrap();
+}
+
+#[test]
+fn truncating_into_a_quantized_block_is_refused() {
+    let mut c = small_cache(24);
+    let a = c.create();
+    for t in 0..14 {
+        c.append(a, 0, &row(t, 16), &row(t, 16)).unwrap();
+    }
+    // 1 sink, 13 more tokens, residual 1 block of 4: keys of tokens 1..9 are quantized.
+    let before = c.clone();
+    let err = c.truncate(a, 7).unwrap_err();
+    assert!(
+        matches!(err, CacheError::TruncateIntoBlock { quantized_from: 5, quantized_until: 9, .. }),
+        "{err}"
+    );
+    assert!(before == c);
+    c.truncate(a, 5).unwrap();
+    assert_eq!(c.len(a, 0).unwrap(), 5);
+    c.truncate(a, 0).unwrap();
+    assert_eq!(c.block_table(a, 0).unwrap().len(), 0);
+}
+
+#[test]
+fn bad_configs_and_inputs() {
+    let base = CacheConfig::new(1, 2, 8, 4);
+    let spec = |s: &str| s.parse::<QuantSpec>().unwrap();
+    for cfg in [
+        base.clone().with_specs(spec("int4-head"), spec("int4-token")),
+        base.clone().with_specs(spec("lloyd4-token"), spec("int4-token")),
+        base.clone().with_specs(spec("int4-channel8"), spec("int4-token")).with_block_size(4),
+        base.clone().with_specs(spec("int4-g3"), spec("int4-token")),
+        base.clone().with_block_size(0),
+        CacheConfig::new(0, 2, 8, 4),
+    ] {
+        assert!(matches!(PagedCache::new(cfg), Err(CacheError::Config(_))));
+    }
+    let mut c = PagedCache::new(base).unwrap();
+    let a = c.create();
+    assert!(matches!(c.append(a, 1, &row(0, 16), &row(0, 16)), Err(CacheError::Layer { .. })));
+    assert!(matches!(c.append(a, 0, &row(0, 15), &row(0, 16)), Err(CacheError::Shape { .. })));
+    let mut huge = row(0, 16);
+    huge[3] = 1e6;
+    assert!(matches!(c.append(a, 0, &huge, &row(0, 16)), Err(CacheError::Quant(_))));
+    c.free(a).unwrap();
+    assert!(matches!(c.free(a), Err(CacheError::UnknownSequence(_))));
+    assert!(matches!(c.fork(a), Err(CacheError::UnknownSequence(_))));
+}
+
+#[test]
+fn static_calibration_streams_and_counts_clamps() {
+    let shape = Shape::new(2, 16, 8);
+    let sample =
+        Tensor::new(shape, (0..shape.len()).map(|i| ((i * 7) % 19) as f32 * 0.1 - 0.9).collect()).unwrap();
+    let cal = Calibration::from_tensors(std::slice::from_ref(&sample), std::slice::from_ref(&sample), None)
+        .unwrap();
+    let config = CacheConfig::new(1, 2, 8, 12)
+        .with_block_size(4)
+        .with_specs("int8-head".parse().unwrap(), "int4-tensor".parse().unwrap())
+        .with_calibration(cal);
+    let mut c = PagedCache::new(config).unwrap();
+    let a = c.create();
+    c.extend(a, 0, &sample, &sample).unwrap();
+    assert_eq!(c.stats().clamped_values, 0);
+    let k = c.dequantize(a, 0, 1, Part::K).unwrap();
+    let head1 = &sample.data()[16 * 8..];
+    let max_err = k.iter().zip(head1).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(max_err < 1.8 / 255.0, "{max_err}");
+    // Out-of-range values are clamped and counted, not wrong silently.
+    let mut out = vec![0.0f32; 16];
+    out[0] = 5.0;
+    out[9] = -5.0;
+    c.append(a, 0, &out, &out).unwrap();
+    assert_eq!(c.stats().clamped_values, 4);
+    let mem = c.memory();
+    // Static parameters are held once: one (scale, offset) per head for K, one per layer for V.
+    assert_eq!(mem.layers[0].static_param_bytes, 2 * 2 * 2 + 2 * 2 * 2);
+    assert_eq!(mem.layers[0].param_bytes, 0);
+}
+
+#[test]
+fn memory_is_exact() {
+    let mut c = small_cache(24);
+    let a = c.create();
+    for t in 0..10 {
+        c.append(a, 0, &row(t, 16), &row(t, 16)).unwrap();
+    }
+    let m = c.memory();
+    let l0 = m.layers[0];
+    // Blocks: 9 tokens after the sink → 3 blocks of 4 × 2 heads.
+    assert_eq!(l0.blocks, 6);
+    // Per block: K codes 4 rows × 4 bytes + 8 channels × (scale, offset) × 2 bytes,
+    // V codes 4 × 4 + 4 rows × (scale, offset) × 2.
+    assert_eq!(m.block_bytes, (16 + 32) + (16 + 16));
+    assert_eq!(l0.code_bytes, 6 * 32);
+    assert_eq!(l0.param_bytes, 6 * 48);
+    // Sinks: 1 token × 8 × f16 for K and V, 2 heads. Tail: residual 1 block + 1 token of K.
+    assert_eq!(l0.sink_bytes, 2 * 2 * 8 * 2);
+    assert_eq!(l0.tail_bytes, 2 * 5 * 8 * 2);
+    assert_eq!(l0.table_bytes, 6 * 4);
+    assert_eq!(m.layers[1], Default::default());
+    assert_eq!(m.free_blocks, 18);
+    let b = c.fork(a).unwrap();
+    let shared = c.memory();
+    assert_eq!(shared.layers[0].blocks, 6, "shared blocks count once");
+    assert_eq!(shared.layers[0].tail_bytes, 2 * l0.tail_bytes);
+    c.free(b).unwrap();
+}
+
+fn real_layer(layer: usize) -> Option<(Tensor, Tensor, Tensor)> {
+    let path =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/kv-smollm2-135m-sample.safetensors");
+    let file = if std::path::Path::new(path).exists() {
+        TensorFile::open(path).unwrap()
+    } else {
+        assert!(std::env::var_os("CI").is_none(), "CI must provide ../shared/data");
+        TensorFile::open(concat!(env!("CARGO_MANIFEST_DIR"), "/../kvq/data/sample.safetensors")).unwrap()
+    };
+    let read = |s: &str| file.read(&format!("layer{layer}.{s}")).ok();
+    Some((read("q")?, read("k")?, read("v")?))
+}
+
+/// Streams real keys and values token by token and compares attention against the offline
+/// per-channel (K) / per-token (V) quantization of the same tokens.
+#[test]
+fn streaming_real_data_matches_offline_quantization() {
+    let (q, k, v) = real_layer(9).unwrap();
+    let s = k.shape();
+    let tokens = s.tokens.min(512);
+    let (q, k, v) = (q.prefix(tokens).unwrap(), k.prefix(tokens).unwrap(), v.prefix(tokens).unwrap());
+    let positions: Vec<usize> = (tokens - 16..tokens).collect();
+    let reference = attention(&q, &k, &v, &positions).unwrap();
+    let mut errors = Vec::new();
+    for bs in [16usize, 64] {
+        let config = CacheConfig::new(1, s.heads, s.head_dim, s.heads * tokens.div_ceil(bs))
+            .with_block_size(bs)
+            .with_tail_dtype(TailDtype::F32);
+        let mut c = PagedCache::new(config).unwrap();
+        let a = c.create();
+        let d = s.head_dim;
+        for t in 0..tokens {
+            let gather =
+                |x: &Tensor| (0..s.heads).flat_map(|h| x.row(0, h, t).to_vec()).collect::<Vec<f32>>();
+            c.append(a, 0, &gather(&k), &gather(&v)).unwrap();
+        }
+        let collect = |part| {
+            let data: Vec<f32> = (0..s.heads).flat_map(|h| c.dequantize(a, 0, h, part).unwrap()).collect();
+            Tensor::new(Shape::new(s.heads, tokens, d), data).unwrap()
+        };
+        let (k_hat, v_hat) = (collect(Part::K), collect(Part::V));
+        let streamed =
+            compare_attention(&reference, &attention(&q, &k_hat, &v_hat, &positions).unwrap()).unwrap();
+
+        // Offline: the same grouping (blocks of bs tokens) over the tokens the cache quantized,
+        // with the residual tail exact.
+        let done = tokens / bs * bs;
+        let k_off = quantize(&k.prefix(done).unwrap(), &format!("int4-channel{bs}").parse().unwrap())
+            .unwrap()
+            .dequantize();
+        let mut k_data = Vec::new();
+        for h in 0..s.heads {
+            k_data.extend_from_slice(&k_off.data()[h * done * d..(h + 1) * done * d]);
+            k_data.extend_from_slice(&k.data()[(h * tokens + done) * d..(h + 1) * tokens * d]);
+        }
+        let k_off = Tensor::new(k.shape(), k_data).unwrap();
+        let v_off = quantize(&v, &"int4-token".parse().unwrap()).unwrap().dequantize();
+        let offline =
+            compare_attention(&reference, &attention(&q, &k_off, &v_off, &positions).unwrap()).unwrap();
+        assert_eq!(k_hat.data(), k_off.data(), "block size {bs}: streamed keys equal offline keys");
+        assert_eq!(v_hat.data(), v_off.data(), "block size {bs}: streamed values equal offline values");
+        assert!((streamed.output_rel_l2 - offline.output_rel_l2).abs() < 1e-12);
+        errors.push(streamed.output_rel_l2);
+    }
+    assert!(errors[0] < errors[1], "smaller blocks should fit key ranges better: {errors:?}");
+}
