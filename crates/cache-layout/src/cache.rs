@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use kvq_quant_core::calibration::Part;
-use kvq_quant_core::{GroupParams, ParamDtype, Tensor};
+use kvq_quant_core::{GroupParams, ParamDtype, Tensor, row_stats};
 
 use crate::config::CacheConfig;
 use crate::error::{CacheError, Result};
@@ -305,6 +305,10 @@ impl PagedCache {
             for h in 0..self.config.kv_heads {
                 for t in 0..n {
                     let x = row(i, h, t);
+                    let (lo, hi, finite) = row_stats(x);
+                    if finite && lo.abs().max(hi.abs()) <= limit {
+                        continue;
+                    }
                     if let Some(c) = x.iter().position(|v| !v.is_finite()) {
                         return Err(CacheError::NonFinite {
                             part: if i == 0 { "key" } else { "value" },

@@ -10,8 +10,9 @@
 //!   calibrated parameters live once in the cache.
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use kvq_quant_core::pack::{pack_row, packed_len, unpack_row};
-use kvq_quant_core::{Codec, Granularity, GroupParams, ParamDtype, QuantSpec, quantize_row};
+use kvq_quant_core::{ChannelParams, Codec, Granularity, GroupParams, ParamDtype, QuantSpec, quantize_row};
 
 use crate::config::TailDtype;
 use crate::error::Result;
@@ -209,8 +210,9 @@ impl PartLayout {
         for (g, &p) in params.iter().enumerate() {
             self.write_param(region, g, p);
         }
+        let channels = ChannelParams::new(&params);
         for (r, x) in rows.chunks_exact(d).enumerate() {
-            self.codec.encode_per_element(x, &params, scratch);
+            self.codec.encode_channels(x, &channels, scratch);
             pack_row(scratch, self.spec.bits(), &mut region[r * self.row_bytes..(r + 1) * self.row_bytes])?;
         }
         Ok(())
@@ -282,7 +284,12 @@ impl TailBuf {
 
     pub(crate) fn push(&mut self, x: &[f32]) {
         match self {
-            TailBuf::F16(v) => v.extend(x.iter().map(|&a| f16::from_f32(a))),
+            TailBuf::F16(v) => {
+                // Slice conversion: one feature check, then F16C/NEON for the whole row.
+                let start = v.len();
+                v.resize(start + x.len(), f16::ZERO);
+                v[start..].convert_from_f32_slice(x);
+            }
             TailBuf::F32(v) => v.extend_from_slice(x),
         }
     }
@@ -311,7 +318,11 @@ impl TailBuf {
     /// Values `range` widened to f32, appended to `out`.
     pub fn extend_f32(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
         match self {
-            TailBuf::F16(v) => out.extend(v[range].iter().map(|h| h.to_f32())),
+            TailBuf::F16(v) => {
+                let start = out.len();
+                out.resize(start + range.len(), 0.0);
+                v[range].convert_to_f32_slice(&mut out[start..]);
+            }
             TailBuf::F32(v) => out.extend_from_slice(&v[range]),
         }
     }

@@ -69,6 +69,33 @@ pub struct GroupParams {
     pub offset: f32,
 }
 
+/// Per-channel parameters with their reciprocals computed once, for encoding many rows.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ChannelParams {
+    params: Vec<GroupParams>,
+    offset: Vec<f32>,
+    inv: Vec<f32>,
+}
+
+impl ChannelParams {
+    /// Prepares `params` (one per channel).
+    pub fn new(params: &[GroupParams]) -> Self {
+        Self {
+            params: params.to_vec(),
+            offset: params.iter().map(|p| p.offset).collect(),
+            inv: params
+                .iter()
+                .map(|p| if p.scale > f32::MIN_POSITIVE { 1.0 / p.scale } else { 0.0 })
+                .collect(),
+        }
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &[GroupParams] {
+        &self.params
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 enum Math {
     Affine { levels: f32 },
@@ -180,16 +207,22 @@ impl Codec {
 
     /// Encodes `x` with one set of parameters per element (`params[i]` for `x[i]`), as
     /// per-channel groups need. Each element is encoded exactly as [`Codec::encode`] would.
+    /// Encoding many rows with the same parameters is faster through [`ChannelParams`].
     pub fn encode_per_element(&self, x: &[f32], params: &[GroupParams], out: &mut [u8]) {
+        self.encode_channels(x, &ChannelParams::new(params), out);
+    }
+
+    /// Encodes one row with per-channel parameters prepared once for many rows.
+    pub fn encode_channels(&self, x: &[f32], channels: &ChannelParams, out: &mut [u8]) {
         if let Math::Affine { levels } = &self.math {
             let levels = *levels;
-            for ((o, &v), p) in out.iter_mut().zip(x).zip(params) {
-                let inv = if p.scale > f32::MIN_POSITIVE { 1.0 / p.scale } else { 0.0 };
-                *o = round_to_code(clamp((v - p.offset) * inv, 0.0, levels) + 0.0);
+            let lanes = out.iter_mut().zip(x).zip(channels.offset.iter().zip(&channels.inv));
+            for ((o, &v), (&off, &inv)) in lanes {
+                *o = round_to_code(clamp((v - off) * inv, 0.0, levels) + 0.0);
             }
             return;
         }
-        for ((o, v), p) in out.iter_mut().zip(x).zip(params) {
+        for ((o, v), p) in out.iter_mut().zip(x).zip(&channels.params) {
             self.encode(std::slice::from_ref(v), *p, std::slice::from_mut(o));
         }
     }

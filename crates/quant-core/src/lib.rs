@@ -42,7 +42,7 @@ pub mod tensor;
 
 pub use calibration::{Calibration, Part};
 pub use codebook::Codebook;
-pub use codec::{Codec, GroupParams};
+pub use codec::{ChannelParams, Codec, GroupParams};
 pub use error::{QuantError, Result};
 pub use format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec};
 pub use fp8::Fp8Format;

@@ -8,7 +8,7 @@
 //! channel (`segment = 1`) shared by the tokens of a block.
 
 use crate::codebook::Codebook;
-use crate::codec::{Codec, GroupParams};
+use crate::codec::{ChannelParams, Codec, GroupParams};
 use crate::error::{QuantError, Result};
 use crate::format::{CodebookSource, Granularity, Kind, QuantSpec};
 use crate::memory::MemoryReport;
@@ -167,10 +167,14 @@ fn encode_tensor(
     let row_bytes = packed_len_unchecked(d, spec.bits());
     let mut codes = vec![0u8; row_bytes * shape.rows()];
     let mut row_codes = vec![0u8; d];
+    let mut channels = (usize::MAX, ChannelParams::default());
     for (r, (x, out)) in tensor.data().chunks_exact(d).zip(codes.chunks_exact_mut(row_bytes)).enumerate() {
         let (first, seg) = layout.row_groups(r);
         if seg == 1 {
-            codec.encode_per_element(x, &params[first..first + d], &mut row_codes);
+            if channels.0 != first {
+                channels = (first, ChannelParams::new(&params[first..first + d]));
+            }
+            codec.encode_channels(x, &channels.1, &mut row_codes);
         } else {
             for (g, (xs, cs)) in x.chunks(seg).zip(row_codes.chunks_mut(seg)).enumerate() {
                 codec.encode(xs, params[first + g], cs);
