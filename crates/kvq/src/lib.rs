@@ -4,7 +4,7 @@
 //! workspace's crates and hosts the analysis behind the `kvq` command-line tool.
 //!
 //! - [`quant`] (`kvq-quant-core`): formats, packing, metrics, safetensors input.
-//! - [`layout`] (`kvq-cache-layout`): paged cache storage (not yet implemented).
+//! - [`layout`] (`kvq-cache-layout`): the paged, streaming cache.
 //! - [`kernels`] (`kvq-kernels-simd`): fused SIMD kernels (not yet implemented).
 //! - [`analysis`]: the `kvq analyze` report.
 //!
