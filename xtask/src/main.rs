@@ -1,22 +1,37 @@
-//! `cargo xtask <command>`: project automation that needs nothing but cargo.
+//! `cargo xtask <command>`: project automation that needs nothing but cargo (and, for
+//! `cross`, Debian packages it installs itself).
 //!
-//! Commands:
-//! - `make-sample SRC OUT [TOKENS]`: cut the embedded default sample (the first TOKENS tokens
-//!   of the q, k and v tensors of every layer) out of a capture such as
-//!   `../shared/data/kv-smollm2-135m-sample.safetensors`, keeping its metadata.
-//! - `ci`: formatting, clippy with warnings denied, and the tests.
+//! - `ci`: formatting, clippy with warnings denied, the tests, and the docs with warnings denied.
+//! - `test --level baseline|v3|native|scalar`: the test suite built with the matching
+//!   RUSTFLAGS (none; `-C target-cpu=x86-64-v3`; `-C target-cpu=native`) or with the scalar
+//!   kernels forced; prints `rustc --print cfg` and the backend chosen first.
+//! - `cross`: builds for aarch64-unknown-linux-gnu with Debian's toolchain and runs the tests
+//!   under qemu-user twice: `-cpu max` (dotprod) and `-cpu cortex-a72` (no dotprod).
+//! - `bench [--quick]`: the criterion benches, summarized in `target/kvq-bench.{md,json}`.
+//! - `miri`: the tests of the crates without SIMD under miri (needs nightly with miri).
+//! - `make-sample SRC OUT [TOKENS]`: cuts the embedded sample out of a capture.
+//!
+//! With `XTASK_TALLY=FILE`, every test run appends `passed failed` to FILE, so that a CI
+//! script can sum them.
 
 use std::collections::HashMap;
-use std::process::{Command, ExitCode};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
 
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let rest = args.get(1..).unwrap_or_default();
     let result = match args.first().map(String::as_str) {
-        Some("make-sample") => make_sample(&args[1..]),
         Some("ci") => ci(),
+        Some("test") => test_level(rest),
+        Some("cross") => cross(),
+        Some("bench") => bench(rest),
+        Some("miri") => miri(),
+        Some("make-sample") => make_sample(rest),
         _ => Err(usage()),
     };
     match result {
@@ -29,7 +44,18 @@ fn main() -> ExitCode {
 }
 
 fn usage() -> String {
-    "usage: cargo xtask <make-sample SRC OUT [TOKENS] | ci>".into()
+    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] | miri | make-sample SRC OUT [TOKENS]>"
+        .into()
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
 }
 
 fn run(cmd: &mut Command) -> Result<(), String> {
@@ -38,10 +64,258 @@ fn run(cmd: &mut Command) -> Result<(), String> {
     if status.success() { Ok(()) } else { Err(format!("{cmd:?} failed with {status}")) }
 }
 
+/// Runs a `cargo test`-like command, echoing its output, and counts the tests it reports.
+fn run_tests(cmd: &mut Command, label: &str) -> Result<(), String> {
+    eprintln!("xtask: running {cmd:?}");
+    let mut child = cmd.stdout(Stdio::piped()).spawn().map_err(|e| format!("{cmd:?}: {e}"))?;
+    let (mut passed, mut failed) = (0u64, 0u64);
+    let out = child.stdout.take().expect("piped");
+    let stdout = std::io::stdout();
+    for line in BufReader::new(out).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let _ = writeln!(stdout.lock(), "{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            let num = |word: &str| -> u64 {
+                rest.split(';')
+                    .find_map(|part| part.trim().strip_suffix(word)?.trim().rsplit(' ').next()?.parse().ok())
+                    .unwrap_or(0)
+            };
+            passed += num("passed");
+            failed += num("failed");
+        }
+    }
+    let status = child.wait().map_err(|e| e.to_string())?;
+    if !status.success() && failed == 0 {
+        // A build failure or a crash counts as one failure so that the tally cannot hide it.
+        failed = 1;
+    }
+    println!("xtask {label}: {passed} passed, {failed} failed");
+    if let Ok(tally) = std::env::var("XTASK_TALLY") {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&tally)
+            .map_err(|e| format!("{tally}: {e}"))?;
+        writeln!(f, "{passed} {failed}").map_err(|e| e.to_string())?;
+    }
+    if status.success() { Ok(()) } else { Err(format!("{label}: tests failed ({status})")) }
+}
+
 fn ci() -> Result<(), String> {
-    run(Command::new("cargo").args(["fmt", "--all", "--", "--check"]))?;
-    run(Command::new("cargo").args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
-    run(Command::new("cargo").args(["test", "--workspace"]))
+    run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    run(cargo().args(["doc", "--workspace", "--no-deps"]).env("RUSTDOCFLAGS", "-D warnings"))?;
+    run_tests(cargo().args(["test", "--workspace"]), "tests")
+}
+
+/// Clears every way rustflags could leak in from the caller's environment.
+fn clean_flags(cmd: &mut Command) -> &mut Command {
+    for var in ["RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS", "CARGO_BUILD_RUSTFLAGS", "KVQ_FORCE_BACKEND"] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+fn test_level(args: &[String]) -> Result<(), String> {
+    let level = match args {
+        [flag, level] if flag == "--level" => level.as_str(),
+        [flag] if flag.starts_with("--level=") => &flag["--level=".len()..],
+        _ => return Err(usage()),
+    };
+    let (flags, target_dir, forced) = match level {
+        "baseline" => ("", None, None),
+        "v3" => ("-C target-cpu=x86-64-v3", Some("target/level-v3"), None),
+        "native" => ("-C target-cpu=native", Some("target/level-native"), None),
+        "scalar" => ("", None, Some("scalar")),
+        other => return Err(format!("unknown level {other:?}; use baseline, v3, native or scalar")),
+    };
+    let configure = |cmd: &mut Command| {
+        clean_flags(cmd);
+        if !flags.is_empty() {
+            cmd.env("RUSTFLAGS", flags);
+        }
+        if let Some(dir) = target_dir {
+            cmd.env("CARGO_TARGET_DIR", root().join(dir));
+        }
+        if let Some(b) = forced {
+            cmd.env("KVQ_FORCE_BACKEND", b);
+        }
+    };
+    // Say which code paths this log is about: the compile-time features, and the backend.
+    let mut cfg = Command::new("rustc");
+    cfg.args(["--print", "cfg"]).args(flags.split_whitespace());
+    let printed = cfg.output().map_err(|e| format!("rustc --print cfg: {e}"))?;
+    let features: Vec<String> = String::from_utf8_lossy(&printed.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("target_feature=").map(|f| f.trim_matches('"').to_string()))
+        .collect();
+    println!(
+        "xtask: level {level}: RUSTFLAGS={flags:?}; rustc --print cfg target features: {}",
+        features.join(" ")
+    );
+    let mut info = cargo();
+    info.args(["run", "--quiet", "-p", "kvq", "--", "info"]);
+    configure(&mut info);
+    run(&mut info)?;
+    let mut test = cargo();
+    test.args(["test", "--workspace"]);
+    configure(&mut test);
+    run_tests(&mut test, &format!("tests at level {level}"))
+}
+
+const CROSS_TARGET: &str = "aarch64-unknown-linux-gnu";
+const APT_PACKAGES: &[&str] = &[
+    "gcc-aarch64-linux-gnu",
+    "libc6-dev-arm64-cross",
+    "qemu-user",
+    "rustc-web",
+    "cargo-web",
+    "libstd-rust-web-dev:arm64",
+];
+
+fn cross_tools_present() -> bool {
+    let exists = |p: &str| Path::new(p).exists();
+    exists("/usr/bin/cargo")
+        && exists("/usr/bin/rustc")
+        && exists("/usr/lib/rustlib/aarch64-unknown-linux-gnu/lib")
+        && which("aarch64-linux-gnu-gcc")
+        && which("qemu-aarch64")
+}
+
+fn which(name: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()))
+}
+
+fn install_cross_tools() -> Result<(), String> {
+    let apt_line = format!("apt-get install -y --no-install-recommends {}", APT_PACKAGES.join(" "));
+    let is_root =
+        Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    if !is_root {
+        return Err(format!(
+            "the aarch64 toolchain is missing; as root run: dpkg --add-architecture arm64 && apt-get update && {apt_line}"
+        ));
+    }
+    eprintln!("xtask: installing the aarch64 cross toolchain from Debian packages");
+    run(Command::new("dpkg").args(["--add-architecture", "arm64"]))?;
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(APT_PACKAGES)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+fn cross() -> Result<(), String> {
+    if !cross_tools_present() {
+        install_cross_tools()?;
+    }
+    let cross_cargo = std::env::var("XTASK_CROSS_CARGO").unwrap_or_else(|_| "/usr/bin/cargo".into());
+    let configure = |cpu: &str, dotprod: bool| {
+        let mut cmd = Command::new(&cross_cargo);
+        cmd.current_dir(root());
+        clean_flags(&mut cmd);
+        cmd.env_remove("RUSTUP_TOOLCHAIN")
+            .env_remove("CARGO_BUILD_TARGET")
+            .env("RUSTC", std::env::var("XTASK_CROSS_RUSTC").unwrap_or_else(|_| "/usr/bin/rustc".into()))
+            .env(
+                "RUSTDOC",
+                std::env::var("XTASK_CROSS_RUSTDOC").unwrap_or_else(|_| "/usr/bin/rustdoc".into()),
+            )
+            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", "aarch64-linux-gnu-gcc")
+            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", format!("qemu-aarch64 -cpu {cpu}"))
+            // Tests that spawn the kvq binary run it through the same emulator.
+            .env("KVQ_TEST_RUNNER", format!("qemu-aarch64 -cpu {cpu}"))
+            .env("EXPECT_ARCH", "aarch64")
+            .env("EXPECT_DOTPROD", if dotprod { "1" } else { "0" })
+            // Emulation is slow: keep property tests small (they run in full natively).
+            .env("PROPTEST_CASES", "16")
+            .args(["test", "--workspace", "--exclude", "xtask", "--exclude", "kvq-benches"])
+            .args(["--target", CROSS_TARGET, "--target-dir"])
+            .arg(root().join("target/aarch64-cross"));
+        cmd
+    };
+    for (cpu, dotprod) in [("max", true), ("cortex-a72", false)] {
+        run_tests(&mut configure(cpu, dotprod), &format!("aarch64 tests under qemu -cpu {cpu}"))?;
+    }
+    Ok(())
+}
+
+fn bench(args: &[String]) -> Result<(), String> {
+    let quick = args.iter().any(|a| a == "--quick");
+    let mut cmd = cargo();
+    clean_flags(&mut cmd);
+    cmd.args(["bench", "-p", "kvq-benches", "--"]);
+    if quick {
+        cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1", "--sample-size", "20"]);
+    }
+    run(&mut cmd)?;
+    summarize_benches()
+}
+
+/// Reads criterion's estimates and writes one table (markdown and JSON) under `target/`.
+fn summarize_benches() -> Result<(), String> {
+    let dir = root().join("target/criterion");
+    let mut rows: Vec<(String, f64, Option<String>)> = Vec::new();
+    let mut stack = vec![dir.clone()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n == "new") {
+                    let est = std::fs::read_to_string(p.join("estimates.json")).ok();
+                    let meta = std::fs::read_to_string(p.join("benchmark.json")).ok();
+                    if let (Some(est), Some(meta)) = (est, meta) {
+                        let est: serde_json::Value = serde_json::from_str(&est).map_err(|e| e.to_string())?;
+                        let meta: serde_json::Value =
+                            serde_json::from_str(&meta).map_err(|e| e.to_string())?;
+                        let ns = est["mean"]["point_estimate"].as_f64().unwrap_or(f64::NAN);
+                        let id = meta["full_id"].as_str().unwrap_or("?").to_string();
+                        let thr = &meta["throughput"];
+                        let rate = if let Some(b) = thr["Bytes"].as_f64() {
+                            Some(format!("{:.2} GB/s", b / ns))
+                        } else {
+                            thr["Elements"].as_f64().map(|n| format!("{:.1} ns/elem", ns / n))
+                        };
+                        rows.push((id, ns, rate));
+                    }
+                } else {
+                    stack.push(p);
+                }
+            }
+        }
+    }
+    rows.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut md = String::from("| benchmark | mean | rate |\n|---|---|---|\n");
+    for (id, ns, rate) in &rows {
+        let time = if *ns >= 1e6 { format!("{:.3} ms", ns / 1e6) } else { format!("{ns:.1} ns") };
+        md += &format!("| {id} | {time} | {} |\n", rate.as_deref().unwrap_or(""));
+    }
+    let json = serde_json::json!(
+        rows.iter()
+            .map(|(id, ns, rate)| serde_json::json!({"id": id, "mean_ns": ns, "rate": rate}))
+            .collect::<Vec<_>>()
+    );
+    std::fs::write(root().join("target/kvq-bench.md"), &md).map_err(|e| e.to_string())?;
+    std::fs::write(
+        root().join("target/kvq-bench.json"),
+        serde_json::to_string_pretty(&json).unwrap_or_default(),
+    )
+    .map_err(|e| e.to_string())?;
+    println!("{md}");
+    println!("xtask: wrote target/kvq-bench.md and target/kvq-bench.json");
+    Ok(())
+}
+
+fn miri() -> Result<(), String> {
+    let probe = Command::new("cargo").args(["+nightly", "miri", "--version"]).output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        return Err("miri is not installed for the nightly toolchain on this machine (rustup component add miri needs a download); nothing was run".into());
+    }
+    let mut cmd = cargo();
+    clean_flags(&mut cmd);
+    cmd.args(["+nightly", "miri", "test", "-p", "kvq-quant-core", "-p", "kvq-cache-layout"])
+        .env("PROPTEST_CASES", "4");
+    run_tests(&mut cmd, "miri tests")
 }
 
 fn make_sample(args: &[String]) -> Result<(), String> {

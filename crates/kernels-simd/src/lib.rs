@@ -1,9 +1,18 @@
 //! # kvq-kernels-simd
 //!
-//! **Not implemented yet.** This crate will hold the fused kernels that read a quantized KV
-//! cache without materializing it: dequantize, dequant-dot (attention scores) and dequant-axpy
-//! (value accumulation) for every block format, each with a scalar reference, on `wide` for the
-//! portable path and `std::arch` paths chosen at run time (see `docs/architecture.md`). It is
-//! the only crate of the workspace allowed `unsafe`, and it knows nothing about pages.
+//! Kernels that read a quantized KV cache without materializing it. This crate is the only
+//! one of the workspace allowed `unsafe` (for `std::arch` intrinsics); every `unsafe` block
+//! carries a `// SAFETY:` comment, and every kernel has a scalar reference beside it.
 //!
-//! Until then it exports nothing, so that no caller mistakes it for working code.
+//! **Status:** only the backend [`dispatch`] exists so far. The fused dequantize,
+//! dequant-dot (attention scores) and dequant-axpy (value accumulation) kernels are not
+//! implemented yet; nothing here pretends to compute them.
+//!
+//! ```
+//! use kvq_kernels_simd::dispatch::{self, Backend};
+//! let best = dispatch::detect();
+//! assert!(best.is_available());
+//! assert!(dispatch::available().contains(&Backend::Scalar));
+//! ```
+
+pub mod dispatch;

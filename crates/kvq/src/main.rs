@@ -18,6 +18,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Print the build, the CPU's kernel backends and the one selected.
+    Info,
     /// Compare quantization specs on a model's keys, values and attention.
     ///
     /// Reads tensors named layer<L>.q, layer<L>.k and layer<L>.v ([heads, tokens, head_dim],
@@ -53,6 +55,16 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
+        Command::Info => {
+            use kvq::kernels::dispatch;
+            println!("kvq {}", env!("CARGO_PKG_VERSION"));
+            println!("arch: {}", std::env::consts::ARCH);
+            let names: Vec<&str> = dispatch::available().iter().map(|b| b.name()).collect();
+            println!("available backends: {}", names.join(", "));
+            println!("best backend: {}", dispatch::detect());
+            println!("selected backend: {}", dispatch::selected()?);
+            Ok(())
+        }
         Command::Analyze { file, synthetic, specs, positions, json } => {
             let specs = if specs.is_empty() {
                 analysis::default_specs()

@@ -6,7 +6,7 @@
 //!
 //! - [`QuantSpec`]: a format (affine, symmetric, FP8 e4m3/e5m2, NF4 or Lloyd-Max codebook;
 //!   1 to 8 bits) and a [`Granularity`] (per tensor, head, channel, token, or groups of G).
-//! - [`quantize`] turns a [`Tensor`] shaped `[batch, heads, tokens, head_dim]` into a
+//! - [`quantize()`] turns a [`Tensor`] shaped `[batch, heads, tokens, head_dim]` into a
 //!   [`QuantizedTensor`] of packed codes and parameters; [`QuantizedTensor::memory`] counts
 //!   every byte.
 //! - [`metrics`] measures the damage: MSE, cosine, SNR, and errors of attention outputs.
