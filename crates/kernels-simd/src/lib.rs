@@ -1,18 +1,114 @@
 //! # kvq-kernels-simd
 //!
-//! Kernels that read a quantized KV cache without materializing it. This crate is the only
-//! one of the workspace allowed `unsafe` (for `std::arch` intrinsics); every `unsafe` block
-//! carries a `// SAFETY:` comment, and every kernel has a scalar reference beside it.
+//! Kernels that read a quantized KV cache block without materializing it in f32: dequantize,
+//! scores (`s[t] = q · k̂[t]`, for several query rows at once, as a GQA group needs) and axpy
+//! (`o += Σ_t p[t] · v̂[t]`). Every kernel has a scalar reference in [`scalar`]; the `wide`
+//! backend in [`portable`] is tested against it on random blocks of many shapes.
 //!
-//! **Status:** only the backend [`dispatch`] exists so far. The fused dequantize,
-//! dequant-dot (attention scores) and dequant-axpy (value accumulation) kernels are not
-//! implemented yet; nothing here pretends to compute them.
+//! This crate is the only one of the workspace allowed `unsafe` (for `std::arch` paths); it
+//! has none yet. **Status:** the scalar and `wide` backends exist for affine, symmetric and
+//! table (FP8, codebook) levels with per-row or per-channel parameters. The AVX2, AVX-512 and
+//! dotprod backends are detected by [`dispatch`] but have no kernels of their own yet:
+//! [`implementation`] says which code actually runs (`wide` for them), so no log claims a path
+//! that did not run.
 //!
 //! ```
-//! use kvq_kernels_simd::dispatch::{self, Backend};
-//! let best = dispatch::detect();
-//! assert!(best.is_available());
-//! assert!(dispatch::available().contains(&Backend::Scalar));
+//! use kvq_kernels_simd::{Backend, Levels, Params, QuantBlock, scores_with};
+//! // Two rows of 8 INT8 codes, per-row scale and offset.
+//! let codes: Vec<u8> = (0..16).collect();
+//! let block = QuantBlock::new(&codes, 2, 8, 8, Levels::Affine,
+//!     Params::PerRow { scale: &[0.5, 1.0], offset: Some(&[0.0, -1.0]) })?;
+//! let q = [1.0f32; 8];
+//! let mut s = [0.0f32; 2];
+//! scores_with(Backend::Wide, &block, &q, 1, &mut s)?;
+//! assert_eq!(s, [0.5 * 28.0, 92.0 - 8.0]);
+//! # Ok::<(), kvq_kernels_simd::KernelError>(())
 //! ```
 
+pub mod block;
 pub mod dispatch;
+pub mod portable;
+pub mod scalar;
+
+pub use block::{KernelError, Levels, Params, QuantBlock};
+pub use dispatch::Backend;
+
+/// The code that runs for `backend`: architecture backends without kernels of their own yet
+/// run the `wide` kernels.
+pub fn implementation(backend: Backend) -> Backend {
+    match backend {
+        Backend::Scalar => Backend::Scalar,
+        Backend::Wide | Backend::Avx2 | Backend::Avx512 | Backend::Dotprod => Backend::Wide,
+    }
+}
+
+fn check(ok: bool, what: impl FnOnce() -> String) -> Result<(), KernelError> {
+    if ok { Ok(()) } else { Err(KernelError::Shape(what())) }
+}
+
+/// `out[r · dim + d] = x̂[r][d]` with `backend`.
+///
+/// # Errors
+/// [`KernelError::Shape`] when `out` is not `rows × dim` long.
+pub fn dequantize_with(backend: Backend, b: &QuantBlock<'_>, out: &mut [f32]) -> Result<(), KernelError> {
+    check(out.len() == b.rows * b.dim, || format!("{} outputs for {} × {}", out.len(), b.rows, b.dim))?;
+    match implementation(backend) {
+        Backend::Scalar => scalar::dequantize(b, out),
+        _ => portable::dequantize(b, out),
+    }
+    Ok(())
+}
+
+/// `out[i · rows + t] = q_i · x̂[t]` for `n_q` query rows of `dim` values, with `backend`.
+///
+/// # Errors
+/// [`KernelError::Shape`] when `q` is not `n_q × dim` or `out` not `n_q × rows` long.
+pub fn scores_with(
+    backend: Backend,
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check(q.len() == n_q * b.dim && out.len() == n_q * b.rows, || {
+        format!(
+            "{n_q} queries: {} query values and {} outputs for a block of {} × {}",
+            q.len(),
+            out.len(),
+            b.rows,
+            b.dim
+        )
+    })?;
+    match implementation(backend) {
+        Backend::Scalar => scalar::scores(b, q, n_q, out),
+        _ => portable::scores(b, q, n_q, out),
+    }
+    Ok(())
+}
+
+/// `out[i · dim + d] += Σ_t p[i · rows + t] · x̂[t][d]` for `n_q` weight rows, with `backend`.
+///
+/// # Errors
+/// [`KernelError::Shape`] when `p` is not `n_q × rows` or `out` not `n_q × dim` long.
+pub fn axpy_with(
+    backend: Backend,
+    b: &QuantBlock<'_>,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check(p.len() == n_q * b.rows && out.len() == n_q * b.dim, || {
+        format!(
+            "{n_q} weight rows: {} weights and {} outputs for a block of {} × {}",
+            p.len(),
+            out.len(),
+            b.rows,
+            b.dim
+        )
+    })?;
+    match implementation(backend) {
+        Backend::Scalar => scalar::axpy(b, p, n_q, out),
+        _ => portable::axpy(b, p, n_q, out),
+    }
+    Ok(())
+}

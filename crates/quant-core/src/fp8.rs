@@ -76,7 +76,33 @@ impl Fp8Format {
 
     /// Encodes a finite value: round to nearest, ties to even, saturating at ±max.
     /// NaN encodes as 0 (callers reject NaN before they get here).
+    #[inline]
     pub fn encode(self, x: f32) -> u8 {
+        let (man_bits, bias, max_code) = match self {
+            Fp8Format::E4M3 => (3u32, 7i32, 0x7eu32),
+            Fp8Format::E5M2 => (2, 15, 0x7b),
+        };
+        let a = x.abs();
+        let code = if a.is_nan() {
+            0
+        } else if a < f32::from_bits(((1 - bias + 127) as u32) << 23) {
+            // Subnormal range: a multiple of the smallest step; 2^(M) steps reach the
+            // smallest normal, whose code follows on continuously.
+            let steps = a * f32::from_bits(((bias - 1 + man_bits as i32 + 127) as u32) << 23);
+            ((steps + 12_582_912.0) - 12_582_912.0) as u32
+        } else {
+            // Round the f32 mantissa to `man_bits` bits, ties to even, by integer arithmetic
+            // on the bits; a carry moves into the exponent as it should.
+            let shift = 23 - man_bits;
+            let bits = a.to_bits();
+            let rounded = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) >> shift;
+            rounded.saturating_sub(((127 - bias) as u32) << man_bits).min(max_code)
+        };
+        code as u8 | if x.is_sign_negative() && code != 0 { 0x80 } else { 0 }
+    }
+
+    /// The reference encoder: nearest entry of the decode table, ties to the even code.
+    pub fn encode_reference(self, x: f32) -> u8 {
         let t = self.table();
         let a = x.abs();
         let top = t.max_code as usize;
@@ -127,6 +153,26 @@ mod tests {
         let tiny = Fp8Format::E4M3.min_positive();
         assert_eq!(Fp8Format::E4M3.encode(tiny / 2.0), 0);
         assert_eq!(Fp8Format::E4M3.encode(tiny * 0.51), 1);
+    }
+
+    #[test]
+    fn fast_encoder_matches_the_reference() {
+        // Every f32 bit pattern with a stride, plus every midpoint between neighbouring codes.
+        for f in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            for bits in (0..=0x7f80_0000u32).step_by(997) {
+                let x = f32::from_bits(bits);
+                assert_eq!(f.encode(x), f.encode_reference(x), "{f:?} {x:e}");
+                assert_eq!(f.encode(-x), f.encode_reference(-x), "{f:?} {:e}", -x);
+            }
+            for c in 0..0x7eu8 {
+                let (a, b) = (f.decode(c), f.decode(c + 1));
+                if b.is_finite() {
+                    for x in [0.5 * (a + b), a + (b - a) * 0.4999, a + (b - a) * 0.5001] {
+                        assert_eq!(f.encode(x), f.encode_reference(x), "{f:?} {x:e}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

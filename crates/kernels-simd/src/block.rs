@@ -1,0 +1,117 @@
+//! What a kernel reads: one block of packed rows and its parameters, as plain slices.
+
+use kvq_quant_core::pack::packed_len;
+
+/// How a code maps to a level before scaling.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Levels<'a> {
+    /// Affine: the level is the code.
+    Affine,
+    /// Symmetric: the level is `code − zero` (`zero = 2^(bits−1)`).
+    Symmetric {
+        /// The zero point.
+        zero: f32,
+    },
+    /// A table of `2^bits` levels (FP8 decode table, codebook levels).
+    Table(&'a [f32]),
+}
+
+/// Where the scales and offsets of a block apply.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Params<'a> {
+    /// One scale (and offset) per row: per-token quantization.
+    PerRow {
+        /// `rows` scales.
+        scale: &'a [f32],
+        /// `rows` offsets, or `None` for formats without one.
+        offset: Option<&'a [f32]>,
+    },
+    /// One scale (and offset) per channel, shared by the block's rows: per-channel keys.
+    PerChannel {
+        /// `dim` scales.
+        scale: &'a [f32],
+        /// `dim` offsets, or `None`.
+        offset: Option<&'a [f32]>,
+    },
+}
+
+/// A block of `rows` packed rows of `dim` codes of `bits` bits (quant-core's bit-plane
+/// layout), with their levels and parameters: `x̂[r][d] = level(c[r][d]) · scale + offset`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QuantBlock<'a> {
+    pub(crate) codes: &'a [u8],
+    pub(crate) rows: usize,
+    pub(crate) dim: usize,
+    pub(crate) bits: u8,
+    pub(crate) row_bytes: usize,
+    pub(crate) levels: Levels<'a>,
+    pub(crate) params: Params<'a>,
+}
+
+/// Why a block or a kernel call was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// Slices of the wrong length, or a bit width out of range.
+    #[error("kernel input: {0}")]
+    Shape(String),
+}
+
+impl<'a> QuantBlock<'a> {
+    /// Checks the slices against each other.
+    ///
+    /// # Errors
+    /// [`KernelError::Shape`] when `codes` is shorter than `rows` packed rows, a parameter slice
+    /// has the wrong length, the table does not have `2^bits` entries, or `bits` is not 1..=8.
+    pub fn new(
+        codes: &'a [u8],
+        rows: usize,
+        dim: usize,
+        bits: u8,
+        levels: Levels<'a>,
+        params: Params<'a>,
+    ) -> Result<Self, KernelError> {
+        let bad = |m: String| Err(KernelError::Shape(m));
+        let row_bytes = packed_len(dim, bits).map_err(|e| KernelError::Shape(e.to_string()))?;
+        if codes.len() < rows * row_bytes {
+            return bad(format!("{} code bytes for {rows} rows of {row_bytes}", codes.len()));
+        }
+        if let Levels::Table(t) = levels
+            && t.len() != 1 << bits
+        {
+            return bad(format!("a level table of {} entries for {bits}-bit codes", t.len()));
+        }
+        let (want, scale, offset) = match params {
+            Params::PerRow { scale, offset } => (rows, scale, offset),
+            Params::PerChannel { scale, offset } => (dim, scale, offset),
+        };
+        if scale.len() != want || offset.is_some_and(|o| o.len() != want) {
+            return bad(format!("parameters for {want} groups, got {} scales", scale.len()));
+        }
+        Ok(Self { codes, rows, dim, bits, row_bytes, levels, params })
+    }
+
+    /// Rows in the block.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Values per row.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Packed codes of row `r`.
+    pub(crate) fn row(&self, r: usize) -> &'a [u8] {
+        &self.codes[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// The level of code `c`.
+    #[inline]
+    pub(crate) fn level(&self, c: u8) -> f32 {
+        match self.levels {
+            Levels::Affine => f32::from(c),
+            Levels::Symmetric { zero } => f32::from(c) - zero,
+            Levels::Table(t) => t[c as usize],
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! The scalar reference: every value decoded one by one, sums accumulated in f64. Slow and
+//! obviously right; every other backend is tested against it.
+
+use kvq_quant_core::pack::unpack_row;
+
+use crate::block::{Params, QuantBlock};
+
+/// Decodes row `r` into `out` (`dim` values) exactly as quant-core's codec does.
+pub fn decode_row(b: &QuantBlock<'_>, r: usize, out: &mut [f32]) {
+    let mut codes = vec![0u8; b.dim];
+    unpack_row(b.row(r), b.bits, &mut codes).expect("QuantBlock::new checked the lengths");
+    for (d, (o, &c)) in out.iter_mut().zip(&codes).enumerate() {
+        let (scale, offset) = match b.params {
+            Params::PerRow { scale, offset } => (scale[r], offset.map_or(0.0, |o| o[r])),
+            Params::PerChannel { scale, offset } => (scale[d], offset.map_or(0.0, |o| o[d])),
+        };
+        *o = b.level(c) * scale + offset;
+    }
+}
+
+/// `out[r · dim + d] = x̂[r][d]`.
+pub fn dequantize(b: &QuantBlock<'_>, out: &mut [f32]) {
+    for (r, o) in out.chunks_exact_mut(b.dim).take(b.rows).enumerate() {
+        decode_row(b, r, o);
+    }
+}
+
+/// `out[i · rows + r] = Σ_d q[i · dim + d] · x̂[r][d]` for `n_q` query rows.
+pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
+    let mut row = vec![0f32; b.dim];
+    for r in 0..b.rows {
+        decode_row(b, r, &mut row);
+        for i in 0..n_q {
+            let qi = &q[i * b.dim..(i + 1) * b.dim];
+            out[i * b.rows + r] =
+                qi.iter().zip(&row).map(|(&a, &x)| f64::from(a) * f64::from(x)).sum::<f64>() as f32;
+        }
+    }
+}
+
+/// `out[i · dim + d] += Σ_r p[i · rows + r] · x̂[r][d]` for `n_q` weight rows.
+pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
+    let mut acc = vec![0f64; n_q * b.dim];
+    let mut row = vec![0f32; b.dim];
+    for r in 0..b.rows {
+        decode_row(b, r, &mut row);
+        for i in 0..n_q {
+            let w = f64::from(p[i * b.rows + r]);
+            for (a, &x) in acc[i * b.dim..(i + 1) * b.dim].iter_mut().zip(&row) {
+                *a += w * f64::from(x);
+            }
+        }
+    }
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = (f64::from(*o) + a) as f32;
+    }
+}

@@ -1,0 +1,207 @@
+//! Every backend this machine has, against the scalar reference, on random blocks of many
+//! shapes (row lengths around every vector width, ragged tails), every bit width, every level
+//! kind and parameter placement, and special values: zero scales, extreme codes, huge and
+//! tiny scales.
+//!
+//! Tolerance: float results agree with the f64-accumulated reference within
+//! `1e-5 · Σ|terms| + 1e-30` (sums are reordered into lanes; FMA may fuse).
+
+use kvq_kernels_simd::dispatch::available;
+use kvq_kernels_simd::{
+    Backend, Levels, Params, QuantBlock, axpy_with, dequantize_with, scalar, scores_with,
+};
+use kvq_quant_core::pack::{pack, packed_len};
+use kvq_quant_core::synth::Rng;
+
+const DIMS: [usize; 12] = [1, 7, 8, 16, 24, 31, 32, 48, 64, 72, 128, 136];
+const ROWS: [usize; 4] = [1, 3, 16, 33];
+
+struct Case {
+    codes: Vec<u8>,
+    rows: usize,
+    dim: usize,
+    bits: u8,
+    table: Vec<f32>,
+    scale: Vec<f32>,
+    offset: Vec<f32>,
+    levels_kind: u8,
+    per_channel: bool,
+    with_offset: bool,
+}
+
+impl Case {
+    fn random(rng: &mut Rng, rows: usize, dim: usize, bits: u8, special: u8) -> Self {
+        let max = (1u16 << bits) - 1;
+        let mut raw: Vec<u8> = (0..rows * dim).map(|_| rng.below(u64::from(max) + 1) as u8).collect();
+        match special {
+            1 => raw.iter_mut().for_each(|c| *c = 0),
+            2 => raw.iter_mut().for_each(|c| *c = max as u8),
+            _ => {}
+        }
+        let mut codes = Vec::with_capacity(rows * packed_len(dim, bits).unwrap());
+        for r in raw.chunks(dim) {
+            codes.extend(pack(r, bits).unwrap());
+        }
+        let per_channel = rng.below(2) == 0;
+        let groups = if per_channel { dim } else { rows };
+        let magnitude = match special {
+            3 => 1e-30,
+            4 => 1e20,
+            _ => 1.0,
+        };
+        let scale: Vec<f32> = (0..groups)
+            .map(|g| if special == 5 && g % 2 == 0 { 0.0 } else { (rng.uniform() as f32 + 0.01) * magnitude })
+            .collect();
+        let offset: Vec<f32> = (0..groups).map(|_| (rng.normal() as f32) * magnitude).collect();
+        let table: Vec<f32> = (0..1usize << bits).map(|_| rng.normal() as f32).collect();
+        Case {
+            codes,
+            rows,
+            dim,
+            bits,
+            table,
+            scale,
+            offset,
+            levels_kind: rng.below(3) as u8,
+            per_channel,
+            with_offset: rng.below(4) != 0,
+        }
+    }
+
+    fn block(&self) -> QuantBlock<'_> {
+        let levels = match self.levels_kind {
+            0 => Levels::Affine,
+            1 => Levels::Symmetric { zero: (1u32 << (self.bits - 1)) as f32 },
+            _ => Levels::Table(&self.table),
+        };
+        let offset = self.with_offset.then_some(self.offset.as_slice());
+        let params = if self.per_channel {
+            Params::PerChannel { scale: &self.scale, offset }
+        } else {
+            Params::PerRow { scale: &self.scale, offset }
+        };
+        QuantBlock::new(&self.codes, self.rows, self.dim, self.bits, levels, params).unwrap()
+    }
+}
+
+/// Magnitude of the terms of each output, for the tolerance.
+fn magnitudes_scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize) -> Vec<f64> {
+    let mut x = vec![0f32; b.rows() * b.dim()];
+    scalar::dequantize(b, &mut x);
+    let d = b.dim();
+    let mut out = Vec::new();
+    for i in 0..n_q {
+        for r in 0..b.rows() {
+            out.push(
+                q[i * d..(i + 1) * d]
+                    .iter()
+                    .zip(&x[r * d..(r + 1) * d])
+                    .map(|(a, v)| f64::from((a * v).abs()))
+                    .sum(),
+            );
+        }
+    }
+    out
+}
+
+#[track_caller]
+fn close(what: &str, got: &[f32], want: &[f32], mags: &[f64]) {
+    assert_eq!(got.len(), want.len());
+    for (i, ((&g, &w), &m)) in got.iter().zip(want).zip(mags).enumerate() {
+        let tol = 1e-5 * m + 1e-30 + 1e-6 * f64::from(w.abs());
+        assert!((f64::from(g) - f64::from(w)).abs() <= tol, "{what}[{i}]: {g} vs {w} (tolerance {tol})");
+    }
+}
+
+fn check_backend(backend: Backend) {
+    let mut rng = Rng::new(0x6b7671 + backend as u64);
+    for bits in 1..=8u8 {
+        for &dim in &DIMS {
+            for &rows in &ROWS {
+                let special = rng.below(8) as u8;
+                let case = Case::random(&mut rng, rows, dim, bits, special);
+                let b = case.block();
+                let what = format!(
+                    "{backend} bits {bits} dim {dim} rows {rows} special {special} kind {} per-channel {}",
+                    case.levels_kind, case.per_channel
+                );
+
+                // Dequantize: the same arithmetic per element, so bit-exact.
+                let (mut got, mut want) = (vec![0f32; rows * dim], vec![0f32; rows * dim]);
+                dequantize_with(backend, &b, &mut got).unwrap();
+                scalar::dequantize(&b, &mut want);
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: dequantize");
+
+                for n_q in [1usize, 3] {
+                    let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+                    let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
+                    scores_with(backend, &b, &q, n_q, &mut got).unwrap();
+                    scalar::scores(&b, &q, n_q, &mut want);
+                    close(&format!("{what}: scores"), &got, &want, &magnitudes_scores(&b, &q, n_q));
+
+                    let p: Vec<f32> = (0..n_q * rows).map(|_| rng.uniform() as f32).collect();
+                    let start: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+                    let (mut got, mut want) = (start.clone(), start.clone());
+                    axpy_with(backend, &b, &p, n_q, &mut got).unwrap();
+                    scalar::axpy(&b, &p, n_q, &mut want);
+                    let mut x = vec![0f32; rows * dim];
+                    scalar::dequantize(&b, &mut x);
+                    let mags: Vec<f64> = (0..n_q * dim)
+                        .map(|k| {
+                            let (i, d) = (k / dim, k % dim);
+                            f64::from(start[k].abs())
+                                + (0..rows)
+                                    .map(|r| f64::from((p[i * rows + r] * x[r * dim + d]).abs()))
+                                    .sum::<f64>()
+                        })
+                        .collect();
+                    close(&format!("{what}: axpy"), &got, &want, &mags);
+                }
+            }
+        }
+    }
+}
+
+macro_rules! backend_tests {
+    ($($name:ident => $backend:expr),* $(,)?) => {$(
+        #[test]
+        fn $name() {
+            if $backend.is_available() {
+                check_backend($backend);
+            } else {
+                eprintln!("{} is not available on this CPU", $backend);
+            }
+        }
+    )*};
+}
+
+backend_tests! {
+    scalar_agrees_with_itself => Backend::Scalar,
+    wide_matches_scalar => Backend::Wide,
+    avx2_matches_scalar => Backend::Avx2,
+    avx512_matches_scalar => Backend::Avx512,
+    dotprod_matches_scalar => Backend::Dotprod,
+}
+
+#[test]
+fn every_available_backend_is_covered() {
+    for b in available() {
+        assert!(Backend::ALL.contains(&b));
+    }
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let codes = vec![0u8; 64];
+    let scale = [1.0f32; 2];
+    let params = Params::PerRow { scale: &scale, offset: None };
+    assert!(QuantBlock::new(&codes[..10], 2, 32, 4, Levels::Affine, params).is_err());
+    assert!(QuantBlock::new(&codes, 2, 32, 9, Levels::Affine, params).is_err());
+    assert!(QuantBlock::new(&codes, 2, 32, 4, Levels::Table(&[0.0; 15]), params).is_err());
+    assert!(QuantBlock::new(&codes, 3, 8, 4, Levels::Affine, params).is_err());
+    let b = QuantBlock::new(&codes, 2, 32, 4, Levels::Affine, params).unwrap();
+    let mut out = [0f32; 2];
+    assert!(scores_with(Backend::Wide, &b, &[0.0; 31], 1, &mut out).is_err());
+    assert!(axpy_with(Backend::Wide, &b, &[0.0; 3], 1, &mut [0.0; 32]).is_err());
+    assert!(dequantize_with(Backend::Wide, &b, &mut [0.0; 63]).is_err());
+}
