@@ -106,6 +106,11 @@ impl PartLayout {
         self.mode
     }
 
+    /// Values per row.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
     /// Bytes of one packed row.
     pub fn row_bytes(&self) -> usize {
         self.row_bytes

@@ -5,7 +5,8 @@
 //!
 //! - [`quant`] (`kvq-quant-core`): formats, packing, metrics, safetensors input.
 //! - [`layout`] (`kvq-cache-layout`): the paged, streaming cache.
-//! - [`kernels`] (`kvq-kernels-simd`): fused SIMD kernels (not yet implemented).
+//! - [`kernels`] (`kvq-kernels-simd`): fused dequant-dot and dequant-axpy kernels.
+//! - [`attention`]: decode attention over the paged cache.
 //! - [`analysis`]: the `kvq analyze` report.
 //!
 //! ```
@@ -21,6 +22,7 @@
 //! ```
 
 pub mod analysis;
+pub mod attention;
 
 pub use kvq_cache_layout as layout;
 pub use kvq_kernels_simd as kernels;

@@ -1,0 +1,135 @@
+//! Decode attention over the paged cache equals f64 softmax attention over the dequantized
+//! cache, within a relative 2e-5 (f32 scores, softmax and sums against f64), for every kernel
+//! backend this CPU has, on random data and on real SmolLM2 keys, values and queries.
+
+use kvq::attention::decode_attention_with;
+use kvq::kernels::dispatch::available;
+use kvq::layout::{CacheConfig, PagedCache, SeqId, TailDtype};
+use kvq::quant::calibration::Part;
+use kvq::quant::io::TensorFile;
+use kvq::quant::metrics::attention;
+use kvq::quant::synth::Rng;
+use kvq::quant::{Shape, Tensor};
+
+/// f64 attention of the last position over the dequantized cache.
+fn reference(cache: &PagedCache, seq: SeqId, layer: usize, q: &[f32], query_heads: usize) -> Vec<f64> {
+    let c = cache.config();
+    let (heads, d) = (c.kv_heads, c.head_dim);
+    let len = cache.len(seq, layer).unwrap();
+    let collect = |part| {
+        let data: Vec<f32> =
+            (0..heads).flat_map(|h| cache.dequantize(seq, layer, h, part).unwrap()).collect();
+        Tensor::new(Shape::new(heads, len, d), data).unwrap()
+    };
+    let mut qt = vec![0f32; query_heads * len * d];
+    for h in 0..query_heads {
+        qt[(h * len + len - 1) * d..(h * len + len) * d].copy_from_slice(&q[h * d..(h + 1) * d]);
+    }
+    let qt = Tensor::new(Shape::new(query_heads, len, d), qt).unwrap();
+    let a = attention(&qt, &collect(Part::K), &collect(Part::V), &[len - 1]).unwrap();
+    a.outputs().to_vec()
+}
+
+fn check(cache: &PagedCache, seq: SeqId, layer: usize, q: &[f32], query_heads: usize, what: &str) {
+    let want = reference(cache, seq, layer, q, query_heads);
+    for backend in available() {
+        let mut got = vec![0f32; q.len()];
+        decode_attention_with(backend, cache, seq, layer, q, query_heads, &mut got).unwrap();
+        let (mut e2, mut r2) = (0f64, 0f64);
+        for (&g, &w) in got.iter().zip(&want) {
+            e2 += (f64::from(g) - w).powi(2);
+            r2 += w * w;
+        }
+        let rel = (e2 / r2.max(1e-300)).sqrt();
+        assert!(rel < 2e-5, "{what}, backend {backend}: relative error {rel}");
+    }
+}
+
+#[test]
+fn random_caches_of_every_layout() {
+    let mut rng = Rng::new(11);
+    let specs = [
+        ("int4-channel", "int4-token"),
+        ("int8-token", "int8-token"),
+        ("int2-channel", "int2-token"),
+        ("sym4-token", "sym8-token"),
+        ("fp8e4m3-token", "fp8e5m2-token"),
+        ("nf4-token", "nf4-token"),
+        ("int4-g32", "int3-g16"),
+        ("int3-channel", "int5-token"),
+    ];
+    for (i, (k, v)) in specs.iter().enumerate() {
+        for (kv_heads, group, d) in [(2usize, 3usize, 64usize), (1, 4, 32), (3, 1, 128)] {
+            let config = CacheConfig::new(1, kv_heads, d, 64)
+                .with_specs(k.parse().unwrap(), v.parse().unwrap())
+                .with_block_size(16)
+                .with_residual_blocks(i % 2)
+                .with_sink_tokens(i % 3)
+                .with_tail_dtype(if i % 2 == 0 { TailDtype::F16 } else { TailDtype::F32 });
+            let mut cache = PagedCache::new(config).unwrap();
+            let seq = cache.create();
+            let len = 70;
+            let shape = Shape::new(kv_heads, len, d);
+            let random = |rng: &mut Rng| {
+                Tensor::new(shape, (0..shape.len()).map(|_| rng.normal() as f32).collect()).unwrap()
+            };
+            let (kt, vt) = (random(&mut rng), random(&mut rng));
+            cache.extend(seq, 0, &kt, &vt).unwrap();
+            let q: Vec<f32> = (0..kv_heads * group * d).map(|_| 2.0 * rng.normal() as f32).collect();
+            check(
+                &cache,
+                seq,
+                0,
+                &q,
+                kv_heads * group,
+                &format!("K {k} V {v}, {kv_heads} KV heads × {group}, d {d}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn real_smollm2_layers() {
+    let path =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/kv-smollm2-135m-sample.safetensors");
+    let file = if std::path::Path::new(path).exists() {
+        TensorFile::open(path).unwrap()
+    } else {
+        assert!(std::env::var_os("CI").is_none(), "CI must provide ../shared/data");
+        TensorFile::from_bytes("sample", kvq::SAMPLE.to_vec()).unwrap()
+    };
+    for layer in [0, 9, 29] {
+        let read = |s: &str| file.read(&format!("layer{layer}.{s}")).unwrap();
+        let (q, k, v) = (read("q"), read("k"), read("v"));
+        let len = k.shape().tokens.min(256);
+        let (k, v) = (k.prefix(len).unwrap(), v.prefix(len).unwrap());
+        let config = CacheConfig::new(1, 3, 64, 3 * len.div_ceil(32)).with_block_size(32).with_sink_tokens(4);
+        let mut cache = PagedCache::new(config).unwrap();
+        let seq = cache.create();
+        cache.extend(seq, 0, &k, &v).unwrap();
+        let qrow: Vec<f32> = (0..9).flat_map(|h| q.row(0, h, len - 1).to_vec()).collect();
+        check(&cache, seq, 0, &qrow, 9, &format!("layer {layer}"));
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let mut cache = PagedCache::new(CacheConfig::new(1, 2, 8, 4)).unwrap();
+    let seq = cache.create();
+    let mut out = vec![0f32; 24];
+    assert!(
+        decode_attention_with(kvq::kernels::Backend::Scalar, &cache, seq, 0, &[0.0; 24], 3, &mut out)
+            .is_err()
+    );
+    assert!(
+        decode_attention_with(kvq::kernels::Backend::Scalar, &cache, seq, 0, &[0.0; 16], 2, &mut out)
+            .is_err()
+    );
+    let mut out = vec![1f32; 16];
+    decode_attention_with(kvq::kernels::Backend::Scalar, &cache, seq, 0, &[0.0; 16], 2, &mut out).unwrap();
+    assert!(out.iter().all(|&x| x == 0.0), "an empty sequence attends to nothing");
+    assert!(
+        decode_attention_with(kvq::kernels::Backend::Scalar, &cache, SeqId(9), 0, &[0.0; 16], 2, &mut out)
+            .is_err()
+    );
+}
