@@ -285,16 +285,47 @@ fn summarize_benches() -> Result<(), String> {
         }
     }
     rows.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut md = String::from("| benchmark | mean | rate |\n|---|---|---|\n");
-    for (id, ns, rate) in &rows {
-        let time = if *ns >= 1e6 { format!("{:.3} ms", ns / 1e6) } else { format!("{ns:.1} ns") };
-        md += &format!("| {id} | {time} | {} |\n", rate.as_deref().unwrap_or(""));
-    }
-    let json = serde_json::json!(
+    // Baselines measured in the same run: a group's `f32`, `f16` and `candle*` entries.
+    let group_of = |id: &str| id.split('/').next().unwrap_or(id).to_string();
+    let baseline = |group: &str, name: &str| {
         rows.iter()
-            .map(|(id, ns, rate)| serde_json::json!({"id": id, "mean_ns": ns, "rate": rate}))
-            .collect::<Vec<_>>()
+            .find(|(id, ..)| {
+                group_of(id) == group && id[group.len()..].trim_start_matches('/').starts_with(name)
+            })
+            .map(|r| r.1)
+    };
+    // Rows per call, from group names like `scores_4096x128`.
+    let rows_of = |group: &str| -> Option<f64> {
+        let tail = group.rsplit('_').next()?;
+        let (n, _) = tail.split_once('x')?;
+        n.parse().ok()
+    };
+    let mut md = String::from(
+        "| benchmark | mean | ns/row | rate | vs f32 | vs f16 | vs candle |\n|---|---|---|---|---|---|---|\n",
     );
+    let mut json_rows = Vec::new();
+    for (id, ns, rate) in &rows {
+        let group = group_of(id);
+        let time = if *ns >= 1e6 { format!("{:.3} ms", ns / 1e6) } else { format!("{ns:.1} ns") };
+        let per_row = rows_of(&group).map(|n| ns / n);
+        let ratio = |name: &str| baseline(&group, name).map(|b| b / ns);
+        let cell = |r: Option<f64>| r.map_or(String::new(), |r| format!("{r:.2}x"));
+        let (vs32, vs16, vscandle) = (ratio("f32"), ratio("f16"), ratio("candle"));
+        md += &format!(
+            "| {id} | {time} | {} | {} | {} | {} | {} |\n",
+            per_row.map_or(String::new(), |x| format!("{x:.2}")),
+            rate.as_deref().unwrap_or(""),
+            cell(vs32),
+            cell(vs16),
+            cell(vscandle)
+        );
+        json_rows.push(serde_json::json!({
+            "id": id, "mean_ns": ns, "ns_per_row": per_row, "rate": rate,
+            "speedup_vs_f32": vs32, "speedup_vs_f16": vs16, "speedup_vs_candle": vscandle
+        }));
+    }
+    md += "\nSpeed-ups are baseline time / this time, from the same run (higher is faster).\n";
+    let json = serde_json::Value::Array(json_rows);
     std::fs::write(root().join("target/kvq-bench.md"), &md).map_err(|e| e.to_string())?;
     std::fs::write(
         root().join("target/kvq-bench.json"),
