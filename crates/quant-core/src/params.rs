@@ -81,9 +81,50 @@ pub(crate) enum Round {
 
 /// Rounds `x` to a value `dtype` represents, in direction `dir`.
 ///
+/// The f16 case works on the f32 bits (truncate the mantissa to f16's 10 bits, or to f16's
+/// subnormal step, then step up if needed): no conversion calls on the streaming hot path.
+/// [`round_param_reference`] is the obvious version through `half`; tests compare the two.
+///
 /// # Errors
 /// [`QuantError::ParamOverflow`] when the result does not fit (|x| beyond 65504 for f16).
+#[inline]
 pub(crate) fn round_param(x: f32, dtype: ParamDtype, dir: Round) -> Result<f32> {
+    let overflow = || QuantError::ParamOverflow { value: x, dtype: dtype.name() };
+    if !x.is_finite() {
+        return Err(overflow());
+    }
+    if dtype == ParamDtype::F32 || x == 0.0 {
+        return Ok(x);
+    }
+    const F16_MAX: f32 = 65504.0;
+    const MIN_NORMAL: f32 = 6.103_515_6e-5; // 2^-14
+    const SUB_STEP: f32 = 5.960_464_5e-8; // 2^-24
+    let a = x.abs();
+    // Rounding down a positive value, or up a negative one, shrinks the magnitude.
+    let toward_zero = (dir == Round::Down) == (x > 0.0);
+    let (floor, step) = if a >= MIN_NORMAL {
+        let bits = a.to_bits();
+        let step = f32::from_bits(((bits >> 23) - 10) << 23);
+        (f32::from_bits(bits & !((1 << 13) - 1)), step)
+    } else {
+        (((a / SUB_STEP) as u32) as f32 * SUB_STEP, SUB_STEP)
+    };
+    let magnitude = if toward_zero {
+        floor.min(F16_MAX)
+    } else if floor < a {
+        floor + step
+    } else {
+        floor
+    };
+    if magnitude > F16_MAX {
+        return Err(overflow());
+    }
+    Ok(magnitude.copysign(x))
+}
+
+/// [`round_param`] through `half`'s conversions: round to nearest, then step one f16 ulp if
+/// that landed on the wrong side. The reference the fast version is tested against.
+pub(crate) fn round_param_reference(x: f32, dtype: ParamDtype, dir: Round) -> Result<f32> {
     let overflow = || QuantError::ParamOverflow { value: x, dtype: dtype.name() };
     match dtype {
         ParamDtype::F32 => x.is_finite().then_some(x).ok_or_else(overflow),
@@ -115,6 +156,25 @@ fn step(h: f16, up: bool) -> f16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fast_rounding_matches_the_reference() {
+        for bits in (0..0x7f80_0000u32).step_by(331) {
+            for x in [f32::from_bits(bits), -f32::from_bits(bits)] {
+                for dir in [Round::Down, Round::Up] {
+                    let (fast, slow) = (
+                        round_param(x, ParamDtype::F16, dir),
+                        round_param_reference(x, ParamDtype::F16, dir),
+                    );
+                    match (fast, slow) {
+                        (Ok(a), Ok(b)) => assert!(a == b, "{x:e} {dir:?}: {a:e} vs {b:e}"),
+                        (Err(_), Err(_)) => {}
+                        (a, b) => panic!("{x:e} {dir:?}: {a:?} vs {b:?}"),
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn directed_rounding() {
