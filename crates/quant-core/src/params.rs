@@ -124,6 +124,7 @@ pub(crate) fn round_param(x: f32, dtype: ParamDtype, dir: Round) -> Result<f32> 
 
 /// [`round_param`] through `half`'s conversions: round to nearest, then step one f16 ulp if
 /// that landed on the wrong side. The reference the fast version is tested against.
+#[cfg(test)]
 pub(crate) fn round_param_reference(x: f32, dtype: ParamDtype, dir: Round) -> Result<f32> {
     let overflow = || QuantError::ParamOverflow { value: x, dtype: dtype.name() };
     match dtype {
@@ -142,6 +143,7 @@ pub(crate) fn round_param_reference(x: f32, dtype: ParamDtype, dir: Round) -> Re
 }
 
 /// The next f16 towards +∞ (`up`) or −∞.
+#[cfg(test)]
 fn step(h: f16, up: bool) -> f16 {
     let bits = h.to_bits();
     let magnitude = bits & 0x7fff;
