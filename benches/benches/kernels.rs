@@ -79,7 +79,9 @@ fn scores(c: &mut Criterion) {
         };
         let block = QuantBlock::new(qt.codes(), n, D, parsed.bits(), levels, params).unwrap();
         group.throughput(Throughput::Bytes(mem.total_bytes() as u64));
-        for backend in [Backend::Scalar, Backend::Wide] {
+        for backend in
+            [Backend::Scalar, Backend::Wide, Backend::Avx2].into_iter().filter(|b| b.is_available())
+        {
             // Check the result before timing it.
             let mut reference = vec![0f32; n];
             scores_with(Backend::Scalar, &block, &q, 1, &mut reference).unwrap();

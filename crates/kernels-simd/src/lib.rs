@@ -5,11 +5,12 @@
 //! (`o += Σ_t p[t] · v̂[t]`). Every kernel has a scalar reference in [`scalar`]; the `wide`
 //! backend in [`portable`] is tested against it on random blocks of many shapes.
 //!
-//! This crate is the only one of the workspace allowed `unsafe` (for `std::arch` paths); it
-//! has none yet. **Status:** the scalar and `wide` backends exist for affine, symmetric and
-//! table (FP8, codebook) levels with per-row or per-channel parameters. The AVX2, AVX-512 and
-//! dotprod backends are detected by [`dispatch`] but have no kernels of their own yet:
-//! [`implementation`] says which code actually runs (`wide` for them), so no log claims a path
+//! This crate is the only one of the workspace allowed `unsafe` (the `std::arch` paths);
+//! every `unsafe` block carries a `// SAFETY:` comment. **Status:** the scalar and `wide`
+//! backends cover affine, symmetric and table (FP8, codebook) levels with per-row or
+//! per-channel parameters; the AVX2+FMA backend covers affine 2-, 4- and 8-bit blocks for
+//! scores and axpy. AVX-512 and dotprod are detected by [`dispatch`] but have no kernels of
+//! their own yet: [`implementation`] says which code actually runs, so no log claims a path
 //! that did not run.
 //!
 //! ```
@@ -25,6 +26,8 @@
 //! # Ok::<(), kvq_kernels_simd::KernelError>(())
 //! ```
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
 pub mod block;
 pub mod dispatch;
 pub mod portable;
@@ -33,12 +36,14 @@ pub mod scalar;
 pub use block::{KernelError, Levels, Params, QuantBlock};
 pub use dispatch::Backend;
 
-/// The code that runs for `backend`: architecture backends without kernels of their own yet
-/// run the `wide` kernels.
+/// The code that runs for `backend`: AVX-512 runs the AVX2 kernels (none of its own yet), and
+/// dotprod the `wide` (NEON) kernels; the AVX2 kernels themselves fall back to `wide` for
+/// layouts they do not cover (see [`avx2`]).
 pub fn implementation(backend: Backend) -> Backend {
     match backend {
         Backend::Scalar => Backend::Scalar,
-        Backend::Wide | Backend::Avx2 | Backend::Avx512 | Backend::Dotprod => Backend::Wide,
+        Backend::Avx2 | Backend::Avx512 if cfg!(target_arch = "x86_64") => Backend::Avx2,
+        _ => Backend::Wide,
     }
 }
 
@@ -81,6 +86,8 @@ pub fn scores_with(
     })?;
     match implementation(backend) {
         Backend::Scalar => scalar::scores(b, q, n_q, out),
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => avx2::scores(b, q, n_q, out),
         _ => portable::scores(b, q, n_q, out),
     }
     Ok(())
@@ -108,6 +115,8 @@ pub fn axpy_with(
     })?;
     match implementation(backend) {
         Backend::Scalar => scalar::axpy(b, p, n_q, out),
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => avx2::axpy(b, p, n_q, out),
         _ => portable::axpy(b, p, n_q, out),
     }
     Ok(())
