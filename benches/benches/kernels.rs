@@ -9,7 +9,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use half::f16;
 use kvq::attention::decode_attention_with;
 use kvq_cache_layout::{CacheConfig, PagedCache};
-use kvq_kernels_simd::{Backend, Levels, Params, QuantBlock, scores_with};
+use kvq_kernels_simd::{Backend, Levels, Params, QuantBlock, scores_int8_with, scores_with};
 use kvq_quant_core::synth::{Rng, normal_tensor};
 use kvq_quant_core::{QuantSpec, Shape, quantize};
 use std::hint::black_box;
@@ -89,6 +89,11 @@ fn scores(c: &mut Criterion) {
             assert!(out.iter().zip(&reference).all(|(a, b)| (a - b).abs() <= 1e-3 * (1.0 + b.abs())));
             group.bench_with_input(BenchmarkId::new(spec, backend), &backend, |b, &backend| {
                 b.iter(|| scores_with(backend, black_box(&block), &q, 1, &mut out).unwrap())
+            });
+        }
+        if Backend::Avx2.is_available() && scores_int8_with(Backend::Avx2, &block, &q, 1, &mut out).unwrap() {
+            group.bench_function(BenchmarkId::new(spec, "avx2-int8"), |b| {
+                b.iter(|| scores_int8_with(Backend::Avx2, black_box(&block), &q, 1, &mut out).unwrap())
             });
         }
     }

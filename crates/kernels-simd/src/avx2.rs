@@ -206,3 +206,140 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
         }
     }
 }
+
+/// A query row quantized to int8 for the integer score path (as llama.cpp's q8 queries):
+/// `q ≈ scale · q8`, `scale = max|q| / 127`, with `q8` laid out in the order the 4-bit
+/// unpacking produces codes, and widened to i16 for 8-bit codes.
+struct Q8 {
+    scale: f32,
+    /// 4-bit order: per 64 codes, [0..16, 32..48] then [16..32, 48..64].
+    perm4: Vec<i8>,
+    /// Natural order, widened.
+    wide16: Vec<i16>,
+}
+
+impl Q8 {
+    fn new(q: &[f32]) -> Self {
+        let max = q.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let scale = if max > 0.0 { max / 127.0 } else { 0.0 };
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        let q8: Vec<i8> = q.iter().map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8).collect();
+        let mut perm4 = Vec::with_capacity(q8.len());
+        for g in q8.chunks_exact(64) {
+            perm4.extend_from_slice(&g[..16]);
+            perm4.extend_from_slice(&g[32..48]);
+            perm4.extend_from_slice(&g[16..32]);
+            perm4.extend_from_slice(&g[48..]);
+        }
+        Self { scale, perm4, wide16: q8.iter().map(|&x| i16::from(x)).collect() }
+    }
+}
+
+/// `Σ_d q8[d] · code[d]` for a 4-bit row of a multiple of 64 codes.
+///
+/// # Safety
+/// The CPU must support AVX2; `row.len() · 2 == q.perm4.len()`, a multiple of 64.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn idot4(row: &[u8], q: &Q8) -> i32 {
+    let mask = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_si256();
+    for (c, qp) in row.chunks_exact(32).zip(q.perm4.chunks_exact(64)) {
+        // SAFETY: `c` is 32 bytes and `qp` 64: every load reads inside them.
+        unsafe {
+            let v = _mm256_loadu_si256(c.as_ptr().cast());
+            let lo = _mm256_and_si256(v, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            let qlo = _mm256_loadu_si256(qp.as_ptr().cast());
+            let qhi = _mm256_loadu_si256(qp.as_ptr().add(32).cast());
+            // u8 codes (≤ 15) × i8 queries, pairs summed: |sum| ≤ 2 · 15 · 127, no saturation.
+            let a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, qlo), ones);
+            let b = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, qhi), ones);
+            acc = _mm256_add_epi32(acc, _mm256_add_epi32(a, b));
+        }
+    }
+    // SAFETY: AVX2 is enabled by this function's target features.
+    unsafe { hsum_i32(acc) }
+}
+
+/// `Σ_d q8[d] · code[d]` for an 8-bit row of a multiple of 16 codes (i16 products, i32 sums).
+///
+/// # Safety
+/// The CPU must support AVX2; `row.len() == q.wide16.len()`, a multiple of 16.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn idot8(row: &[u8], q: &Q8) -> i32 {
+    let mut acc = _mm256_setzero_si256();
+    for (c, qw) in row.chunks_exact(16).zip(q.wide16.chunks_exact(16)) {
+        // SAFETY: `c` is 16 bytes and `qw` 16 i16 (32 bytes).
+        unsafe {
+            let codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(c.as_ptr().cast()));
+            let qv = _mm256_loadu_si256(qw.as_ptr().cast());
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(codes, qv));
+        }
+    }
+    // SAFETY: AVX2 is enabled by this function's target features.
+    unsafe { hsum_i32(acc) }
+}
+
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
+}
+
+/// Whether [`scores_int8`] has an integer kernel for this block.
+pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
+    let ok_dim = match b.bits {
+        4 => b.dim.is_multiple_of(64),
+        8 => b.dim.is_multiple_of(16),
+        _ => false,
+    };
+    ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && cpu_ok()
+}
+
+/// Scores through the integer path: the query (per-channel: the query times the scales) is
+/// quantized to int8 per row, codes and query meet in `vpmaddubsw`/`vpmaddwd`, and one float
+/// multiply per row restores the scale. Offsets use the exact float sum of the query.
+///
+/// Tolerance: each score is off by at most `scale_q / 2 · Σ_d |level_d| · scale` (the query's
+/// rounding), `scale_q = max|q| / 127`. Returns `false`, computing nothing, when
+/// [`int8_supported`] is false.
+pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    if !int8_supported(b) {
+        return false;
+    }
+    let d = b.dim;
+    let idot = |row: &[u8], q8: &Q8| {
+        // SAFETY: `int8_supported` checked AVX2, the bit width and the row length.
+        if b.bits == 4 { unsafe { idot4(row, q8) } } else { unsafe { idot8(row, q8) } }
+    };
+    match b.params {
+        Params::PerRow { scale, offset } => {
+            for i in 0..n_q {
+                let qi = &q[i * d..(i + 1) * d];
+                let q8 = Q8::new(qi);
+                let qsum: f32 = qi.iter().sum();
+                for r in 0..b.rows {
+                    let off = offset.map_or(0.0, |o| o[r]);
+                    out[i * b.rows + r] = scale[r] * q8.scale * idot(b.row(r), &q8) as f32 + off * qsum;
+                }
+            }
+        }
+        Params::PerChannel { scale, offset } => {
+            for i in 0..n_q {
+                let qi = &q[i * d..(i + 1) * d];
+                let qw: Vec<f32> = qi.iter().zip(scale).map(|(x, s)| x * s).collect();
+                let q8 = Q8::new(&qw);
+                let cst: f32 = offset.map_or(0.0, |o| qi.iter().zip(o).map(|(a, b)| a * b).sum());
+                for r in 0..b.rows {
+                    out[i * b.rows + r] = q8.scale * idot(b.row(r), &q8) as f32 + cst;
+                }
+            }
+        }
+    }
+    true
+}

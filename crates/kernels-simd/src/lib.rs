@@ -121,3 +121,35 @@ pub fn axpy_with(
     }
     Ok(())
 }
+
+/// Scores through the integer path where the backend has one (AVX2: affine 4-bit rows of a
+/// multiple of 64 codes, 8-bit rows of a multiple of 16), else [`scores_with`]. Returns
+/// whether the integer path ran.
+///
+/// The integer path quantizes each query row to int8, as llama.cpp does: each score is off by
+/// at most `max|q| / 254 · Σ_d |level_d · scale_d|` (see [`avx2::scores_int8`]).
+///
+/// # Errors
+/// As [`scores_with`].
+pub fn scores_int8_with(
+    backend: Backend,
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<bool, KernelError> {
+    check(q.len() == n_q * b.dim && out.len() == n_q * b.rows, || {
+        format!(
+            "{n_q} queries: {} query values and {} outputs for a block of {} × {}",
+            q.len(),
+            out.len(),
+            b.rows,
+            b.dim
+        )
+    })?;
+    #[cfg(target_arch = "x86_64")]
+    if implementation(backend) == Backend::Avx2 && avx2::scores_int8(b, q, n_q, out) {
+        return Ok(true);
+    }
+    scores_with(backend, b, q, n_q, out).map(|()| false)
+}

@@ -205,3 +205,71 @@ fn bad_shapes_are_errors() {
     assert!(axpy_with(Backend::Wide, &b, &[0.0; 3], 1, &mut [0.0; 32]).is_err());
     assert!(dequantize_with(Backend::Wide, &b, &mut [0.0; 63]).is_err());
 }
+
+/// The integer score path against the f64 reference, within its stated bound: the query's
+/// int8 rounding, `max|q| / 254 · Σ_d |level_d| · scale` per score (plus float slack).
+#[test]
+fn integer_scores_stay_within_the_query_rounding_bound() {
+    use kvq_kernels_simd::scores_int8_with;
+    let mut rng = Rng::new(77);
+    let mut ran = 0;
+    for backend in available() {
+        for bits in [4u8, 8] {
+            for dim in [64usize, 128, 192, 16, 48] {
+                for rows in [1usize, 5, 32] {
+                    let special = rng.below(6) as u8;
+                    let mut case = Case::random(&mut rng, rows, dim, bits, special);
+                    case.levels_kind = 0;
+                    let b = case.block();
+                    let q: Vec<f32> = (0..2 * dim).map(|_| rng.normal() as f32).collect();
+                    let (mut got, mut want) = (vec![0f32; 2 * rows], vec![0f32; 2 * rows]);
+                    let integer = scores_int8_with(backend, &b, &q, 2, &mut got).unwrap();
+                    ran += usize::from(integer);
+                    scalar::scores(&b, &q, 2, &mut want);
+                    let mags = magnitudes_scores(&b, &q, 2);
+                    let mut x = vec![0f32; rows * dim];
+                    scalar::dequantize(&b, &mut x);
+                    for i in 0..2 {
+                        let qi = &q[i * dim..(i + 1) * dim];
+                        for r in 0..rows {
+                            let (idx, row) = (i * rows + r, r * dim..(r + 1) * dim);
+                            // The rounding acts on q (per row) or on q ∘ scale (per channel);
+                            // bound both by the decoded values' size over the offset.
+                            let qw: Vec<f32> = match (case.per_channel, integer) {
+                                (true, true) => qi.iter().zip(&case.scale).map(|(a, s)| a * s).collect(),
+                                _ => qi.to_vec(),
+                            };
+                            let qmax = qw.iter().fold(0f32, |m, v| m.max(v.abs()));
+                            let codes_mag: f64 = x[row.clone()]
+                                .iter()
+                                .enumerate()
+                                .map(|(d, &v)| {
+                                    let (s, o) = if case.per_channel {
+                                        (case.scale[d], if case.with_offset { case.offset[d] } else { 0.0 })
+                                    } else {
+                                        (case.scale[r], if case.with_offset { case.offset[r] } else { 0.0 })
+                                    };
+                                    let level = if s > 0.0 { ((v - o) / s).abs() } else { 0.0 };
+                                    f64::from(level)
+                                        * if case.per_channel && integer { 1.0 } else { f64::from(s) }
+                                })
+                                .sum();
+                            let bound =
+                                if integer { f64::from(qmax) / 254.0 * codes_mag * 1.001 } else { 0.0 };
+                            let tol = bound + 1e-5 * mags[idx] + 1e-30 + 1e-6 * f64::from(want[idx].abs());
+                            assert!(
+                                (f64::from(got[idx]) - f64::from(want[idx])).abs() <= tol,
+                                "{backend} bits {bits} dim {dim} rows {rows}: {} vs {} (bound {tol})",
+                                got[idx],
+                                want[idx]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if available().contains(&Backend::Avx2) {
+        assert!(ran > 0, "the integer path never ran on an AVX2 machine");
+    }
+}
