@@ -7,7 +7,7 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
-use kvq::attention::decode_attention_with;
+use kvq::attention::{ScorePath, decode_attention_path, decode_attention_with};
 use kvq_cache_layout::{CacheConfig, PagedCache};
 use kvq_kernels_simd::{Backend, Levels, Params, QuantBlock, scores_int8_with, scores_with};
 use kvq_quant_core::synth::{Rng, normal_tensor};

@@ -9,7 +9,9 @@
 
 use half::f16;
 use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, Segment, SeqId, TailBuf};
-use kvq_kernels_simd::{Backend, KernelError, Levels, Params, QuantBlock, axpy_with, scores_with};
+use kvq_kernels_simd::{
+    Backend, KernelError, Levels, Params, QuantBlock, axpy_with, scores_int8_with, scores_with,
+};
 use kvq_quant_core::calibration::Part;
 use kvq_quant_core::{Codebook, CodebookSource, GroupParams, Kind};
 use rayon::prelude::*;
@@ -103,6 +105,17 @@ fn full_rows(rows: &TailBuf, offset: usize, tokens: usize, dim: usize) -> Vec<f3
     out
 }
 
+/// How scores against quantized keys are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ScorePath {
+    /// Float kernels: equal to attention over the dequantized cache within f32 rounding.
+    #[default]
+    Float,
+    /// The integer path where the backend has one (queries rounded to int8, as llama.cpp
+    /// does): faster, with scores off by at most `max|q| / 254 · Σ|levels · scale|`.
+    Int8,
+}
+
 /// Attention of `q` (`query_heads × head_dim`, head-major) over `layer` of `seq`, into `out`
 /// (same shape), with the process's selected kernel backend.
 ///
@@ -134,6 +147,24 @@ pub fn decode_attention_with(
     query_heads: usize,
     out: &mut [f32],
 ) -> Result<(), AttentionError> {
+    decode_attention_path(backend, ScorePath::Float, cache, seq, layer, q, query_heads, out)
+}
+
+/// [`decode_attention_with`] with a choice of score path.
+///
+/// # Errors
+/// As [`decode_attention`].
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_path(
+    backend: Backend,
+    path: ScorePath,
+    cache: &PagedCache,
+    seq: SeqId,
+    layer: usize,
+    q: &[f32],
+    query_heads: usize,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
     let cfg = cache.config();
     let (heads, d) = (cfg.kv_heads, cfg.head_dim);
     if query_heads == 0
@@ -151,13 +182,26 @@ pub fn decode_attention_with(
     let g = query_heads / heads;
     let readers = [PartReader::new(cache, Part::K), PartReader::new(cache, Part::V)];
     out.par_chunks_mut(g * d).enumerate().try_for_each(|(h, o)| {
-        head_attention(backend, cache, seq, layer, h, &q[h * g * d..(h + 1) * g * d], g, len, &readers, o)
+        head_attention(
+            backend,
+            path,
+            cache,
+            seq,
+            layer,
+            h,
+            &q[h * g * d..(h + 1) * g * d],
+            g,
+            len,
+            &readers,
+            o,
+        )
     })
 }
 
 #[allow(clippy::too_many_arguments)]
 fn head_attention(
     backend: Backend,
+    path: ScorePath,
     cache: &PagedCache,
     seq: SeqId,
     layer: usize,
@@ -195,7 +239,10 @@ fn head_attention(
             Segment::Quantized(view) => {
                 let n = view.tokens;
                 part.resize(g * n, 0.0);
-                let done = with_block(&view, &readers[0], |b| scores_with(backend, b, &qs, g, &mut part))?;
+                let done = with_block(&view, &readers[0], |b| match path {
+                    ScorePath::Float => scores_with(backend, b, &qs, g, &mut part),
+                    ScorePath::Int8 => scores_int8_with(backend, b, &qs, g, &mut part).map(|_| ()),
+                })?;
                 if done.is_none() {
                     let mut row = vec![0f32; d];
                     for t in 0..n {
