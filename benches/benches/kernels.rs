@@ -149,13 +149,34 @@ fn decode(c: &mut Criterion) {
         let mem = cache.memory();
         group.throughput(Throughput::Bytes(mem.used_bytes() as u64));
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        group.bench_function(format!("{k}/{v}/wide_1thread"), |b| {
-            b.iter(|| {
-                pool.install(|| {
-                    decode_attention_with(Backend::Wide, &cache, seq, 0, &q, q_heads, &mut out).unwrap()
+        for backend in [Backend::Wide, Backend::Avx2].into_iter().filter(|b| b.is_available()) {
+            group.bench_function(format!("{k}/{v}/{backend}_1thread"), |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        decode_attention_with(backend, &cache, seq, 0, &q, q_heads, &mut out).unwrap()
+                    })
                 })
-            })
-        });
+            });
+        }
+        if Backend::Avx2.is_available() {
+            group.bench_function(format!("{k}/{v}/avx2-int8_1thread"), |b| {
+                b.iter(|| {
+                    pool.install(|| {
+                        decode_attention_path(
+                            Backend::Avx2,
+                            ScorePath::Int8,
+                            &cache,
+                            seq,
+                            0,
+                            &q,
+                            q_heads,
+                            &mut out,
+                        )
+                        .unwrap()
+                    })
+                })
+            });
+        }
     }
     group.finish();
 }
