@@ -101,13 +101,20 @@ fn scores(c: &mut Criterion) {
 }
 
 fn decode(c: &mut Criterion) {
-    let (q_heads, kv_heads, len) = (32usize, 8usize, 4096usize);
+    // 4k context fits in L3 in f32; 32k (256 MiB of f32 K+V) streams from DRAM.
+    for len in [4096usize, 32768] {
+        decode_at(c, len);
+    }
+}
+
+fn decode_at(c: &mut Criterion, len: usize) {
+    let (q_heads, kv_heads) = (32usize, 8usize);
     let mut rng = Rng::new(9);
     let kv = normal_tensor(Shape::new(kv_heads, len, D), 21);
     let vv = normal_tensor(Shape::new(kv_heads, len, D), 22);
     let q: Vec<f32> = (0..q_heads * D).map(|_| rng.normal() as f32).collect();
-    let mut group = c.benchmark_group("decode_llama3_8b_layer_4k");
-    group.sample_size(20);
+    let mut group = c.benchmark_group(format!("decode_llama3_8b_layer_{}k", len / 1024));
+    group.sample_size(if len > 8192 { 10 } else { 20 });
 
     // f32 baseline: the same two-pass attention over contiguous f32 K and V.
     group.throughput(Throughput::Bytes((2 * kv_heads * len * D * 4) as u64));

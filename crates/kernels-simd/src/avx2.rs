@@ -127,6 +127,98 @@ unsafe fn axpy_row(row: &[u8], bits: u8, a: f32, c: f32, o: &mut [f32]) {
     }
 }
 
+/// Unpacks one row's codes to floats, for rows shared by several query heads.
+///
+/// # Safety
+/// As [`dot_row`], with `out.len()` codes in `row`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn unpack_row(row: &[u8], bits: u8, out: &mut [f32]) {
+    let per_chunk = 128 / bits as usize;
+    for (ch, o) in row.chunks_exact(16).zip(out.chunks_exact_mut(per_chunk)) {
+        // SAFETY: `ch` is exactly 16 bytes; `o` holds `per_chunk` floats, 16 per group k.
+        unsafe {
+            let chunk = _mm_loadu_si128(ch.as_ptr().cast());
+            for k in 0..per_chunk / 16 {
+                let (lo, hi) = codes_f32(chunk, bits, k as i32);
+                _mm256_storeu_ps(o.as_mut_ptr().add(16 * k), lo);
+                _mm256_storeu_ps(o.as_mut_ptr().add(16 * k + 8), hi);
+            }
+        }
+    }
+}
+
+/// `Σ a·b` over equal-length slices whose length is a multiple of 16.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+        // SAFETY: both chunks hold 16 floats.
+        unsafe {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr()), _mm256_loadu_ps(y.as_ptr()), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(8)), _mm256_loadu_ps(y.as_ptr().add(8)), s1);
+        }
+    }
+    // SAFETY: AVX2 is enabled by this function's target features.
+    unsafe { hsum(_mm256_add_ps(s0, s1)) }
+}
+
+/// `o += a · x + c` over equal-length slices whose length is a multiple of 8.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpb_f32(o: &mut [f32], a: f32, x: &[f32], c: f32) {
+    let (av, cv) = (_mm256_set1_ps(a), _mm256_set1_ps(c));
+    for (os, xs) in o.chunks_exact_mut(8).zip(x.chunks_exact(8)) {
+        // SAFETY: both chunks hold 8 floats.
+        unsafe {
+            let v = _mm256_fmadd_ps(_mm256_loadu_ps(xs.as_ptr()), av, _mm256_loadu_ps(os.as_ptr()));
+            _mm256_storeu_ps(os.as_mut_ptr(), _mm256_add_ps(v, cv));
+        }
+    }
+}
+
+/// Runs `f` on each row's levels: fused from the packed bytes for one query row, unpacked
+/// once into a buffer when several query rows (a GQA group) share it.
+fn for_rows(b: &QuantBlock<'_>, n_q: usize, mut f: impl FnMut(usize, RowLevels<'_>)) {
+    let mut buf = vec![0f32; if n_q > 1 { b.dim } else { 0 }];
+    for r in 0..b.rows {
+        if n_q > 1 {
+            // SAFETY: callers checked `supported(b)`: AVX2/FMA, bit width, row length.
+            unsafe { unpack_row(b.row(r), b.bits, &mut buf) };
+            f(r, RowLevels::Unpacked(&buf));
+        } else {
+            f(r, RowLevels::Packed(b.row(r)));
+        }
+    }
+}
+
+enum RowLevels<'a> {
+    Packed(&'a [u8]),
+    Unpacked(&'a [f32]),
+}
+
+impl RowLevels<'_> {
+    fn dot(&self, bits: u8, q: &[f32]) -> f32 {
+        match self {
+            // SAFETY (both): callers checked `supported`; lengths match the row.
+            RowLevels::Packed(row) => unsafe { dot_row(row, bits, q) },
+            RowLevels::Unpacked(l) => unsafe { dot_f32(q, l) },
+        }
+    }
+
+    fn axpb(&self, bits: u8, o: &mut [f32], a: f32, c: f32) {
+        match self {
+            // SAFETY (both): callers checked `supported`; lengths match the row.
+            RowLevels::Packed(row) => unsafe { axpy_row(row, bits, a, c, o) },
+            RowLevels::Unpacked(l) => unsafe { axpb_f32(o, a, l, c) },
+        }
+    }
+}
+
 /// See [`crate::scalar::scores`]. Falls back to the `wide` kernels for layouts it does not cover.
 pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
     if !supported(b) {
@@ -136,14 +228,13 @@ pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
     match b.params {
         Params::PerRow { scale, offset } => {
             let qsum: Vec<f32> = q.chunks_exact(d).map(|qi| qi.iter().sum()).collect();
-            for r in 0..b.rows {
+            for_rows(b, n_q, |r, levels| {
                 let off = offset.map_or(0.0, |o| o[r]);
                 for i in 0..n_q {
-                    // SAFETY: `supported` checked AVX2/FMA, the bit width and the row length.
-                    let s = unsafe { dot_row(b.row(r), b.bits, &q[i * d..(i + 1) * d]) };
-                    out[i * b.rows + r] = scale[r] * s + off * qsum[i];
+                    out[i * b.rows + r] =
+                        scale[r] * levels.dot(b.bits, &q[i * d..(i + 1) * d]) + off * qsum[i];
                 }
-            }
+            });
         }
         Params::PerChannel { scale, offset } => {
             let mut qw = vec![0f32; n_q * d];
@@ -155,13 +246,11 @@ pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
                 }
                 cst[i] = offset.map_or(0.0, |o| qi.iter().zip(o).map(|(a, b)| a * b).sum());
             }
-            for r in 0..b.rows {
+            for_rows(b, n_q, |r, levels| {
                 for i in 0..n_q {
-                    // SAFETY: as above.
-                    out[i * b.rows + r] =
-                        unsafe { dot_row(b.row(r), b.bits, &qw[i * d..(i + 1) * d]) } + cst[i];
+                    out[i * b.rows + r] = levels.dot(b.bits, &qw[i * d..(i + 1) * d]) + cst[i];
                 }
-            }
+            });
         }
     }
 }
@@ -174,27 +263,21 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
     let d = b.dim;
     match b.params {
         Params::PerRow { scale, offset } => {
-            for r in 0..b.rows {
+            for_rows(b, n_q, |r, levels| {
                 let off = offset.map_or(0.0, |o| o[r]);
                 for i in 0..n_q {
                     let w = p[i * b.rows + r];
-                    // SAFETY: `supported` checked AVX2/FMA, the bit width and the row length.
-                    unsafe {
-                        axpy_row(b.row(r), b.bits, w * scale[r], w * off, &mut out[i * d..(i + 1) * d])
-                    };
+                    levels.axpb(b.bits, &mut out[i * d..(i + 1) * d], w * scale[r], w * off);
                 }
-            }
+            });
         }
         Params::PerChannel { scale, offset } => {
             let mut acc = vec![0f32; n_q * d];
-            for r in 0..b.rows {
+            for_rows(b, n_q, |r, levels| {
                 for i in 0..n_q {
-                    // SAFETY: as above.
-                    unsafe {
-                        axpy_row(b.row(r), b.bits, p[i * b.rows + r], 0.0, &mut acc[i * d..(i + 1) * d])
-                    };
+                    levels.axpb(b.bits, &mut acc[i * d..(i + 1) * d], p[i * b.rows + r], 0.0);
                 }
-            }
+            });
             for i in 0..n_q {
                 let psum: f32 = p[i * b.rows..(i + 1) * b.rows].iter().sum();
                 for (k, (o, &a)) in

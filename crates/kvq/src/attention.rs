@@ -77,10 +77,15 @@ fn with_block<R>(
         let ps: Vec<GroupParams> = (0..n).map(get).collect();
         (ps.iter().map(|p| p.scale).collect(), ps.iter().map(|p| p.offset).collect())
     };
+    let bulk = || {
+        let (mut s, mut o) = (Vec::new(), Vec::new());
+        view.params_f32(&mut s, &mut o);
+        (s, o)
+    };
     let (per_channel, (scale, offset)) = match layout.mode() {
-        Mode::Row { seg } if seg == d => (false, collect(rows, &|r| view.params(r))),
+        Mode::Row { seg } if seg == d => (false, bulk()),
         Mode::Row { .. } => return Ok(None),
-        Mode::Channel => (true, collect(d, &|c| view.params(c))),
+        Mode::Channel => (true, bulk()),
         Mode::Static { seg: 1 } => (true, collect(d, &|c| view.statics[c])),
         Mode::Static { .. } => (false, collect(rows, &|_| view.statics[0])),
     };
