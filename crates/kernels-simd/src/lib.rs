@@ -30,15 +30,18 @@
 pub mod avx2;
 pub mod block;
 pub mod dispatch;
+#[cfg(target_arch = "aarch64")]
+pub mod dotprod;
 pub mod portable;
 pub mod scalar;
 
 pub use block::{KernelError, Levels, Params, QuantBlock};
 pub use dispatch::Backend;
 
-/// The code that runs for `backend`: AVX-512 runs the AVX2 kernels (none of its own yet), and
-/// dotprod the `wide` (NEON) kernels; the AVX2 kernels themselves fall back to `wide` for
-/// layouts they do not cover (see [`avx2`]).
+/// The code that runs for the float kernels of `backend`: AVX-512 runs the AVX2 kernels (none
+/// of its own yet) and dotprod the `wide` (NEON) ones; dotprod has its own integer score
+/// kernel (see [`scores_int8_with`]). The AVX2 kernels fall back to `wide` for layouts they do
+/// not cover.
 pub fn implementation(backend: Backend) -> Backend {
     match backend {
         Backend::Scalar => Backend::Scalar,
@@ -123,7 +126,8 @@ pub fn axpy_with(
 }
 
 /// Scores through the integer path where the backend has one (AVX2: affine 4-bit rows of a
-/// multiple of 64 codes, 8-bit rows of a multiple of 16), else [`scores_with`]. Returns
+/// multiple of 64 codes, 8-bit rows of a multiple of 16; dotprod: 4-bit rows of a multiple of
+/// 32, 8-bit of 16), else [`scores_with`]. Returns
 /// whether the integer path ran.
 ///
 /// The integer path quantizes each query row to int8, as llama.cpp does: each score is off by
@@ -149,6 +153,10 @@ pub fn scores_int8_with(
     })?;
     #[cfg(target_arch = "x86_64")]
     if implementation(backend) == Backend::Avx2 && avx2::scores_int8(b, q, n_q, out) {
+        return Ok(true);
+    }
+    #[cfg(target_arch = "aarch64")]
+    if backend == Backend::Dotprod && dotprod::scores_int8(b, q, n_q, out) {
         return Ok(true);
     }
     scores_with(backend, b, q, n_q, out).map(|()| false)
