@@ -3,9 +3,11 @@
 //! of `kvq-kernels-simd` (no f32 copy of the cache is made).
 //!
 //! Per KV head, the scores of all query heads of its GQA group are computed block by block
-//! (each block unpacked once for the whole group), softmax runs over them in f32 with the
-//! maximum subtracted, and the values are accumulated block by block with the same sharing.
-//! Sequences of a batch, and KV heads within a sequence, run in parallel with rayon.
+//! (each block unpacked once for the whole group), folded into an online softmax (running
+//! maximum and sum, earlier output rescaled when the maximum grows), and the values of the
+//! same block accumulated at once. Sequences of a batch and KV heads run in parallel with
+//! rayon; when a long context has fewer KV heads than threads, one head's blocks are split
+//! across threads and the partial results merged by log-sum-exp (flash-decoding).
 
 use half::f16;
 use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, Segment, SeqId, TailBuf};
@@ -203,6 +205,174 @@ pub fn decode_attention_path(
     })
 }
 
+/// One run of tokens of one part: a slice of full-precision rows, or a whole quantized block.
+enum Run<'a> {
+    Full(Vec<f32>),
+    Block(BlockView<'a>),
+}
+
+/// The runs of K and V for every grid unit (sinks, then `block_size` tokens at a time): K and
+/// V segments start on the same grid, so each unit lies inside one segment of each.
+fn units<'a>(k: &[Segment<'a>], v: &[Segment<'a>], d: usize) -> Vec<(usize, usize, Run<'a>, Run<'a>)> {
+    let mut bounds: Vec<usize> = Vec::new();
+    for s in k.iter().chain(v) {
+        match s {
+            Segment::Full { first_token, tokens, .. } => {
+                bounds.push(*first_token);
+                bounds.push(first_token + tokens);
+            }
+            Segment::Quantized(b) => {
+                bounds.push(b.first_token);
+                bounds.push(b.first_token + b.tokens);
+            }
+        }
+    }
+    bounds.sort_unstable();
+    bounds.dedup();
+    let find = |segs: &[Segment<'a>], a: usize, b: usize| -> Run<'a> {
+        for s in segs {
+            match *s {
+                Segment::Full { first_token, tokens, rows, offset }
+                    if a >= first_token && b <= first_token + tokens =>
+                {
+                    return Run::Full(full_rows(rows, offset + (a - first_token) * d, b - a, d));
+                }
+                Segment::Quantized(view) if a == view.first_token && b == view.first_token + view.tokens => {
+                    return Run::Block(view);
+                }
+                _ => {}
+            }
+        }
+        unreachable!("K and V segments share one grid")
+    };
+    bounds.windows(2).map(|w| (w[0], w[1], find(k, w[0], w[1]), find(v, w[0], w[1]))).collect()
+}
+
+/// Online-softmax state of the g query heads of a group: running max, running sum, and the
+/// unnormalized output.
+struct Partial {
+    m: Vec<f32>,
+    l: Vec<f32>,
+    o: Vec<f32>,
+}
+
+impl Partial {
+    fn new(g: usize, d: usize) -> Self {
+        Self { m: vec![f32::NEG_INFINITY; g], l: vec![0.0; g], o: vec![0.0; g * d] }
+    }
+
+    /// Merges another partial over disjoint tokens (log-sum-exp), as flash-decoding does.
+    fn merge(mut self, other: Partial) -> Partial {
+        let d = self.o.len() / self.m.len().max(1);
+        for i in 0..self.m.len() {
+            let m = self.m[i].max(other.m[i]);
+            if m == f32::NEG_INFINITY {
+                continue;
+            }
+            let (a, b) = ((self.m[i] - m).exp(), (other.m[i] - m).exp());
+            self.l[i] = self.l[i] * a + other.l[i] * b;
+            for (x, &y) in self.o[i * d..(i + 1) * d].iter_mut().zip(&other.o[i * d..(i + 1) * d]) {
+                *x = *x * a + y * b;
+            }
+            self.m[i] = m;
+        }
+        self
+    }
+}
+
+/// Attends the g query rows `qs` (already scaled by 1/sqrt(d)) over `units`.
+fn attend(
+    backend: Backend,
+    path: ScorePath,
+    readers: &[PartReader; 2],
+    units: &[(usize, usize, Run<'_>, Run<'_>)],
+    qs: &[f32],
+    g: usize,
+    d: usize,
+) -> Result<Partial, AttentionError> {
+    let mut st = Partial::new(g, d);
+    let mut s = Vec::new();
+    let mut row = vec![0f32; d];
+    for (a, b, k, v) in units {
+        let n = b - a;
+        s.resize(g * n, 0.0);
+        match k {
+            Run::Full(x) => {
+                for i in 0..g {
+                    for t in 0..n {
+                        s[i * n + t] = qs[i * d..(i + 1) * d]
+                            .iter()
+                            .zip(&x[t * d..(t + 1) * d])
+                            .map(|(p, q)| p * q)
+                            .sum();
+                    }
+                }
+            }
+            Run::Block(view) => {
+                let done = with_block(view, &readers[0], |blk| match path {
+                    ScorePath::Float => scores_with(backend, blk, qs, g, &mut s),
+                    ScorePath::Int8 => scores_int8_with(backend, blk, qs, g, &mut s).map(|_| ()),
+                })?;
+                if done.is_none() {
+                    for t in 0..n {
+                        view.decode_row(t, &mut row);
+                        for i in 0..g {
+                            s[i * n + t] = qs[i * d..(i + 1) * d].iter().zip(&row).map(|(p, q)| p * q).sum();
+                        }
+                    }
+                }
+            }
+        }
+        // Online softmax: rescale what was accumulated when the running maximum grows.
+        for i in 0..g {
+            let scores = &mut s[i * n..(i + 1) * n];
+            let m = scores.iter().copied().fold(st.m[i], f32::max);
+            let factor = (st.m[i] - m).exp();
+            let mut sum = 0f32;
+            for x in scores.iter_mut() {
+                *x = (*x - m).exp();
+                sum += *x;
+            }
+            st.l[i] = st.l[i] * factor + sum;
+            st.m[i] = m;
+            if factor != 1.0 {
+                st.o[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= factor);
+            }
+        }
+        match v {
+            Run::Full(x) => {
+                for i in 0..g {
+                    for t in 0..n {
+                        let w = s[i * n + t];
+                        for (o, &vv) in st.o[i * d..(i + 1) * d].iter_mut().zip(&x[t * d..(t + 1) * d]) {
+                            *o += w * vv;
+                        }
+                    }
+                }
+            }
+            Run::Block(view) => {
+                let done = with_block(view, &readers[1], |blk| axpy_with(backend, blk, &s, g, &mut st.o))?;
+                if done.is_none() {
+                    for t in 0..n {
+                        view.decode_row(t, &mut row);
+                        for i in 0..g {
+                            let w = s[i * n + t];
+                            for (o, &vv) in st.o[i * d..(i + 1) * d].iter_mut().zip(&row) {
+                                *o += w * vv;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(st)
+}
+
+/// Contexts longer than this split one head's blocks across threads (flash-decoding) when
+/// there are fewer KV heads than threads.
+const SPLIT_TOKENS: usize = 2048;
+
 #[allow(clippy::too_many_arguments)]
 fn head_attention(
     backend: Backend,
@@ -222,93 +392,24 @@ fn head_attention(
     if len == 0 {
         return Ok(());
     }
-    // Scores of the g query heads, [g, len], scaled by 1/sqrt(d).
     let scale = 1.0 / (d as f32).sqrt();
     let qs: Vec<f32> = q.iter().map(|x| x * scale).collect();
-    let mut s = vec![0f32; g * len];
-    let mut part = Vec::new();
-    for seg in cache.segments(seq, layer, head, Part::K)? {
-        match seg {
-            Segment::Full { first_token, tokens, rows, offset } => {
-                let x = full_rows(rows, offset, tokens, d);
-                for i in 0..g {
-                    for t in 0..tokens {
-                        s[i * len + first_token + t] = qs[i * d..(i + 1) * d]
-                            .iter()
-                            .zip(&x[t * d..(t + 1) * d])
-                            .map(|(a, b)| a * b)
-                            .sum();
-                    }
-                }
-            }
-            Segment::Quantized(view) => {
-                let n = view.tokens;
-                part.resize(g * n, 0.0);
-                let done = with_block(&view, &readers[0], |b| match path {
-                    ScorePath::Float => scores_with(backend, b, &qs, g, &mut part),
-                    ScorePath::Int8 => scores_int8_with(backend, b, &qs, g, &mut part).map(|_| ()),
-                })?;
-                if done.is_none() {
-                    let mut row = vec![0f32; d];
-                    for t in 0..n {
-                        view.decode_row(t, &mut row);
-                        for i in 0..g {
-                            part[i * n + t] =
-                                qs[i * d..(i + 1) * d].iter().zip(&row).map(|(a, b)| a * b).sum();
-                        }
-                    }
-                }
-                for i in 0..g {
-                    s[i * len + view.first_token..i * len + view.first_token + n]
-                        .copy_from_slice(&part[i * n..(i + 1) * n]);
-                }
-            }
-        }
-    }
+    let ks = cache.segments(seq, layer, head, Part::K)?;
+    let vs = cache.segments(seq, layer, head, Part::V)?;
+    let all = units(&ks, &vs, d);
+    let threads = rayon::current_num_threads();
+    let st = if len > SPLIT_TOKENS && cache.config().kv_heads < threads && all.len() > 1 {
+        let per = all.len().div_ceil(threads);
+        all.par_chunks(per)
+            .map(|part| attend(backend, path, readers, part, &qs, g, d))
+            .try_reduce(|| Partial::new(g, d), |a, b| Ok(a.merge(b)))?
+    } else {
+        attend(backend, path, readers, &all, &qs, g, d)?
+    };
     for i in 0..g {
-        let row = &mut s[i * len..(i + 1) * len];
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for x in row.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        let inv = 1.0 / sum;
-        row.iter_mut().for_each(|x| *x *= inv);
-    }
-    for seg in cache.segments(seq, layer, head, Part::V)? {
-        match seg {
-            Segment::Full { first_token, tokens, rows, offset } => {
-                let x = full_rows(rows, offset, tokens, d);
-                for i in 0..g {
-                    for t in 0..tokens {
-                        let w = s[i * len + first_token + t];
-                        for (o, &v) in out[i * d..(i + 1) * d].iter_mut().zip(&x[t * d..(t + 1) * d]) {
-                            *o += w * v;
-                        }
-                    }
-                }
-            }
-            Segment::Quantized(view) => {
-                let n = view.tokens;
-                part.clear();
-                for i in 0..g {
-                    part.extend_from_slice(&s[i * len + view.first_token..i * len + view.first_token + n]);
-                }
-                let done = with_block(&view, &readers[1], |b| axpy_with(backend, b, &part, g, out))?;
-                if done.is_none() {
-                    let mut row = vec![0f32; d];
-                    for t in 0..n {
-                        view.decode_row(t, &mut row);
-                        for i in 0..g {
-                            let w = part[i * n + t];
-                            for (o, &v) in out[i * d..(i + 1) * d].iter_mut().zip(&row) {
-                                *o += w * v;
-                            }
-                        }
-                    }
-                }
-            }
+        let inv = 1.0 / st.l[i];
+        for (o, &x) in out[i * d..(i + 1) * d].iter_mut().zip(&st.o[i * d..(i + 1) * d]) {
+            *o = x * inv;
         }
     }
     Ok(())

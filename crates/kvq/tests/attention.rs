@@ -137,3 +137,21 @@ fn bad_inputs_are_errors() {
             .is_err()
     );
 }
+
+/// A long MQA context: fewer KV heads than threads, so one head's blocks are split across
+/// threads and merged by log-sum-exp (when the machine has more than one thread).
+#[test]
+fn long_context_split_across_threads() {
+    let mut rng = Rng::new(5);
+    let (len, d, group): (usize, usize, usize) = (2600, 64, 4);
+    let config = CacheConfig::new(1, 1, d, len.div_ceil(32) + 1).with_block_size(32).with_sink_tokens(2);
+    let mut cache = PagedCache::new(config).unwrap();
+    let seq = cache.create();
+    let shape = Shape::new(1, len, d);
+    let random =
+        |rng: &mut Rng| Tensor::new(shape, (0..shape.len()).map(|_| rng.normal() as f32).collect()).unwrap();
+    let (kt, vt) = (random(&mut rng), random(&mut rng));
+    cache.extend(seq, 0, &kt, &vt).unwrap();
+    let q: Vec<f32> = (0..group * d).map(|_| rng.normal() as f32).collect();
+    check(&cache, seq, 0, &q, group, "MQA, 2600 tokens");
+}
