@@ -13,6 +13,7 @@
 use std::arch::x86_64::*;
 
 use crate::block::{Levels, Params, QuantBlock};
+use crate::int8::{self, IntQuery, quantize_query};
 use crate::portable;
 
 fn supported(b: &QuantBlock<'_>) -> bool {
@@ -301,12 +302,9 @@ struct Q8 {
     wide16: Vec<i16>,
 }
 
-impl Q8 {
-    fn new(q: &[f32]) -> Self {
-        let max = q.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let scale = if max > 0.0 { max / 127.0 } else { 0.0 };
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        let q8: Vec<i8> = q.iter().map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8).collect();
+impl IntQuery for Q8 {
+    fn prepare(q: &[f32]) -> Self {
+        let (scale, q8) = quantize_query(q);
         let mut perm4 = Vec::with_capacity(q8.len());
         for g in q8.chunks_exact(64) {
             perm4.extend_from_slice(&g[..16]);
@@ -315,6 +313,10 @@ impl Q8 {
             perm4.extend_from_slice(&g[48..]);
         }
         Self { scale, perm4, wide16: q8.iter().map(|&x| i16::from(x)).collect() }
+    }
+
+    fn scale(&self) -> f32 {
+        self.scale
     }
 }
 
@@ -395,34 +397,9 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
     if !int8_supported(b) {
         return false;
     }
-    let d = b.dim;
-    let idot = |row: &[u8], q8: &Q8| {
-        // SAFETY: `int8_supported` checked AVX2, the bit width and the row length.
-        if b.bits == 4 { unsafe { idot4(row, q8) } } else { unsafe { idot8(row, q8) } }
-    };
-    match b.params {
-        Params::PerRow { scale, offset } => {
-            for i in 0..n_q {
-                let qi = &q[i * d..(i + 1) * d];
-                let q8 = Q8::new(qi);
-                let qsum: f32 = qi.iter().sum();
-                for r in 0..b.rows {
-                    let off = offset.map_or(0.0, |o| o[r]);
-                    out[i * b.rows + r] = scale[r] * q8.scale * idot(b.row(r), &q8) as f32 + off * qsum;
-                }
-            }
-        }
-        Params::PerChannel { scale, offset } => {
-            for i in 0..n_q {
-                let qi = &q[i * d..(i + 1) * d];
-                let qw: Vec<f32> = qi.iter().zip(scale).map(|(x, s)| x * s).collect();
-                let q8 = Q8::new(&qw);
-                let cst: f32 = offset.map_or(0.0, |o| qi.iter().zip(o).map(|(a, b)| a * b).sum());
-                for r in 0..b.rows {
-                    out[i * b.rows + r] = q8.scale * idot(b.row(r), &q8) as f32 + cst;
-                }
-            }
-        }
-    }
+    // SAFETY: `int8_supported` checked AVX2, the bit width and the row length.
+    let idot =
+        |row: &[u8], q8: &Q8| if b.bits == 4 { unsafe { idot4(row, q8) } } else { unsafe { idot8(row, q8) } };
+    int8::scores(b, q, n_q, out, idot);
     true
 }

@@ -10,7 +10,8 @@
 use std::arch::aarch64::*;
 use std::arch::asm;
 
-use crate::block::{Levels, Params, QuantBlock};
+use crate::block::{Levels, QuantBlock};
+use crate::int8::{self, IntQuery, quantize_query};
 
 fn cpu_ok() -> bool {
     std::arch::is_aarch64_feature_detected!("dotprod")
@@ -32,14 +33,15 @@ struct Q8 {
     sum: i32,
 }
 
-impl Q8 {
-    fn new(q: &[f32]) -> Self {
-        let max = q.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let scale = if max > 0.0 { max / 127.0 } else { 0.0 };
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        let q8: Vec<i8> = q.iter().map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8).collect();
+impl IntQuery for Q8 {
+    fn prepare(q: &[f32]) -> Self {
+        let (scale, q8) = quantize_query(q);
         let sum = q8.iter().map(|&x| i32::from(x)).sum();
         Self { scale, q8, sum }
+    }
+
+    fn scale(&self) -> f32 {
+        self.scale
     }
 }
 
@@ -96,32 +98,8 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
     if !int8_supported(b) {
         return false;
     }
-    let d = b.dim;
     // SAFETY: `int8_supported` checked dotprod, the bit width and the row length.
     let dot = |row: &[u8], q8: &Q8| unsafe { idot(row, b.bits, q8) };
-    match b.params {
-        Params::PerRow { scale, offset } => {
-            for i in 0..n_q {
-                let qi = &q[i * d..(i + 1) * d];
-                let q8 = Q8::new(qi);
-                let qsum: f32 = qi.iter().sum();
-                for r in 0..b.rows {
-                    let off = offset.map_or(0.0, |o| o[r]);
-                    out[i * b.rows + r] = scale[r] * q8.scale * dot(b.row(r), &q8) as f32 + off * qsum;
-                }
-            }
-        }
-        Params::PerChannel { scale, offset } => {
-            for i in 0..n_q {
-                let qi = &q[i * d..(i + 1) * d];
-                let qw: Vec<f32> = qi.iter().zip(scale).map(|(x, s)| x * s).collect();
-                let q8 = Q8::new(&qw);
-                let cst: f32 = offset.map_or(0.0, |o| qi.iter().zip(o).map(|(a, b)| a * b).sum());
-                for r in 0..b.rows {
-                    out[i * b.rows + r] = q8.scale * dot(b.row(r), &q8) as f32 + cst;
-                }
-            }
-        }
-    }
+    int8::scores(b, q, n_q, out, dot);
     true
 }

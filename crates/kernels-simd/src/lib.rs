@@ -32,6 +32,7 @@ pub mod block;
 pub mod dispatch;
 #[cfg(target_arch = "aarch64")]
 pub mod dotprod;
+mod int8;
 pub mod portable;
 pub mod scalar;
 
@@ -52,6 +53,18 @@ pub fn implementation(backend: Backend) -> Backend {
 
 fn check(ok: bool, what: impl FnOnce() -> String) -> Result<(), KernelError> {
     if ok { Ok(()) } else { Err(KernelError::Shape(what())) }
+}
+
+fn check_scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &[f32]) -> Result<(), KernelError> {
+    check(q.len() == n_q * b.dim && out.len() == n_q * b.rows, || {
+        format!(
+            "{n_q} queries: {} query values and {} outputs for a block of {} × {}",
+            q.len(),
+            out.len(),
+            b.rows,
+            b.dim
+        )
+    })
 }
 
 /// `out[r · dim + d] = x̂[r][d]` with `backend`.
@@ -78,15 +91,7 @@ pub fn scores_with(
     n_q: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    check(q.len() == n_q * b.dim && out.len() == n_q * b.rows, || {
-        format!(
-            "{n_q} queries: {} query values and {} outputs for a block of {} × {}",
-            q.len(),
-            out.len(),
-            b.rows,
-            b.dim
-        )
-    })?;
+    check_scores(b, q, n_q, out)?;
     match implementation(backend) {
         Backend::Scalar => scalar::scores(b, q, n_q, out),
         #[cfg(target_arch = "x86_64")]
@@ -142,15 +147,7 @@ pub fn scores_int8_with(
     n_q: usize,
     out: &mut [f32],
 ) -> Result<bool, KernelError> {
-    check(q.len() == n_q * b.dim && out.len() == n_q * b.rows, || {
-        format!(
-            "{n_q} queries: {} query values and {} outputs for a block of {} × {}",
-            q.len(),
-            out.len(),
-            b.rows,
-            b.dim
-        )
-    })?;
+    check_scores(b, q, n_q, out)?;
     #[cfg(target_arch = "x86_64")]
     if implementation(backend) == Backend::Avx2 && avx2::scores_int8(b, q, n_q, out) {
         return Ok(true);
