@@ -454,15 +454,13 @@ impl PagedCache {
         Ok(id)
     }
 
-    /// Shortens every layer of `seq` to at most `len` tokens (rollback after speculative
-    /// decoding). Per-channel keys already quantized over a block can only be cut at a block
-    /// boundary; tokens still in the full-precision window can be cut anywhere.
+    /// Whether [`PagedCache::truncate`] to `len` would succeed, without changing anything
+    /// (so that a caller truncating several caches can check them all first).
     ///
     /// # Errors
-    /// [`CacheError::UnknownSequence`], [`CacheError::TruncateIntoBlock`].
-    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        let (bs, heads, sinks, d) =
-            (self.config.block_size, self.config.kv_heads, self.config.sink_tokens, self.config.head_dim);
+    /// As [`PagedCache::truncate`].
+    pub fn check_truncate(&self, seq: SeqId, len: usize) -> Result<()> {
+        let (bs, sinks) = (self.config.block_size, self.config.sink_tokens);
         let s = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
         let p_new = len.saturating_sub(sinks);
         for (layer, ls) in s.layers.iter().enumerate() {
@@ -477,8 +475,22 @@ impl PagedCache {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Shortens every layer of `seq` to at most `len` tokens (rollback after speculative
+    /// decoding). Per-channel keys already quantized over a block can only be cut at a block
+    /// boundary; tokens still in the full-precision window can be cut anywhere.
+    ///
+    /// # Errors
+    /// [`CacheError::UnknownSequence`], [`CacheError::TruncateIntoBlock`].
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        self.check_truncate(seq, len)?;
+        let (bs, heads, sinks, d) =
+            (self.config.block_size, self.config.kv_heads, self.config.sink_tokens, self.config.head_dim);
         let Self { parts, pool, seqs, .. } = self;
         let s = seqs.get_mut(&seq).expect("checked above");
+        let p_new = len.saturating_sub(sinks);
         for ls in &mut s.layers {
             if len >= ls.len {
                 continue;

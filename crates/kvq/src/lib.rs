@@ -7,6 +7,8 @@
 //! - [`layout`] (`kvq-cache-layout`): the paged, streaming cache.
 //! - [`kernels`] (`kvq-kernels-simd`): fused dequant-dot and dequant-axpy kernels.
 //! - [`attention`]: decode attention over the paged cache.
+//! - [`cache`]: [`cache::KvCacheConfig`] (TOML/JSON, validated) and [`cache::QuantizedKvCache`],
+//!   a model's cache with per-layer specs; [`prelude`] imports the common types.
 //! - [`analysis`]: the `kvq analyze` report.
 //!
 //! ```
@@ -23,6 +25,8 @@
 
 pub mod analysis;
 pub mod attention;
+pub mod cache;
+pub mod prelude;
 
 pub use kvq_cache_layout as layout;
 pub use kvq_kernels_simd as kernels;

@@ -8,6 +8,31 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use kvq::analysis::{self, KvSpec, Options};
 use kvq::quant::io::TensorFile;
+use kvq::quant::{Calibration, Shape, Tensor};
+
+/// Joins tensors of the same heads and head_dim along the token axis.
+fn concat_tokens(parts: &[Tensor]) -> Result<Tensor, Box<dyn std::error::Error>> {
+    let s0 = parts[0].shape();
+    let mut tokens = 0;
+    for p in parts {
+        let s = p.shape();
+        if s.batch != s0.batch || s.heads != s0.heads || s.head_dim != s0.head_dim {
+            return Err(format!("tensors of shape {s} and {s0} cannot be calibrated together").into());
+        }
+        tokens += s.tokens;
+    }
+    let mut data = Vec::with_capacity(s0.batch * s0.heads * tokens * s0.head_dim);
+    for b in 0..s0.batch {
+        for h in 0..s0.heads {
+            for p in parts {
+                for t in 0..p.shape().tokens {
+                    data.extend_from_slice(p.row(b, h, t));
+                }
+            }
+        }
+    }
+    Ok(Tensor::new(Shape::with_batch(s0.batch, s0.heads, tokens, s0.head_dim), data)?)
+}
 
 #[derive(Parser)]
 #[command(name = "kvq", version, about = "Quantize and analyze transformer KV caches")]
@@ -18,6 +43,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Gather static K/V ranges (per layer, head and channel) from one or more files into a
+    /// calibration file that per-tensor and per-head cache specs use.
+    Calibrate {
+        /// Safetensors files with layer<L>.k and layer<L>.v tensors (the same layers and heads).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Where to write the calibration (JSON).
+        #[arg(long)]
+        out: PathBuf,
+        /// Clip each channel's range to this percentile (e.g. 99.9) instead of min/max.
+        #[arg(long)]
+        percentile: Option<f64>,
+    },
     /// Print the build, the CPU's kernel backends and the one selected.
     Info,
     /// Compare quantization specs on a model's keys, values and attention.
@@ -55,6 +93,44 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
+        Command::Calibrate { files, out, percentile } => {
+            let mut per_layer: Vec<(Vec<Tensor>, Vec<Tensor>)> = Vec::new();
+            for path in &files {
+                let tf = TensorFile::open(path)?;
+                let layers = analysis::layers_from_file(&tf)?;
+                if per_layer.is_empty() {
+                    per_layer = layers.iter().map(|_| (Vec::new(), Vec::new())).collect();
+                }
+                if layers.len() != per_layer.len() {
+                    return Err(format!(
+                        "{}: {} layers, the first file has {}",
+                        path.display(),
+                        layers.len(),
+                        per_layer.len()
+                    )
+                    .into());
+                }
+                for (acc, layer) in per_layer.iter_mut().zip(layers) {
+                    acc.0.push(layer.k);
+                    acc.1.push(layer.v);
+                }
+            }
+            let join = |parts: &[Tensor]| concat_tokens(parts);
+            let k = per_layer.iter().map(|(k, _)| join(k)).collect::<Result<Vec<_>, _>>()?;
+            let v = per_layer.iter().map(|(_, v)| join(v)).collect::<Result<Vec<_>, _>>()?;
+            let cal = Calibration::from_tensors(&k, &v, percentile)?;
+            let json = serde_json::to_string_pretty(&cal)?;
+            std::fs::write(&out, json).map_err(|e| format!("{}: {e}", out.display()))?;
+            eprintln!(
+                "kvq: wrote {} ({} layers, {} KV heads × {} channels, from {} file(s))",
+                out.display(),
+                cal.layers(),
+                cal.heads(),
+                cal.head_dim(),
+                files.len()
+            );
+            Ok(())
+        }
         Command::Info => {
             use kvq::kernels::dispatch;
             println!("kvq {}", env!("CARGO_PKG_VERSION"));

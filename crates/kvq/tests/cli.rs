@@ -93,3 +93,22 @@ fn errors_are_one_line_with_exit_code_1() {
     }
     assert_eq!(kvq(&["analyze", "--bogus"]).status.code(), Some(2));
 }
+
+#[test]
+fn calibrate_writes_a_file_a_cache_accepts() {
+    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/sample.safetensors");
+    let out = std::env::temp_dir().join(format!("kvq-cal-{}.json", std::process::id()));
+    let o = kvq(&["calibrate", sample, sample, "--out", out.to_str().unwrap(), "--percentile", "99.5"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cal: kvq::quant::Calibration = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!((cal.layers(), cal.heads(), cal.head_dim(), cal.percentile()), (3, 3, 64, Some(99.5)));
+    let config = kvq::cache::KvCacheConfig::builder(3, 3, 9, 64)
+        .specs("int8-head".parse().unwrap(), "int4-tensor".parse().unwrap())
+        .calibration(cal)
+        .build()
+        .unwrap();
+    assert!(kvq::cache::QuantizedKvCache::new(config).is_ok());
+    std::fs::remove_file(&out).unwrap();
+    let bad = kvq(&["calibrate", sample, "--out", "/tmp/x.json", "--percentile", "20"]);
+    assert_eq!(bad.status.code(), Some(1));
+}

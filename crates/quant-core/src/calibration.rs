@@ -179,6 +179,20 @@ impl Calibration {
         self.percentile
     }
 
+    /// The calibration of one layer alone (for a cache that holds that layer only).
+    ///
+    /// # Panics
+    /// When `layer` is out of range (callers check against [`Calibration::layers`]).
+    pub fn layer_subset(&self, layer: usize) -> Calibration {
+        Calibration {
+            heads: self.heads,
+            head_dim: self.head_dim,
+            percentile: self.percentile,
+            k: vec![self.k[layer].clone()],
+            v: vec![self.v[layer].clone()],
+        }
+    }
+
     /// Per-channel ranges of `part` in `layer`.
     pub fn layer(&self, part: Part, layer: usize) -> Option<&LayerRanges> {
         match part {

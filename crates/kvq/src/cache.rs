@@ -1,0 +1,480 @@
+//! The high-level cache: per-layer K and V specs, a config that loads from TOML or JSON, and a
+//! [`QuantizedKvCache`] that stores a model's layers and answers decode attention.
+//!
+//! Each layer is a [`PagedCache`] of its own (its own specs and pool), driven in lockstep so
+//! that a sequence id means the same sequence in every layer.
+
+use std::path::Path;
+
+use kvq_cache_layout::{CacheConfig, CacheError, CacheMemory, PagedCache, SeqId, TailDtype};
+use kvq_quant_core::{Calibration, QuantSpec, Tensor};
+
+use crate::attention::{AttentionError, ScorePath, decode_attention_path};
+
+/// The version of the config format this build writes and reads.
+pub const CONFIG_VERSION: u32 = 1;
+
+/// Why the high-level cache refused a call.
+#[derive(Debug, thiserror::Error)]
+pub enum KvqError {
+    /// The config is invalid or could not be parsed.
+    #[error("config: {0}")]
+    Config(String),
+    /// A layer's cache refused the call; nothing was changed.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// Attention could not be computed.
+    #[error(transparent)]
+    Attention(#[from] AttentionError),
+    /// A config file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// The K and V specs of one layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerSpecs {
+    /// Keys.
+    pub k: QuantSpec,
+    /// Values.
+    pub v: QuantSpec,
+}
+
+/// Everything a [`QuantizedKvCache`] needs. Build with [`KvCacheConfig::builder`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvCacheConfig {
+    /// KV heads per layer.
+    pub kv_heads: usize,
+    /// Query heads (a multiple of `kv_heads`).
+    pub query_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Extra full-precision blocks for per-channel specs (KIVI's residual window).
+    pub residual_blocks: usize,
+    /// Leading tokens kept in full precision.
+    pub sink_tokens: usize,
+    /// Storage of full-precision tokens.
+    pub tail_dtype: TailDtype,
+    /// Blocks in each layer's pool.
+    pub blocks_per_layer: usize,
+    /// One entry per layer.
+    pub layers: Vec<LayerSpecs>,
+    /// Static ranges, for per-tensor and per-head specs.
+    pub calibration: Option<Calibration>,
+}
+
+/// Builds a [`KvCacheConfig`] with sensible defaults: INT4 per-channel keys and INT4 per-token
+/// values (KIVI), blocks of 32 tokens, one residual block, 4 sink tokens, f16 tails.
+#[derive(Debug, Clone)]
+pub struct KvCacheConfigBuilder {
+    config: KvCacheConfig,
+    error: Option<String>,
+}
+
+impl KvCacheConfig {
+    /// A builder for `layers` layers of `kv_heads` KV heads (and `query_heads` query heads) of
+    /// `head_dim` channels.
+    pub fn builder(
+        layers: usize,
+        kv_heads: usize,
+        query_heads: usize,
+        head_dim: usize,
+    ) -> KvCacheConfigBuilder {
+        let k: QuantSpec = "int4-channel".parse().expect("built-in spec");
+        let v: QuantSpec = "int4-token".parse().expect("built-in spec");
+        KvCacheConfigBuilder {
+            config: KvCacheConfig {
+                kv_heads,
+                query_heads,
+                head_dim,
+                block_size: 32,
+                residual_blocks: 1,
+                sink_tokens: 4,
+                tail_dtype: TailDtype::F16,
+                blocks_per_layer: 1024,
+                layers: vec![LayerSpecs { k, v }; layers],
+                calibration: None,
+            },
+            error: None,
+        }
+    }
+
+    fn layer_config(&self, l: usize) -> CacheConfig {
+        let specs = &self.layers[l];
+        let mut c = CacheConfig::new(1, self.kv_heads, self.head_dim, self.blocks_per_layer)
+            .with_specs(specs.k.clone(), specs.v.clone())
+            .with_block_size(self.block_size)
+            .with_residual_blocks(self.residual_blocks)
+            .with_sink_tokens(self.sink_tokens)
+            .with_tail_dtype(self.tail_dtype);
+        if let Some(cal) = &self.calibration {
+            c = c.with_calibration(cal.layer_subset(l));
+        }
+        c
+    }
+
+    /// Checks the config.
+    ///
+    /// # Errors
+    /// [`KvqError::Config`] naming the first problem.
+    pub fn validate(&self) -> Result<(), KvqError> {
+        if self.layers.is_empty() {
+            return Err(KvqError::Config("no layers".into()));
+        }
+        if self.kv_heads == 0 || self.query_heads == 0 || !self.query_heads.is_multiple_of(self.kv_heads) {
+            return Err(KvqError::Config(format!(
+                "{} query heads cannot share {} KV heads evenly",
+                self.query_heads, self.kv_heads
+            )));
+        }
+        if let Some(cal) = &self.calibration
+            && cal.layers() != self.layers.len()
+        {
+            return Err(KvqError::Config(format!(
+                "calibration covers {} layers, the config {}",
+                cal.layers(),
+                self.layers.len()
+            )));
+        }
+        for l in 0..self.layers.len() {
+            self.layer_config(l).validate().map_err(|e| KvqError::Config(format!("layer {l}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Average bits per cached value over K and V of all layers (codes and per-block
+    /// parameters; tails, sinks and tables excluded), for a full block.
+    pub fn bits_per_value(&self) -> f64 {
+        let total: f64 = (0..self.layers.len())
+            .map(|l| {
+                let c = PagedCache::new(CacheConfig { capacity_blocks: 0, ..self.layer_config(l) });
+                c.map_or(f64::NAN, |c| {
+                    let block = c.part(kvq_quant_core::calibration::Part::K).bytes()
+                        + c.part(kvq_quant_core::calibration::Part::V).bytes();
+                    block as f64 * 8.0 / (2 * self.block_size * self.head_dim) as f64
+                })
+            })
+            .sum();
+        total / self.layers.len() as f64
+    }
+
+    /// Parses and validates a TOML config.
+    ///
+    /// # Errors
+    /// [`KvqError::Config`].
+    pub fn from_toml(text: &str) -> Result<Self, KvqError> {
+        let wire: Wire = toml::from_str(text).map_err(|e| KvqError::Config(e.to_string()))?;
+        Self::try_from(wire)
+    }
+
+    /// Parses and validates a JSON config.
+    ///
+    /// # Errors
+    /// [`KvqError::Config`].
+    pub fn from_json(text: &str) -> Result<Self, KvqError> {
+        let wire: Wire = serde_json::from_str(text).map_err(|e| KvqError::Config(e.to_string()))?;
+        Self::try_from(wire)
+    }
+
+    /// The config as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(&Wire::from(self)).expect("a config always serializes")
+    }
+
+    /// The config as JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(&Wire::from(self)).expect("a config always serializes")
+    }
+
+    /// Loads a config file, TOML or JSON by its extension (`.json` is JSON, anything else TOML).
+    ///
+    /// # Errors
+    /// [`KvqError::Io`], [`KvqError::Config`].
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, KvqError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| KvqError::Io { path: path.display().to_string(), source })?;
+        let parsed = if path.extension().is_some_and(|e| e == "json") {
+            Self::from_json(&text)
+        } else {
+            Self::from_toml(&text)
+        };
+        parsed.map_err(|e| KvqError::Config(format!("{}: {e}", path.display())))
+    }
+}
+
+impl KvCacheConfigBuilder {
+    /// The same specs for every layer.
+    pub fn specs(mut self, k: QuantSpec, v: QuantSpec) -> Self {
+        for l in &mut self.config.layers {
+            *l = LayerSpecs { k: k.clone(), v: v.clone() };
+        }
+        self
+    }
+
+    /// The specs of one layer (a layer out of range is reported by [`Self::build`]).
+    pub fn layer_specs(mut self, layer: usize, k: QuantSpec, v: QuantSpec) -> Self {
+        let n = self.config.layers.len();
+        match self.config.layers.get_mut(layer) {
+            Some(l) => *l = LayerSpecs { k, v },
+            None => self.error = Some(format!("layer_specs for layer {layer} of {n}")),
+        }
+        self
+    }
+
+    /// Tokens per block.
+    pub fn block_size(mut self, n: usize) -> Self {
+        self.config.block_size = n;
+        self
+    }
+
+    /// Extra full-precision blocks.
+    pub fn residual_blocks(mut self, n: usize) -> Self {
+        self.config.residual_blocks = n;
+        self
+    }
+
+    /// Leading full-precision tokens.
+    pub fn sink_tokens(mut self, n: usize) -> Self {
+        self.config.sink_tokens = n;
+        self
+    }
+
+    /// Storage of full-precision tokens.
+    pub fn tail_dtype(mut self, t: TailDtype) -> Self {
+        self.config.tail_dtype = t;
+        self
+    }
+
+    /// Blocks in each layer's pool.
+    pub fn blocks_per_layer(mut self, n: usize) -> Self {
+        self.config.blocks_per_layer = n;
+        self
+    }
+
+    /// Static ranges.
+    pub fn calibration(mut self, c: Calibration) -> Self {
+        self.config.calibration = Some(c);
+        self
+    }
+
+    /// Validates and returns the config.
+    ///
+    /// # Errors
+    /// [`KvqError::Config`].
+    pub fn build(self) -> Result<KvCacheConfig, KvqError> {
+        if let Some(e) = self.error {
+            return Err(KvqError::Config(e));
+        }
+        self.config.validate()?;
+        Ok(self.config)
+    }
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct WireLayer {
+    k: String,
+    v: String,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Wire {
+    version: u32,
+    kv_heads: usize,
+    query_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    residual_blocks: usize,
+    sink_tokens: usize,
+    tail_dtype: TailDtype,
+    blocks_per_layer: usize,
+    layers: Vec<WireLayer>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    calibration: Option<Calibration>,
+}
+
+impl From<&KvCacheConfig> for Wire {
+    fn from(c: &KvCacheConfig) -> Self {
+        Wire {
+            version: CONFIG_VERSION,
+            kv_heads: c.kv_heads,
+            query_heads: c.query_heads,
+            head_dim: c.head_dim,
+            block_size: c.block_size,
+            residual_blocks: c.residual_blocks,
+            sink_tokens: c.sink_tokens,
+            tail_dtype: c.tail_dtype,
+            blocks_per_layer: c.blocks_per_layer,
+            layers: c.layers.iter().map(|l| WireLayer { k: l.k.to_string(), v: l.v.to_string() }).collect(),
+            calibration: c.calibration.clone(),
+        }
+    }
+}
+
+impl TryFrom<Wire> for KvCacheConfig {
+    type Error = KvqError;
+
+    fn try_from(w: Wire) -> Result<Self, KvqError> {
+        if w.version != CONFIG_VERSION {
+            return Err(KvqError::Config(format!(
+                "config version {} (this build reads {CONFIG_VERSION})",
+                w.version
+            )));
+        }
+        let spec = |s: &str| s.parse::<QuantSpec>().map_err(|e| KvqError::Config(e.to_string()));
+        let layers = w
+            .layers
+            .iter()
+            .map(|l| Ok(LayerSpecs { k: spec(&l.k)?, v: spec(&l.v)? }))
+            .collect::<Result<_, KvqError>>()?;
+        let c = KvCacheConfig {
+            kv_heads: w.kv_heads,
+            query_heads: w.query_heads,
+            head_dim: w.head_dim,
+            block_size: w.block_size,
+            residual_blocks: w.residual_blocks,
+            sink_tokens: w.sink_tokens,
+            tail_dtype: w.tail_dtype,
+            blocks_per_layer: w.blocks_per_layer,
+            layers,
+            calibration: w.calibration,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+/// A model's quantized KV cache: one [`PagedCache`] per layer, sequences shared across them.
+#[derive(Debug, Clone)]
+pub struct QuantizedKvCache {
+    config: KvCacheConfig,
+    layers: Vec<PagedCache>,
+}
+
+impl QuantizedKvCache {
+    /// Allocates every layer's pool.
+    ///
+    /// # Errors
+    /// [`KvqError::Config`].
+    pub fn new(config: KvCacheConfig) -> Result<Self, KvqError> {
+        config.validate()?;
+        let layers = (0..config.layers.len())
+            .map(|l| {
+                PagedCache::new(config.layer_config(l))
+                    .map_err(|e| KvqError::Config(format!("layer {l}: {e}")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { config, layers })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &KvCacheConfig {
+        &self.config
+    }
+
+    /// The cache of one layer.
+    pub fn layer(&self, layer: usize) -> Option<&PagedCache> {
+        self.layers.get(layer)
+    }
+
+    fn layer_mut(&mut self, layer: usize) -> Result<&mut PagedCache, KvqError> {
+        let n = self.layers.len();
+        self.layers.get_mut(layer).ok_or(KvqError::Cache(CacheError::Layer { layer, layers: n }))
+    }
+
+    /// Starts a sequence in every layer.
+    pub fn create(&mut self) -> SeqId {
+        let ids: Vec<SeqId> = self.layers.iter_mut().map(PagedCache::create).collect();
+        debug_assert!(ids.windows(2).all(|w| w[0] == w[1]), "layers out of step");
+        ids[0]
+    }
+
+    /// Appends one token's keys and values (`kv_heads × head_dim` each) to `layer`.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`]; nothing changes on error.
+    pub fn append(&mut self, seq: SeqId, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KvqError> {
+        Ok(self.layer_mut(layer)?.append(seq, 0, k, v)?)
+    }
+
+    /// Appends many tokens (`[kv_heads, tokens, head_dim]` tensors) to `layer`.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`]; nothing changes on error.
+    pub fn extend(&mut self, seq: SeqId, layer: usize, k: &Tensor, v: &Tensor) -> Result<(), KvqError> {
+        Ok(self.layer_mut(layer)?.extend(seq, 0, k, v)?)
+    }
+
+    /// A copy-on-write fork of `seq` in every layer.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`] for an unknown sequence.
+    pub fn fork(&mut self, seq: SeqId) -> Result<SeqId, KvqError> {
+        self.layers[0].len(seq, 0)?;
+        let ids = self.layers.iter_mut().map(|c| c.fork(seq)).collect::<Result<Vec<_>, _>>()?;
+        Ok(ids[0])
+    }
+
+    /// Shortens `seq` to `len` tokens in every layer; all layers are checked first.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`]; nothing changes on error.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<(), KvqError> {
+        for c in &self.layers {
+            c.check_truncate(seq, len)?;
+        }
+        for c in &mut self.layers {
+            c.truncate(seq, len)?;
+        }
+        Ok(())
+    }
+
+    /// Ends `seq` in every layer.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`] for an unknown sequence.
+    pub fn free(&mut self, seq: SeqId) -> Result<(), KvqError> {
+        self.layers[0].len(seq, 0)?;
+        for c in &mut self.layers {
+            c.free(seq)?;
+        }
+        Ok(())
+    }
+
+    /// Tokens of `seq` stored in `layer`.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`].
+    pub fn len(&self, seq: SeqId, layer: usize) -> Result<usize, KvqError> {
+        let n = self.layers.len();
+        Ok(self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?.len(seq, 0)?)
+    }
+
+    /// Decode attention of `q` (`query_heads × head_dim`) over `layer` of `seq`, into `out`.
+    ///
+    /// # Errors
+    /// [`KvqError::Attention`], [`KvqError::Cache`].
+    pub fn attention(&self, seq: SeqId, layer: usize, q: &[f32], out: &mut [f32]) -> Result<(), KvqError> {
+        let n = self.layers.len();
+        let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
+        let backend = kvq_kernels_simd::dispatch::selected().unwrap_or(kvq_kernels_simd::Backend::Scalar);
+        Ok(decode_attention_path(backend, ScorePath::Float, cache, seq, 0, q, self.config.query_heads, out)?)
+    }
+
+    /// Exact memory of every layer.
+    pub fn memory(&self) -> Vec<CacheMemory> {
+        self.layers.iter().map(PagedCache::memory).collect()
+    }
+
+    /// Bytes in use over all layers.
+    pub fn used_bytes(&self) -> usize {
+        self.layers.iter().map(|c| c.memory().used_bytes()).sum()
+    }
+}

@@ -1,0 +1,9 @@
+//! One import for the common types: `use kvq::prelude::*;`.
+
+pub use crate::attention::{ScorePath, decode_attention};
+pub use crate::cache::{KvCacheConfig, KvqError, LayerSpecs, QuantizedKvCache};
+pub use kvq_cache_layout::{SeqId, TailDtype};
+pub use kvq_quant_core::calibration::Part;
+pub use kvq_quant_core::io::TensorFile;
+pub use kvq_quant_core::metrics::error_stats;
+pub use kvq_quant_core::{Calibration, QuantSpec, Shape, Tensor, quantize};

@@ -1,0 +1,83 @@
+//! The high-level cache: configs that round-trip through TOML and JSON and are validated on
+//! load, and a multi-layer cache whose failed calls change nothing.
+
+use kvq::prelude::*;
+
+fn config() -> KvCacheConfig {
+    KvCacheConfig::builder(3, 2, 6, 32)
+        .block_size(8)
+        .layer_specs(1, "int8-token".parse().unwrap(), "int8-token".parse().unwrap())
+        .blocks_per_layer(64)
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn config_round_trips_through_toml_and_json() {
+    let c = config();
+    let toml = c.to_toml();
+    assert!(toml.contains("version = 1") && toml.contains("k = \"int8-token\""), "{toml}");
+    assert_eq!(KvCacheConfig::from_toml(&toml).unwrap(), c);
+    assert_eq!(KvCacheConfig::from_json(&c.to_json()).unwrap(), c);
+    let dir = std::env::temp_dir().join(format!("kvq-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, text) in [("c.toml", toml.clone()), ("c.json", c.to_json())] {
+        std::fs::write(dir.join(name), text).unwrap();
+        assert_eq!(KvCacheConfig::load(dir.join(name)).unwrap(), c);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_configs_are_errors() {
+    let good = config().to_toml();
+    for (from, to) in [
+        ("version = 1", "version = 2"),
+        ("query_heads = 6", "query_heads = 5"),
+        ("k = \"int8-token\"", "k = \"int9-token\""),
+        ("block_size = 8", "block_size = 0"),
+        ("k = \"int8-token\"", "k = \"int4-head\""),
+    ] {
+        let bad = good.replacen(from, to, 1);
+        assert!(matches!(KvCacheConfig::from_toml(&bad), Err(KvqError::Config(_))), "{to}");
+    }
+    assert!(KvCacheConfig::from_toml(&good[..good.len() / 2]).is_err());
+    assert!(KvCacheConfig::from_json("{").is_err());
+    assert!(matches!(KvCacheConfig::load("/nonexistent/kvq.toml"), Err(KvqError::Io { .. })));
+    assert!(
+        KvCacheConfig::builder(2, 2, 2, 8)
+            .layer_specs(5, "int4-token".parse().unwrap(), "int4-token".parse().unwrap())
+            .build()
+            .is_err()
+    );
+}
+
+#[test]
+fn a_multi_layer_cache_stays_consistent() {
+    let mut cache = QuantizedKvCache::new(config()).unwrap();
+    let seq = cache.create();
+    let row = |t: usize| -> Vec<f32> { (0..64).map(|i| ((i * 7 + t * 3) % 11) as f32 * 0.1 - 0.5).collect() };
+    for t in 0..30 {
+        for l in 0..3 {
+            cache.append(seq, l, &row(t), &row(t + 1)).unwrap();
+        }
+    }
+    let fork = cache.fork(seq).unwrap();
+    assert_eq!(cache.len(fork, 2).unwrap(), 30);
+    // Layers 0 and 2 quantize keys per channel in blocks of 8 (one residual block): tokens
+    // 4..12 are a quantized block, so truncating to 7 fails and must leave every layer intact.
+    let before: Vec<usize> = (0..3).map(|l| cache.len(seq, l).unwrap()).collect();
+    assert!(cache.truncate(seq, 7).is_err());
+    assert_eq!((0..3).map(|l| cache.len(seq, l).unwrap()).collect::<Vec<_>>(), before);
+    cache.truncate(seq, 12).unwrap();
+    assert!((0..3).all(|l| cache.len(seq, l).unwrap() == 12));
+    let q: Vec<f32> = (0..6 * 32).map(|i| (i % 5) as f32 * 0.2).collect();
+    let mut out = vec![0f32; q.len()];
+    cache.attention(fork, 1, &q, &mut out).unwrap();
+    assert!(out.iter().all(|x| x.is_finite()));
+    let used = cache.used_bytes();
+    cache.free(fork).unwrap();
+    assert!(cache.used_bytes() < used);
+    assert!(cache.free(fork).is_err());
+    assert!(cache.append(seq, 3, &row(0), &row(0)).is_err());
+}
