@@ -27,6 +27,7 @@ pub mod analysis;
 pub mod attention;
 pub mod cache;
 pub mod prelude;
+pub mod recommend;
 
 pub use kvq_cache_layout as layout;
 pub use kvq_kernels_simd as kernels;

@@ -43,6 +43,24 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Choose per-layer K and V specs that minimize attention error under an average bit
+    /// budget (metadata counted), and write a cache config.
+    Recommend {
+        /// The safetensors file (default: the embedded sample).
+        file: Option<PathBuf>,
+        /// Average bits per cached value, K and V together.
+        #[arg(long)]
+        budget_bits: f64,
+        /// Where to write the config (TOML, or JSON for a `.json` name).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Query positions at which attention is compared.
+        #[arg(long, default_value_t = Options::default().positions)]
+        positions: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Gather static K/V ranges (per layer, head and channel) from one or more files into a
     /// calibration file that per-tensor and per-head cache specs use.
     Calibrate {
@@ -93,6 +111,49 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
+        Command::Recommend { file, budget_bits, out, positions, json } => {
+            let tf = match &file {
+                Some(path) => TensorFile::open(path)?,
+                None => TensorFile::from_bytes(
+                    "embedded sample (SmolLM2-135M, 256 tokens)",
+                    kvq::SAMPLE.to_vec(),
+                )?,
+            };
+            let layers = analysis::layers_from_file(&tf)?;
+            let candidates = kvq::recommend::default_candidates();
+            let (rec, specs) = kvq::recommend::recommend(
+                &layers,
+                &candidates,
+                budget_bits,
+                &Options { positions },
+                |done, all| {
+                    eprintln!("kvq: measured {done}/{all} layers");
+                },
+            )?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rec)?);
+            } else {
+                println!(
+                    "budget {:.3} bits per value; chosen average {:.3}",
+                    rec.budget_bits, rec.average_bits
+                );
+                println!("{:<10} {:<30} {:>7} {:>10}", "layer", "spec", "bits", "attn err");
+                for c in &rec.layers {
+                    println!("{:<10} {:<30} {:>7.3} {:>10.3e}", c.layer, c.spec, c.bits, c.attn_rel_err);
+                }
+            }
+            if let Some(out) = out {
+                let config = kvq::recommend::config_for(&layers, &specs)?;
+                let text = if out.extension().is_some_and(|e| e == "json") {
+                    config.to_json()
+                } else {
+                    config.to_toml()
+                };
+                std::fs::write(&out, text).map_err(|e| format!("{}: {e}", out.display()))?;
+                eprintln!("kvq: wrote {}", out.display());
+            }
+            Ok(())
+        }
         Command::Calibrate { files, out, percentile } => {
             let mut per_layer: Vec<(Vec<Tensor>, Vec<Tensor>)> = Vec::new();
             for path in &files {

@@ -112,3 +112,37 @@ fn calibrate_writes_a_file_a_cache_accepts() {
     let bad = kvq(&["calibrate", sample, "--out", "/tmp/x.json", "--percentile", "20"]);
     assert_eq!(bad.status.code(), Some(1));
 }
+
+#[test]
+fn recommend_respects_the_budget_and_writes_a_loadable_config() {
+    let out = std::env::temp_dir().join(format!("kvq-rec-{}.toml", std::process::id()));
+    for budget in ["4.6", "9"] {
+        let o = kvq(&[
+            "recommend",
+            "--budget-bits",
+            budget,
+            "--json",
+            "--positions",
+            "8",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        let avg = v["average_bits"].as_f64().unwrap();
+        assert!(avg <= budget.parse::<f64>().unwrap() + 1e-9, "{avg} over {budget}");
+        let layers = v["layers"].as_array().unwrap();
+        assert_eq!(layers.len(), 3);
+        let config = kvq::cache::KvCacheConfig::load(&out).unwrap();
+        for (c, l) in config.layers.iter().zip(layers) {
+            let spec = l["spec"].as_str().unwrap();
+            let (k, vv) = spec.split_once('/').unwrap_or((spec, spec));
+            assert_eq!((c.k.to_string().as_str(), c.v.to_string().as_str()), (k, vv));
+        }
+        assert!(kvq::cache::QuantizedKvCache::new(config).is_ok());
+    }
+    std::fs::remove_file(&out).unwrap();
+    let too_small = kvq(&["recommend", "--budget-bits", "1"]);
+    assert_eq!(too_small.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&too_small.stderr).contains("cheapest candidates need"));
+}

@@ -1,0 +1,164 @@
+//! `kvq recommend`: per-layer K and V specs that minimize attention error under an average
+//! bit budget, metadata counted.
+//!
+//! Every candidate is measured on every layer (bits per value of K and V together, and the
+//! relative error of attention outputs, as `kvq analyze` reports them). The choice starts from
+//! each layer's cheapest candidate and repeatedly takes the upgrade with the largest error
+//! reduction per extra bit that still fits the budget (a greedy multiple-choice knapsack).
+//! Candidates stream in a paged cache with blocks of 32 tokens: per-channel keys are grouped
+//! per 32-token block, exactly as the cache will store them.
+
+use crate::analysis::{AnalyzeError, KvSpec, LayerInput, Options, analyze};
+use crate::cache::{KvCacheConfig, KvqError, LayerSpecs};
+
+/// Tokens per block of the configs `recommend` writes (per-channel groups match it).
+pub const BLOCK_SIZE: usize = 32;
+
+/// Candidate spec pairs: uniform and mixed precision, all streamable without calibration.
+pub fn default_candidates() -> Vec<KvSpec> {
+    [
+        "int8-token",
+        "int8-channel32/int8-token",
+        "int8-channel32/int4-token",
+        "int4-channel32/int8-token",
+        "int4-channel32/int4-token",
+        "int4-channel32/int4-g32",
+        "int4-channel32/int2-token",
+        "int2-channel32/int4-token",
+        "int2-channel32/int2-token",
+        "int3-channel32/int3-token",
+        "nf4-token",
+        "fp8e4m3-token",
+    ]
+    .iter()
+    .map(|s| KvSpec::parse(s).expect("built-in candidates parse"))
+    .collect()
+}
+
+/// The chosen spec of one layer.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Choice {
+    /// Layer name.
+    pub layer: String,
+    /// Chosen specs (`KSPEC/VSPEC`).
+    pub spec: String,
+    /// Bits per value, K and V together.
+    pub bits: f64,
+    /// Relative error of attention outputs.
+    pub attn_rel_err: f64,
+}
+
+/// A recommendation.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Recommendation {
+    /// The budget asked for.
+    pub budget_bits: f64,
+    /// Average bits per value of the choice.
+    pub average_bits: f64,
+    /// One choice per layer.
+    pub layers: Vec<Choice>,
+}
+
+/// Why no recommendation could be made.
+#[derive(Debug, thiserror::Error)]
+pub enum RecommendError {
+    /// Measuring the candidates failed.
+    #[error(transparent)]
+    Analyze(#[from] AnalyzeError),
+    /// Even the cheapest candidates exceed the budget.
+    #[error("the cheapest candidates need {needed:.3} bits per value on average; the budget is {budget}")]
+    Budget {
+        /// Smallest achievable average.
+        needed: f64,
+        /// The budget.
+        budget: f64,
+    },
+    /// The chosen specs do not make a valid cache config.
+    #[error(transparent)]
+    Config(#[from] KvqError),
+}
+
+/// Chooses per-layer specs from `candidates` under `budget_bits` on average.
+///
+/// # Errors
+/// [`RecommendError::Analyze`], [`RecommendError::Budget`].
+pub fn recommend(
+    layers: &[LayerInput],
+    candidates: &[KvSpec],
+    budget_bits: f64,
+    options: &Options,
+    progress: impl FnMut(usize, usize),
+) -> Result<(Recommendation, Vec<KvSpec>), RecommendError> {
+    let report = analyze("recommend", layers, candidates, options, progress)?;
+    let n = report.layers.len();
+    // Per layer, the candidates sorted by bits.
+    let options_per_layer: Vec<Vec<(f64, f64, usize)>> = report
+        .layers
+        .iter()
+        .map(|l| {
+            let mut v: Vec<(f64, f64, usize)> =
+                l.rows.iter().enumerate().map(|(i, r)| (r.bits_per_element, r.attn_rel_err, i)).collect();
+            v.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
+            v
+        })
+        .collect();
+    let mut pick: Vec<usize> = vec![0; n];
+    let total_bits = |pick: &[usize], opts: &[Vec<(f64, f64, usize)>]| -> f64 {
+        pick.iter().zip(opts).map(|(&p, o)| o[p].0).sum()
+    };
+    let needed = total_bits(&pick, &options_per_layer) / n as f64;
+    if needed > budget_bits {
+        return Err(RecommendError::Budget { needed, budget: budget_bits });
+    }
+    loop {
+        let used = total_bits(&pick, &options_per_layer);
+        let mut best: Option<(f64, usize, usize)> = None;
+        for (l, opts) in options_per_layer.iter().enumerate() {
+            let (b0, e0, _) = opts[pick[l]];
+            for (j, &(b, e, _)) in opts.iter().enumerate() {
+                let extra = b - b0;
+                if e >= e0 || (used + extra) / n as f64 > budget_bits + 1e-12 {
+                    continue;
+                }
+                let gain = (e0 - e) / extra.max(1e-9);
+                if best.is_none_or(|(g, ..)| gain > g) {
+                    best = Some((gain, l, j));
+                }
+            }
+        }
+        match best {
+            Some((_, l, j)) => pick[l] = j,
+            None => break,
+        }
+    }
+    let mut chosen = Vec::with_capacity(n);
+    let mut specs = Vec::with_capacity(n);
+    for (l, layer) in report.layers.iter().enumerate() {
+        let (_, _, idx) = options_per_layer[l][pick[l]];
+        let row = &layer.rows[idx];
+        chosen.push(Choice {
+            layer: layer.layer.clone(),
+            spec: row.spec.clone(),
+            bits: row.bits_per_element,
+            attn_rel_err: row.attn_rel_err,
+        });
+        specs.push(candidates[idx].clone());
+    }
+    let average_bits = chosen.iter().map(|c| c.bits).sum::<f64>() / n as f64;
+    Ok((Recommendation { budget_bits, average_bits, layers: chosen }, specs))
+}
+
+/// A cache config with the chosen specs for a model shaped like `layers`.
+///
+/// # Errors
+/// [`RecommendError::Config`] when the specs cannot stream.
+pub fn config_for(layers: &[LayerInput], specs: &[KvSpec]) -> Result<KvCacheConfig, RecommendError> {
+    let (k, q) = (layers[0].k.shape(), layers[0].q.shape());
+    let mut b = KvCacheConfig::builder(layers.len(), k.heads, q.heads, k.head_dim).block_size(BLOCK_SIZE);
+    for (l, s) in specs.iter().enumerate() {
+        b = b.layer_specs(l, s.k.clone(), s.v.clone());
+    }
+    let config = b.build()?;
+    debug_assert!(config.layers.iter().zip(specs).all(|(c, s): (&LayerSpecs, _)| c.k == s.k && c.v == s.v));
+    Ok(config)
+}
