@@ -10,6 +10,25 @@ use kvq::analysis::{self, KvSpec, Options};
 use kvq::quant::io::TensorFile;
 use kvq::quant::{Calibration, Shape, Tensor};
 
+/// A progress bar on stderr (drawn only when stderr is a terminal), advanced by the
+/// `(done, all)` callbacks of long operations.
+fn progress(what: &'static str) -> impl FnMut(usize, usize) {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} layers ({elapsed})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(what);
+    move |done, all| {
+        bar.set_length(all as u64);
+        bar.set_position(done as u64);
+        if done == all {
+            bar.finish_and_clear();
+        }
+    }
+}
+
 /// Joins tensors of the same heads and head_dim along the token axis.
 fn concat_tokens(parts: &[Tensor]) -> Result<Tensor, Box<dyn std::error::Error>> {
     let s0 = parts[0].shape();
@@ -43,6 +62,24 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Time decode attention per spec against an f32 cache on this machine, one thread (one
+    /// layer shaped like Llama-3-8B's: 32 query heads, 8 KV heads, head_dim 128, random data).
+    /// For careful figures use `cargo xtask bench`; this is a quick look.
+    Bench {
+        /// Cached tokens.
+        #[arg(long, default_value_t = 4096)]
+        context: usize,
+        /// Decode steps timed per spec (after one warm-up step).
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// Specs to time, comma-separated (`SPEC` or `KSPEC/VSPEC`).
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "int8-token,int4-channel/int4-token,int2-channel/int2-token"
+        )]
+        specs: Vec<String>,
+    },
     /// Choose per-layer K and V specs that minimize attention error under an average bit
     /// budget (metadata counted), and write a cache config.
     Recommend {
@@ -111,6 +148,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
+        Command::Bench { context, steps, specs } => bench(context, steps, &specs),
         Command::Recommend { file, budget_bits, out, positions, json } => {
             let tf = match &file {
                 Some(path) => TensorFile::open(path)?,
@@ -224,11 +262,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 (tf.label().to_string(), analysis::layers_from_file(&tf)?)
             };
             let options = Options { positions };
-            let report = analysis::analyze(&source, &layers, &specs, &options, |done, all| {
-                if all > 1 {
-                    eprintln!("kvq: analyzed {done}/{all} layers");
-                }
-            })?;
+            let report = analysis::analyze(&source, &layers, &specs, &options, progress("analyzing"))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -237,4 +271,103 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             Ok(())
         }
     }
+}
+
+/// `kvq bench`: decode attention per spec, against an f32 cache read by the same algorithm
+/// (a per-token f32 "spec" is not a format, so the baseline is the f32 dot/axpy loop).
+fn bench(context: usize, steps: usize, specs: &[String]) -> Result<(), Box<dyn std::error::Error>> {
+    use kvq::layout::{CacheConfig, PagedCache};
+    use kvq::quant::synth::normal_tensor;
+    use std::time::Instant;
+    if context == 0 || steps == 0 {
+        return Err("--context and --steps must be positive".into());
+    }
+    let (q_heads, kv_heads, d) = (32usize, 8usize, 128usize);
+    let specs = specs
+        .iter()
+        .map(|s| KvSpec::parse(s).map_err(|e| format!("--specs {s:?}: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let k = normal_tensor(Shape::new(kv_heads, context, d), 1);
+    let v = normal_tensor(Shape::new(kv_heads, context, d), 2);
+    let q = normal_tensor(Shape::new(1, 1, q_heads * d), 3).into_data();
+    let mut out = vec![0f32; q_heads * d];
+    let backend = kvq::kernels::dispatch::selected()?;
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        let start = Instant::now();
+        for _ in 0..steps {
+            f();
+        }
+        start.elapsed().as_secs_f64() / steps as f64
+    };
+    // f32 baseline: scores, softmax and value sums over contiguous f32 keys and values.
+    let scale = 1.0 / (d as f32).sqrt();
+    let base = time(&mut || {
+        let g = q_heads / kv_heads;
+        let mut s = vec![0f32; context];
+        for h in 0..q_heads {
+            let kv = h / g;
+            let qh = &q[h * d..(h + 1) * d];
+            for (t, x) in s.iter_mut().enumerate() {
+                // Eight independent lanes, so the compiler vectorizes the f32 baseline too.
+                let mut acc = [0f32; 8];
+                for (kc, qc) in k.row(0, kv, t).chunks_exact(8).zip(qh.chunks_exact(8)) {
+                    for i in 0..8 {
+                        acc[i] += kc[i] * qc[i];
+                    }
+                }
+                *x = acc.iter().sum::<f32>() * scale;
+            }
+            let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            s.iter_mut().for_each(|x| {
+                *x = (*x - m).exp();
+                sum += *x;
+            });
+            let o = &mut out[h * d..(h + 1) * d];
+            o.fill(0.0);
+            for (t, &w) in s.iter().enumerate() {
+                for (ov, &x) in o.iter_mut().zip(v.row(0, kv, t)) {
+                    *ov += w / sum * x;
+                }
+            }
+        }
+    });
+    let f32_bytes = 2 * kv_heads * context * d * 4;
+    println!(
+        "decode attention, {q_heads} query / {kv_heads} KV heads × {d}, {context} tokens, {steps} steps, backend {backend}, one thread"
+    );
+    println!("{:<28} {:>10} {:>12} {:>9} {:>8}", "cache", "ms/step", "cache MiB", "GB/s", "vs f32");
+    println!(
+        "{:<28} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x",
+        "f32 (baseline)",
+        base * 1e3,
+        f32_bytes as f64 / 1048576.0,
+        f32_bytes as f64 / base / 1e9,
+        1.0
+    );
+    for spec in &specs {
+        let config = CacheConfig::new(1, kv_heads, d, kv_heads * context.div_ceil(32))
+            .with_specs(spec.k.clone(), spec.v.clone())
+            .with_block_size(32);
+        let mut cache = PagedCache::new(config)?;
+        let seq = cache.create();
+        cache.extend(seq, 0, &k, &v)?;
+        let bytes = cache.memory().used_bytes();
+        // One thread, like the baseline, so the ratio compares code, not cores.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
+        let t = time(&mut || {
+            pool.install(|| kvq::attention::decode_attention(&cache, seq, 0, &q, q_heads, &mut out))
+                .expect("shapes checked above");
+        });
+        println!(
+            "{:<28} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x",
+            spec.name(),
+            t * 1e3,
+            bytes as f64 / 1048576.0,
+            bytes as f64 / t / 1e9,
+            base / t
+        );
+    }
+    Ok(())
 }

@@ -146,3 +146,21 @@ fn recommend_respects_the_budget_and_writes_a_loadable_config() {
     assert_eq!(too_small.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&too_small.stderr).contains("cheapest candidates need"));
 }
+
+#[test]
+fn bench_prints_one_row_per_spec_and_the_baseline() {
+    let o =
+        kvq(&["bench", "--context", "64", "--steps", "1", "--specs", "int4-channel/int4-token,int8-token"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = stdout(&o);
+    let rows: Vec<&str> = text.lines().skip(2).collect();
+    assert_eq!(rows.len(), 3, "{text}");
+    assert!(
+        rows[0].starts_with("f32 (baseline)")
+            && rows[1].starts_with("int4-channel/int4-token")
+            && rows[2].starts_with("int8-token")
+    );
+    assert!(rows.iter().all(|r| r.trim_end().ends_with('x')));
+    assert_eq!(kvq(&["bench", "--steps", "0"]).status.code(), Some(1));
+    assert_eq!(kvq(&["bench", "--specs", "int4-head"]).status.code(), Some(1));
+}
