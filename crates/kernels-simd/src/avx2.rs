@@ -238,15 +238,7 @@ pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
             });
         }
         Params::PerChannel { scale, offset } => {
-            let mut qw = vec![0f32; n_q * d];
-            let mut cst = vec![0f32; n_q];
-            for i in 0..n_q {
-                let qi = &q[i * d..(i + 1) * d];
-                for ((w, &x), &s) in qw[i * d..(i + 1) * d].iter_mut().zip(qi).zip(scale) {
-                    *w = x * s;
-                }
-                cst[i] = offset.map_or(0.0, |o| qi.iter().zip(o).map(|(a, b)| a * b).sum());
-            }
+            let (qw, cst) = portable::fold_channels(q, n_q, scale, offset);
             for_rows(b, n_q, |r, levels| {
                 for i in 0..n_q {
                     out[i * b.rows + r] = levels.dot(b.bits, &qw[i * d..(i + 1) * d]) + cst[i];

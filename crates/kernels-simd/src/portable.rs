@@ -131,6 +131,27 @@ fn axpb(o: &mut [f32], a: f32, x: &[f32], c: f32) {
     }
 }
 
+/// Per-channel scores: the scales folded into each query row (`q'_d = q_d · scale_d`) and
+/// the offsets into one constant per row (`Σ q_d · offset_d`), once per block.
+pub(crate) fn fold_channels(
+    q: &[f32],
+    n_q: usize,
+    scale: &[f32],
+    offset: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let d = scale.len();
+    let mut qw = vec![0f32; n_q * d];
+    let mut cst = vec![0f32; n_q];
+    for i in 0..n_q {
+        let qi = &q[i * d..(i + 1) * d];
+        for ((w, &x), &s) in qw[i * d..(i + 1) * d].iter_mut().zip(qi).zip(scale) {
+            *w = x * s;
+        }
+        cst[i] = offset.map_or(0.0, |o| dot(qi, o));
+    }
+    (qw, cst)
+}
+
 /// See [`crate::scalar::dequantize`].
 pub fn dequantize(b: &QuantBlock<'_>, out: &mut [f32]) {
     let d = b.dim;
@@ -168,16 +189,7 @@ pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
             }
         }
         Params::PerChannel { scale, offset } => {
-            // Fold the scales into the queries once per block, the offsets into a constant.
-            let mut qw = vec![0f32; n_q * d];
-            let mut cst = vec![0f32; n_q];
-            for i in 0..n_q {
-                let qi = &q[i * d..(i + 1) * d];
-                for ((w, &x), &s) in qw[i * d..(i + 1) * d].iter_mut().zip(qi).zip(scale) {
-                    *w = x * s;
-                }
-                cst[i] = offset.map_or(0.0, |o| dot(qi, o));
-            }
+            let (qw, cst) = fold_channels(q, n_q, scale, offset);
             for r in 0..b.rows {
                 unpack_levels(b, r, &mut levels);
                 for i in 0..n_q {

@@ -10,6 +10,14 @@ use kvq::analysis::{self, KvSpec, Options};
 use kvq::quant::io::TensorFile;
 use kvq::quant::{Calibration, Shape, Tensor};
 
+/// The file to read, or the embedded sample when none is given.
+fn open_input(file: Option<&std::path::Path>) -> Result<TensorFile, kvq::quant::io::TensorFileError> {
+    match file {
+        Some(path) => TensorFile::open(path),
+        None => TensorFile::from_bytes("embedded sample (SmolLM2-135M, 256 tokens)", kvq::SAMPLE.to_vec()),
+    }
+}
+
 /// A progress bar on stderr (drawn only when stderr is a terminal), advanced by the
 /// `(done, all)` callbacks of long operations.
 fn progress(what: &'static str) -> impl FnMut(usize, usize) {
@@ -150,13 +158,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
         Command::Bench { context, steps, specs } => bench(context, steps, &specs),
         Command::Recommend { file, budget_bits, out, positions, json } => {
-            let tf = match &file {
-                Some(path) => TensorFile::open(path)?,
-                None => TensorFile::from_bytes(
-                    "embedded sample (SmolLM2-135M, 256 tokens)",
-                    kvq::SAMPLE.to_vec(),
-                )?,
-            };
+            let tf = open_input(file.as_deref())?;
             let layers = analysis::layers_from_file(&tf)?;
             let candidates = kvq::recommend::default_candidates();
             let (rec, specs) = kvq::recommend::recommend(
@@ -252,13 +254,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let (source, layers) = if synthetic {
                 ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), vec![analysis::synthetic_layer()])
             } else {
-                let tf = match &file {
-                    Some(path) => TensorFile::open(path)?,
-                    None => TensorFile::from_bytes(
-                        "embedded sample (SmolLM2-135M, 256 tokens)",
-                        kvq::SAMPLE.to_vec(),
-                    )?,
-                };
+                let tf = open_input(file.as_deref())?;
                 (tf.label().to_string(), analysis::layers_from_file(&tf)?)
             };
             let options = Options { positions };
