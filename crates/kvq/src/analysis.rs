@@ -8,7 +8,9 @@
 use std::fmt::Write as _;
 
 use kvq_quant_core::io::{TensorFile, TensorFileError};
-use kvq_quant_core::metrics::{AttentionOutputs, attention, compare_attention, error_stats};
+use kvq_quant_core::metrics::{
+    AttentionOutputs, attention, compare_attention, compare_attention_grouped, error_stats,
+};
 use kvq_quant_core::synth::normal_tensor;
 use kvq_quant_core::{QuantError, QuantSpec, Shape, Tensor, quantize};
 use rayon::prelude::*;
@@ -149,12 +151,57 @@ pub struct Options {
     /// Number of query positions at which attention is compared, spread evenly over the second
     /// half of the sequence (the last position included).
     pub positions: usize,
+    /// Also measure every KV head on its own ([`Row::heads`]).
+    pub per_head: bool,
+    /// Bins of the error histograms kept per row ([`Row::k_hist`]); 0 keeps none.
+    pub histogram_bins: usize,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { positions: 32 }
+        Self { positions: 32, per_head: false, histogram_bins: 0 }
     }
+}
+
+/// Counts of `x̂ − x` in equal bins over `[-limit, limit]`, where `limit` is the largest absolute
+/// error (so every element lands in a bin).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Histogram {
+    /// Half-width of the binned range.
+    pub limit: f64,
+    /// Elements per bin, from `-limit` up.
+    pub counts: Vec<u64>,
+}
+
+impl Histogram {
+    /// The histogram of `approx − reference` in `bins` bins.
+    pub fn of_errors(reference: &[f32], approx: &[f32], bins: usize) -> Self {
+        let limit =
+            reference.iter().zip(approx).map(|(&r, &a)| (a as f64 - r as f64).abs()).fold(0.0, f64::max);
+        let mut counts = vec![0u64; bins.max(1)];
+        let n = counts.len();
+        for (&r, &a) in reference.iter().zip(approx) {
+            let e = a as f64 - r as f64;
+            let i = if limit > 0.0 { ((e + limit) / (2.0 * limit) * n as f64) as usize } else { n / 2 };
+            counts[i.min(n - 1)] += 1;
+        }
+        Self { limit, counts }
+    }
+}
+
+/// One KV head of a layer under one spec.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct HeadRow {
+    /// The KV head.
+    pub kv_head: usize,
+    /// MSE of this head's keys.
+    pub k_mse: f64,
+    /// MSE of this head's values.
+    pub v_mse: f64,
+    /// Relative L2 attention-output error of the query heads that read this KV head.
+    pub attn_rel_err: f64,
+    /// Their mean KL divergence (nats).
+    pub attn_kl: f64,
 }
 
 /// `n` query positions spread evenly over the second half of `tokens`, ending at the last.
@@ -190,6 +237,15 @@ pub struct Row {
     pub attn_kl: f64,
     /// Bytes of K and V in f16 divided by their quantized bytes.
     pub ratio_vs_f16: f64,
+    /// Per KV head, when [`Options::per_head`] is set.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub heads: Vec<HeadRow>,
+    /// Histogram of the key errors, when [`Options::histogram_bins`] is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub k_hist: Option<Histogram>,
+    /// Histogram of the value errors, likewise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub v_hist: Option<Histogram>,
 }
 
 /// The rows of one layer.
@@ -245,16 +301,15 @@ fn analyze_layer(
     let layer_err = |source| AnalyzeError::Layer { layer: layer.name.clone(), source };
     let positions = query_positions(layer.k.shape().tokens, options.positions);
     let reference = attention(&layer.q, &layer.k, &layer.v, &positions).map_err(layer_err)?;
-    let rows = specs
-        .par_iter()
-        .map(|spec| {
-            analyze_spec(layer, spec, &positions, &reference).map_err(|source| AnalyzeError::Spec {
-                layer: layer.name.clone(),
-                spec: spec.name(),
-                source,
+    let rows =
+        specs
+            .par_iter()
+            .map(|spec| {
+                analyze_spec(layer, spec, &positions, &reference, options).map_err(|source| {
+                    AnalyzeError::Spec { layer: layer.name.clone(), spec: spec.name(), source }
+                })
             })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, _>>()?;
     Ok(LayerReport {
         layer: layer.name.clone(),
         kv_shape: layer.k.shape(),
@@ -269,6 +324,7 @@ fn analyze_spec(
     spec: &KvSpec,
     positions: &[usize],
     reference: &AttentionOutputs,
+    options: &Options,
 ) -> Result<Row, QuantError> {
     let qk = quantize(&layer.k, &spec.k)?;
     let qv = quantize(&layer.v, &spec.v)?;
@@ -278,6 +334,11 @@ fn analyze_spec(
     let approx = attention(&layer.q, &k_hat, &v_hat, positions)?;
     let ae = compare_attention(reference, &approx)?;
     let memory = qk.memory().combine(&qv.memory());
+    let heads =
+        if options.per_head { per_head(layer, &k_hat, &v_hat, reference, &approx)? } else { Vec::new() };
+    let hist = |r: &Tensor, a: &Tensor| {
+        (options.histogram_bins > 0).then(|| Histogram::of_errors(r.data(), a.data(), options.histogram_bins))
+    };
     Ok(Row {
         spec: spec.name(),
         bits_per_element: memory.bits_per_element(),
@@ -287,7 +348,46 @@ fn analyze_spec(
         attn_rel_err: ae.output_rel_l2,
         attn_kl: ae.kl_mean,
         ratio_vs_f16: memory.ratio_vs_f16(),
+        heads,
+        k_hist: hist(&layer.k, &k_hat),
+        v_hist: hist(&layer.v, &v_hat),
     })
+}
+
+/// Element and attention errors of each KV head on its own.
+fn per_head(
+    layer: &LayerInput,
+    k_hat: &Tensor,
+    v_hat: &Tensor,
+    reference: &AttentionOutputs,
+    approx: &AttentionOutputs,
+) -> Result<Vec<HeadRow>, QuantError> {
+    let s = layer.k.shape();
+    let group = layer.q.shape().heads / s.heads;
+    let attn = compare_attention_grouped(reference, approx, group)?;
+    let head_mse = |x: &Tensor, y: &Tensor, h: usize| {
+        let span = s.tokens * s.head_dim;
+        let (mut e2, mut n) = (0f64, 0usize);
+        for b in 0..s.batch {
+            let at = (b * s.heads + h) * span;
+            for (&r, &a) in x.data()[at..at + span].iter().zip(&y.data()[at..at + span]) {
+                e2 += (a as f64 - r as f64).powi(2);
+                n += 1;
+            }
+        }
+        e2 / n.max(1) as f64
+    };
+    Ok(attn
+        .into_iter()
+        .enumerate()
+        .map(|(h, a)| HeadRow {
+            kv_head: h,
+            k_mse: head_mse(&layer.k, k_hat, h),
+            v_mse: head_mse(&layer.v, v_hat, h),
+            attn_rel_err: a.output_rel_l2,
+            attn_kl: a.kl_mean,
+        })
+        .collect())
 }
 
 impl Report {
@@ -324,6 +424,19 @@ impl Report {
                     r.attn_kl,
                     r.ratio_vs_f16
                 );
+                for h in &r.heads {
+                    let _ = writeln!(
+                        s,
+                        "{:<26} {:>6} {:>10.3e} {:>10.3e} {:>9} {:>10.3e} {:>10.3e}",
+                        format!("  kv head {}", h.kv_head),
+                        "",
+                        h.k_mse,
+                        h.v_mse,
+                        "",
+                        h.attn_rel_err,
+                        h.attn_kl,
+                    );
+                }
             }
         }
         s

@@ -9,7 +9,7 @@
 //! - [`attention`]: decode attention over the paged cache.
 //! - [`cache`]: [`cache::KvCacheConfig`] (TOML/JSON, validated) and [`cache::QuantizedKvCache`],
 //!   a model's cache with per-layer specs; [`prelude`] imports the common types.
-//! - [`analysis`]: the `kvq analyze` report.
+//! - [`analysis`]: the `kvq analyze` report; [`plot`]: its SVG figures.
 //!
 //! ```
 //! use kvq::analysis::{analyze, layers_from_file, KvSpec, Options};
@@ -26,6 +26,7 @@
 pub mod analysis;
 pub mod attention;
 pub mod cache;
+pub mod plot;
 pub mod prelude;
 pub mod recommend;
 

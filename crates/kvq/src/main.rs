@@ -137,6 +137,14 @@ enum Command {
         /// Query positions at which attention is compared.
         #[arg(long, default_value_t = Options::default().positions)]
         positions: usize,
+        /// Also report every KV head on its own (K/V MSE and the attention error of the query
+        /// heads that read it).
+        #[arg(long)]
+        per_head: bool,
+        /// Write SVG figures into this directory: error-histograms.svg (per bit width, K and
+        /// V, per layer), bits-vs-error.svg (one line per scheme family) and layer-errors.svg.
+        #[arg(long, value_name = "DIR")]
+        plot: Option<PathBuf>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -165,7 +173,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 &layers,
                 &candidates,
                 budget_bits,
-                &Options { positions },
+                &Options { positions, ..Options::default() },
                 |done, all| {
                     eprintln!("kvq: measured {done}/{all} layers");
                 },
@@ -242,7 +250,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             println!("selected backend: {}", dispatch::selected()?);
             Ok(())
         }
-        Command::Analyze { file, synthetic, specs, positions, json } => {
+        Command::Analyze { file, synthetic, specs, positions, per_head, plot, json } => {
             let specs = if specs.is_empty() {
                 analysis::default_specs()
             } else {
@@ -257,12 +265,18 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 let tf = open_input(file.as_deref())?;
                 (tf.label().to_string(), analysis::layers_from_file(&tf)?)
             };
-            let options = Options { positions };
+            let options =
+                Options { positions, per_head, histogram_bins: if plot.is_some() { 80 } else { 0 } };
             let report = analysis::analyze(&source, &layers, &specs, &options, progress("analyzing"))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{}", report.to_table());
+            }
+            if let Some(dir) = plot {
+                for path in kvq::plot::write_all(&report, &dir)? {
+                    eprintln!("kvq: wrote {}", path.display());
+                }
             }
             Ok(())
         }

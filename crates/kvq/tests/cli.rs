@@ -61,20 +61,81 @@ fn analyze_json_has_every_field() {
 }
 
 #[test]
-fn analyze_shared_data_if_present() {
+fn analyze_shared_data_per_head_snapshot() {
     let path =
         concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/kv-smollm2-135m-sample.safetensors");
     if !std::path::Path::new(path).exists() {
         assert!(std::env::var_os("CI").is_none(), "CI must provide ../shared/data");
         return;
     }
-    let out = kvq(&["analyze", path, "--specs", "int4-tensor,int4-channel/int4-token", "--positions", "8"]);
-    assert!(out.status.success());
+    let specs = "int4-tensor,int4-channel/int4-token,int2-channel/int2-token";
+    let out = kvq(&["analyze", path, "--specs", specs, "--positions", "8", "--per-head"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = stdout(&out);
     assert!(
         text.contains("layer9: K/V [3, 2048, 64], 9 query heads, attention at 8 positions (1024..=2047)"),
         "{text}"
     );
+    // The first line names the file by its path, which depends on the checkout; the rest is
+    // printed to 3-4 significant digits, the rounding of the snapshot.
+    let (source, table) = text.split_once('\n').unwrap();
+    assert!(source.starts_with("source: ") && source.ends_with("kv-smollm2-135m-sample.safetensors"));
+    insta::assert_snapshot!(table);
+}
+
+#[test]
+fn analyze_plot_writes_three_figures() {
+    let dir = std::env::temp_dir().join(format!("kvq-plot-{}", std::process::id()));
+    let specs = "int8-tensor,int4-tensor,int2-tensor,int4-channel/int4-token";
+    let out = kvq(&[
+        "analyze",
+        "--specs",
+        specs,
+        "--positions",
+        "4",
+        "--per-head",
+        "--plot",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = stdout(&out);
+    // Three KV heads under each of 4 specs in 3 layers.
+    assert_eq!(text.lines().filter(|l| l.starts_with("  kv head ")).count(), 36, "{text}");
+    let read = |name: &str| {
+        let svg = std::fs::read_to_string(dir.join(name)).unwrap();
+        assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\"") && svg.ends_with("</svg>\n"));
+        assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count(), "{name}");
+        assert!(!svg.contains("NaN") && !svg.contains("inf"), "{name}");
+        svg
+    };
+    // One key and one value panel per bit width (8, 4, 2) and layer.
+    let hist = read("error-histograms.svg");
+    for layer in ["layer0", "layer9", "layer29"] {
+        for spec in ["int8-tensor", "int4-tensor", "int2-tensor"] {
+            for side in ["K", "V"] {
+                assert_eq!(
+                    hist.matches(&format!(">{layer} · {spec} · {side}<")).count(),
+                    1,
+                    "{layer} {spec}"
+                );
+            }
+        }
+    }
+    assert!(!hist.contains("int4-channel"), "one panel per bit width: the first spec of each");
+    // Families join their bit widths into one line each.
+    let lines = read("bits-vs-error.svg");
+    assert_eq!(lines.matches("<polyline").count(), 2);
+    assert!(lines.contains(">int-tensor<") && lines.contains(">int-channel/int-token<"));
+    assert_eq!(lines.matches("<circle").count(), 4);
+    // 4 bars per layer and 4 legend swatches, plus the background.
+    let bars = read("layer-errors.svg");
+    assert_eq!(bars.matches("<rect").count(), 1 + 1 + 3 * 4 + 4);
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let blocked = kvq(&["analyze", "--specs", "int8-tensor", "--plot", "/dev/null/plots"]);
+    assert_eq!(blocked.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&blocked.stderr);
+    assert!(err.starts_with("kvq: error: /dev/null/plots") && err.trim_end().lines().count() == 1, "{err}");
 }
 
 #[test]

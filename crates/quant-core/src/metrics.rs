@@ -215,6 +215,27 @@ pub struct AttentionError {
 /// # Errors
 /// [`QuantError::ShapeMismatch`] when the two were computed for different shapes or positions.
 pub fn compare_attention(reference: &AttentionOutputs, approx: &AttentionOutputs) -> Result<AttentionError> {
+    let heads = reference.query_heads;
+    Ok(compare_attention_grouped(reference, approx, heads.max(1))?.pop().unwrap_or(AttentionError {
+        output_rel_l2: 0.0,
+        kl_mean: 0.0,
+        kl_max: 0.0,
+    }))
+}
+
+/// Like [`compare_attention`], but one result per group of `group` consecutive query heads
+/// (pass `query_heads / kv_heads` for one result per KV head of a GQA layer, `1` for one per
+/// query head). Each result pools its heads' outputs and probabilities over every batch entry
+/// and position.
+///
+/// # Errors
+/// [`QuantError::ShapeMismatch`] as for [`compare_attention`];
+/// [`QuantError::InvalidArgument`] when `group` is zero or does not divide the query heads.
+pub fn compare_attention_grouped(
+    reference: &AttentionOutputs,
+    approx: &AttentionOutputs,
+    group: usize,
+) -> Result<Vec<AttentionError>> {
     if reference.positions != approx.positions
         || reference.batch != approx.batch
         || reference.query_heads != approx.query_heads
@@ -225,36 +246,51 @@ pub fn compare_attention(reference: &AttentionOutputs, approx: &AttentionOutputs
             got: "different positions or shape".into(),
         });
     }
-    let (mut e2, mut r2) = (0f64, 0f64);
-    for (&r, &a) in reference.outputs.iter().zip(&approx.outputs) {
-        e2 += (a - r) * (a - r);
-        r2 += r * r;
+    let heads = reference.query_heads;
+    if group == 0 || !heads.is_multiple_of(group) {
+        return Err(QuantError::InvalidArgument(format!(
+            "a group of {group} query heads does not divide {heads} heads"
+        )));
     }
-    let (mut kl_sum, mut kl_max) = (0f64, 0f64);
-    for (p, ph) in reference.probs.iter().zip(&approx.probs) {
+    let groups = heads / group;
+    // Per group: squared error, squared reference, KL sum, KL max, probability rows.
+    let mut acc = vec![(0f64, 0f64, 0f64, 0f64, 0usize); groups];
+    let d = reference.head_dim;
+    let rows = reference.outputs.len() / d.max(1);
+    for row in 0..rows {
+        let a = &mut acc[(row % heads) / group];
+        let (r, x) = (&reference.outputs[row * d..(row + 1) * d], &approx.outputs[row * d..(row + 1) * d]);
+        for (&r, &x) in r.iter().zip(x) {
+            a.0 += (x - r) * (x - r);
+            a.1 += r * r;
+        }
         // Terms with p = 0 contribute nothing; p̂ underflowing to 0 where p > 0 is capped at
         // the smallest positive f64 so that the divergence stays finite.
-        let kl: f64 = p
+        let kl: f64 = reference.probs[row]
             .iter()
-            .zip(ph)
+            .zip(&approx.probs[row])
             .filter(|(pi, _)| **pi > 0.0)
             .map(|(&pi, &qi)| pi * (pi / qi.max(f64::MIN_POSITIVE)).ln())
             .sum();
         let kl = kl.max(0.0);
-        kl_sum += kl;
-        kl_max = kl_max.max(kl);
+        a.2 += kl;
+        a.3 = a.3.max(kl);
+        a.4 += 1;
     }
-    Ok(AttentionError {
-        output_rel_l2: if e2 == 0.0 {
-            0.0
-        } else if r2 == 0.0 {
-            f64::INFINITY
-        } else {
-            (e2 / r2).sqrt()
-        },
-        kl_mean: kl_sum / reference.probs.len().max(1) as f64,
-        kl_max,
-    })
+    Ok(acc
+        .into_iter()
+        .map(|(e2, r2, kl_sum, kl_max, n)| AttentionError {
+            output_rel_l2: if e2 == 0.0 {
+                0.0
+            } else if r2 == 0.0 {
+                f64::INFINITY
+            } else {
+                (e2 / r2).sqrt()
+            },
+            kl_mean: kl_sum / n.max(1) as f64,
+            kl_max,
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -288,6 +324,33 @@ mod tests {
         assert_eq!(a.output(0, 0, 0), &[5.0, -6.0]);
         assert_eq!(a.output(0, 0, 1), &[5.0, -6.0]);
         assert_eq!(a.probs(0, 0, 1), &[1.0]);
+    }
+
+    #[test]
+    fn grouped_comparison_separates_kv_heads() {
+        // Four query heads over two KV heads; only KV head 1's values are perturbed, so the
+        // first group is exact and the second carries all of the error.
+        let shape = Shape::new(2, 6, 4);
+        let q = crate::synth::normal_tensor(Shape::new(4, 6, 4), 7);
+        let k = crate::synth::normal_tensor(shape, 8);
+        let v = crate::synth::normal_tensor(shape, 9);
+        let mut v2 = v.clone().into_data();
+        for x in &mut v2[24..] {
+            *x += 0.25;
+        }
+        let v2 = Tensor::new(shape, v2).unwrap();
+        let r = attention(&q, &k, &v, &[3, 5]).unwrap();
+        let a = attention(&q, &k, &v2, &[3, 5]).unwrap();
+        let per_kv = compare_attention_grouped(&r, &a, 2).unwrap();
+        assert_eq!(per_kv.len(), 2);
+        assert_eq!(per_kv[0].output_rel_l2, 0.0);
+        assert!(per_kv[1].output_rel_l2 > 0.01);
+        let all = compare_attention(&r, &a).unwrap();
+        assert!(all.output_rel_l2 > 0.0 && all.output_rel_l2 < per_kv[1].output_rel_l2);
+        assert_eq!(compare_attention_grouped(&r, &a, 4).unwrap(), vec![all]);
+        assert_eq!(compare_attention_grouped(&r, &a, 1).unwrap().len(), 4);
+        assert!(compare_attention_grouped(&r, &a, 3).is_err());
+        assert!(compare_attention_grouped(&r, &a, 0).is_err());
     }
 
     #[test]
