@@ -5,43 +5,52 @@
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvq_cache_layout::{CacheConfig, PagedCache};
 use kvq_quant_core::synth::normal_tensor;
-use kvq_quant_core::{Codec, GroupParams, QuantSpec, Shape, quantize_row};
+use kvq_quant_core::{Codec, GroupParams, QuantSpec, RowKernels, Shape, quantize_row_with};
 use std::hint::black_box;
+
+/// Row kernels to compare: the portable `wide` ones (the baseline) and this CPU's best.
+fn kernel_sets() -> Vec<RowKernels> {
+    let best = kvq_kernels_simd::row_kernels().unwrap_or(RowKernels::PORTABLE);
+    if best == RowKernels::PORTABLE { vec![best] } else { vec![RowKernels::PORTABLE, best] }
+}
 
 fn row_quantize(c: &mut Criterion) {
     let x = normal_tensor(Shape::new(1, 64, 128), 5).into_data();
     let mut group = c.benchmark_group("quantize_row_128");
     group.throughput(Throughput::Elements(1));
-    for spec in ["int4-token", "int8-token", "int2-token", "int4-g32"] {
-        let spec: QuantSpec = spec.parse().unwrap();
-        let codec = Codec::new(&spec, None);
-        let seg = match spec.granularity() {
-            kvq_quant_core::Granularity::Group(g) => g,
-            _ => 128,
-        };
-        let mut params = vec![GroupParams::default(); 128 / seg];
-        let mut scratch = vec![0u8; 128];
-        let mut packed = vec![0u8; kvq_quant_core::pack::packed_len(128, spec.bits()).unwrap()];
-        quantize_row(&codec, spec.bits(), &x[..128], seg, &mut params, &mut scratch, &mut packed).unwrap();
-        let mut i = 0;
-        group.bench_function(BenchmarkId::from_parameter(&spec), |b| {
-            b.iter(|| {
-                // Cycle through 64 rows so the branch predictor cannot learn one row.
-                i = (i + 1) % 64;
-                let row = &x[i * 128..(i + 1) * 128];
-                quantize_row(
-                    &codec,
-                    spec.bits(),
-                    black_box(row),
-                    seg,
-                    &mut params,
-                    &mut scratch,
-                    &mut packed,
-                )
-                .unwrap();
-                black_box(&packed);
-            })
-        });
+    for kernels in kernel_sets() {
+        for spec in ["int4-token", "int8-token", "int2-token", "int4-g32"] {
+            let spec: QuantSpec = spec.parse().unwrap();
+            let codec = Codec::new(&spec, None);
+            let seg = match spec.granularity() {
+                kvq_quant_core::Granularity::Group(g) => g,
+                _ => 128,
+            };
+            let mut params = vec![GroupParams::default(); 128 / seg];
+            let mut scratch = vec![0u8; 128];
+            let mut packed = vec![0u8; kvq_quant_core::pack::packed_len(128, spec.bits()).unwrap()];
+            let mut i = 0;
+            let id = format!("{spec}/{}", kernels.name());
+            group.bench_function(BenchmarkId::from_parameter(id), |b| {
+                b.iter(|| {
+                    // Cycle through 64 rows so the branch predictor cannot learn one row.
+                    i = (i + 1) % 64;
+                    let row = &x[i * 128..(i + 1) * 128];
+                    quantize_row_with(
+                        &kernels,
+                        &codec,
+                        spec.bits(),
+                        black_box(row),
+                        seg,
+                        &mut params,
+                        &mut scratch,
+                        &mut packed,
+                    )
+                    .unwrap();
+                    black_box(&packed);
+                })
+            });
+        }
     }
     group.finish();
 }
@@ -50,26 +59,28 @@ fn append(c: &mut Criterion) {
     let (heads, d, tokens) = (8, 128, 1024);
     let k = normal_tensor(Shape::new(1, tokens, heads * d), 7).into_data();
     let v = normal_tensor(Shape::new(1, tokens, heads * d), 8).into_data();
-    let config = CacheConfig::new(1, heads, d, heads * tokens / 32);
     let mut group = c.benchmark_group("append_1layer_8x128_k4ch_v4tok");
     group.throughput(Throughput::Elements(tokens as u64));
-    group.bench_function("1024_tokens", |b| {
-        b.iter_batched(
-            || {
-                let mut cache = PagedCache::new(config.clone()).unwrap();
-                let seq = cache.create();
-                (cache, seq)
-            },
-            |(mut cache, seq)| {
-                for t in 0..tokens {
-                    let span = t * heads * d..(t + 1) * heads * d;
-                    cache.append(seq, 0, &k[span.clone()], &v[span]).unwrap();
-                }
-                cache
-            },
-            BatchSize::LargeInput,
-        )
-    });
+    for kernels in kernel_sets() {
+        let config = CacheConfig::new(1, heads, d, heads * tokens / 32).with_row_kernels(kernels);
+        group.bench_function(format!("1024_tokens/{}", kernels.name()), |b| {
+            b.iter_batched(
+                || {
+                    let mut cache = PagedCache::new(config.clone()).unwrap();
+                    let seq = cache.create();
+                    (cache, seq)
+                },
+                |(mut cache, seq)| {
+                    for t in 0..tokens {
+                        let span = t * heads * d..(t + 1) * heads * d;
+                        cache.append(seq, 0, &k[span.clone()], &v[span]).unwrap();
+                    }
+                    cache
+                },
+                BatchSize::LargeInput,
+            )
+        });
+    }
     group.finish();
 }
 

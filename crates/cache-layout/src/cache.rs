@@ -77,6 +77,12 @@ fn part_index(part: Part) -> usize {
 }
 
 impl PagedCache {
+    /// Replaces the row quantization kernels (see [`CacheConfig::row_kernels`]); stored data is
+    /// unaffected, since every implementation writes the same codes.
+    pub fn set_row_kernels(&mut self, kernels: kvq_quant_core::RowKernels) {
+        self.config.row_kernels = kernels;
+    }
+
     /// Creates an empty cache; the pool is allocated at full capacity.
     ///
     /// # Errors
@@ -386,6 +392,7 @@ impl PagedCache {
                         for h in 0..heads {
                             let id = ls.blocks[b * heads + h];
                             layout.encode_row(
+                                &config.row_kernels,
                                 row(i, h, t),
                                 &mut pool.block_mut(id)[span.clone()],
                                 r,
@@ -400,6 +407,7 @@ impl PagedCache {
                             let id = ls.blocks[b * heads + h];
                             let g = layer * heads + h;
                             stats.clamped_values += layout.encode_static(
+                                &config.row_kernels,
                                 row(i, h, t),
                                 &statics[i][g],
                                 &static_ranges[i][g],
@@ -421,6 +429,7 @@ impl PagedCache {
                                 ls.tails[i][h].extend_f32(0..bs * d, &mut rows);
                                 let id = ls.blocks[fb * heads + h];
                                 layout.encode_channel_block(
+                                    &config.row_kernels,
                                     &rows,
                                     &mut pool.block_mut(id)[span.clone()],
                                     &mut scratch,

@@ -1,7 +1,7 @@
 //! What a cache holds and how: model shape, K and V specs, block size, residual window,
 //! attention sinks, tail precision, capacity and calibration.
 
-use kvq_quant_core::{Calibration, CodebookSource, Granularity, Kind, QuantSpec};
+use kvq_quant_core::{Calibration, CodebookSource, Granularity, Kind, QuantSpec, RowKernels};
 
 use crate::error::{CacheError, Result};
 
@@ -53,6 +53,10 @@ pub struct CacheConfig {
     /// Static ranges for per-tensor and per-head specs (and per-channel specs that should
     /// quantize at once instead of through the residual window).
     pub calibration: Option<Calibration>,
+    /// The range scan, encoding and packing used to quantize rows as they arrive. All
+    /// implementations give the same codes; `kvq-kernels-simd`'s `row_kernels()` returns the
+    /// fastest for the CPU (the `kvq` facade sets it), the default is the portable one.
+    pub row_kernels: RowKernels,
 }
 
 impl CacheConfig {
@@ -71,7 +75,14 @@ impl CacheConfig {
             tail_dtype: TailDtype::F16,
             capacity_blocks,
             calibration: None,
+            row_kernels: RowKernels::PORTABLE,
         }
+    }
+
+    /// Sets the row quantization kernels (see [`CacheConfig::row_kernels`]).
+    pub fn with_row_kernels(mut self, kernels: RowKernels) -> Self {
+        self.row_kernels = kernels;
+        self
     }
 
     /// Sets the K and V specs.

@@ -77,6 +77,9 @@ fn from_wire(w: ConfigWire) -> Result<CacheConfig> {
         tail_dtype: w.tail_dtype,
         capacity_blocks: w.capacity_blocks,
         calibration: w.calibration,
+        // Not stored: every implementation writes the same codes. A loaded cache can take
+        // faster ones with `PagedCache::set_row_kernels`.
+        row_kernels: kvq_quant_core::RowKernels::PORTABLE,
     };
     c.validate().map_err(|e| CacheError::Offload(format!("config: {e}")))?;
     Ok(c)
@@ -414,7 +417,12 @@ impl PagedCache {
     /// [`CacheError::PoolExhausted`]; nothing changes on error.
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
         let (config, mut r) = open(bytes, KIND_SEQUENCE)?;
-        if (CacheConfig { capacity_blocks: self.config.capacity_blocks, ..config }) != self.config {
+        let config = CacheConfig {
+            capacity_blocks: self.config.capacity_blocks,
+            row_kernels: self.config.row_kernels,
+            ..config
+        };
+        if config != self.config {
             return Err(CacheError::Offload(
                 "the sequence was written by a cache of another configuration".into(),
             ));

@@ -11,8 +11,10 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use kvq_quant_core::pack::{pack_row, packed_len, unpack_row};
-use kvq_quant_core::{ChannelParams, Codec, Granularity, GroupParams, ParamDtype, QuantSpec, quantize_row};
+use kvq_quant_core::pack::{packed_len, unpack_row};
+use kvq_quant_core::{
+    ChannelParams, Codec, Granularity, GroupParams, ParamDtype, QuantSpec, RowKernels, quantize_row_with,
+};
 
 use crate::config::TailDtype;
 use crate::error::Result;
@@ -147,6 +149,7 @@ impl PartLayout {
     /// Encodes one row of a row-mode part into row `row` of `region`.
     pub(crate) fn encode_row(
         &self,
+        kernels: &RowKernels,
         x: &[f32],
         region: &mut [u8],
         row: usize,
@@ -157,7 +160,16 @@ impl PartLayout {
         let per_row = self.head_dim / seg;
         let params = &mut params[..per_row];
         let codes = row * self.row_bytes..(row + 1) * self.row_bytes;
-        quantize_row(&self.codec, self.spec.bits(), x, seg, params, scratch, &mut region[codes])?;
+        quantize_row_with(
+            kernels,
+            &self.codec,
+            self.spec.bits(),
+            x,
+            seg,
+            params,
+            scratch,
+            &mut region[codes],
+        )?;
         for (g, &p) in params.iter().enumerate() {
             self.write_param(region, row * per_row + g, p);
         }
@@ -166,8 +178,10 @@ impl PartLayout {
 
     /// Encodes one row with calibrated parameters; returns how many values fell outside
     /// their calibrated range (and were clamped).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn encode_static(
         &self,
+        kernels: &RowKernels,
         x: &[f32],
         params: &[GroupParams],
         ranges: &[(f32, f32)],
@@ -183,11 +197,15 @@ impl PartLayout {
                 clamped += u64::from(v < lo || v > hi);
             }
         } else {
-            self.codec.encode(x, params[0], scratch);
+            self.codec.encode_with(kernels, x, params[0], scratch);
             let (lo, hi) = ranges[0];
             clamped += x.iter().filter(|&&v| v < lo || v > hi).count() as u64;
         }
-        pack_row(scratch, self.spec.bits(), &mut region[row * self.row_bytes..(row + 1) * self.row_bytes])?;
+        kernels.pack(
+            scratch,
+            self.spec.bits(),
+            &mut region[row * self.row_bytes..(row + 1) * self.row_bytes],
+        )?;
         Ok(clamped)
     }
 
@@ -195,6 +213,7 @@ impl PartLayout {
     /// channel, as [`kvq_quant_core::quantize`] does with `channel{block_size}`.
     pub(crate) fn encode_channel_block(
         &self,
+        kernels: &RowKernels,
         rows: &[f32],
         region: &mut [u8],
         scratch: &mut [u8],
@@ -218,7 +237,11 @@ impl PartLayout {
         let channels = ChannelParams::new(&params);
         for (r, x) in rows.chunks_exact(d).enumerate() {
             self.codec.encode_channels(x, &channels, scratch);
-            pack_row(scratch, self.spec.bits(), &mut region[r * self.row_bytes..(r + 1) * self.row_bytes])?;
+            kernels.pack(
+                scratch,
+                self.spec.bits(),
+                &mut region[r * self.row_bytes..(r + 1) * self.row_bytes],
+            )?;
         }
         Ok(())
     }

@@ -34,10 +34,12 @@ pub mod dispatch;
 pub mod dotprod;
 mod int8;
 pub mod portable;
+pub mod rowquant;
 pub mod scalar;
 
 pub use block::{KernelError, Levels, Params, QuantBlock};
 pub use dispatch::Backend;
+pub use rowquant::{row_kernels, row_kernels_for};
 
 /// The code that runs for the float kernels of `backend`: AVX-512 runs the AVX2 kernels (none
 /// of its own yet) and dotprod the `wide` (NEON) ones; dotprod has its own integer score

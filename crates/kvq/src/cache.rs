@@ -365,9 +365,12 @@ impl QuantizedKvCache {
     /// [`KvqError::Config`].
     pub fn new(config: KvCacheConfig) -> Result<Self, KvqError> {
         config.validate()?;
+        // The fastest row quantizer for this CPU (the same codes as the portable one); a bad
+        // KVQ_FORCE_BACKEND falls back to portable here, as decode attention falls back to scalar.
+        let rows = kvq_kernels_simd::row_kernels().unwrap_or(kvq_quant_core::RowKernels::PORTABLE);
         let layers = (0..config.layers.len())
             .map(|l| {
-                PagedCache::new(config.layer_config(l))
+                PagedCache::new(config.layer_config(l).with_row_kernels(rows))
                     .map_err(|e| KvqError::Config(format!("layer {l}: {e}")))
             })
             .collect::<Result<_, _>>()?;

@@ -359,7 +359,8 @@ fn bench(context: usize, steps: usize, specs: &[String]) -> Result<(), Box<dyn s
     for spec in &specs {
         let config = CacheConfig::new(1, kv_heads, d, kv_heads * context.div_ceil(32))
             .with_specs(spec.k.clone(), spec.v.clone())
-            .with_block_size(32);
+            .with_block_size(32)
+            .with_row_kernels(kvq::kernels::row_kernels()?);
         let mut cache = PagedCache::new(config)?;
         let seq = cache.create();
         cache.extend(seq, 0, &k, &v)?;

@@ -81,3 +81,38 @@ fn a_multi_layer_cache_stays_consistent() {
     assert!(cache.free(fork).is_err());
     assert!(cache.append(seq, 3, &row(0), &row(0)).is_err());
 }
+
+/// The row kernels of this CPU (AVX2 where present, chosen by `QuantizedKvCache`) write the
+/// same bytes as the portable ones: real keys and values streamed token by token, with
+/// per-token, group, symmetric and per-channel specs, give identical offload files.
+#[test]
+fn row_kernels_of_this_cpu_write_the_portable_bytes() {
+    use kvq::layout::{CacheConfig, PagedCache};
+    use kvq::quant::RowKernels;
+    use kvq::quant::io::TensorFile;
+    let file = TensorFile::from_bytes("sample", kvq::SAMPLE.to_vec()).unwrap();
+    let (k, v) = (file.read("layer9.k").unwrap(), file.read("layer9.v").unwrap());
+    let s = k.shape();
+    let fast = kvq::kernels::row_kernels().unwrap();
+    for (ks, vs) in [("int4-channel", "int4-token"), ("int2-token", "int8-g32"), ("sym4-token", "int3-g16")] {
+        let bytes = |kernels: RowKernels| {
+            let config = CacheConfig::new(1, s.heads, s.head_dim, s.heads * s.tokens.div_ceil(16))
+                .with_specs(ks.parse().unwrap(), vs.parse().unwrap())
+                .with_block_size(16)
+                .with_row_kernels(kernels);
+            let mut cache = PagedCache::new(config).unwrap();
+            let seq = cache.create();
+            let mut kt = vec![0f32; s.heads * s.head_dim];
+            let mut vt = kt.clone();
+            for t in 0..s.tokens {
+                for h in 0..s.heads {
+                    kt[h * s.head_dim..(h + 1) * s.head_dim].copy_from_slice(k.row(0, h, t));
+                    vt[h * s.head_dim..(h + 1) * s.head_dim].copy_from_slice(v.row(0, h, t));
+                }
+                cache.append(seq, 0, &kt, &vt).unwrap();
+            }
+            cache.to_bytes().unwrap()
+        };
+        assert!(bytes(fast) == bytes(RowKernels::PORTABLE), "{ks}/{vs} with {fast:?}");
+    }
+}

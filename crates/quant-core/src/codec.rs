@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::format::{CodebookSource, Kind, ParamDtype, QuantSpec};
 use crate::fp8::Fp8Format;
 use crate::params::{Round, round_param};
+use crate::rowkernels::{Linear, RowKernels};
 
 /// Adding 1.5 · 2^23 to an f32 in `[0, 2^22)` rounds it to an integer (ties to even) held in
 /// the low mantissa bits: the sum's low byte *is* the rounded value. This converts to codes
@@ -22,28 +23,29 @@ fn round_to_code(v: f32) -> u8 {
     ((v + ROUND_MAGIC).to_bits() & 0xff) as u8
 }
 
-/// Clamps to `[lo, hi]` with plain comparisons (no NaN handling: inputs are finite), which
-/// compile to min/max instructions.
+/// Clamps to `[lo, hi]` with plain comparisons, which compile to max/min instructions. A NaN
+/// (only `±Inf · 0` can make one from finite inputs) becomes `lo`, as x86's `maxps(v, lo)` does
+/// in the vector path, so a lane's code never depends on its position in the row.
 #[inline(always)]
-fn clamp(v: f32, lo: f32, hi: f32) -> f32 {
-    let v = if v < lo { lo } else { v };
-    if v > hi { hi } else { v }
+pub(crate) fn clamp(v: f32, lo: f32, hi: f32) -> f32 {
+    let v = if v > lo { v } else { lo };
+    if v < hi { v } else { hi }
 }
 
 /// `code = round(clamp((x − offset) · inv, lo, hi) + add)` for every element: 16 at a time
 /// with `wide` (SSE2/NEON), the rest one by one with exactly the same operations, so every
-/// element gets the same code whatever its position.
-#[inline]
-fn encode_linear(x: &[f32], offset: f32, inv: f32, lo: f32, hi: f32, add: f32, out: &mut [u8]) {
+/// element gets the same code whatever its position. The portable kernel of
+/// [`RowKernels`](crate::rowkernels::RowKernels).
+pub(crate) fn encode_linear(x: &[f32], l: &Linear, out: &mut [u8]) {
     use wide::{f32x8, i16x8, u8x16};
     let n = x.len().min(out.len());
     let full = n / 16 * 16;
     let (off_v, inv_v, lo_v, hi_v, add_v, magic) = (
-        f32x8::splat(offset),
-        f32x8::splat(inv),
-        f32x8::splat(lo),
-        f32x8::splat(hi),
-        f32x8::splat(add),
+        f32x8::splat(l.offset),
+        f32x8::splat(l.inv),
+        f32x8::splat(l.lo),
+        f32x8::splat(l.hi),
+        f32x8::splat(l.add),
         f32x8::splat(ROUND_MAGIC),
     );
     let lane = |v: &[f32]| {
@@ -56,8 +58,15 @@ fn encode_linear(x: &[f32], offset: f32, inv: f32, lo: f32, hi: f32, add: f32, o
         os.copy_from_slice(&u8x16::narrow_i16x8(lane(&xs[..8]), lane(&xs[8..])).to_array());
     }
     for (o, &v) in out[full..n].iter_mut().zip(&x[full..n]) {
-        *o = round_to_code(clamp((v - offset) * inv, lo, hi) + add);
+        *o = round_to_code(clamp((v - l.offset) * l.inv, l.lo, l.hi) + l.add);
     }
+}
+
+/// `1 / scale`; a zero (or subnormal) scale means a constant group: every value maps to the
+/// code of the offset, and the reciprocal is kept finite so that 0 · inv is never NaN.
+#[inline(always)]
+fn inverse(scale: f32) -> f32 {
+    if scale > f32::MIN_POSITIVE { 1.0 / scale } else { 0.0 }
 }
 
 /// The parameters of one group: `x̂ = decode(code) · scale + offset`.
@@ -138,6 +147,7 @@ impl Codec {
     /// # Errors
     /// [`QuantError::ParamOverflow`](crate::QuantError::ParamOverflow) when a parameter does not
     /// fit the storage type.
+    #[inline]
     pub fn params(&self, min: f32, max: f32) -> Result<GroupParams> {
         let absmax = min.abs().max(max.abs());
         let (scale, offset) = match &self.math {
@@ -157,14 +167,19 @@ impl Codec {
     /// the parameters cover saturate to the extreme codes.
     #[inline]
     pub fn encode(&self, x: &[f32], p: GroupParams, out: &mut [u8]) {
-        // A zero (or subnormal) scale means a constant group: every value maps to the code of
-        // the offset, and the reciprocal is kept finite so that 0 · inv is never NaN.
-        let inv = if p.scale > f32::MIN_POSITIVE { 1.0 / p.scale } else { 0.0 };
+        self.encode_with(&RowKernels::PORTABLE, x, p, out)
+    }
+
+    /// [`Codec::encode`] with the linear (affine and symmetric) encoding done by `kernels`;
+    /// the codes are the same.
+    #[inline]
+    pub fn encode_with(&self, kernels: &RowKernels, x: &[f32], p: GroupParams, out: &mut [u8]) {
+        if let Some(l) = self.linear(p) {
+            return kernels.encode(x, &l, out);
+        }
+        let inv = inverse(p.scale);
         match &self.math {
-            Math::Affine { levels } => encode_linear(x, p.offset, inv, 0.0, *levels, 0.0, out),
-            // The zero point 2^(b-1) is even for b >= 2, so rounding after the shift rounds
-            // ties exactly as rounding before it would.
-            Math::Symmetric { qmax, zero } => encode_linear(x, 0.0, inv, -qmax, *qmax, *zero, out),
+            Math::Affine { .. } | Math::Symmetric { .. } => unreachable!("linear kinds handled above"),
             Math::Fp8(f) => {
                 for (o, &v) in out.iter_mut().zip(x) {
                     *o = f.encode(v * inv);
@@ -175,6 +190,22 @@ impl Codec {
                     *o = cb.encode(v * inv);
                 }
             }
+        }
+    }
+
+    /// The encoding arithmetic of affine and symmetric kinds for parameters `p` (`None` for FP8
+    /// and codebooks, which encode through a table).
+    #[inline]
+    pub fn linear(&self, p: GroupParams) -> Option<Linear> {
+        let inv = inverse(p.scale);
+        match &self.math {
+            Math::Affine { levels } => Some(Linear { offset: p.offset, inv, lo: 0.0, hi: *levels, add: 0.0 }),
+            // The zero point 2^(b-1) is even for b >= 2, so rounding after the shift rounds
+            // ties exactly as rounding before it would.
+            Math::Symmetric { qmax, zero } => {
+                Some(Linear { offset: 0.0, inv, lo: -qmax, hi: *qmax, add: *zero })
+            }
+            Math::Fp8(_) | Math::Codebook(_) => None,
         }
     }
 

@@ -37,6 +37,7 @@ pub mod metrics;
 pub mod pack;
 pub mod params;
 pub mod quantize;
+pub mod rowkernels;
 pub mod synth;
 pub mod tensor;
 
@@ -48,5 +49,8 @@ pub use format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec};
 pub use fp8::Fp8Format;
 pub use memory::MemoryReport;
 pub use params::ParamVec;
-pub use quantize::{GroupLayout, QuantizedTensor, quantize, quantize_row, quantize_with_ranges, row_stats};
+pub use quantize::{
+    GroupLayout, QuantizedTensor, quantize, quantize_row, quantize_row_with, quantize_with_ranges, row_stats,
+};
+pub use rowkernels::{Linear, RowKernels};
 pub use tensor::{Shape, Tensor};

@@ -92,10 +92,15 @@ pub fn unpack(packed: &[u8], bits: u8, n: usize) -> Result<Vec<u8>> {
 /// # Errors
 /// [`QuantError::BitsOutOfRange`], or [`QuantError::ShapeMismatch`] for a wrong `out` length.
 pub fn pack_row(codes: &[u8], bits: u8, out: &mut [u8]) -> Result<()> {
-    check_bits(bits)?;
-    check_len(codes.len(), bits, out.len())?;
+    check_pack(codes.len(), bits, out.len())?;
     pack_into(codes, bits, out);
     Ok(())
+}
+
+/// The checks of [`pack_row`].
+pub(crate) fn check_pack(n: usize, bits: u8, bytes: usize) -> Result<()> {
+    check_bits(bits)?;
+    check_len(n, bits, bytes)
 }
 
 /// Unpacks a row of `out.len()` codes from `packed` (exactly [`packed_len`] bytes).

@@ -14,6 +14,7 @@ use crate::format::{CodebookSource, Granularity, Kind, QuantSpec};
 use crate::memory::MemoryReport;
 use crate::pack::{pack_into, packed_len_unchecked, unpack_into};
 use crate::params::ParamVec;
+use crate::rowkernels::RowKernels;
 use crate::tensor::{Shape, Tensor, check_finite};
 
 /// At most this many normalized values feed a Lloyd-Max fit.
@@ -219,7 +220,43 @@ pub fn quantize_row(
     scratch: &mut [u8],
     packed: &mut [u8],
 ) -> Result<()> {
+    quantize_row_with(&RowKernels::PORTABLE, codec, bits, x, seg, params, scratch, packed)
+}
+
+/// [`quantize_row`] with its range scan, encoding and packing done by `kernels` (for example
+/// `kvq-kernels-simd`'s AVX2 ones); the results are the same bit for bit.
+///
+/// # Errors
+/// As [`quantize_row`].
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_row_with(
+    kernels: &RowKernels,
+    codec: &Codec,
+    bits: u8,
+    x: &[f32],
+    seg: usize,
+    params: &mut [GroupParams],
+    scratch: &mut [u8],
+    packed: &mut [u8],
+) -> Result<()> {
     let n = x.len();
+    // One group per row (per-token), the common streaming case: straight through, and into
+    // the packed row in one pass when the kernels can.
+    if seg == n && n > 0 && params.len() == 1 && scratch.len() == n {
+        let (lo, hi, finite) = kernels.stats(x);
+        if !finite {
+            check_finite(Shape::new(1, 1, n), x)?;
+        }
+        let p = codec.params(lo, hi)?;
+        params[0] = p;
+        if let Some(l) = codec.linear(p)
+            && kernels.encode_pack(x, &l, bits, packed)?
+        {
+            return Ok(());
+        }
+        codec.encode_with(kernels, x, p, scratch);
+        return kernels.pack(scratch, bits, packed);
+    }
     if seg == 0 || !n.is_multiple_of(seg) {
         return Err(QuantError::GroupSize { group: seg, head_dim: n });
     }
@@ -230,14 +267,14 @@ pub fn quantize_row(
         });
     }
     for ((xs, cs), p) in x.chunks_exact(seg).zip(scratch.chunks_exact_mut(seg)).zip(params.iter_mut()) {
-        let (lo, hi, finite) = row_stats(xs);
+        let (lo, hi, finite) = kernels.stats(xs);
         if !finite {
             check_finite(Shape::new(1, 1, n), x)?;
         }
         *p = codec.params(lo, hi)?;
-        codec.encode(xs, *p, cs);
+        codec.encode_with(kernels, xs, *p, cs);
     }
-    crate::pack::pack_row(scratch, bits, packed)
+    kernels.pack(scratch, bits, packed)
 }
 
 /// Minimum and maximum of every group of `layout` over `tensor`.
@@ -302,7 +339,10 @@ pub fn row_stats(xs: &[f32]) -> (f32, f32, bool) {
         max = max.max(v);
     }
     let finite = !any_nan && min.is_finite() && max.is_finite() || xs.is_empty();
-    (min, max, finite)
+    // `min`/`max` instructions pick either zero of a ±0 tie depending on operand order;
+    // adding +0 turns −0 into +0 (and changes nothing else), so the result does not depend on
+    // how a backend orders its reduction.
+    (min + 0.0, max + 0.0, finite)
 }
 
 fn all_finite(xs: &[f32]) -> bool {
