@@ -1,11 +1,14 @@
-//! Streaming append: the cost of quantizing one 128-value row, and tokens per second into a
+//! Streaming append: the cost of quantizing one 128-value row (alone, and among the 8 KV heads
+//! of a token), and tokens per second into a
 //! paged cache of one layer with 8 KV heads × head_dim 128, INT4 per-channel K and INT4
 //! per-token V (blocks of 32 tokens, f16 tails).
 
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvq_cache_layout::{CacheConfig, PagedCache};
 use kvq_quant_core::synth::normal_tensor;
-use kvq_quant_core::{Codec, GroupParams, QuantSpec, RowKernels, Shape, quantize_row_with};
+use kvq_quant_core::{
+    Codec, GroupParams, QuantSpec, RowKernels, Shape, encode_row_with, quantize_row_with, row_params_with,
+};
 use std::hint::black_box;
 
 /// Row kernels to compare: the portable `wide` ones (the baseline) and this CPU's best.
@@ -55,6 +58,52 @@ fn row_quantize(c: &mut Criterion) {
     group.finish();
 }
 
+/// One token's rows for 8 KV heads, as the cache quantizes them: every head's parameters,
+/// then every head's codes. Reported per row (throughput 8 elements per iteration).
+fn token_rows(c: &mut Criterion) {
+    let heads = 8;
+    let x = normal_tensor(Shape::new(1, 64, heads * 128), 6).into_data();
+    let mut group = c.benchmark_group("quantize_token_8x128");
+    group.throughput(Throughput::Elements(heads as u64));
+    for kernels in kernel_sets() {
+        for spec in ["int4-token", "int8-token", "int2-token"] {
+            let spec: QuantSpec = spec.parse().unwrap();
+            let codec = Codec::new(&spec, None);
+            let row_bytes = kvq_quant_core::pack::packed_len(128, spec.bits()).unwrap();
+            let mut params = vec![GroupParams::default(); heads];
+            let mut scratch = vec![0u8; 128];
+            let mut packed = vec![0u8; heads * row_bytes];
+            let mut i = 0;
+            group.bench_function(BenchmarkId::from_parameter(format!("{spec}/{}", kernels.name())), |b| {
+                b.iter(|| {
+                    i = (i + 1) % 64;
+                    let token = black_box(&x[i * heads * 128..(i + 1) * heads * 128]);
+                    for (p, row) in params.iter_mut().zip(token.chunks_exact(128)) {
+                        row_params_with(&kernels, &codec, row, 128, std::slice::from_mut(p)).unwrap();
+                    }
+                    for ((p, row), out) in
+                        params.iter().zip(token.chunks_exact(128)).zip(packed.chunks_exact_mut(row_bytes))
+                    {
+                        encode_row_with(
+                            &kernels,
+                            &codec,
+                            spec.bits(),
+                            row,
+                            128,
+                            std::slice::from_ref(p),
+                            &mut scratch,
+                            out,
+                        )
+                        .unwrap();
+                    }
+                    black_box(&packed);
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
 fn append(c: &mut Criterion) {
     let (heads, d, tokens) = (8, 128, 1024);
     let k = normal_tensor(Shape::new(1, tokens, heads * d), 7).into_data();
@@ -84,5 +133,5 @@ fn append(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, row_quantize, append);
+criterion_group!(benches, row_quantize, token_rows, append);
 criterion_main!(benches);

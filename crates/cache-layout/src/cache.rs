@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use kvq_quant_core::calibration::Part;
-use kvq_quant_core::{GroupParams, ParamDtype, Tensor, row_stats};
+use kvq_quant_core::{GroupParams, ParamDtype, Tensor};
 
 use crate::config::CacheConfig;
 use crate::error::{CacheError, Result};
@@ -311,7 +311,7 @@ impl PagedCache {
             for h in 0..self.config.kv_heads {
                 for t in 0..n {
                     let x = row(i, h, t);
-                    let (lo, hi, finite) = row_stats(x);
+                    let (lo, hi, finite) = self.config.row_kernels.stats(x);
                     if finite && lo.abs().max(hi.abs()) <= limit {
                         continue;
                     }
@@ -371,7 +371,7 @@ impl PagedCache {
 
         let k_bytes = parts[0].bytes();
         let mut scratch = vec![0u8; d];
-        let mut params = vec![GroupParams::default(); d];
+        let mut params = vec![GroupParams::default(); heads * d];
         let mut rows = Vec::with_capacity(bs * d);
         for t in 0..n {
             let pos = ls.len + t;
@@ -388,16 +388,23 @@ impl PagedCache {
             for (i, layout) in parts.iter().enumerate() {
                 let span = if i == 0 { 0..k_bytes } else { k_bytes..k_bytes + layout.bytes() };
                 match layout.mode {
-                    Mode::Row { .. } => {
-                        for h in 0..heads {
+                    Mode::Row { seg } => {
+                        // Every head's parameters first, then every head's codes: the heads'
+                        // range → parameters → reciprocal chains overlap instead of queueing.
+                        let per_row = d / seg;
+                        let params = &mut params[..heads * per_row];
+                        for (h, p) in params.chunks_exact_mut(per_row).enumerate() {
+                            layout.row_params(&config.row_kernels, row(i, h, t), p)?;
+                        }
+                        for (h, p) in params.chunks_exact(per_row).enumerate() {
                             let id = ls.blocks[b * heads + h];
                             layout.encode_row(
                                 &config.row_kernels,
                                 row(i, h, t),
+                                p,
                                 &mut pool.block_mut(id)[span.clone()],
                                 r,
                                 &mut scratch,
-                                &mut params,
                             )?;
                         }
                         ls.done[i] = p + 1;

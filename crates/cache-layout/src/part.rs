@@ -13,7 +13,8 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use kvq_quant_core::pack::{packed_len, unpack_row};
 use kvq_quant_core::{
-    ChannelParams, Codec, Granularity, GroupParams, ParamDtype, QuantSpec, RowKernels, quantize_row_with,
+    ChannelParams, Codec, Granularity, GroupParams, ParamDtype, QuantSpec, RowKernels, encode_row_with,
+    row_params_with,
 };
 
 use crate::config::TailDtype;
@@ -146,30 +147,32 @@ impl PartLayout {
         read_params(&region[self.code_bytes()..], self.dtype, self.groups, self.has_offset, g)
     }
 
-    /// Encodes one row of a row-mode part into row `row` of `region`.
+    /// The parameters of one row of a row-mode part (`head_dim / seg` groups) into `params`.
+    pub(crate) fn row_params(
+        &self,
+        kernels: &RowKernels,
+        x: &[f32],
+        params: &mut [GroupParams],
+    ) -> Result<()> {
+        let Mode::Row { seg } = self.mode else { unreachable!("row_params on a {:?} part", self.mode) };
+        Ok(row_params_with(kernels, &self.codec, x, seg, params)?)
+    }
+
+    /// Encodes one row of a row-mode part with its parameters (from [`PartLayout::row_params`])
+    /// into row `row` of `region`.
     pub(crate) fn encode_row(
         &self,
         kernels: &RowKernels,
         x: &[f32],
+        params: &[GroupParams],
         region: &mut [u8],
         row: usize,
         scratch: &mut [u8],
-        params: &mut [GroupParams],
     ) -> Result<()> {
         let Mode::Row { seg } = self.mode else { unreachable!("encode_row on a {:?} part", self.mode) };
-        let per_row = self.head_dim / seg;
-        let params = &mut params[..per_row];
         let codes = row * self.row_bytes..(row + 1) * self.row_bytes;
-        quantize_row_with(
-            kernels,
-            &self.codec,
-            self.spec.bits(),
-            x,
-            seg,
-            params,
-            scratch,
-            &mut region[codes],
-        )?;
+        encode_row_with(kernels, &self.codec, self.spec.bits(), x, seg, params, scratch, &mut region[codes])?;
+        let per_row = self.head_dim / seg;
         for (g, &p) in params.iter().enumerate() {
             self.write_param(region, row * per_row + g, p);
         }

@@ -50,7 +50,8 @@ pub use fp8::Fp8Format;
 pub use memory::MemoryReport;
 pub use params::ParamVec;
 pub use quantize::{
-    GroupLayout, QuantizedTensor, quantize, quantize_row, quantize_row_with, quantize_with_ranges, row_stats,
+    GroupLayout, QuantizedTensor, encode_row_with, quantize, quantize_row, quantize_row_with,
+    quantize_with_ranges, row_params_with, row_stats,
 };
 pub use rowkernels::{Linear, RowKernels};
 pub use tensor::{Shape, Tensor};

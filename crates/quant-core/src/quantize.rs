@@ -239,42 +239,93 @@ pub fn quantize_row_with(
     scratch: &mut [u8],
     packed: &mut [u8],
 ) -> Result<()> {
+    row_params_with(kernels, codec, x, seg, params)?;
+    encode_row_with(kernels, codec, bits, x, seg, params, scratch, packed)
+}
+
+/// The first half of [`quantize_row_with`]: the parameters of each group of `seg` channels of
+/// `x`, into `params`. Computing the parameters of several rows before encoding any lets the
+/// CPU overlap their dependency chains (range → parameters → reciprocal), which a streaming
+/// cache does for the KV heads of a token.
+///
+/// # Errors
+/// [`QuantError::GroupSize`], [`QuantError::ShapeMismatch`] for a wrong `params` length,
+/// [`QuantError::NonFinite`], [`QuantError::ParamOverflow`].
+#[inline]
+pub fn row_params_with(
+    kernels: &RowKernels,
+    codec: &Codec,
+    x: &[f32],
+    seg: usize,
+    params: &mut [GroupParams],
+) -> Result<()> {
     let n = x.len();
-    // One group per row (per-token), the common streaming case: straight through, and into
-    // the packed row in one pass when the kernels can.
-    if seg == n && n > 0 && params.len() == 1 && scratch.len() == n {
+    if seg == n && n > 0 && params.len() == 1 {
+        // One group per row (per-token), the common streaming case.
         let (lo, hi, finite) = kernels.stats(x);
         if !finite {
             check_finite(Shape::new(1, 1, n), x)?;
         }
-        let p = codec.params(lo, hi)?;
-        params[0] = p;
-        if let Some(l) = codec.linear(p)
-            && kernels.encode_pack(x, &l, bits, packed)?
-        {
-            return Ok(());
-        }
-        codec.encode_with(kernels, x, p, scratch);
-        return kernels.pack(scratch, bits, packed);
+        params[0] = codec.params(lo, hi)?;
+        return Ok(());
     }
-    if seg == 0 || !n.is_multiple_of(seg) {
-        return Err(QuantError::GroupSize { group: seg, head_dim: n });
-    }
-    if params.len() != n / seg || scratch.len() != n {
-        return Err(QuantError::ShapeMismatch {
-            expected: format!("{} parameter slots and {n} scratch bytes", n / seg),
-            got: format!("{} and {}", params.len(), scratch.len()),
-        });
-    }
-    for ((xs, cs), p) in x.chunks_exact(seg).zip(scratch.chunks_exact_mut(seg)).zip(params.iter_mut()) {
+    check_row(n, seg, params.len(), n)?;
+    for (xs, p) in x.chunks_exact(seg).zip(params.iter_mut()) {
         let (lo, hi, finite) = kernels.stats(xs);
         if !finite {
             check_finite(Shape::new(1, 1, n), x)?;
         }
         *p = codec.params(lo, hi)?;
+    }
+    Ok(())
+}
+
+/// The second half of [`quantize_row_with`]: codes for `x` with the given parameters (one
+/// per group of `seg`), packed into `packed` ([`packed_len`](crate::pack::packed_len) bytes),
+/// through `scratch` (`x.len()` bytes) unless the kernels encode and pack in one pass.
+///
+/// # Errors
+/// [`QuantError::GroupSize`], [`QuantError::ShapeMismatch`] for buffers of the wrong length.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn encode_row_with(
+    kernels: &RowKernels,
+    codec: &Codec,
+    bits: u8,
+    x: &[f32],
+    seg: usize,
+    params: &[GroupParams],
+    scratch: &mut [u8],
+    packed: &mut [u8],
+) -> Result<()> {
+    let n = x.len();
+    if seg == n && n > 0 && params.len() == 1 && scratch.len() == n {
+        if let Some(l) = codec.linear(params[0])
+            && kernels.encode_pack(x, &l, bits, packed)?
+        {
+            return Ok(());
+        }
+        codec.encode_with(kernels, x, params[0], scratch);
+        return kernels.pack(scratch, bits, packed);
+    }
+    check_row(n, seg, params.len(), scratch.len())?;
+    for ((xs, cs), p) in x.chunks_exact(seg).zip(scratch.chunks_exact_mut(seg)).zip(params) {
         codec.encode_with(kernels, xs, *p, cs);
     }
     kernels.pack(scratch, bits, packed)
+}
+
+fn check_row(n: usize, seg: usize, params: usize, scratch: usize) -> Result<()> {
+    if seg == 0 || !n.is_multiple_of(seg) {
+        return Err(QuantError::GroupSize { group: seg, head_dim: n });
+    }
+    if params != n / seg || scratch != n {
+        return Err(QuantError::ShapeMismatch {
+            expected: format!("{} parameter slots and {n} scratch bytes", n / seg),
+            got: format!("{params} and {scratch}"),
+        });
+    }
+    Ok(())
 }
 
 /// Minimum and maximum of every group of `layout` over `tensor`.
