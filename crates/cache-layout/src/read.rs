@@ -70,19 +70,32 @@ impl BlockView<'_> {
             crate::part::Mode::Static { .. } => 0,
         };
         let area = &self.region[l.code_bytes()..];
+        // Into a slice of the final length (not `extend`), so the loops vectorize.
         let widen = |from: usize, out: &mut Vec<f32>| {
             out.clear();
+            out.resize(n, 0.0);
             match l.spec().param_dtype() {
-                kvq_quant_core::ParamDtype::F16 => out.extend(
-                    area[2 * from..2 * (from + n)]
-                        .chunks_exact(2)
-                        .map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
-                ),
-                kvq_quant_core::ParamDtype::F32 => out.extend(
-                    area[4 * from..4 * (from + n)]
-                        .chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-                ),
+                kvq_quant_core::ParamDtype::F16 => {
+                    let bytes = &area[2 * from..2 * (from + n)];
+                    // Eight at a time with a fixed trip count, which the compiler turns into
+                    // vector code; then the rest.
+                    let full = n / 8 * 8;
+                    for (o, b) in out[..full].chunks_exact_mut(8).zip(bytes.chunks_exact(16)) {
+                        let b: &[u8; 16] = b.try_into().expect("16 bytes");
+                        let h: [u16; 8] =
+                            std::array::from_fn(|j| u16::from_le_bytes([b[2 * j], b[2 * j + 1]]));
+                        let o: &mut [f32; 8] = o.try_into().expect("8 lanes");
+                        *o = h.map(f16_to_f32);
+                    }
+                    for (o, b) in out[full..].iter_mut().zip(bytes[2 * full..].chunks_exact(2)) {
+                        *o = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                    }
+                }
+                kvq_quant_core::ParamDtype::F32 => {
+                    for (o, b) in out.iter_mut().zip(area[4 * from..4 * (from + n)].chunks_exact(4)) {
+                        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                }
             }
         };
         widen(0, scales);
@@ -106,8 +119,9 @@ impl BlockView<'_> {
 #[inline]
 fn f16_to_f32(h: u16) -> f32 {
     const TWO_POW_112: f32 = 5.192_297e33;
-    let magnitude = f32::from_bits(u32::from(h & 0x7fff) << 13) * TWO_POW_112;
-    if h & 0x8000 != 0 { -magnitude } else { magnitude }
+    let h = u32::from(h);
+    let magnitude = f32::from_bits((h & 0x7fff) << 13) * TWO_POW_112;
+    f32::from_bits(magnitude.to_bits() | ((h & 0x8000) << 16))
 }
 
 /// Bytes of one layer of the cache.

@@ -1,6 +1,10 @@
 //! x86-64 AVX2 + FMA kernels, chosen at run time. Codes are widened and multiplied in
 //! registers (no f32 copy of a row): a 16-byte load, a shift and a mask give 16 codes of the
 //! bit-plane layout, `vpmovzxbd` and `vcvtdq2ps` make them floats, `vfmadd` accumulates.
+//! Query rows go 4 at a time (a GQA group): scores unpack each key row once for all four and
+//! reduce their four sums together; values run one 16-channel column of the block at a time,
+//! all rows into four queries' accumulators held in registers, so the output is read and
+//! written once per block instead of once per row.
 //!
 //! Covered: affine levels, 2-, 4- and 8-bit codes, rows whose length is a multiple of the
 //! chunk (64, 32, 16 codes), per-row and per-channel parameters. Anything else runs the `wide`
@@ -28,18 +32,6 @@ fn supported(b: &QuantBlock<'_>) -> bool {
 
 fn cpu_ok() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-}
-
-/// Horizontal sum of 8 lanes.
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
 }
 
 /// The 16 codes of bit-group `k` of a 16-byte chunk of a `bits`-wide plane, as two vectors of
@@ -72,152 +64,203 @@ unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32) -> (__m256, __m256) {
     (lo, hi)
 }
 
-/// `Σ_d qw[d] · code[d]` for one packed row.
+/// Horizontal sums of up to 4 accumulators at once: lane `i` of the result is the sum of
+/// `acc[i]` (3 `hadd`s and one add for 4 sums, instead of 4 separate reductions).
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `row` holds `qw.len()` codes of `bits` bits and
-/// `qw.len()` is a multiple of the chunk (16 codes per 8 bits of width... see `supported`).
+/// The CPU must support AVX2.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_row(row: &[u8], bits: u8, qw: &[f32]) -> f32 {
-    let per_chunk = 128 / bits as usize; // codes per 16-byte chunk
-    let groups = per_chunk / 16;
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    for (c, q) in row.chunks_exact(16).zip(qw.chunks_exact(per_chunk)) {
-        // SAFETY: `c` is exactly 16 bytes; the unaligned load reads only them.
-        let chunk = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
-        for k in 0..groups {
-            // SAFETY: AVX2 is enabled by this function's target features.
-            let (lo, hi) = unsafe { codes_f32(chunk, bits, k as i32) };
-            // SAFETY: `q` has `per_chunk` floats, so 16k + 16 <= q.len().
-            let (q0, q1) = unsafe {
-                (_mm256_loadu_ps(q.as_ptr().add(16 * k)), _mm256_loadu_ps(q.as_ptr().add(16 * k + 8)))
-            };
-            acc0 = _mm256_fmadd_ps(lo, q0, acc0);
-            acc1 = _mm256_fmadd_ps(hi, q1, acc1);
-        }
-    }
-    // SAFETY: AVX2 is enabled by this function's target features.
-    unsafe { hsum(_mm256_add_ps(acc0, acc1)) }
+#[inline]
+unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    let s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1))
 }
 
-/// `o[d] += a · code[d] + c` for one packed row.
+/// `dots[i][r] = Σ_d q_i[d] · code[r][d]` for `NQ ≤ 4` query rows (`q`, `NQ × dim`, row-major)
+/// against every row of the block, each row unpacked once into registers and multiplied by
+/// every query row while it is there. `emit(i, r, dot)` receives the results.
 ///
 /// # Safety
-/// As [`dot_row`], with `o.len()` codes in `row`.
+/// The CPU must support AVX2 and FMA; `supported(b)`; `q.len() == NQ · b.dim`.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn axpy_row(row: &[u8], bits: u8, a: f32, c: f32, o: &mut [f32]) {
-    let per_chunk = 128 / bits as usize;
-    let groups = per_chunk / 16;
-    let (av, cv) = (_mm256_set1_ps(a), _mm256_set1_ps(c));
-    for (ch, out) in row.chunks_exact(16).zip(o.chunks_exact_mut(per_chunk)) {
-        // SAFETY: `ch` is exactly 16 bytes.
-        let chunk = unsafe { _mm_loadu_si128(ch.as_ptr().cast()) };
-        for k in 0..groups {
-            // SAFETY: AVX2 is enabled by this function's target features.
-            let (lo, hi) = unsafe { codes_f32(chunk, bits, k as i32) };
-            let p = out.as_mut_ptr();
-            // SAFETY: `out` has `per_chunk` floats, so 16k + 16 <= out.len(); unaligned
-            // loads and stores touch only them.
-            unsafe {
-                let o0 = _mm256_loadu_ps(p.add(16 * k));
-                let o1 = _mm256_loadu_ps(p.add(16 * k + 8));
-                _mm256_storeu_ps(p.add(16 * k), _mm256_add_ps(_mm256_fmadd_ps(lo, av, o0), cv));
-                _mm256_storeu_ps(p.add(16 * k + 8), _mm256_add_ps(_mm256_fmadd_ps(hi, av, o1), cv));
-            }
-        }
-    }
-}
-
-/// Unpacks one row's codes to floats, for rows shared by several query heads.
-///
-/// # Safety
-/// As [`dot_row`], with `out.len()` codes in `row`.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn unpack_row(row: &[u8], bits: u8, out: &mut [f32]) {
-    let per_chunk = 128 / bits as usize;
-    for (ch, o) in row.chunks_exact(16).zip(out.chunks_exact_mut(per_chunk)) {
-        // SAFETY: `ch` is exactly 16 bytes; `o` holds `per_chunk` floats, 16 per group k.
-        unsafe {
-            let chunk = _mm_loadu_si128(ch.as_ptr().cast());
-            for k in 0..per_chunk / 16 {
-                let (lo, hi) = codes_f32(chunk, bits, k as i32);
-                _mm256_storeu_ps(o.as_mut_ptr().add(16 * k), lo);
-                _mm256_storeu_ps(o.as_mut_ptr().add(16 * k + 8), hi);
-            }
-        }
-    }
-}
-
-/// `Σ a·b` over equal-length slices whose length is a multiple of 16.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
-        // SAFETY: both chunks hold 16 floats.
-        unsafe {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr()), _mm256_loadu_ps(y.as_ptr()), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(8)), _mm256_loadu_ps(y.as_ptr().add(8)), s1);
-        }
-    }
-    // SAFETY: AVX2 is enabled by this function's target features.
-    unsafe { hsum(_mm256_add_ps(s0, s1)) }
-}
-
-/// `o += a · x + c` over equal-length slices whose length is a multiple of 8.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn axpb_f32(o: &mut [f32], a: f32, x: &[f32], c: f32) {
-    let (av, cv) = (_mm256_set1_ps(a), _mm256_set1_ps(c));
-    for (os, xs) in o.chunks_exact_mut(8).zip(x.chunks_exact(8)) {
-        // SAFETY: both chunks hold 8 floats.
-        unsafe {
-            let v = _mm256_fmadd_ps(_mm256_loadu_ps(xs.as_ptr()), av, _mm256_loadu_ps(os.as_ptr()));
-            _mm256_storeu_ps(os.as_mut_ptr(), _mm256_add_ps(v, cv));
-        }
-    }
-}
-
-/// Runs `f` on each row's levels: fused from the packed bytes for one query row, unpacked
-/// once into a buffer when several query rows (a GQA group) share it.
-fn for_rows(b: &QuantBlock<'_>, n_q: usize, mut f: impl FnMut(usize, RowLevels<'_>)) {
-    let mut buf = vec![0f32; if n_q > 1 { b.dim } else { 0 }];
+unsafe fn group_dots<const BITS: u8, const NQ: usize>(
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    mut emit: impl FnMut(usize, usize, f32),
+) {
+    let per_chunk = 128 / BITS as usize;
+    let d = b.dim;
     for r in 0..b.rows {
-        if n_q > 1 {
-            // SAFETY: callers checked `supported(b)`: AVX2/FMA, bit width, row length.
-            unsafe { unpack_row(b.row(r), b.bits, &mut buf) };
-            f(r, RowLevels::Unpacked(&buf));
-        } else {
-            f(r, RowLevels::Packed(b.row(r)));
+        let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+        for (ci, c) in b.row(r).chunks_exact(16).enumerate() {
+            // SAFETY: `c` is exactly 16 bytes.
+            let chunk = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
+            for k in 0..per_chunk / 16 {
+                // SAFETY: AVX2 is enabled by this function's target features.
+                let (lo, hi) = unsafe { codes_f32(chunk, BITS, k as i32) };
+                let at = ci * per_chunk + 16 * k;
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: at + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
+                    let (q0, q1) = unsafe {
+                        let p = q.as_ptr().add(i * d + at);
+                        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+                    };
+                    a[0] = _mm256_fmadd_ps(lo, q0, a[0]);
+                    a[1] = _mm256_fmadd_ps(hi, q1, a[1]);
+                }
+            }
+        }
+        // No closures here: a closure does not inherit the target features, and intrinsics in
+        // one compile to out-of-line calls.
+        let mut lanes = [_mm256_setzero_ps(); 4];
+        for (l, a) in lanes.iter_mut().zip(&acc) {
+            *l = _mm256_add_ps(a[0], a[1]);
+        }
+        let mut sums = [0f32; 4];
+        // SAFETY: AVX2 is enabled; `sums` holds 4 floats.
+        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(lanes[0], lanes[1], lanes[2], lanes[3])) };
+        for (i, &s) in sums.iter().enumerate().take(NQ) {
+            emit(i, r, s);
         }
     }
 }
 
-enum RowLevels<'a> {
-    Packed(&'a [u8]),
-    Unpacked(&'a [f32]),
+/// `sums[i·dim + d] = Σ_r w[i·rows + r] · code[r][d]` for `NQ ≤ 4` weight rows, one
+/// 16-channel column of the block at a time with every query's accumulators in registers
+/// across all rows.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `supported(b)`; `w.len() >= NQ · b.rows`;
+/// `sums.len() >= NQ · b.dim`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
+    let per_chunk = 128 / BITS as usize;
+    let rows = b.rows;
+    for ci in 0..b.row_bytes / 16 {
+        for k in 0..per_chunk / 16 {
+            let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+            for r in 0..rows {
+                // SAFETY: chunk `ci` lies within row `r` (row_bytes is a multiple of 16 for
+                // supported blocks); AVX2 is enabled.
+                let (lo, hi) = unsafe {
+                    let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
+                    codes_f32(chunk, BITS, k as i32)
+                };
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: i·rows + r < w.len().
+                    let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + r)) };
+                    a[0] = _mm256_fmadd_ps(lo, wv, a[0]);
+                    a[1] = _mm256_fmadd_ps(hi, wv, a[1]);
+                }
+            }
+            let d0 = ci * per_chunk + 16 * k;
+            for (i, a) in acc.iter().enumerate() {
+                // SAFETY: d0 + 16 <= dim, so the 16 floats lie within row i of `sums`.
+                unsafe {
+                    let p = sums.as_mut_ptr().add(i * b.dim + d0);
+                    _mm256_storeu_ps(p, a[0]);
+                    _mm256_storeu_ps(p.add(8), a[1]);
+                }
+            }
+        }
+    }
 }
 
-impl RowLevels<'_> {
-    fn dot(&self, bits: u8, q: &[f32]) -> f32 {
-        match self {
-            // SAFETY (both): callers checked `supported`; lengths match the row.
-            RowLevels::Packed(row) => unsafe { dot_row(row, bits, q) },
-            RowLevels::Unpacked(l) => unsafe { dot_f32(q, l) },
-        }
+/// Runs `f(first query, queries in this group)` over the query rows in groups of up to 4.
+fn in_groups_of_4(n_q: usize, mut f: impl FnMut(usize, usize)) {
+    let mut i = 0;
+    while i < n_q {
+        let n = (n_q - i).min(4);
+        f(i, n);
+        i += n;
     }
+}
 
-    fn axpb(&self, bits: u8, o: &mut [f32], a: f32, c: f32) {
-        match self {
-            // SAFETY (both): callers checked `supported`; lengths match the row.
-            RowLevels::Packed(row) => unsafe { axpy_row(row, bits, a, c, o) },
-            RowLevels::Unpacked(l) => unsafe { axpb_f32(o, a, l, c) },
+/// Dispatches `$f::<BITS, NQ>` on runtime bit width and group size.
+macro_rules! by_bits_and_group {
+    ($f:ident, $bits:expr, $nq:expr, ($($arg:expr),*)) => {
+        match ($bits, $nq) {
+            (8, 1) => $f::<8, 1>($($arg),*),
+            (8, 2) => $f::<8, 2>($($arg),*),
+            (8, 3) => $f::<8, 3>($($arg),*),
+            (8, _) => $f::<8, 4>($($arg),*),
+            (4, 1) => $f::<4, 1>($($arg),*),
+            (4, 2) => $f::<4, 2>($($arg),*),
+            (4, 3) => $f::<4, 3>($($arg),*),
+            (4, _) => $f::<4, 4>($($arg),*),
+            (_, 1) => $f::<2, 1>($($arg),*),
+            (_, 2) => $f::<2, 2>($($arg),*),
+            (_, 3) => $f::<2, 3>($($arg),*),
+            (_, _) => $f::<2, 4>($($arg),*),
+        }
+    };
+}
+
+/// Scores of every query row, up to 4 at a time: see [`scores`].
+fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
+    let (d, rows) = (b.dim, b.rows);
+    match b.params {
+        Params::PerRow { scale, offset } => in_groups_of_4(n_q, |i0, n| {
+            let qg = &q[i0 * d..(i0 + n) * d];
+            let qsum: Vec<f32> = qg.chunks_exact(d).map(|qi| qi.iter().sum()).collect();
+            let emit = |i: usize, r: usize, dot: f32| {
+                out[(i0 + i) * rows + r] = scale[r] * dot + offset.map_or(0.0, |o| o[r]) * qsum[i];
+            };
+            // SAFETY: callers checked `supported(b)`; `qg` holds n query rows.
+            unsafe { by_bits_and_group!(group_dots, b.bits, n, (b, qg, emit)) }
+        }),
+        Params::PerChannel { scale, offset } => {
+            let (qw, cst) = portable::fold_channels(q, n_q, scale, offset);
+            in_groups_of_4(n_q, |i0, n| {
+                let emit = |i: usize, r: usize, dot: f32| out[(i0 + i) * rows + r] = dot + cst[i0 + i];
+                // SAFETY: as above.
+                unsafe { by_bits_and_group!(group_dots, b.bits, n, (b, &qw[i0 * d..(i0 + n) * d], emit)) }
+            });
         }
     }
+}
+
+/// Value accumulation of every query row, up to 4 at a time: see [`axpy`].
+fn axpy_group(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
+    let (d, rows) = (b.dim, b.rows);
+    let mut sums = vec![0f32; 4 * d];
+    let mut w = vec![0f32; 4 * rows];
+    in_groups_of_4(n_q, |i0, n| {
+        let pg = &p[i0 * rows..(i0 + n) * rows];
+        match b.params {
+            // o_i += Σ_r (p_ir · scale_r) · code_r + Σ_r p_ir · offset_r.
+            Params::PerRow { scale, offset } => {
+                for (wi, pi) in w.chunks_exact_mut(rows).zip(pg.chunks_exact(rows)) {
+                    for ((x, &pr), &s) in wi.iter_mut().zip(pi).zip(scale) {
+                        *x = pr * s;
+                    }
+                }
+                // SAFETY: callers checked `supported(b)`; `w` holds n · rows weights and
+                // `sums` 4 · dim floats.
+                unsafe { by_bits_and_group!(group_axpy, b.bits, n, (b, &w, &mut sums)) }
+                for (i, pi) in pg.chunks_exact(rows).enumerate() {
+                    let bias: f32 = offset.map_or(0.0, |o| pi.iter().zip(o).map(|(a, b)| a * b).sum());
+                    for (o, &x) in
+                        out[(i0 + i) * d..(i0 + i + 1) * d].iter_mut().zip(&sums[i * d..(i + 1) * d])
+                    {
+                        *o += x + bias;
+                    }
+                }
+            }
+            // o_i[c] += scale[c] · Σ_r p_ir · code_r[c] + offset[c] · Σ_r p_ir.
+            Params::PerChannel { scale, offset } => {
+                // SAFETY: as above, with the probabilities themselves as weights.
+                unsafe { by_bits_and_group!(group_axpy, b.bits, n, (b, pg, &mut sums)) }
+                for (i, pi) in pg.chunks_exact(rows).enumerate() {
+                    let psum: f32 = pi.iter().sum();
+                    let o = &mut out[(i0 + i) * d..(i0 + i + 1) * d];
+                    for (c, (o, &x)) in o.iter_mut().zip(&sums[i * d..(i + 1) * d]).enumerate() {
+                        *o += x * scale[c] + offset.map_or(0.0, |f| f[c]) * psum;
+                    }
+                }
+            }
+        }
+    });
 }
 
 /// See [`crate::scalar::scores`]. Falls back to the `wide` kernels for layouts it does not cover.
@@ -225,27 +268,7 @@ pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
     if !supported(b) {
         return portable::scores(b, q, n_q, out);
     }
-    let d = b.dim;
-    match b.params {
-        Params::PerRow { scale, offset } => {
-            let qsum: Vec<f32> = q.chunks_exact(d).map(|qi| qi.iter().sum()).collect();
-            for_rows(b, n_q, |r, levels| {
-                let off = offset.map_or(0.0, |o| o[r]);
-                for i in 0..n_q {
-                    out[i * b.rows + r] =
-                        scale[r] * levels.dot(b.bits, &q[i * d..(i + 1) * d]) + off * qsum[i];
-                }
-            });
-        }
-        Params::PerChannel { scale, offset } => {
-            let (qw, cst) = portable::fold_channels(q, n_q, scale, offset);
-            for_rows(b, n_q, |r, levels| {
-                for i in 0..n_q {
-                    out[i * b.rows + r] = levels.dot(b.bits, &qw[i * d..(i + 1) * d]) + cst[i];
-                }
-            });
-        }
-    }
+    scores_group(b, q, n_q, out)
 }
 
 /// See [`crate::scalar::axpy`]. Falls back to the `wide` kernels for layouts it does not cover.
@@ -253,34 +276,7 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
     if !supported(b) {
         return portable::axpy(b, p, n_q, out);
     }
-    let d = b.dim;
-    match b.params {
-        Params::PerRow { scale, offset } => {
-            for_rows(b, n_q, |r, levels| {
-                let off = offset.map_or(0.0, |o| o[r]);
-                for i in 0..n_q {
-                    let w = p[i * b.rows + r];
-                    levels.axpb(b.bits, &mut out[i * d..(i + 1) * d], w * scale[r], w * off);
-                }
-            });
-        }
-        Params::PerChannel { scale, offset } => {
-            let mut acc = vec![0f32; n_q * d];
-            for_rows(b, n_q, |r, levels| {
-                for i in 0..n_q {
-                    levels.axpb(b.bits, &mut acc[i * d..(i + 1) * d], p[i * b.rows + r], 0.0);
-                }
-            });
-            for i in 0..n_q {
-                let psum: f32 = p[i * b.rows..(i + 1) * b.rows].iter().sum();
-                for (k, (o, &a)) in
-                    out[i * d..(i + 1) * d].iter_mut().zip(&acc[i * d..(i + 1) * d]).enumerate()
-                {
-                    *o += a * scale[k] + offset.map_or(0.0, |x| x[k]) * psum;
-                }
-            }
-        }
-    }
+    axpy_group(b, p, n_q, out)
 }
 
 /// A query row quantized to int8 for the integer score path (as llama.cpp's q8 queries):

@@ -36,6 +36,7 @@ mod int8;
 pub mod portable;
 pub mod rowquant;
 pub mod scalar;
+pub mod softmax;
 
 pub use block::{KernelError, Levels, Params, QuantBlock};
 pub use dispatch::Backend;
@@ -159,4 +160,28 @@ pub fn scores_int8_with(
         return Ok(true);
     }
     scores_with(backend, b, q, n_q, out).map(|()| false)
+}
+
+/// Asks the CPU to start loading `data` into cache (one prefetch per 64-byte line), so that a
+/// block read a little later does not wait on memory. A hint only: no effect on results, and
+/// a no-op where there is no prefetch instruction to use.
+#[inline]
+pub fn prefetch(data: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in data.chunks(64) {
+        // SAFETY: `prefetcht0` (SSE, part of every x86-64 CPU) never faults and changes no
+        // architectural state; the address is in bounds anyway.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr().cast())
+        };
+    }
+    #[cfg(target_arch = "aarch64")]
+    for line in data.chunks(64) {
+        // SAFETY: `prfm` is a hint that never faults and changes no architectural state.
+        unsafe {
+            std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) line.as_ptr(), options(nostack, readonly, preserves_flags))
+        };
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let _ = data;
 }

@@ -143,7 +143,7 @@ fn check_backend(backend: Backend) {
                 scalar::dequantize(&b, &mut want);
                 assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: dequantize");
 
-                for n_q in [1usize, 3] {
+                for n_q in [1usize, 2, 3, 4, 5, 8] {
                     let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
                     let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
                     scores_with(backend, &b, &q, n_q, &mut got).unwrap();
@@ -162,7 +162,17 @@ fn check_backend(backend: Backend) {
                             let (i, d) = (k / dim, k % dim);
                             f64::from(start[k].abs())
                                 + (0..rows)
-                                    .map(|r| f64::from((p[i * rows + r] * x[r * dim + d]).abs()))
+                                    .map(|r| {
+                                        // Kernels factor x = L·s + o into its two terms, so the
+                                        // magnitude is that of both, not of their sum.
+                                        let off = match (case.with_offset, case.per_channel) {
+                                            (false, _) => 0.0,
+                                            (true, true) => case.offset[d],
+                                            (true, false) => case.offset[r],
+                                        };
+                                        let pr = f64::from(p[i * rows + r].abs());
+                                        pr * (f64::from((x[r * dim + d] - off).abs()) + f64::from(off.abs()))
+                                    })
                                     .sum::<f64>()
                         })
                         .collect();

@@ -69,34 +69,47 @@ impl PartReader {
 fn with_block<R>(
     view: &BlockView<'_>,
     reader: &PartReader,
+    bufs: &mut (Vec<f32>, Vec<f32>),
     f: impl FnOnce(&QuantBlock<'_>) -> Result<R, KernelError>,
 ) -> Result<Option<R>, KernelError> {
     let layout = view.layout;
     let d = layout.head_dim();
     let rows = view.tokens;
     let has_offset = layout.spec().has_offset();
-    let collect = |n: usize, get: &dyn Fn(usize) -> GroupParams| -> (Vec<f32>, Vec<f32>) {
-        let ps: Vec<GroupParams> = (0..n).map(get).collect();
-        (ps.iter().map(|p| p.scale).collect(), ps.iter().map(|p| p.offset).collect())
+    // Parameters widened into buffers the caller keeps across blocks (no allocation per block).
+    let (scale, offset) = bufs;
+    let mut collect = |n: usize, get: &dyn Fn(usize) -> GroupParams| {
+        scale.clear();
+        offset.clear();
+        for i in 0..n {
+            let p = get(i);
+            scale.push(p.scale);
+            offset.push(p.offset);
+        }
     };
-    let bulk = || {
-        let (mut s, mut o) = (Vec::new(), Vec::new());
-        view.params_f32(&mut s, &mut o);
-        (s, o)
-    };
-    let (per_channel, (scale, offset)) = match layout.mode() {
-        Mode::Row { seg } if seg == d => (false, bulk()),
+    let per_channel = match layout.mode() {
+        Mode::Row { seg } if seg == d => {
+            view.params_f32(scale, offset);
+            false
+        }
         Mode::Row { .. } => return Ok(None),
-        Mode::Channel => (true, bulk()),
-        Mode::Static { seg: 1 } => (true, collect(d, &|c| view.statics[c])),
-        Mode::Static { .. } => (false, collect(rows, &|_| view.statics[0])),
+        Mode::Channel => {
+            view.params_f32(scale, offset);
+            true
+        }
+        Mode::Static { seg: 1 } => {
+            collect(d, &|c| view.statics[c]);
+            true
+        }
+        Mode::Static { .. } => {
+            collect(rows, &|_| view.statics[0]);
+            false
+        }
     };
+    let (scale, offset) = (&*scale, &*offset);
     let offset = has_offset.then_some(offset.as_slice());
-    let params = if per_channel {
-        Params::PerChannel { scale: &scale, offset }
-    } else {
-        Params::PerRow { scale: &scale, offset }
-    };
+    let params =
+        if per_channel { Params::PerChannel { scale, offset } } else { Params::PerRow { scale, offset } };
     let codes = &view.region[..rows * layout.row_bytes()];
     let block = QuantBlock::new(codes, rows, d, layout.spec().bits(), reader.levels(), params)?;
     f(&block).map(Some)
@@ -229,23 +242,33 @@ fn units<'a>(k: &[Segment<'a>], v: &[Segment<'a>], d: usize) -> Vec<(usize, usiz
     }
     bounds.sort_unstable();
     bounds.dedup();
-    let find = |segs: &[Segment<'a>], a: usize, b: usize| -> Run<'a> {
-        for s in segs {
-            match *s {
-                Segment::Full { first_token, tokens, rows, offset }
-                    if a >= first_token && b <= first_token + tokens =>
-                {
-                    return Run::Full(full_rows(rows, offset + (a - first_token) * d, b - a, d));
-                }
-                Segment::Quantized(view) if a == view.first_token && b == view.first_token + view.tokens => {
-                    return Run::Block(view);
-                }
-                _ => {}
+    // Segments come in token order, so one cursor per part walks them once (a search per unit
+    // would be quadratic in the context length).
+    fn span(s: &Segment<'_>) -> (usize, usize) {
+        match *s {
+            Segment::Full { first_token, tokens, .. } => (first_token, first_token + tokens),
+            Segment::Quantized(b) => (b.first_token, b.first_token + b.tokens),
+        }
+    }
+    let run = |segs: &[Segment<'a>], at: &mut usize, a: usize, b: usize| -> Run<'a> {
+        while span(&segs[*at]).1 <= a {
+            *at += 1;
+        }
+        match segs[*at] {
+            Segment::Full { first_token, rows, offset, .. } => {
+                Run::Full(full_rows(rows, offset + (a - first_token) * d, b - a, d))
+            }
+            Segment::Quantized(view) => {
+                debug_assert!(a == view.first_token && b == view.first_token + view.tokens);
+                Run::Block(view)
             }
         }
-        unreachable!("K and V segments share one grid")
     };
-    bounds.windows(2).map(|w| (w[0], w[1], find(k, w[0], w[1]), find(v, w[0], w[1]))).collect()
+    let (mut ki, mut vi) = (0, 0);
+    bounds
+        .windows(2)
+        .map(|w| (w[0], w[1], run(k, &mut ki, w[0], w[1]), run(v, &mut vi, w[0], w[1])))
+        .collect()
 }
 
 /// Online-softmax state of the g query heads of a group: running max, running sum, and the
@@ -291,9 +314,19 @@ fn attend(
     d: usize,
 ) -> Result<Partial, AttentionError> {
     let mut st = Partial::new(g, d);
+    let mut bufs = (Vec::new(), Vec::new());
     let mut s = Vec::new();
     let mut row = vec![0f32; d];
-    for (a, b, k, v) in units {
+    for (u, (a, b, k, v)) in units.iter().enumerate() {
+        // Start loading the next unit's blocks while this one computes: block regions are
+        // scattered in the pool, so the hardware prefetcher cannot guess them.
+        if let Some((_, _, nk, nv)) = units.get(u + 1) {
+            for run in [nk, nv] {
+                if let Run::Block(view) = run {
+                    kvq_kernels_simd::prefetch(view.region);
+                }
+            }
+        }
         let n = b - a;
         s.resize(g * n, 0.0);
         match k {
@@ -309,7 +342,7 @@ fn attend(
                 }
             }
             Run::Block(view) => {
-                let done = with_block(view, &readers[0], |blk| match path {
+                let done = with_block(view, &readers[0], &mut bufs, |blk| match path {
                     ScorePath::Float => scores_with(backend, blk, qs, g, &mut s),
                     ScorePath::Int8 => scores_int8_with(backend, blk, qs, g, &mut s).map(|_| ()),
                 })?;
@@ -328,11 +361,7 @@ fn attend(
             let scores = &mut s[i * n..(i + 1) * n];
             let m = scores.iter().copied().fold(st.m[i], f32::max);
             let factor = (st.m[i] - m).exp();
-            let mut sum = 0f32;
-            for x in scores.iter_mut() {
-                *x = (*x - m).exp();
-                sum += *x;
-            }
+            let sum = kvq_kernels_simd::softmax::exp_sum_with(backend, scores, m);
             st.l[i] = st.l[i] * factor + sum;
             st.m[i] = m;
             if factor != 1.0 {
@@ -351,7 +380,9 @@ fn attend(
                 }
             }
             Run::Block(view) => {
-                let done = with_block(view, &readers[1], |blk| axpy_with(backend, blk, &s, g, &mut st.o))?;
+                let done = with_block(view, &readers[1], &mut bufs, |blk| {
+                    axpy_with(backend, blk, &s, g, &mut st.o)
+                })?;
                 if done.is_none() {
                     for t in 0..n {
                         view.decode_row(t, &mut row);
