@@ -1,9 +1,14 @@
-//! Reading the cache: the score loop of one query against N keys (head_dim 128), and decode
-//! attention for one Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head_dim 128).
+//! Reading the cache: the score loop of one query against N keys (head_dim 128 and 64; 4096
+//! keys, cache-resident, and 8M keys, DRAM-resident: at least 256 MiB of keys in every format),
+//! and decode attention for one Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head_dim
+//! 128) at 4k and 32k tokens, on 1 and 2 threads.
 //!
 //! Throughput is bytes of cache read (codes + parameters, or the f32/f16 keys), so GB/s
 //! compares formats on what they cost in memory traffic. Baselines in the same run: a plain
 //! f32 dot over f32 keys and an f16 dot (convert, then dot). Single thread unless named.
+//! candle-core's q4_0/q8_0 `vec_dot` on the same keys lives in `benches/candle` (a separate
+//! package, so ordinary builds never compile candle); `cargo xtask bench` runs both and puts
+//! them in one table.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
@@ -17,7 +22,8 @@ use std::hint::black_box;
 const D: usize = 128;
 
 fn f32_scores(keys: &[f32], q: &[f32], out: &mut [f32]) {
-    for (o, k) in out.iter_mut().zip(keys.chunks_exact(D)) {
+    let d = q.len();
+    for (o, k) in out.iter_mut().zip(keys.chunks_exact(d)) {
         // Eight independent lanes, so the compiler vectorizes the reduction.
         let mut acc = [0f32; 8];
         for (kc, qc) in k.chunks_exact(8).zip(q.chunks_exact(8)) {
@@ -30,9 +36,11 @@ fn f32_scores(keys: &[f32], q: &[f32], out: &mut [f32]) {
 }
 
 fn f16_scores(keys: &[f16], q: &[f32], out: &mut [f32]) {
-    let mut row = [0f32; D];
-    for (o, k) in out.iter_mut().zip(keys.chunks_exact(D)) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(k, &mut row);
+    let d = q.len();
+    let mut buf = [0f32; D];
+    let row = &mut buf[..d];
+    for (o, k) in out.iter_mut().zip(keys.chunks_exact(d)) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(k, row);
         let mut acc = [0f32; 8];
         for (kc, qc) in row.chunks_exact(8).zip(q.chunks_exact(8)) {
             for i in 0..8 {
@@ -43,50 +51,94 @@ fn f16_scores(keys: &[f16], q: &[f32], out: &mut [f32]) {
     }
 }
 
-fn scores(c: &mut Criterion) {
-    let n = 4096;
-    let keys = normal_tensor(Shape::new(1, n, D), 3);
-    let q: Vec<f32> = normal_tensor(Shape::new(1, 1, D), 4).into_data();
+/// Keys of `n` rows of `d` channels: `BASE` rows of standard normal values from a fixed seed,
+/// repeated (DRAM-resident sizes would take minutes to draw; repetition changes no timing).
+fn keys(n: usize, d: usize) -> kvq_quant_core::Tensor {
+    const BASE: usize = 65536;
+    let base = normal_tensor(Shape::new(1, n.min(BASE), d), 3).into_data();
+    let mut data = Vec::with_capacity(n * d);
+    while data.len() < n * d {
+        let take = (n * d - data.len()).min(base.len());
+        data.extend_from_slice(&base[..take]);
+    }
+    kvq_quant_core::Tensor::new(Shape::new(1, n, d), data).unwrap()
+}
+
+/// Backends timed for one size: every one on cache-resident keys; the fastest only (and the
+/// baselines) where a run streams gigabytes.
+fn score_group(c: &mut Criterion, n: usize, d: usize, all_backends: bool) {
+    let name = if n > 1 << 20 { format!("scores_dram_{}x{d}", n) } else { format!("scores_{n}x{d}") };
+    let mut group = c.benchmark_group(name);
+    if n > 1 << 20 {
+        group.sample_size(10);
+    }
+    let q: Vec<f32> = normal_tensor(Shape::new(1, 1, d), 4).into_data();
     let mut out = vec![0f32; n];
-    let mut group = c.benchmark_group("scores_4096x128");
-
-    group.throughput(Throughput::Bytes((n * D * 4) as u64));
-    group.bench_function("f32", |b| b.iter(|| f32_scores(black_box(keys.data()), &q, &mut out)));
-    let keys16: Vec<f16> = keys.data().iter().map(|&x| f16::from_f32(x)).collect();
-    group.throughput(Throughput::Bytes((n * D * 2) as u64));
-    group.bench_function("f16", |b| b.iter(|| f16_scores(black_box(&keys16), &q, &mut out)));
-
-    for spec in [
-        "int8-token",
-        "int4-token",
-        "int2-token",
-        "int8-channel",
-        "int4-channel",
-        "int2-channel",
-        "fp8e4m3-token",
-    ] {
+    {
+        let keys = keys(n, d);
+        group.throughput(Throughput::Bytes((n * d * 4) as u64));
+        group.bench_function("f32", |b| b.iter(|| f32_scores(black_box(keys.data()), &q, &mut out)));
+        let keys16: Vec<f16> = keys.data().iter().map(|&x| f16::from_f32(x)).collect();
+        drop(keys);
+        group.throughput(Throughput::Bytes((n * d * 2) as u64));
+        group.bench_function("f16", |b| b.iter(|| f16_scores(black_box(&keys16), &q, &mut out)));
+    }
+    let specs: &[&str] = if d == D {
+        &[
+            "int8-token",
+            "int4-token",
+            "int2-token",
+            "int8-channel",
+            "int4-channel",
+            "int2-channel",
+            "fp8e4m3-token",
+        ]
+    } else {
+        &["int8-token", "int4-token", "int8-channel", "int4-channel"]
+    };
+    let table: Vec<f32> = (0..=255u8).map(|c| kvq_quant_core::Fp8Format::E4M3.decode(c)).collect();
+    for &spec in specs {
         let parsed: QuantSpec = spec.parse().unwrap();
-        let qt = quantize(&keys, &parsed).unwrap();
+        let qt = quantize(&keys(n, d), &parsed).unwrap();
         let mem = qt.memory();
         let scale = qt.scales().to_f32();
         let offset = qt.offsets().map(|o| o.to_f32());
-        let table: Vec<f32> = (0..=255u8).map(|c| kvq_quant_core::Fp8Format::E4M3.decode(c)).collect();
         let levels = if spec.starts_with("fp8") { Levels::Table(&table) } else { Levels::Affine };
         let params = if spec.contains("channel") {
             Params::PerChannel { scale: &scale, offset: offset.as_deref() }
         } else {
             Params::PerRow { scale: &scale, offset: offset.as_deref() }
         };
-        let block = QuantBlock::new(qt.codes(), n, D, parsed.bits(), levels, params).unwrap();
+        let block = QuantBlock::new(qt.codes(), n, d, parsed.bits(), levels, params).unwrap();
         group.throughput(Throughput::Bytes(mem.total_bytes() as u64));
-        for backend in
-            [Backend::Scalar, Backend::Wide, Backend::Avx2].into_iter().filter(|b| b.is_available())
-        {
-            // Check the result before timing it.
-            let mut reference = vec![0f32; n];
-            scores_with(Backend::Scalar, &block, &q, 1, &mut reference).unwrap();
-            scores_with(backend, &block, &q, 1, &mut out).unwrap();
-            assert!(out.iter().zip(&reference).all(|(a, b)| (a - b).abs() <= 1e-3 * (1.0 + b.abs())));
+        let backends: Vec<Backend> = if all_backends {
+            [Backend::Scalar, Backend::Wide, Backend::Avx2].into_iter().filter(|b| b.is_available()).collect()
+        } else {
+            vec![best_float()]
+        };
+        // Check the result before timing it (on the first rows, for the big sizes).
+        let check = n.min(4096);
+        let small = QuantBlock::new(
+            &qt.codes()[..check * block_row_bytes(d, parsed.bits())],
+            check,
+            d,
+            parsed.bits(),
+            levels,
+            match params {
+                Params::PerChannel { .. } => params,
+                Params::PerRow { scale, offset } => {
+                    Params::PerRow { scale: &scale[..check], offset: offset.map(|o| &o[..check]) }
+                }
+            },
+        )
+        .unwrap();
+        let mut reference = vec![0f32; check];
+        scores_with(Backend::Scalar, &small, &q, 1, &mut reference).unwrap();
+        for &backend in &backends {
+            scores_with(backend, &small, &q, 1, &mut out[..check]).unwrap();
+            assert!(
+                out[..check].iter().zip(&reference).all(|(a, b)| (a - b).abs() <= 1e-3 * (1.0 + b.abs()))
+            );
             group.bench_with_input(BenchmarkId::new(spec, backend), &backend, |b, &backend| {
                 b.iter(|| scores_with(backend, black_box(&block), &q, 1, &mut out).unwrap())
             });
@@ -98,6 +150,26 @@ fn scores(c: &mut Criterion) {
         }
     }
     group.finish();
+}
+
+/// The fastest float backend of this CPU (AVX-512 has no float kernels of its own).
+fn best_float() -> Backend {
+    if Backend::Avx2.is_available() { Backend::Avx2 } else { Backend::Wide }
+}
+
+fn block_row_bytes(d: usize, bits: u8) -> usize {
+    kvq_quant_core::pack::packed_len(d, bits).unwrap()
+}
+
+fn scores(c: &mut Criterion) {
+    score_group(c, 4096, D, true);
+    score_group(c, 4096, 64, false);
+}
+
+/// 8M keys: 4 GiB in f32, 256 MiB of codes in INT2 (plus parameters), so every format streams
+/// from DRAM.
+fn scores_dram(c: &mut Criterion) {
+    score_group(c, 8 << 20, D, false);
 }
 
 fn decode(c: &mut Criterion) {
@@ -165,6 +237,14 @@ fn decode_at(c: &mut Criterion, len: usize) {
                 })
             });
         }
+        // Two threads (this machine's cores): KV heads spread over both.
+        let pool2 = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let best = best_float();
+        group.bench_function(format!("{k}/{v}/{best}_2threads"), |b| {
+            b.iter(|| {
+                pool2.install(|| decode_attention_with(best, &cache, seq, 0, &q, q_heads, &mut out).unwrap())
+            })
+        });
         if Backend::Avx2.is_available() {
             group.bench_function(format!("{k}/{v}/avx2-int8_1thread"), |b| {
                 b.iter(|| {
@@ -188,5 +268,5 @@ fn decode_at(c: &mut Criterion, len: usize) {
     group.finish();
 }
 
-criterion_group!(benches, scores, decode);
+criterion_group!(benches, scores, scores_dram, decode);
 criterion_main!(benches);

@@ -7,7 +7,11 @@
 //!   kernels forced; prints `rustc --print cfg` and the backend chosen first.
 //! - `cross`: builds for aarch64-unknown-linux-gnu with Debian's toolchain and runs the tests
 //!   under qemu-user twice: `-cpu max` (dotprod) and `-cpu cortex-a72` (no dotprod).
-//! - `bench [--quick]`: the criterion benches, summarized in `target/kvq-bench.{md,json}`.
+//! - `bench [--quick] [--native] [FILTER]`: the criterion benches and, in the same run,
+//!   candle-core's baselines from `benches/candle` (a package outside the workspace, so that
+//!   ordinary builds never compile candle), summarized in `target/kvq-bench.{md,json}`. With
+//!   `--native`, everything is built with `-C target-cpu=native` into `target/native` and
+//!   summarized in `target/kvq-bench-native.{md,json}`, to compare with the default build.
 //! - `miri`: the tests of the crates without SIMD under miri (needs nightly with miri).
 //! - `make-sample SRC OUT [TOKENS]`: cuts the embedded sample out of a capture.
 //!
@@ -44,7 +48,7 @@ fn main() -> ExitCode {
 }
 
 fn usage() -> String {
-    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] | miri | make-sample SRC OUT [TOKENS]>"
+    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | make-sample SRC OUT [TOKENS]>"
         .into()
 }
 
@@ -241,19 +245,40 @@ fn cross() -> Result<(), String> {
 
 fn bench(args: &[String]) -> Result<(), String> {
     let quick = args.iter().any(|a| a == "--quick");
+    let native = args.iter().any(|a| a == "--native");
+    let filter: Vec<&String> = args.iter().filter(|a| !a.starts_with("--")).collect();
+    let target = if native { root().join("target/native") } else { root().join("target") };
+    let configure = |cmd: &mut Command| {
+        clean_flags(cmd);
+        // Criterion writes its results under CARGO_TARGET_DIR, for both packages alike.
+        cmd.env("CARGO_TARGET_DIR", &target);
+        if native {
+            cmd.env("RUSTFLAGS", "-C target-cpu=native");
+        }
+    };
+    let criterion_args = |cmd: &mut Command| {
+        cmd.arg("--");
+        if quick {
+            cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1", "--sample-size", "20"]);
+        }
+        cmd.args(&filter);
+    };
     let mut cmd = cargo();
-    clean_flags(&mut cmd);
-    cmd.args(["bench", "-p", "kvq-benches", "--"]);
-    if quick {
-        cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1", "--sample-size", "20"]);
-    }
+    configure(&mut cmd);
+    cmd.args(["bench", "-p", "kvq-benches"]);
+    criterion_args(&mut cmd);
     run(&mut cmd)?;
-    summarize_benches()
+    let mut candle = cargo();
+    configure(&mut candle);
+    candle.current_dir(root().join("benches/candle")).args(["bench", "--bench", "candle"]);
+    criterion_args(&mut candle);
+    run(&mut candle)?;
+    summarize_benches(&target, if native { "kvq-bench-native" } else { "kvq-bench" })
 }
 
 /// Reads criterion's estimates and writes one table (markdown and JSON) under `target/`.
-fn summarize_benches() -> Result<(), String> {
-    let dir = root().join("target/criterion");
+fn summarize_benches(target: &Path, name: &str) -> Result<(), String> {
+    let dir = target.join("criterion");
     let mut rows: Vec<(String, f64, Option<String>)> = Vec::new();
     let mut stack = vec![dir.clone()];
     while let Some(d) = stack.pop() {
@@ -326,14 +351,14 @@ fn summarize_benches() -> Result<(), String> {
     }
     md += "\nSpeed-ups are baseline time / this time, from the same run (higher is faster).\n";
     let json = serde_json::Value::Array(json_rows);
-    std::fs::write(root().join("target/kvq-bench.md"), &md).map_err(|e| e.to_string())?;
+    std::fs::write(root().join(format!("target/{name}.md")), &md).map_err(|e| e.to_string())?;
     std::fs::write(
-        root().join("target/kvq-bench.json"),
+        root().join(format!("target/{name}.json")),
         serde_json::to_string_pretty(&json).unwrap_or_default(),
     )
     .map_err(|e| e.to_string())?;
     println!("{md}");
-    println!("xtask: wrote target/kvq-bench.md and target/kvq-bench.json");
+    println!("xtask: wrote target/{name}.md and target/{name}.json");
     Ok(())
 }
 
