@@ -218,6 +218,41 @@ fn decode_at(c: &mut Criterion, len: usize) {
         })
     });
 
+    // f16 baseline: the same loops over f16 K and V, each row widened to f32 before use (what an
+    // engine with an f16 cache and no quantization does on a CPU without native f16 math).
+    let k16: Vec<f16> = kv.data().iter().map(|&x| f16::from_f32(x)).collect();
+    let v16: Vec<f16> = vv.data().iter().map(|&x| f16::from_f32(x)).collect();
+    group.throughput(Throughput::Bytes((2 * kv_heads * len * D * 2) as u64));
+    group.bench_function("f16_contiguous", |b| {
+        b.iter(|| {
+            let g = q_heads / kv_heads;
+            let mut s = vec![0f32; len];
+            let mut row = [0f32; D];
+            for h in 0..q_heads {
+                let kvh = h / g;
+                let keys = &k16[kvh * len * D..(kvh + 1) * len * D];
+                f16_scores(keys, &q[h * D..(h + 1) * D], &mut s);
+                let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0;
+                s.iter_mut().for_each(|x| {
+                    *x = ((*x / (D as f32).sqrt()) - max / (D as f32).sqrt()).exp();
+                    sum += *x;
+                });
+                let o = &mut out[h * D..(h + 1) * D];
+                o.fill(0.0);
+                for (t, &w) in s.iter().enumerate() {
+                    let at = (kvh * len + t) * D;
+                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(&v16[at..at + D], &mut row);
+                    for (ov, &x) in o.iter_mut().zip(&row) {
+                        *ov += w / sum * x;
+                    }
+                }
+            }
+            black_box(&out);
+        })
+    });
+    drop((k16, v16));
+
     for (k, v) in [("int4-channel", "int4-token"), ("int8-token", "int8-token")] {
         let config = CacheConfig::new(1, kv_heads, D, kv_heads * len / 32)
             .with_specs(k.parse().unwrap(), v.parse().unwrap())
