@@ -313,6 +313,7 @@ impl IntQuery for Q8 {
 /// # Safety
 /// The CPU must support AVX2; `row.len() · 2 == q.perm4.len()`, a multiple of 64.
 #[target_feature(enable = "avx2,fma")]
+#[inline]
 unsafe fn idot4(row: &[u8], q: &Q8) -> i32 {
     let mask = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
@@ -340,6 +341,7 @@ unsafe fn idot4(row: &[u8], q: &Q8) -> i32 {
 /// # Safety
 /// The CPU must support AVX2; `row.len() == q.wide16.len()`, a multiple of 16.
 #[target_feature(enable = "avx2,fma")]
+#[inline]
 unsafe fn idot8(row: &[u8], q: &Q8) -> i32 {
     let mut acc = _mm256_setzero_si256();
     for (c, qw) in row.chunks_exact(16).zip(q.wide16.chunks_exact(16)) {
@@ -354,9 +356,23 @@ unsafe fn idot8(row: &[u8], q: &Q8) -> i32 {
     unsafe { hsum_i32(acc) }
 }
 
+/// The integer dot of every row of `b` with `q`, the loop over rows inside AVX2 code so that
+/// `idot4`/`idot8` inline into it.
+///
+/// # Safety
+/// As [`idot4`] / [`idot8`] for every row; `dots.len() == b.rows`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn idot_rows(b: &QuantBlock<'_>, q: &Q8, dots: &mut [i32]) {
+    for (r, o) in dots.iter_mut().enumerate() {
+        // SAFETY: forwarded from the caller.
+        *o = unsafe { if b.bits == 4 { idot4(b.row(r), q) } else { idot8(b.row(r), q) } };
+    }
+}
+
 /// # Safety
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2,fma")]
+#[inline]
 unsafe fn hsum_i32(v: __m256i) -> i32 {
     let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
@@ -386,8 +402,7 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
         return false;
     }
     // SAFETY: `int8_supported` checked AVX2, the bit width and the row length.
-    let idot =
-        |row: &[u8], q8: &Q8| if b.bits == 4 { unsafe { idot4(row, q8) } } else { unsafe { idot8(row, q8) } };
-    int8::scores(b, q, n_q, out, idot);
+    let idots = |b: &QuantBlock<'_>, q8: &Q8, dots: &mut [i32]| unsafe { idot_rows(b, q8, dots) };
+    int8::scores_by_block(b, q, n_q, out, idots);
     true
 }

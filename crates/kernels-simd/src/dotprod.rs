@@ -99,7 +99,12 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
         return false;
     }
     // SAFETY: `int8_supported` checked dotprod, the bit width and the row length.
-    let dot = |row: &[u8], q8: &Q8| unsafe { idot(row, b.bits, q8) };
-    int8::scores(b, q, n_q, out, dot);
+    let dots = |b: &QuantBlock<'_>, q8: &Q8, dots: &mut [i32]| {
+        for (r, o) in dots.iter_mut().enumerate() {
+            // SAFETY: as above, for every row of the block.
+            *o = unsafe { idot(b.row(r), b.bits, q8) };
+        }
+    };
+    int8::scores_by_block(b, q, n_q, out, dots);
     true
 }

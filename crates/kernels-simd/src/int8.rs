@@ -21,32 +21,38 @@ pub(crate) fn quantize_query(q: &[f32]) -> (f32, Vec<i8>) {
     (scale, q.iter().map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8).collect())
 }
 
-/// Scores of `n_q` query rows against a block through `idot(row codes, prepared query)`.
-pub(crate) fn scores<Q: IntQuery>(
+/// Scores of `n_q` query rows against a block, with the integer dots of a whole block from one
+/// call, `idots(block, prepared query, dots)` (one per row), so that an architecture kernel
+/// keeps its loop over rows inside its target-feature code (a call per row costs about as much
+/// as a short row's dot).
+pub(crate) fn scores_by_block<Q: IntQuery>(
     b: &QuantBlock<'_>,
     q: &[f32],
     n_q: usize,
     out: &mut [f32],
-    idot: impl Fn(&[u8], &Q) -> i32,
+    idots: impl Fn(&QuantBlock<'_>, &Q, &mut [i32]),
 ) {
     let d = b.dim;
+    let mut dots = vec![0i32; b.rows];
     for i in 0..n_q {
         let qi = &q[i * d..(i + 1) * d];
         match b.params {
             Params::PerRow { scale, offset } => {
                 let q8 = Q::prepare(qi);
                 let qsum: f32 = qi.iter().sum();
-                for r in 0..b.rows {
+                idots(b, &q8, &mut dots);
+                for (r, &dot) in dots.iter().enumerate() {
                     let off = offset.map_or(0.0, |o| o[r]);
-                    out[i * b.rows + r] = scale[r] * q8.scale() * idot(b.row(r), &q8) as f32 + off * qsum;
+                    out[i * b.rows + r] = scale[r] * q8.scale() * dot as f32 + off * qsum;
                 }
             }
             Params::PerChannel { scale, offset } => {
                 let qw: Vec<f32> = qi.iter().zip(scale).map(|(x, s)| x * s).collect();
                 let q8 = Q::prepare(&qw);
                 let cst: f32 = offset.map_or(0.0, |o| qi.iter().zip(o).map(|(a, b)| a * b).sum());
-                for r in 0..b.rows {
-                    out[i * b.rows + r] = q8.scale() * idot(b.row(r), &q8) as f32 + cst;
+                idots(b, &q8, &mut dots);
+                for (r, &dot) in dots.iter().enumerate() {
+                    out[i * b.rows + r] = q8.scale() * dot as f32 + cst;
                 }
             }
         }
