@@ -172,6 +172,58 @@ fn scores_dram(c: &mut Criterion) {
     score_group(c, 8 << 20, D, false);
 }
 
+/// Contiguous K and V of one layer (`[kv heads, tokens, D]`), for the baselines.
+enum Contiguous<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F16(&'a [f16], &'a [f16]),
+}
+
+/// Decode attention the plain way: per query head, all scores, softmax, then the weighted sum
+/// of value rows.
+fn contiguous_attention(
+    kv: &Contiguous<'_>,
+    q: &[f32],
+    q_heads: usize,
+    kv_heads: usize,
+    len: usize,
+    out: &mut [f32],
+) {
+    let g = q_heads / kv_heads;
+    let mut s = vec![0f32; len];
+    let mut row = [0f32; D];
+    let scale = 1.0 / (D as f32).sqrt();
+    for h in 0..q_heads {
+        let kvh = h / g;
+        let keys = kvh * len * D..(kvh + 1) * len * D;
+        match kv {
+            Contiguous::F32(k, _) => f32_scores(&k[keys], &q[h * D..(h + 1) * D], &mut s),
+            Contiguous::F16(k, _) => f16_scores(&k[keys], &q[h * D..(h + 1) * D], &mut s),
+        }
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        s.iter_mut().for_each(|x| {
+            *x = ((*x - max) * scale).exp();
+            sum += *x;
+        });
+        let o = &mut out[h * D..(h + 1) * D];
+        o.fill(0.0);
+        for (t, &w) in s.iter().enumerate() {
+            let at = (kvh * len + t) * D;
+            let v: &[f32] = match kv {
+                Contiguous::F32(_, v) => &v[at..at + D],
+                Contiguous::F16(_, v) => {
+                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(&v[at..at + D], &mut row);
+                    &row
+                }
+            };
+            for (ov, &x) in o.iter_mut().zip(v) {
+                *ov += w / sum * x;
+            }
+        }
+    }
+    black_box(&out);
+}
+
 fn decode(c: &mut Criterion) {
     // 4k context fits in L3 in f32; 32k (256 MiB of f32 K+V) streams from DRAM.
     for len in [4096usize, 32768] {
@@ -188,68 +240,21 @@ fn decode_at(c: &mut Criterion, len: usize) {
     let mut group = c.benchmark_group(format!("decode_llama3_8b_layer_{}k", len / 1024));
     group.sample_size(if len > 8192 { 10 } else { 20 });
 
-    // f32 baseline: the same two-pass attention over contiguous f32 K and V.
-    group.throughput(Throughput::Bytes((2 * kv_heads * len * D * 4) as u64));
+    // Baselines: the same two-pass attention over contiguous f32 K and V, and over f16 K and V
+    // with each row widened before use (an engine with an f16 cache and no quantization on a
+    // CPU without native f16 arithmetic).
     let mut out = vec![0f32; q_heads * D];
+    group.throughput(Throughput::Bytes((2 * kv_heads * len * D * 4) as u64));
+    let f32_kv = Contiguous::F32(kv.data(), vv.data());
     group.bench_function("f32_contiguous", |b| {
-        b.iter(|| {
-            let g = q_heads / kv_heads;
-            let mut s = vec![0f32; len];
-            for h in 0..q_heads {
-                let kvh = h / g;
-                let keys = &kv.data()[kvh * len * D..(kvh + 1) * len * D];
-                f32_scores(keys, &q[h * D..(h + 1) * D], &mut s);
-                let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                s.iter_mut().for_each(|x| {
-                    *x = ((*x / (D as f32).sqrt()) - max / (D as f32).sqrt()).exp();
-                    sum += *x;
-                });
-                let o = &mut out[h * D..(h + 1) * D];
-                o.fill(0.0);
-                for (t, &w) in s.iter().enumerate() {
-                    for (ov, &x) in o.iter_mut().zip(&vv.data()[(kvh * len + t) * D..(kvh * len + t + 1) * D])
-                    {
-                        *ov += w / sum * x;
-                    }
-                }
-            }
-            black_box(&out);
-        })
+        b.iter(|| contiguous_attention(&f32_kv, &q, q_heads, kv_heads, len, &mut out))
     });
-
-    // f16 baseline: the same loops over f16 K and V, each row widened to f32 before use (what an
-    // engine with an f16 cache and no quantization does on a CPU without native f16 math).
     let k16: Vec<f16> = kv.data().iter().map(|&x| f16::from_f32(x)).collect();
     let v16: Vec<f16> = vv.data().iter().map(|&x| f16::from_f32(x)).collect();
     group.throughput(Throughput::Bytes((2 * kv_heads * len * D * 2) as u64));
+    let f16_kv = Contiguous::F16(&k16, &v16);
     group.bench_function("f16_contiguous", |b| {
-        b.iter(|| {
-            let g = q_heads / kv_heads;
-            let mut s = vec![0f32; len];
-            let mut row = [0f32; D];
-            for h in 0..q_heads {
-                let kvh = h / g;
-                let keys = &k16[kvh * len * D..(kvh + 1) * len * D];
-                f16_scores(keys, &q[h * D..(h + 1) * D], &mut s);
-                let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                s.iter_mut().for_each(|x| {
-                    *x = ((*x / (D as f32).sqrt()) - max / (D as f32).sqrt()).exp();
-                    sum += *x;
-                });
-                let o = &mut out[h * D..(h + 1) * D];
-                o.fill(0.0);
-                for (t, &w) in s.iter().enumerate() {
-                    let at = (kvh * len + t) * D;
-                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(&v16[at..at + D], &mut row);
-                    for (ov, &x) in o.iter_mut().zip(&row) {
-                        *ov += w / sum * x;
-                    }
-                }
-            }
-            black_box(&out);
-        })
+        b.iter(|| contiguous_attention(&f16_kv, &q, q_heads, kv_heads, len, &mut out))
     });
     drop((k16, v16));
 
