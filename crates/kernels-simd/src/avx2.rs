@@ -282,8 +282,11 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
 /// A query row quantized to int8 for the integer score path (as llama.cpp's q8 queries):
 /// `q ≈ scale · q8`, `scale = max|q| / 127`, with `q8` laid out in the order the 4-bit
 /// unpacking produces codes, and widened to i16 for 8-bit codes.
+#[derive(Default)]
 struct Q8 {
     scale: f32,
+    /// The rounded query, natural order (reused buffer).
+    q8: Vec<i8>,
     /// 4-bit order: per 64 codes, [0..16, 32..48] then [16..32, 48..64].
     perm4: Vec<i8>,
     /// Natural order, widened.
@@ -291,16 +294,17 @@ struct Q8 {
 }
 
 impl IntQuery for Q8 {
-    fn prepare(q: &[f32]) -> Self {
-        let (scale, q8) = quantize_query(q);
-        let mut perm4 = Vec::with_capacity(q8.len());
-        for g in q8.chunks_exact(64) {
-            perm4.extend_from_slice(&g[..16]);
-            perm4.extend_from_slice(&g[32..48]);
-            perm4.extend_from_slice(&g[16..32]);
-            perm4.extend_from_slice(&g[48..]);
+    fn prepare(&mut self, q: &[f32]) {
+        self.scale = quantize_query(q, &mut self.q8);
+        self.perm4.clear();
+        for g in self.q8.chunks_exact(64) {
+            self.perm4.extend_from_slice(&g[..16]);
+            self.perm4.extend_from_slice(&g[32..48]);
+            self.perm4.extend_from_slice(&g[16..32]);
+            self.perm4.extend_from_slice(&g[48..]);
         }
-        Self { scale, perm4, wide16: q8.iter().map(|&x| i16::from(x)).collect() }
+        self.wide16.clear();
+        self.wide16.extend(self.q8.iter().map(|&x| i16::from(x)));
     }
 
     fn scale(&self) -> f32 {
@@ -403,6 +407,9 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
     }
     // SAFETY: `int8_supported` checked AVX2, the bit width and the row length.
     let idots = |b: &QuantBlock<'_>, q8: &Q8, dots: &mut [i32]| unsafe { idot_rows(b, q8, dots) };
-    int8::scores_by_block(b, q, n_q, out, idots);
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<int8::Scratch<Q8>> = std::cell::RefCell::default();
+    }
+    SCRATCH.with_borrow_mut(|scratch| int8::scores_by_block(b, q, n_q, out, scratch, idots));
     true
 }

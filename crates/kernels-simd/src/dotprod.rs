@@ -27,6 +27,7 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
     ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && cpu_ok()
 }
 
+#[derive(Default)]
 struct Q8 {
     scale: f32,
     q8: Vec<i8>,
@@ -34,10 +35,9 @@ struct Q8 {
 }
 
 impl IntQuery for Q8 {
-    fn prepare(q: &[f32]) -> Self {
-        let (scale, q8) = quantize_query(q);
-        let sum = q8.iter().map(|&x| i32::from(x)).sum();
-        Self { scale, q8, sum }
+    fn prepare(&mut self, q: &[f32]) {
+        self.scale = quantize_query(q, &mut self.q8);
+        self.sum = self.q8.iter().map(|&x| i32::from(x)).sum();
     }
 
     fn scale(&self) -> f32 {
@@ -105,6 +105,9 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
             *o = unsafe { idot(b.row(r), b.bits, q8) };
         }
     };
-    int8::scores_by_block(b, q, n_q, out, dots);
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<int8::Scratch<Q8>> = std::cell::RefCell::default();
+    }
+    SCRATCH.with_borrow_mut(|scratch| int8::scores_by_block(b, q, n_q, out, scratch, dots));
     true
 }

@@ -5,20 +5,32 @@
 
 use crate::block::{Params, QuantBlock};
 
-/// A query row prepared for an architecture's integer dot product.
-pub(crate) trait IntQuery {
-    /// Rounds `q` to int8 with one scale (`max|q| / 127`).
-    fn prepare(q: &[f32]) -> Self;
+/// A query row prepared for an architecture's integer dot product. Its buffers are reused
+/// from one block to the next (decode calls this once per block and query row).
+pub(crate) trait IntQuery: Default {
+    /// Rounds `q` to int8 with one scale (`max|q| / 127`), replacing what was held.
+    fn prepare(&mut self, q: &[f32]);
     /// The scale that turns integer dots back into floats.
     fn scale(&self) -> f32;
 }
 
-/// `max|q| / 127`, and `q / scale` rounded into −127..=127.
-pub(crate) fn quantize_query(q: &[f32]) -> (f32, Vec<i8>) {
+/// `max|q| / 127`, returned, and `q / scale` rounded into −127..=127, into `out`.
+pub(crate) fn quantize_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
     let max = q.iter().fold(0f32, |m, x| m.max(x.abs()));
     let scale = if max > 0.0 { max / 127.0 } else { 0.0 };
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    (scale, q.iter().map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8).collect())
+    out.clear();
+    out.extend(q.iter().map(|&x| (x * inv).round().clamp(-127.0, 127.0) as i8));
+    scale
+}
+
+/// Buffers of the integer score path, kept per thread by each architecture module so that a
+/// decode step does not allocate per block.
+#[derive(Default)]
+pub(crate) struct Scratch<Q> {
+    q8: Q,
+    dots: Vec<i32>,
+    qw: Vec<f32>,
 }
 
 /// Scores of `n_q` query rows against a block, with the integer dots of a whole block from one
@@ -30,27 +42,31 @@ pub(crate) fn scores_by_block<Q: IntQuery>(
     q: &[f32],
     n_q: usize,
     out: &mut [f32],
+    scratch: &mut Scratch<Q>,
     idots: impl Fn(&QuantBlock<'_>, &Q, &mut [i32]),
 ) {
     let d = b.dim;
-    let mut dots = vec![0i32; b.rows];
+    let Scratch { q8, dots, qw } = scratch;
+    dots.clear();
+    dots.resize(b.rows, 0);
     for i in 0..n_q {
         let qi = &q[i * d..(i + 1) * d];
         match b.params {
             Params::PerRow { scale, offset } => {
-                let q8 = Q::prepare(qi);
+                q8.prepare(qi);
                 let qsum: f32 = qi.iter().sum();
-                idots(b, &q8, &mut dots);
+                idots(b, q8, dots);
                 for (r, &dot) in dots.iter().enumerate() {
                     let off = offset.map_or(0.0, |o| o[r]);
                     out[i * b.rows + r] = scale[r] * q8.scale() * dot as f32 + off * qsum;
                 }
             }
             Params::PerChannel { scale, offset } => {
-                let qw: Vec<f32> = qi.iter().zip(scale).map(|(x, s)| x * s).collect();
-                let q8 = Q::prepare(&qw);
+                qw.clear();
+                qw.extend(qi.iter().zip(scale).map(|(x, s)| x * s));
+                q8.prepare(qw);
                 let cst: f32 = offset.map_or(0.0, |o| qi.iter().zip(o).map(|(a, b)| a * b).sum());
-                idots(b, &q8, &mut dots);
+                idots(b, q8, dots);
                 for (r, &dot) in dots.iter().enumerate() {
                     out[i * b.rows + r] = q8.scale() * dot as f32 + cst;
                 }
