@@ -222,9 +222,24 @@ fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
 
 /// Value accumulation of every query row, up to 4 at a time: see [`axpy`].
 fn axpy_group(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
+    // Decode calls this once per block: the buffers are kept per thread, not allocated.
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = std::cell::RefCell::default();
+    }
+    SCRATCH.with_borrow_mut(|(sums, w)| axpy_group_with(b, p, n_q, out, sums, w));
+}
+
+fn axpy_group_with(
+    b: &QuantBlock<'_>,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    sums: &mut Vec<f32>,
+    w: &mut Vec<f32>,
+) {
     let (d, rows) = (b.dim, b.rows);
-    let mut sums = vec![0f32; 4 * d];
-    let mut w = vec![0f32; 4 * rows];
+    sums.resize(4 * d, 0.0);
+    w.resize(4 * rows, 0.0);
     in_groups_of_4(n_q, |i0, n| {
         let pg = &p[i0 * rows..(i0 + n) * rows];
         match b.params {
@@ -237,7 +252,7 @@ fn axpy_group(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
                 }
                 // SAFETY: callers checked `supported(b)`; `w` holds n · rows weights and
                 // `sums` 4 · dim floats.
-                unsafe { by_bits_and_group!(group_axpy, b.bits, n, (b, &w, &mut sums)) }
+                unsafe { by_bits_and_group!(group_axpy, b.bits, n, (b, w, sums)) }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
                     let bias: f32 = offset.map_or(0.0, |o| pi.iter().zip(o).map(|(a, b)| a * b).sum());
                     for (o, &x) in
@@ -250,7 +265,7 @@ fn axpy_group(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
             // o_i[c] += scale[c] · Σ_r p_ir · code_r[c] + offset[c] · Σ_r p_ir.
             Params::PerChannel { scale, offset } => {
                 // SAFETY: as above, with the probabilities themselves as weights.
-                unsafe { by_bits_and_group!(group_axpy, b.bits, n, (b, pg, &mut sums)) }
+                unsafe { by_bits_and_group!(group_axpy, b.bits, n, (b, pg, sums)) }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
                     let psum: f32 = pi.iter().sum();
                     let o = &mut out[(i0 + i) * d..(i0 + i + 1) * d];

@@ -240,40 +240,21 @@ mod x86 {
                 }
             }
             4 => {
-                let mask = _mm_set1_epi8(0x0f);
                 for (xs, os) in x.chunks_exact(32).zip(out.chunks_exact_mut(16)) {
                     // SAFETY: 32 floats in, 16 bytes out.
                     unsafe {
-                        let c = codes32::<AFFINE>(xs.as_ptr(), &k);
-                        let low = _mm_and_si128(_mm256_castsi256_si128(c), mask);
-                        let high = _mm_and_si128(_mm256_extracti128_si256::<1>(c), mask);
-                        _mm_storeu_si128(
-                            os.as_mut_ptr().cast(),
-                            _mm_or_si128(low, _mm_slli_epi16::<4>(high)),
-                        );
-                    }
+                        _mm_storeu_si128(os.as_mut_ptr().cast(), plane4(codes32::<AFFINE>(xs.as_ptr(), &k)))
+                    };
                 }
             }
             _ => {
                 debug_assert_eq!(bits, 2);
-                let mask = _mm_set1_epi8(0x03);
                 for (xs, os) in x.chunks_exact(64).zip(out.chunks_exact_mut(16)) {
                     // SAFETY: 64 floats in (two runs of 32), 16 bytes out.
                     unsafe {
-                        let a = codes32::<AFFINE>(xs.as_ptr(), &k);
-                        let b = codes32::<AFFINE>(xs.as_ptr().add(32), &k);
-                        let q = |v: __m128i| _mm_and_si128(v, mask);
-                        let v = _mm_or_si128(
-                            _mm_or_si128(
-                                q(_mm256_castsi256_si128(a)),
-                                _mm_slli_epi16::<2>(q(_mm256_extracti128_si256::<1>(a))),
-                            ),
-                            _mm_or_si128(
-                                _mm_slli_epi16::<4>(q(_mm256_castsi256_si128(b))),
-                                _mm_slli_epi16::<6>(q(_mm256_extracti128_si256::<1>(b))),
-                            ),
-                        );
-                        _mm_storeu_si128(os.as_mut_ptr().cast(), v);
+                        let (a, b) =
+                            (codes32::<AFFINE>(xs.as_ptr(), &k), codes32::<AFFINE>(xs.as_ptr().add(32), &k));
+                        _mm_storeu_si128(os.as_mut_ptr().cast(), plane2(a, b));
                     }
                 }
             }
@@ -308,39 +289,48 @@ mod x86 {
         }
     }
 
-    /// 4-bit plane: in each chunk of 32 codes, byte j holds code j (low nibble) and code
-    /// j + 16 (high nibble).
+    /// One 16-byte chunk of a 4-bit plane from 32 codes in order (one per byte): byte j holds
+    /// code j (low nibble) and code j + 16 (high nibble). Bits above the width are dropped.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn plane4(c: __m256i) -> __m128i {
+        let mask = _mm_set1_epi8(0x0f);
+        let low = _mm_and_si128(_mm256_castsi256_si128(c), mask);
+        let high = _mm_and_si128(_mm256_extracti128_si256::<1>(c), mask);
+        _mm_or_si128(low, _mm_slli_epi16::<4>(high))
+    }
+
+    /// One 16-byte chunk of a 2-bit plane from 64 codes in order (`a`: codes 0..32, `b`:
+    /// 32..64): byte j holds codes j, j + 16, j + 32 and j + 48 in bits 0-1, 2-3, 4-5, 6-7.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn plane2(a: __m256i, b: __m256i) -> __m128i {
+        let mask = _mm_set1_epi8(0x03);
+        let q0 = _mm_and_si128(_mm256_castsi256_si128(a), mask);
+        let q1 = _mm_and_si128(_mm256_extracti128_si256::<1>(a), mask);
+        let q2 = _mm_and_si128(_mm256_castsi256_si128(b), mask);
+        let q3 = _mm_and_si128(_mm256_extracti128_si256::<1>(b), mask);
+        _mm_or_si128(
+            _mm_or_si128(q0, _mm_slli_epi16::<2>(q1)),
+            _mm_or_si128(_mm_slli_epi16::<4>(q2), _mm_slli_epi16::<6>(q3)),
+        )
+    }
+
     #[target_feature(enable = "avx2")]
     fn pack4_avx2(codes: &[u8], out: &mut [u8]) {
-        let mask = _mm_set1_epi8(0x0f);
         for (c, o) in codes.chunks_exact(32).zip(out.chunks_exact_mut(16)) {
             // SAFETY: `c` holds 32 bytes, `o` 16.
-            unsafe {
-                let v = _mm256_loadu_si256(c.as_ptr().cast());
-                let low = _mm_and_si128(_mm256_castsi256_si128(v), mask);
-                let high = _mm_and_si128(_mm256_extracti128_si256::<1>(v), mask);
-                _mm_storeu_si128(o.as_mut_ptr().cast(), _mm_or_si128(low, _mm_slli_epi16::<4>(high)));
-            }
+            unsafe { _mm_storeu_si128(o.as_mut_ptr().cast(), plane4(_mm256_loadu_si256(c.as_ptr().cast()))) };
         }
     }
 
-    /// 2-bit plane: in each chunk of 64 codes, byte j holds codes j, j + 16, j + 32 and
-    /// j + 48 in bits 0-1, 2-3, 4-5 and 6-7.
     #[target_feature(enable = "avx2")]
     fn pack2_avx2(codes: &[u8], out: &mut [u8]) {
-        let mask = _mm_set1_epi8(0x03);
         for (c, o) in codes.chunks_exact(64).zip(out.chunks_exact_mut(16)) {
-            // SAFETY: `c` holds 64 bytes (four 16-byte loads), `o` 16.
+            // SAFETY: `c` holds 64 bytes (two 32-byte loads), `o` 16.
             unsafe {
-                let p = c.as_ptr().cast::<__m128i>();
-                let q0 = _mm_and_si128(_mm_loadu_si128(p), mask);
-                let q1 = _mm_and_si128(_mm_loadu_si128(p.add(1)), mask);
-                let q2 = _mm_and_si128(_mm_loadu_si128(p.add(2)), mask);
-                let q3 = _mm_and_si128(_mm_loadu_si128(p.add(3)), mask);
-                let v = _mm_or_si128(
-                    _mm_or_si128(q0, _mm_slli_epi16::<2>(q1)),
-                    _mm_or_si128(_mm_slli_epi16::<4>(q2), _mm_slli_epi16::<6>(q3)),
-                );
+                let p = c.as_ptr();
+                let v = plane2(_mm256_loadu_si256(p.cast()), _mm256_loadu_si256(p.add(32).cast()));
                 _mm_storeu_si128(o.as_mut_ptr().cast(), v);
             }
         }
