@@ -15,9 +15,10 @@
 //! reference in the last bits, within the crate's stated tolerance.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use crate::block::{Levels, Params, QuantBlock};
-use crate::int8::{self, IntQuery, quantize_query};
+use crate::int8;
 use crate::portable;
 
 fn supported(b: &QuantBlock<'_>) -> bool {
@@ -294,109 +295,166 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
     axpy_group(b, p, n_q, out)
 }
 
-/// A query row quantized to int8 for the integer score path (as llama.cpp's q8 queries):
-/// `q ≈ scale · q8`, `scale = max|q| / 127`, with `q8` laid out in the order the 4-bit
-/// unpacking produces codes, and widened to i16 for 8-bit codes.
-#[derive(Default)]
-struct Q8 {
-    scale: f32,
-    /// The rounded query, natural order (reused buffer).
-    q8: Vec<i8>,
-    /// 4-bit order: per 64 codes, [0..16, 32..48] then [16..32, 48..64].
-    perm4: Vec<i8>,
-    /// Natural order, widened.
-    wide16: Vec<i16>,
-}
+/// The AVX2 integer kernel: 4-bit codes meet the int8 query in `vpmaddubsw` (u8 × i8, pairs
+/// summed), 8-bit codes are widened to i16 and meet an i16 query in `vpmaddwd`.
+pub(crate) struct Avx2Int;
 
-impl IntQuery for Q8 {
-    fn prepare(&mut self, q: &[f32]) {
-        self.scale = quantize_query(q, &mut self.q8);
-        self.perm4.clear();
-        for g in self.q8.chunks_exact(64) {
-            self.perm4.extend_from_slice(&g[..16]);
-            self.perm4.extend_from_slice(&g[32..48]);
-            self.perm4.extend_from_slice(&g[16..32]);
-            self.perm4.extend_from_slice(&g[48..]);
-        }
-        self.wide16.clear();
-        self.wide16.extend(self.q8.iter().map(|&x| i16::from(x)));
+impl int8::IntKernel for Avx2Int {
+    fn arrange(b: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>) {
+        if b.bits == 4 { int8::arrange4(q8, 32, out) } else { int8::arrange_i16(q8, out) }
     }
 
-    fn scale(&self) -> f32 {
-        self.scale
-    }
-}
-
-/// `Σ_d q8[d] · code[d]` for a 4-bit row of a multiple of 64 codes.
-///
-/// # Safety
-/// The CPU must support AVX2; `row.len() · 2 == q.perm4.len()`, a multiple of 64.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn idot4(row: &[u8], q: &Q8) -> i32 {
-    let mask = _mm256_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = _mm256_setzero_si256();
-    for (c, qp) in row.chunks_exact(32).zip(q.perm4.chunks_exact(64)) {
-        // SAFETY: `c` is 32 bytes and `qp` 64: every load reads inside them.
+    fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]) {
+        // SAFETY: `int8_supported(b)` (checked by `scores_int8`, the only caller) covers the
+        // CPU, the bit width and the row length; the driver passes n arranged rows of equal
+        // length and n · rows.len() dots.
         unsafe {
-            let v = _mm256_loadu_si256(c.as_ptr().cast());
-            let lo = _mm256_and_si256(v, mask);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-            let qlo = _mm256_loadu_si256(qp.as_ptr().cast());
-            let qhi = _mm256_loadu_si256(qp.as_ptr().add(32).cast());
-            // u8 codes (≤ 15) × i8 queries, pairs summed: |sum| ≤ 2 · 15 · 127, no saturation.
-            let a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, qlo), ones);
-            let b = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, qhi), ones);
-            acc = _mm256_add_epi32(acc, _mm256_add_epi32(a, b));
+            match (b.bits, n) {
+                (4, 1) => idots::<4, 1>(b, rows, q, dots),
+                (4, 2) => idots::<4, 2>(b, rows, q, dots),
+                (4, 3) => idots::<4, 3>(b, rows, q, dots),
+                (4, _) => idots::<4, 4>(b, rows, q, dots),
+                (_, 1) => idots::<8, 1>(b, rows, q, dots),
+                (_, 2) => idots::<8, 2>(b, rows, q, dots),
+                (_, 3) => idots::<8, 3>(b, rows, q, dots),
+                (_, _) => idots::<8, 4>(b, rows, q, dots),
+            }
         }
     }
-    // SAFETY: AVX2 is enabled by this function's target features.
-    unsafe { hsum_i32(acc) }
 }
 
-/// `Σ_d q8[d] · code[d]` for an 8-bit row of a multiple of 16 codes (i16 products, i32 sums).
+/// The sums of the 8 lanes of each of 4 accumulators, in one vector (lane `i` from `acc[i]`):
+/// two rounds of `vphaddd` and one add.
 ///
-/// # Safety
-/// The CPU must support AVX2; `row.len() == q.wide16.len()`, a multiple of 16.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn idot8(row: &[u8], q: &Q8) -> i32 {
-    let mut acc = _mm256_setzero_si256();
-    for (c, qw) in row.chunks_exact(16).zip(q.wide16.chunks_exact(16)) {
-        // SAFETY: `c` is 16 bytes and `qw` 16 i16 (32 bytes).
-        unsafe {
-            let codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(c.as_ptr().cast()));
-            let qv = _mm256_loadu_si256(qw.as_ptr().cast());
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(codes, qv));
-        }
-    }
-    // SAFETY: AVX2 is enabled by this function's target features.
-    unsafe { hsum_i32(acc) }
-}
-
-/// The integer dot of every row of `b` with `q`, the loop over rows inside AVX2 code so that
-/// `idot4`/`idot8` inline into it.
-///
-/// # Safety
-/// As [`idot4`] / [`idot8`] for every row; `dots.len() == b.rows`.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn idot_rows(b: &QuantBlock<'_>, q: &Q8, dots: &mut [i32]) {
-    for (r, o) in dots.iter_mut().enumerate() {
-        // SAFETY: forwarded from the caller.
-        *o = unsafe { if b.bits == 4 { idot4(b.row(r), q) } else { idot8(b.row(r), q) } };
-    }
-}
-
 /// # Safety
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn hsum_i32(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-    _mm_cvtsi128_si32(s)
+pub(crate) unsafe fn hsum4_i32(v: &[__m256i; 4]) -> [i32; 4] {
+    let s = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    let mut out = [0i32; 4];
+    // SAFETY: `out` holds 4 i32.
+    unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), s) };
+    out
+}
+
+/// Stores the four reduced sums of `4 / NQ` rows starting at `r` (or of one row, `rr == 1`):
+/// `sums[j · NQ + i]` is row `r + j`, query `i`.
+#[inline]
+pub(crate) fn store_dots<const NQ: usize>(sums: [i32; 4], rr: usize, r: usize, m: usize, dots: &mut [i32]) {
+    for j in 0..rr {
+        for i in 0..NQ {
+            dots[i * m + r + j] = sums[j * NQ + i];
+        }
+    }
+}
+
+/// Adds the integer dots of `NQ` arranged 4-bit query rows with one row of codes into
+/// `acc[..NQ]` (8 lanes each, summed later).
+///
+/// # Safety
+/// The CPU must support AVX2; the row holds `d / 2` bytes, `d` a multiple of 64; `q` holds
+/// `NQ` arranged rows of `d` bytes ([`int8::arrange4`], 32-byte chunks).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn acc4<const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m256i]) {
+    let mask = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    for (c, code) in row.chunks_exact(32).enumerate() {
+        // SAFETY: `code` is 32 bytes; query row i spans q[i·d .. (i + 1)·d] and chunk c's
+        // 64 values lie inside it (2 · 32 · (c + 1) ≤ d).
+        unsafe {
+            let v = _mm256_loadu_si256(code.as_ptr().cast());
+            let lo = _mm256_and_si256(v, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            for (i, a) in acc.iter_mut().enumerate().take(NQ) {
+                let p = q.as_ptr().add(i * d + 64 * c);
+                let ql = _mm256_loadu_si256(p.cast());
+                let qh = _mm256_loadu_si256(p.add(32).cast());
+                // u8 codes (≤ 15) × i8 queries, pairs summed: each i16 is at most
+                // 2 · 15 · 127 in size, and two of them 7620: no saturation.
+                let s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ql), _mm256_maddubs_epi16(hi, qh));
+                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(s, ones));
+            }
+        }
+    }
+}
+
+/// As [`acc4`] for 8-bit codes and i16 queries ([`int8::arrange_i16`]).
+///
+/// # Safety
+/// The CPU must support AVX2; the row holds `d` bytes, `d` a multiple of 16; `q` holds `NQ`
+/// rows of `d` i16.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn acc8<const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m256i]) {
+    for (c, code) in row.chunks_exact(16).enumerate() {
+        // SAFETY: `code` is 16 bytes; the 16 i16 of query row i at channel 16c lie inside
+        // q[2·i·d .. 2·(i + 1)·d].
+        unsafe {
+            let codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(code.as_ptr().cast()));
+            for (i, a) in acc.iter_mut().enumerate().take(NQ) {
+                let qv = _mm256_loadu_si256(q.as_ptr().add(2 * (i * d + 16 * c)).cast());
+                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(codes, qv));
+            }
+        }
+    }
+}
+
+/// The dots of `STEP` rows from `rows.start + r` with `NQ` queries (`STEP · NQ ≤ 4`), reduced
+/// together and stored.
+///
+/// # Safety
+/// As [`idots`].
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn idot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
+    b: &QuantBlock<'_>,
+    rows: &Range<usize>,
+    r: usize,
+    q: &[u8],
+    dots: &mut [i32],
+) {
+    let mut acc = [_mm256_setzero_si256(); 4];
+    for j in 0..STEP {
+        let (row, a) = (b.row(rows.start + r + j), &mut acc[j * NQ..(j + 1) * NQ]);
+        // SAFETY: forwarded from the caller.
+        unsafe { if BITS == 4 { acc4::<NQ>(row, q, b.dim, a) } else { acc8::<NQ>(row, q, b.dim, a) } }
+    }
+    // SAFETY: AVX2 is enabled by this function's target features.
+    store_dots::<NQ>(unsafe { hsum4_i32(&acc) }, STEP, r, rows.len(), dots);
+}
+
+/// Integer dots of `NQ` arranged query rows with rows `rows` of `b`: `4 / NQ` rows at a time
+/// (a constant trip count, so the accumulators stay in registers), so that one 4-way
+/// reduction serves four (row, query) pairs; then single rows.
+///
+/// # Safety
+/// The CPU must support AVX2; `BITS == b.bits` and the block and `q` as [`acc4`] / [`acc8`]
+/// require; `dots` holds `NQ · rows.len()` values.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn idots<const BITS: u8, const NQ: usize>(
+    b: &QuantBlock<'_>,
+    rows: Range<usize>,
+    q: &[u8],
+    dots: &mut [i32],
+) {
+    let (m, rr) = (rows.len(), 4 / NQ);
+    let mut r = 0;
+    // SAFETY (all calls): forwarded from the caller.
+    while r + rr <= m {
+        match NQ {
+            1 => unsafe { idot_step::<BITS, NQ, 4>(b, &rows, r, q, dots) },
+            2 => unsafe { idot_step::<BITS, NQ, 2>(b, &rows, r, q, dots) },
+            _ => unsafe { idot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) },
+        }
+        r += rr;
+    }
+    while r < m {
+        unsafe { idot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) };
+        r += 1;
+    }
 }
 
 /// Whether [`scores_int8`] has an integer kernel for this block.
@@ -411,20 +469,37 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
 
 /// Scores through the integer path: the query (per-channel: the query times the scales) is
 /// quantized to int8 per row, codes and query meet in `vpmaddubsw`/`vpmaddwd`, and one float
-/// multiply per row restores the scale. Offsets use the exact float sum of the query.
+/// multiply per row restores the scale. Offsets use the exact float sum of the query. Equal,
+/// bit for bit, to [`crate::scalar::scores_int8`].
 ///
-/// Tolerance: each score is off by at most `scale_q / 2 · Σ_d |level_d| · scale` (the query's
-/// rounding), `scale_q = max|q| / 127`. Returns `false`, computing nothing, when
-/// [`int8_supported`] is false.
+/// Tolerance against the float scores: each score is off by at most
+/// `scale_q / 2 · Σ_d |level_d| · scale` (the query's rounding), `scale_q = max|q| / 127`.
+/// Returns `false`, computing nothing, when [`int8_supported`] is false.
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
     if !int8_supported(b) {
         return false;
     }
-    // SAFETY: `int8_supported` checked AVX2, the bit width and the row length.
-    let idots = |b: &QuantBlock<'_>, q8: &Q8, dots: &mut [i32]| unsafe { idot_rows(b, q8, dots) };
     thread_local! {
-        static SCRATCH: std::cell::RefCell<int8::Scratch<Q8>> = std::cell::RefCell::default();
+        static SCRATCH: std::cell::RefCell<int8::Scratch> = std::cell::RefCell::default();
     }
-    SCRATCH.with_borrow_mut(|scratch| int8::scores_by_block(b, q, n_q, out, scratch, idots));
+    // SAFETY: `int8_supported` checked AVX2 and FMA.
+    SCRATCH.with_borrow_mut(|scratch| unsafe { by_block_avx2::<Avx2Int>(b, q, n_q, out, scratch) });
     true
+}
+
+/// [`int8::scores_by_block`] compiled with AVX2: the query's rounding and the epilogue (once
+/// per block in decode) vectorize 8 wide. The compiler neither reassociates nor fuses float
+/// operations, so the scores are the same as the baseline build's, bit for bit.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn by_block_avx2<K: int8::IntKernel>(
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    scratch: &mut int8::Scratch,
+) {
+    int8::scores_by_block::<K>(b, q, n_q, out, scratch)
 }

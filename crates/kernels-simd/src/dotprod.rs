@@ -9,9 +9,10 @@
 
 use std::arch::aarch64::*;
 use std::arch::asm;
+use std::ops::Range;
 
 use crate::block::{Levels, QuantBlock};
-use crate::int8::{self, IntQuery, quantize_query};
+use crate::int8;
 
 fn cpu_ok() -> bool {
     std::arch::is_aarch64_feature_detected!("dotprod")
@@ -25,24 +26,6 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
         _ => false,
     };
     ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && cpu_ok()
-}
-
-#[derive(Default)]
-struct Q8 {
-    scale: f32,
-    q8: Vec<i8>,
-    sum: i32,
-}
-
-impl IntQuery for Q8 {
-    fn prepare(&mut self, q: &[f32]) {
-        self.scale = quantize_query(q, &mut self.q8);
-        self.sum = self.q8.iter().map(|&x| i32::from(x)).sum();
-    }
-
-    fn scale(&self) -> f32 {
-        self.scale
-    }
 }
 
 /// `acc += sdot(a, b)`.
@@ -61,53 +44,72 @@ unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     acc
 }
 
-/// `Σ q8[d] · code[d]` for one row.
+/// `dots[r − rows.start] = Σ_d q[d] · code[r][d]` for rows `rows` of `b` (the loop over rows
+/// inside the target-feature code, so that the row's kernel inlines into it).
 ///
 /// # Safety
-/// The CPU must support dotprod; the row holds `q.q8.len()` codes as [`int8_supported`] requires.
+/// The CPU must support dotprod; `q` holds `b.dim` int8 values (as bytes) (natural order, which is the
+/// order the nibble planes of 16-byte chunks produce); the block is one [`int8_supported`]
+/// accepts; `dots` holds `rows.len()` values.
 #[target_feature(enable = "neon,dotprod")]
-unsafe fn idot(row: &[u8], bits: u8, q: &Q8) -> i32 {
-    // SAFETY: every load reads 16 bytes inside `row` or `q.q8`; sdot is enabled.
-    unsafe {
-        let mut acc = vdupq_n_s32(0);
-        if bits == 4 {
-            let mask = vdupq_n_u8(0x0f);
-            for (c, qs) in row.chunks_exact(16).zip(q.q8.chunks_exact(32)) {
-                let v = vld1q_u8(c.as_ptr());
-                // Byte j holds code j (low nibble) and code j + 16 (high nibble).
-                let lo = vreinterpretq_s8_u8(vandq_u8(v, mask));
-                let hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
-                acc = sdot(acc, lo, vld1q_s8(qs.as_ptr()));
-                acc = sdot(acc, hi, vld1q_s8(qs.as_ptr().add(16)));
+unsafe fn idot_rows(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], dots: &mut [i32]) {
+    // The 8-bit codes are shifted into i8 by −128; the shift comes back as 128 · Σ q.
+    let shift_back: i32 =
+        if b.bits == 8 { 128 * q.iter().map(|&x| i32::from(x as i8)).sum::<i32>() } else { 0 };
+    for (o, r) in dots.iter_mut().zip(rows) {
+        let row = b.row(r);
+        // SAFETY: every load reads 16 bytes inside `row` or `q`; sdot is enabled.
+        *o = unsafe {
+            let mut acc = vdupq_n_s32(0);
+            if b.bits == 4 {
+                let mask = vdupq_n_u8(0x0f);
+                for (c, qs) in row.chunks_exact(16).zip(q.chunks_exact(32)) {
+                    let v = vld1q_u8(c.as_ptr());
+                    // Byte j holds code j (low nibble) and code j + 16 (high nibble).
+                    let lo = vreinterpretq_s8_u8(vandq_u8(v, mask));
+                    let hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+                    acc = sdot(acc, lo, vld1q_s8(qs.as_ptr().cast()));
+                    acc = sdot(acc, hi, vld1q_s8(qs.as_ptr().add(16).cast()));
+                }
+            } else {
+                let shift = vdupq_n_u8(128);
+                for (c, qs) in row.chunks_exact(16).zip(q.chunks_exact(16)) {
+                    let v = vreinterpretq_s8_u8(vsubq_u8(vld1q_u8(c.as_ptr()), shift));
+                    acc = sdot(acc, v, vld1q_s8(qs.as_ptr().cast()));
+                }
             }
-            vaddvq_s32(acc)
-        } else {
-            let shift = vdupq_n_u8(128);
-            for (c, qs) in row.chunks_exact(16).zip(q.q8.chunks_exact(16)) {
-                let v = vreinterpretq_s8_u8(vsubq_u8(vld1q_u8(c.as_ptr()), shift));
-                acc = sdot(acc, v, vld1q_s8(qs.as_ptr()));
-            }
-            vaddvq_s32(acc) + 128 * q.sum
+            vaddvq_s32(acc) + shift_back
+        };
+    }
+}
+
+struct Sdot;
+
+impl int8::IntKernel for Sdot {
+    fn arrange(_: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>) {
+        int8::arrange_natural(q8, out);
+    }
+
+    fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]) {
+        let (d, m) = (b.dim, rows.len());
+        for (i, qi) in q.chunks_exact(d).take(n).enumerate() {
+            // SAFETY: `int8_supported(b)` (checked by `scores_int8`, the only caller) covers
+            // the CPU, the bit width and the row length; `qi` holds `d` values.
+            unsafe { idot_rows(b, rows.clone(), &qi, &mut dots[i * m..(i + 1) * m]) };
         }
     }
 }
 
-/// Scores through `sdot`; see [`crate::avx2::scores_int8`] for the algebra and error bound.
-/// Returns `false`, computing nothing, when [`int8_supported`] is false.
+/// Scores through `sdot`; see [`crate::avx2::scores_int8`] for the algebra and error bound
+/// (the scores equal [`crate::scalar::scores_int8`] bit for bit). Returns `false`, computing
+/// nothing, when [`int8_supported`] is false.
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
     if !int8_supported(b) {
         return false;
     }
-    // SAFETY: `int8_supported` checked dotprod, the bit width and the row length.
-    let dots = |b: &QuantBlock<'_>, q8: &Q8, dots: &mut [i32]| {
-        for (r, o) in dots.iter_mut().enumerate() {
-            // SAFETY: as above, for every row of the block.
-            *o = unsafe { idot(b.row(r), b.bits, q8) };
-        }
-    };
     thread_local! {
-        static SCRATCH: std::cell::RefCell<int8::Scratch<Q8>> = std::cell::RefCell::default();
+        static SCRATCH: std::cell::RefCell<int8::Scratch> = std::cell::RefCell::default();
     }
-    SCRATCH.with_borrow_mut(|scratch| int8::scores_by_block(b, q, n_q, out, scratch, dots));
+    SCRATCH.with_borrow_mut(|scratch| int8::scores_by_block::<Sdot>(b, q, n_q, out, scratch));
     true
 }

@@ -1,24 +1,29 @@
-//! The algebra of the integer score path, shared by the AVX2 and dotprod kernels: each query
-//! row (per-channel: the query times the channel scales) is rounded to int8 with one scale,
-//! an architecture kernel computes the integer dot with a row's codes, and one float multiply
-//! restores the scale. Offsets use the exact float sum of the query.
+//! The algebra of the integer score path, shared by the AVX2, AVX-512 VNNI and dotprod kernels
+//! and by its scalar reference: each query row (per-channel: the query times the channel
+//! scales) is rounded to int8 with one scale, an architecture kernel computes the integer dots
+//! of the rows' codes with it, and a float epilogue restores the scales and adds the offsets
+//! (through the exact float sum of the query).
+//!
+//! Everything but the integer dots is this module's code, so every architecture gives the same
+//! scores bit for bit as [`crate::scalar::scores_int8`].
+
+use std::ops::Range;
 
 use crate::block::{Params, QuantBlock};
 
-/// A query row prepared for an architecture's integer dot product. Its buffers are reused
-/// from one block to the next (decode calls this once per block and query row).
-pub(crate) trait IntQuery: Default {
-    /// Rounds `q` to int8 with one scale (`max|q| / 127`), replacing what was held.
-    fn prepare(&mut self, q: &[f32]);
-    /// The scale that turns integer dots back into floats.
-    fn scale(&self) -> f32;
-}
+/// Rows handed to an architecture kernel per call: the dots of one call stay in L1 when a
+/// block is large (a bench block of millions of rows), and a cache block is one call.
+const CHUNK_ROWS: usize = 256;
 
-/// `max|q| / 127`, returned, and `q / scale` rounded into −127..=127, into `out`.
+/// Query rows at a time: every key row is loaded once for up to this many (a GQA group).
+pub(crate) const GROUP: usize = 4;
+
+/// `max|q| / 127`, returned, and `q / scale` rounded into −127..=127, appended to `out`.
 ///
 /// Decode runs this once per block and query row, so it is written to vectorize on baseline
 /// SSE2: the maximum in 8 independent lanes, and rounding (ties to even) by adding and
 /// subtracting 1.5 · 2^23 rather than through a libm `round` call per value.
+#[inline(always)]
 pub(crate) fn quantize_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     let mut lanes = [0f32; 8];
@@ -33,7 +38,6 @@ pub(crate) fn quantize_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
         chunks.remainder().iter().chain(&lanes).fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
     let scale = if max > 0.0 { max / 127.0 } else { 0.0 };
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    out.clear();
     // For |v| ≤ 127 the sum's bits are MAGIC's plus the rounded value, so an integer
     // subtraction reads it out (no float-to-int conversion with its NaN checks).
     let magic_bits = MAGIC.to_bits() as i32;
@@ -44,52 +48,204 @@ pub(crate) fn quantize_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
     scale
 }
 
-/// Buffers of the integer score path, kept per thread by each architecture module so that a
-/// decode step does not allocate per block.
+/// `Σ a·b` in 8 independent lanes, then the lanes in order: vectorizes on baseline SSE2 (a
+/// plain `.sum()` is one serial chain of adds, 128 of them per query row and block).
+#[inline(always)]
+fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (mut ac, mut bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    for (x, y) in (&mut ac).zip(&mut bc) {
+        for ((l, &x), &y) in lanes.iter_mut().zip(x).zip(y) {
+            *l += x * y;
+        }
+    }
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// `Σ a` in 8 lanes, as [`dot_lanes`].
+#[inline(always)]
+fn sum_lanes(a: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut ac = a.chunks_exact(8);
+    for x in &mut ac {
+        for (l, &x) in lanes.iter_mut().zip(x) {
+            *l += x;
+        }
+    }
+    lanes.iter().sum::<f32>() + ac.remainder().iter().sum::<f32>()
+}
+
+/// Up to [`GROUP`] query rows rounded for one block: `n` rows of `dim` int8 values in natural
+/// order, each row's scale, and what its epilogue adds (`Σ q` per row; `Σ q · offset` per
+/// channel).
 #[derive(Default)]
-pub(crate) struct Scratch<Q> {
-    q8: Q,
-    dots: Vec<i32>,
+pub(crate) struct Prepared {
+    pub(crate) q8: Vec<i8>,
+    scale: [f32; GROUP],
+    add: [f32; GROUP],
     qw: Vec<f32>,
 }
 
-/// Scores of `n_q` query rows against a block, with the integer dots of a whole block from one
-/// call, `idots(block, prepared query, dots)` (one per row), so that an architecture kernel
-/// keeps its loop over rows inside its target-feature code (a call per row costs about as much
-/// as a short row's dot).
-pub(crate) fn scores_by_block<Q: IntQuery>(
+impl Prepared {
+    #[inline(always)]
+    fn prepare(&mut self, b: &QuantBlock<'_>, q: &[f32]) {
+        let d = b.dim;
+        self.q8.clear();
+        for (i, qi) in q.chunks_exact(d).enumerate() {
+            match b.params {
+                Params::PerRow { .. } => {
+                    self.scale[i] = quantize_query(qi, &mut self.q8);
+                    self.add[i] = sum_lanes(qi);
+                }
+                Params::PerChannel { scale, offset } => {
+                    self.qw.clear();
+                    self.qw.extend(qi.iter().zip(scale).map(|(x, s)| x * s));
+                    self.scale[i] = quantize_query(&self.qw, &mut self.q8);
+                    self.add[i] = offset.map_or(0.0, |o| dot_lanes(qi, o));
+                }
+            }
+        }
+    }
+
+    /// `out[(i0 + i) · rows + r] = score` for rows `at` of the block, from their integer dots
+    /// (`dots[i · at.len() + r − at.start]`).
+    #[inline(always)]
+    fn epilogue(
+        &self,
+        b: &QuantBlock<'_>,
+        i0: usize,
+        n: usize,
+        at: Range<usize>,
+        dots: &[i32],
+        out: &mut [f32],
+    ) {
+        let m = at.len();
+        for i in 0..n {
+            let (qs, add) = (self.scale[i], self.add[i]);
+            let o = &mut out[(i0 + i) * b.rows + at.start..(i0 + i) * b.rows + at.end];
+            let dots = &dots[i * m..(i + 1) * m];
+            match b.params {
+                Params::PerRow { scale, offset: Some(off) } => {
+                    for (((o, &dot), &s), &f) in
+                        o.iter_mut().zip(dots).zip(&scale[at.clone()]).zip(&off[at.clone()])
+                    {
+                        *o = s * qs * dot as f32 + f * add;
+                    }
+                }
+                Params::PerRow { scale, offset: None } => {
+                    for ((o, &dot), &s) in o.iter_mut().zip(dots).zip(&scale[at.clone()]) {
+                        *o = s * qs * dot as f32;
+                    }
+                }
+                Params::PerChannel { .. } => {
+                    for (o, &dot) in o.iter_mut().zip(dots) {
+                        *o = qs * dot as f32 + add;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Buffers of the integer score path, kept per thread by each architecture module so that a
+/// decode step does not allocate per block.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    prep: Prepared,
+    arranged: Vec<u8>,
+    dots: Vec<i32>,
+}
+
+/// Appends the 4-bit query `q8` (natural order) in the order an architecture unpacks a chunk of
+/// `chunk` code bytes: per 16-byte lane `k` of the chunk, its low nibbles hold codes
+/// `32k .. 32k + 16` and its high nibbles `32k + 16 .. 32k + 32` (quant-core's bit-plane
+/// layout), and a kernel multiplies all low nibbles of the chunk, then all high ones.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[inline]
+pub(crate) fn arrange4(q8: &[i8], chunk: usize, out: &mut Vec<u8>) {
+    for g in q8.chunks_exact(2 * chunk) {
+        for half in [0, 16] {
+            for lane in g.chunks_exact(32) {
+                out.extend(lane[half..half + 16].iter().map(|&x| x as u8));
+            }
+        }
+    }
+}
+
+/// Appends `q8` as it is (its bytes).
+#[inline]
+pub(crate) fn arrange_natural(q8: &[i8], out: &mut Vec<u8>) {
+    out.extend(q8.iter().map(|&x| x as u8));
+}
+
+/// Appends `q8` widened to little-endian i16.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[inline]
+pub(crate) fn arrange_i16(q8: &[i8], out: &mut Vec<u8>) {
+    out.extend(q8.iter().flat_map(|&x| i16::from(x).to_le_bytes()));
+}
+
+/// An architecture's part of the integer path.
+pub(crate) trait IntKernel {
+    /// Appends one query row (`dim` int8 values, natural order) in the kernel's layout.
+    fn arrange(b: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>);
+    /// `dots[i · rows.len() + r − rows.start] = Σ_d q_i[d] · code[r][d]` for the `n ≤ GROUP`
+    /// arranged query rows of `q` (equal lengths, back to back).
+    fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]);
+}
+
+/// The integer scores of `n_q` query rows against block `b`, through kernel `K`.
+#[inline(always)]
+pub(crate) fn scores_by_block<K: IntKernel>(
     b: &QuantBlock<'_>,
     q: &[f32],
     n_q: usize,
     out: &mut [f32],
-    scratch: &mut Scratch<Q>,
-    idots: impl Fn(&QuantBlock<'_>, &Q, &mut [i32]),
+    scratch: &mut Scratch,
 ) {
     let d = b.dim;
-    let Scratch { q8, dots, qw } = scratch;
-    dots.clear();
-    dots.resize(b.rows, 0);
-    for i in 0..n_q {
-        let qi = &q[i * d..(i + 1) * d];
-        match b.params {
-            Params::PerRow { scale, offset } => {
-                q8.prepare(qi);
-                let qsum: f32 = qi.iter().sum();
-                idots(b, q8, dots);
-                for (r, &dot) in dots.iter().enumerate() {
-                    let off = offset.map_or(0.0, |o| o[r]);
-                    out[i * b.rows + r] = scale[r] * q8.scale() * dot as f32 + off * qsum;
-                }
-            }
-            Params::PerChannel { scale, offset } => {
-                qw.clear();
-                qw.extend(qi.iter().zip(scale).map(|(x, s)| x * s));
-                q8.prepare(qw);
-                let cst: f32 = offset.map_or(0.0, |o| qi.iter().zip(o).map(|(a, b)| a * b).sum());
-                idots(b, q8, dots);
-                for (r, &dot) in dots.iter().enumerate() {
-                    out[i * b.rows + r] = q8.scale() * dot as f32 + cst;
-                }
+    let Scratch { prep, arranged, dots } = scratch;
+    let mut i0 = 0;
+    while i0 < n_q {
+        let n = (n_q - i0).min(GROUP);
+        prep.prepare(b, &q[i0 * d..(i0 + n) * d]);
+        arranged.clear();
+        for qi in prep.q8.chunks_exact(d) {
+            K::arrange(b, qi, arranged);
+        }
+        let mut r0 = 0;
+        while r0 < b.rows {
+            let at = r0..(r0 + CHUNK_ROWS).min(b.rows);
+            dots.clear();
+            dots.resize(n * at.len(), 0);
+            K::dots(b, at.clone(), arranged, n, dots);
+            prep.epilogue(b, i0, n, at.clone(), dots, out);
+            r0 = at.end;
+        }
+        i0 += n;
+    }
+}
+
+/// The reference integer kernel: plain integer arithmetic on natural-order queries.
+pub(crate) struct Reference;
+
+impl IntKernel for Reference {
+    fn arrange(_: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>) {
+        arrange_natural(q8, out);
+    }
+
+    fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]) {
+        let d = b.dim;
+        let mut codes = vec![0u8; d];
+        let m = rows.len();
+        for r in rows.clone() {
+            kvq_quant_core::pack::unpack_row(b.row(r), b.bits, &mut codes)
+                .expect("QuantBlock::new checked the lengths");
+            for i in 0..n {
+                let qi = &q[i * d..(i + 1) * d];
+                dots[i * m + r - rows.start] =
+                    codes.iter().zip(qi).map(|(&c, &x)| i32::from(c) * i32::from(x as i8)).sum();
             }
         }
     }
@@ -97,7 +253,7 @@ pub(crate) fn scores_by_block<Q: IntQuery>(
 
 #[cfg(test)]
 mod tests {
-    use super::quantize_query;
+    use super::{arrange4, quantize_query};
 
     #[test]
     fn query_rounding_is_ties_to_even_within_range() {
@@ -112,19 +268,41 @@ mod tests {
                 q[2] = -3.5;
                 q[3] = -127.0;
             }
+            out.clear();
             let scale = quantize_query(&q, &mut out);
             assert_eq!(scale, 1.0);
             for (&x, &c) in q.iter().zip(&out) {
                 assert_eq!(i32::from(c), x.clamp(-127.0, 127.0).round_ties_even() as i32, "{x}");
             }
         }
+        out.clear();
         assert_eq!(quantize_query(&[0.0; 5], &mut out), 0.0);
         assert_eq!(out, vec![0i8; 5]);
         // A general scale: every code within half a step of the value.
         let q: Vec<f32> = (0..100).map(|i| (i as f32 - 50.0) * 0.37).collect();
+        out.clear();
         let scale = quantize_query(&q, &mut out);
         for (&x, &c) in q.iter().zip(&out) {
             assert!((f32::from(c) * scale - x).abs() <= 0.5 * scale * 1.0001, "{x}");
         }
+    }
+
+    #[test]
+    fn arrangement_follows_the_nibble_planes() {
+        let q: Vec<i8> = (0..128).map(|i| i as i8).collect();
+        // 16-byte chunks: low nibbles are codes 0..16, high 16..32, i.e. natural order.
+        let mut out = Vec::new();
+        arrange4(&q, 16, &mut out);
+        assert_eq!(out, (0..128u8).collect::<Vec<_>>());
+        // 32-byte chunks (AVX2): low nibbles of both lanes, then high nibbles.
+        out.clear();
+        arrange4(&q[..64], 32, &mut out);
+        let want: Vec<u8> = (0..16).chain(32..48).chain(16..32).chain(48..64).collect();
+        assert_eq!(out, want);
+        // 64-byte chunks (AVX-512): four lanes.
+        out.clear();
+        arrange4(&q, 64, &mut out);
+        let want: Vec<u8> = [0, 32, 64, 96, 16, 48, 80, 112].iter().flat_map(|&s| s..s + 16).collect();
+        assert_eq!(out, want);
     }
 }

@@ -28,6 +28,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 pub mod block;
 pub mod dispatch;
 #[cfg(target_arch = "aarch64")]
@@ -151,6 +153,10 @@ pub fn scores_int8_with(
     out: &mut [f32],
 ) -> Result<bool, KernelError> {
     check_scores(b, q, n_q, out)?;
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 && avx512::scores_int8(b, q, n_q, out) {
+        return Ok(true);
+    }
     #[cfg(target_arch = "x86_64")]
     if implementation(backend) == Backend::Avx2 && avx2::scores_int8(b, q, n_q, out) {
         return Ok(true);

@@ -55,3 +55,16 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
         *o = (f64::from(*o) + a) as f32;
     }
 }
+
+/// The integer score path's reference: each query row (per-channel: times the scales) rounded
+/// to int8 as every integer kernel rounds it, plain integer dots with the codes, and the shared
+/// float epilogue. Every integer kernel equals it bit for bit. Returns `false`, computing
+/// nothing, for levels that are not the codes themselves (symmetric, table).
+pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    if !matches!(b.levels, crate::block::Levels::Affine) {
+        return false;
+    }
+    let mut scratch = crate::int8::Scratch::default();
+    crate::int8::scores_by_block::<crate::int8::Reference>(b, q, n_q, out, &mut scratch);
+    true
+}

@@ -294,3 +294,115 @@ fn integer_scores_stay_within_the_query_rounding_bound() {
         assert!(ran > 0, "the integer path never ran on a machine that has one");
     }
 }
+
+/// Every integer kernel against the integer reference, bit for bit: the query rounding and the
+/// float epilogue are shared code and the integer dots are exact, so nothing may differ. Rows
+/// past one kernel call (256), group remainders, extreme codes and queries, and rows long
+/// enough that a 16-bit intermediate would overflow.
+#[test]
+fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
+    use kvq_kernels_simd::scores_int8_with;
+    let mut rng = Rng::new(0x1d07);
+    let mut ran = std::collections::BTreeMap::new();
+    for backend in available() {
+        for bits in [4u8, 8] {
+            for (dim, rows) in
+                [(64, 1), (128, 33), (128, 300), (192, 7), (256, 5), (384, 17), (4096, 3), (32, 9)]
+            {
+                for special in 0..6u8 {
+                    let mut case = Case::random(&mut rng, rows, dim, bits, special);
+                    case.levels_kind = 0;
+                    let b = case.block();
+                    for n_q in [1usize, 2, 3, 4, 5, 8] {
+                        let mut q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+                        match special {
+                            // Every query value at the int8 extremes: the largest dots there are.
+                            2 => q
+                                .iter_mut()
+                                .enumerate()
+                                .for_each(|(k, x)| *x = if k % 3 == 0 { 1.0 } else { -1.0 }),
+                            3 => q.iter_mut().for_each(|x| *x *= 1e-30),
+                            4 => q[..dim].iter_mut().for_each(|x| *x = 0.0),
+                            _ => {}
+                        }
+                        let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
+                        let integer = scores_int8_with(backend, &b, &q, n_q, &mut got).unwrap();
+                        if !integer {
+                            continue;
+                        }
+                        *ran.entry(backend).or_insert(0) += 1;
+                        assert!(scalar::scores_int8(&b, &q, n_q, &mut want));
+                        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                g.to_bits(),
+                                w.to_bits(),
+                                "{backend} bits {bits} dim {dim} rows {rows} n_q {n_q} special {special} [{k}]: {g} vs {w}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for b in available() {
+        if matches!(b, Backend::Avx2 | Backend::Avx512 | Backend::Dotprod) {
+            assert!(ran.get(&b).copied().unwrap_or(0) > 0, "{b}: the integer path never ran");
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512vnni") && Backend::Avx512.is_available() {
+        // The VNNI kernel itself (not its AVX2 fallback) takes INT4 rows of 128.
+        let case = Case::random(&mut rng, 4, 128, 4, 0);
+        let mut case = case;
+        case.levels_kind = 0;
+        assert!(kvq_kernels_simd::avx512::int8_supported(&case.block()));
+    }
+}
+
+/// The integer reference computes what its algebra says: the int8-rounded query (per channel,
+/// times the scales) dotted with the codes, scaled back, plus the offsets' exact term.
+#[test]
+fn the_integer_reference_follows_its_algebra() {
+    let mut rng = Rng::new(31);
+    for per_channel in [false, true] {
+        let mut case = Case::random(&mut rng, 6, 40, 4, 0);
+        case.levels_kind = 0;
+        case.with_offset = true;
+        case.per_channel = per_channel;
+        case.scale = (0..if per_channel { 40 } else { 6 }).map(|_| rng.uniform() as f32 + 0.1).collect();
+        case.offset = (0..case.scale.len()).map(|_| rng.normal() as f32).collect();
+        let b = case.block();
+        let q: Vec<f32> = (0..40).map(|_| rng.normal() as f32).collect();
+        let mut got = vec![0f32; 6];
+        assert!(scalar::scores_int8(&b, &q, 1, &mut got));
+        let mut x = vec![0f32; 6 * 40];
+        scalar::dequantize(&b, &mut x);
+        for r in 0..6 {
+            let qw: Vec<f64> = (0..40)
+                .map(|d| f64::from(q[d]) * if per_channel { f64::from(case.scale[d]) } else { 1.0 })
+                .collect();
+            let sq = qw.iter().fold(0f64, |m, v| m.max(v.abs())) / 127.0;
+            let mut want = 0f64;
+            for d in 0..40 {
+                let (s, o) = if per_channel {
+                    (case.scale[d], case.offset[d])
+                } else {
+                    (case.scale[r], case.offset[r])
+                };
+                let level = ((f64::from(x[r * 40 + d]) - f64::from(o)) / f64::from(s)).round();
+                let q8 = (qw[d] / sq).round_ties_even();
+                want += q8 * sq * level * if per_channel { 1.0 } else { f64::from(s) }
+                    + f64::from(q[d]) * f64::from(o);
+            }
+            assert!(
+                (f64::from(got[r]) - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                "{r}: {} vs {want}",
+                got[r]
+            );
+        }
+    }
+    // Symmetric and table levels are not the codes: the reference declines them.
+    let mut case = Case::random(&mut rng, 2, 16, 4, 0);
+    case.levels_kind = 1;
+    assert!(!scalar::scores_int8(&case.block(), &[0.5; 16], 1, &mut [0.0; 2]));
+}

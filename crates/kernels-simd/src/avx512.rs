@@ -1,0 +1,174 @@
+//! x86-64 AVX-512 VNNI integer score kernels, chosen at run time: `vpdpbusd` multiplies 64
+//! unsigned codes by 64 signed query bytes and adds each group of four products into an i32
+//! lane in one instruction, where AVX2 needs `vpmaddubsw`, `vpmaddwd` and an add for 32. One
+//! 64-byte load holds a whole 128-value INT4 row.
+//!
+//! Covered: affine 4-bit rows of a multiple of 128 codes and 8-bit rows of a multiple of 64
+//! (u8 codes × i8 query directly: no widening and no shift). Other blocks run the AVX2
+//! integer kernel. The query rounding, the epilogue and so the scores are those of every
+//! other integer kernel ([`crate::int8`]), bit for bit.
+//!
+//! The float kernels of the `avx512` backend are the AVX2 ones: on the AMD Zen 4 this crate
+//! is measured on, 512-bit float FMAs run as two 256-bit halves, and the float kernels are
+//! bound by code unpacking, not by vector width.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use crate::avx2::{by_block_avx2, hsum4_i32, store_dots};
+use crate::block::{Levels, QuantBlock};
+use crate::int8;
+
+fn cpu_ok() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// Whether [`scores_int8`] has a VNNI kernel for this block on this CPU.
+pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
+    let ok_dim = match b.bits {
+        4 => b.dim.is_multiple_of(128),
+        8 => b.dim.is_multiple_of(64),
+        _ => false,
+    };
+    ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && cpu_ok()
+}
+
+struct Vnni;
+
+impl int8::IntKernel for Vnni {
+    fn arrange(b: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>) {
+        if b.bits == 4 { int8::arrange4(q8, 64, out) } else { int8::arrange_natural(q8, out) }
+    }
+
+    fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]) {
+        // SAFETY: `int8_supported(b)` (checked by `scores_int8`, the only caller) covers the
+        // CPU, the bit width and the row length; the driver passes n arranged rows of `dim`
+        // bytes and n · rows.len() dots.
+        unsafe {
+            match (b.bits, n) {
+                (4, 1) => vdots::<4, 1>(b, rows, q, dots),
+                (4, 2) => vdots::<4, 2>(b, rows, q, dots),
+                (4, 3) => vdots::<4, 3>(b, rows, q, dots),
+                (4, _) => vdots::<4, 4>(b, rows, q, dots),
+                (_, 1) => vdots::<8, 1>(b, rows, q, dots),
+                (_, 2) => vdots::<8, 2>(b, rows, q, dots),
+                (_, 3) => vdots::<8, 3>(b, rows, q, dots),
+                (_, _) => vdots::<8, 4>(b, rows, q, dots),
+            }
+        }
+    }
+}
+
+/// Adds the integer dots of `NQ` arranged query rows with one row of codes into `acc[..NQ]`,
+/// 64 code bytes at a time: 4-bit codes as two planes of nibbles (queries arranged by
+/// [`int8::arrange4`] with 64-byte chunks), 8-bit codes as they are. Two accumulators per
+/// query (the nibble planes, or even and odd chunks), so that consecutive `vpdpbusd`s do not
+/// wait on each other.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VNNI; `BITS` is the row's width, 4 or 8, the row
+/// holds `d · BITS / 8` bytes with `d` a multiple of 128 or 64; `q` holds `NQ` rows of `d`
+/// bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn vacc<const BITS: u8, const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [[__m512i; 2]]) {
+    let mask = _mm512_set1_epi8(0x0f);
+    for (c, code) in row.chunks_exact(64).enumerate() {
+        // SAFETY: `code` is 64 bytes; the query bytes of chunk c (128 for 4-bit codes, 64 for
+        // 8-bit) lie inside query row i, q[i·d .. (i + 1)·d].
+        unsafe {
+            let v = _mm512_loadu_si512(code.as_ptr().cast());
+            if BITS == 4 {
+                let lo = _mm512_and_si512(v, mask);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                for (i, a) in acc.iter_mut().enumerate().take(NQ) {
+                    let p = q.as_ptr().add(i * d + 128 * c);
+                    a[0] = _mm512_dpbusd_epi32(a[0], lo, _mm512_loadu_si512(p.cast()));
+                    a[1] = _mm512_dpbusd_epi32(a[1], hi, _mm512_loadu_si512(p.add(64).cast()));
+                }
+            } else {
+                for (i, a) in acc.iter_mut().enumerate().take(NQ) {
+                    let qv = _mm512_loadu_si512(q.as_ptr().add(i * d + 64 * c).cast());
+                    a[c % 2] = _mm512_dpbusd_epi32(a[c % 2], v, qv);
+                }
+            }
+        }
+    }
+}
+
+/// The dots of `STEP` rows from `rows.start + r` with `NQ` queries (`STEP · NQ ≤ 4`), reduced
+/// together and stored.
+///
+/// # Safety
+/// As [`vdots`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn vdot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
+    b: &QuantBlock<'_>,
+    rows: &Range<usize>,
+    r: usize,
+    q: &[u8],
+    dots: &mut [i32],
+) {
+    let mut acc = [[_mm512_setzero_si512(); 2]; 4];
+    for j in 0..STEP {
+        let (row, a) = (b.row(rows.start + r + j), &mut acc[j * NQ..(j + 1) * NQ]);
+        // SAFETY: forwarded from the caller.
+        unsafe { vacc::<BITS, NQ>(row, q, b.dim, a) };
+    }
+    let mut halves = [_mm256_setzero_si256(); 4];
+    for (h, a) in halves.iter_mut().zip(&acc) {
+        let s = _mm512_add_epi32(a[0], a[1]);
+        *h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64::<1>(s));
+    }
+    // SAFETY: AVX2 is enabled by this function's target features.
+    store_dots::<NQ>(unsafe { hsum4_i32(&halves) }, STEP, r, rows.len(), dots);
+}
+
+/// Integer dots of `NQ` arranged query rows with rows `rows` of `b`, `4 / NQ` rows at a time
+/// (one 4-way reduction for four (row, query) pairs), then single rows.
+///
+/// # Safety
+/// As [`vacc`] for every row, with `BITS == b.bits`; `dots` holds `NQ · rows.len()` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+unsafe fn vdots<const BITS: u8, const NQ: usize>(
+    b: &QuantBlock<'_>,
+    rows: Range<usize>,
+    q: &[u8],
+    dots: &mut [i32],
+) {
+    let (m, rr) = (rows.len(), 4 / NQ);
+    let mut r = 0;
+    // SAFETY (all calls): forwarded from the caller.
+    while r + rr <= m {
+        match NQ {
+            1 => unsafe { vdot_step::<BITS, NQ, 4>(b, &rows, r, q, dots) },
+            2 => unsafe { vdot_step::<BITS, NQ, 2>(b, &rows, r, q, dots) },
+            _ => unsafe { vdot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) },
+        }
+        r += rr;
+    }
+    while r < m {
+        unsafe { vdot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) };
+        r += 1;
+    }
+}
+
+/// Scores through `vpdpbusd`; see [`crate::avx2::scores_int8`] for the algebra and the error
+/// bound (the scores are the same, bit for bit). Returns `false`, computing nothing, when
+/// [`int8_supported`] is false.
+pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    if !int8_supported(b) {
+        return false;
+    }
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<int8::Scratch> = std::cell::RefCell::default();
+    }
+    // SAFETY: `int8_supported` checked AVX2 and FMA (with AVX-512).
+    SCRATCH.with_borrow_mut(|scratch| unsafe { by_block_avx2::<Vnni>(b, q, n_q, out, scratch) });
+    true
+}
