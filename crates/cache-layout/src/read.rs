@@ -75,22 +75,7 @@ impl BlockView<'_> {
             out.clear();
             out.resize(n, 0.0);
             match l.spec().param_dtype() {
-                kvq_quant_core::ParamDtype::F16 => {
-                    let bytes = &area[2 * from..2 * (from + n)];
-                    // Eight at a time with a fixed trip count, which the compiler turns into
-                    // vector code; then the rest.
-                    let full = n / 8 * 8;
-                    for (o, b) in out[..full].chunks_exact_mut(8).zip(bytes.chunks_exact(16)) {
-                        let b: &[u8; 16] = b.try_into().expect("16 bytes");
-                        let h: [u16; 8] =
-                            std::array::from_fn(|j| u16::from_le_bytes([b[2 * j], b[2 * j + 1]]));
-                        let o: &mut [f32; 8] = o.try_into().expect("8 lanes");
-                        *o = h.map(f16_to_f32);
-                    }
-                    for (o, b) in out[full..].iter_mut().zip(bytes[2 * full..].chunks_exact(2)) {
-                        *o = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-                    }
-                }
+                kvq_quant_core::ParamDtype::F16 => widen_f16(&area[2 * from..2 * (from + n)], out),
                 kvq_quant_core::ParamDtype::F32 => {
                     for (o, b) in out.iter_mut().zip(area[4 * from..4 * (from + n)].chunks_exact(4)) {
                         *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -110,6 +95,34 @@ impl BlockView<'_> {
     pub fn decode_row(&self, r: usize, out: &mut [f32]) {
         let mut scratch = vec![0u8; self.layout.head_dim];
         self.layout.decode_row(self.region, r, self.statics, out, &mut scratch);
+    }
+}
+
+/// Little-endian f16 values to f32. Where they are 2-byte aligned (every block whose codes
+/// take an even number of bytes), `half` converts them with F16C when the CPU has it: decode
+/// does this for every block it reads.
+fn widen_f16(bytes: &[u8], out: &mut [f32]) {
+    if cfg!(target_endian = "little")
+        && let Ok(h) = bytemuck::try_cast_slice::<u8, half::f16>(bytes)
+    {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(h, out);
+    } else {
+        widen_f16_portable(bytes, out);
+    }
+}
+
+/// [`widen_f16`] for any alignment: eight at a time with a fixed trip count, which the
+/// compiler turns into vector code, then the rest.
+fn widen_f16_portable(bytes: &[u8], out: &mut [f32]) {
+    let full = out.len() / 8 * 8;
+    for (o, b) in out[..full].chunks_exact_mut(8).zip(bytes.chunks_exact(16)) {
+        let b: &[u8; 16] = b.try_into().expect("16 bytes");
+        let h: [u16; 8] = std::array::from_fn(|j| u16::from_le_bytes([b[2 * j], b[2 * j + 1]]));
+        let o: &mut [f32; 8] = o.try_into().expect("8 lanes");
+        *o = h.map(f16_to_f32);
+    }
+    for (o, b) in out[full..].iter_mut().zip(bytes[2 * full..].chunks_exact(2)) {
+        *o = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
     }
 }
 
@@ -337,6 +350,28 @@ mod tests {
             let h = half::f16::from_bits(bits);
             if h.is_finite() {
                 assert_eq!(super::f16_to_f32(bits).to_bits(), h.to_f32().to_bits(), "{bits:#x}");
+            }
+        }
+    }
+
+    #[test]
+    fn aligned_and_unaligned_f16_parameters_widen_alike() {
+        // Every finite f16, as little-endian bytes, at an even and at an odd address.
+        let values: Vec<u16> = (0..=u16::MAX).filter(|&b| half::f16::from_bits(b).is_finite()).collect();
+        let mut bytes = vec![0u8];
+        for v in &values {
+            bytes.extend(v.to_le_bytes());
+        }
+        for n in [values.len(), 1, 7, 8, 9, 131] {
+            let mut want = vec![0f32; n];
+            super::widen_f16_portable(&bytes[1..1 + 2 * n], &mut want);
+            // Either start may be the aligned one: copy so that each alignment occurs.
+            for pad in 0..2 {
+                let mut buf = vec![0u8; pad];
+                buf.extend_from_slice(&bytes[1..1 + 2 * n]);
+                let mut got = vec![0f32; n];
+                super::widen_f16(&buf[pad..], &mut got);
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "n {n} pad {pad}");
             }
         }
     }

@@ -10,6 +10,7 @@
 use std::ops::Range;
 
 use crate::block::{Params, QuantBlock};
+use crate::portable::{dot_lanes, sum_lanes};
 
 /// Rows handed to an architecture kernel per call: the dots of one call stay in L1 when a
 /// block is large (a bench block of millions of rows), and a cache block is one call.
@@ -46,34 +47,6 @@ pub(crate) fn quantize_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
         ((v + MAGIC).to_bits() as i32 - magic_bits) as i8
     }));
     scale
-}
-
-/// `Σ a·b` in 8 independent lanes, then the lanes in order: vectorizes on baseline SSE2 (a
-/// plain `.sum()` is one serial chain of adds, 128 of them per query row and block).
-#[inline(always)]
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (mut ac, mut bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    for (x, y) in (&mut ac).zip(&mut bc) {
-        for ((l, &x), &y) in lanes.iter_mut().zip(x).zip(y) {
-            *l += x * y;
-        }
-    }
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
-    lanes.iter().sum::<f32>() + tail
-}
-
-/// `Σ a` in 8 lanes, as [`dot_lanes`].
-#[inline(always)]
-fn sum_lanes(a: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let mut ac = a.chunks_exact(8);
-    for x in &mut ac {
-        for (l, &x) in lanes.iter_mut().zip(x) {
-            *l += x;
-        }
-    }
-    lanes.iter().sum::<f32>() + ac.remainder().iter().sum::<f32>()
 }
 
 /// Up to [`GROUP`] query rows rounded for one block: `n` rows of `dim` int8 values in natural

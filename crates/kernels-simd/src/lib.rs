@@ -170,15 +170,17 @@ pub fn scores_int8_with(
 
 /// Asks the CPU to start loading `data` into cache (one prefetch per 64-byte line), so that a
 /// block read a little later does not wait on memory. A hint only: no effect on results, and
-/// a no-op where there is no prefetch instruction to use.
+/// a no-op where there is no prefetch instruction to use. On x86-64 the lines go to L2
+/// (`prefetcht1`): a decode unit's two blocks are ~75 lines, more than L1 has miss buffers
+/// for, and the T1 hint measured no slower than T0 in decode.
 #[inline]
 pub fn prefetch(data: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     for line in data.chunks(64) {
-        // SAFETY: `prefetcht0` (SSE, part of every x86-64 CPU) never faults and changes no
+        // SAFETY: `prefetcht1` (SSE, part of every x86-64 CPU) never faults and changes no
         // architectural state; the address is in bounds anyway.
         unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr().cast())
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.as_ptr().cast())
         };
     }
     #[cfg(target_arch = "aarch64")]

@@ -102,6 +102,34 @@ fn unpack_levels(b: &QuantBlock<'_>, r: usize, out: &mut [f32]) {
     }
 }
 
+/// `Σ a·b` in 8 independent lanes, then the lanes in order: vectorizes on baseline SSE2 (a
+/// plain `.sum()` is one serial chain of adds, 128 of them per query row and block).
+#[inline(always)]
+pub(crate) fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (mut ac, mut bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    for (x, y) in (&mut ac).zip(&mut bc) {
+        for ((l, &x), &y) in lanes.iter_mut().zip(x).zip(y) {
+            *l += x * y;
+        }
+    }
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// `Σ a` in 8 lanes, as [`dot_lanes`].
+#[inline(always)]
+pub(crate) fn sum_lanes(a: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut ac = a.chunks_exact(8);
+    for x in &mut ac {
+        for (l, &x) in lanes.iter_mut().zip(x) {
+            *l += x;
+        }
+    }
+    lanes.iter().sum::<f32>() + ac.remainder().iter().sum::<f32>()
+}
+
 /// `Σ a·b` in 16 lanes (two accumulators hide the add latency).
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
