@@ -311,6 +311,21 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
 pub(crate) struct Avx2Int;
 
 impl int8::IntKernel for Avx2Int {
+    fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
+        // SAFETY: this kernel is only used by `scores_int8` after `int8_supported` checked AVX2.
+        unsafe { round_query(q, out) }
+    }
+
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        // SAFETY: as above.
+        unsafe { dot_lanes(a, b) }
+    }
+
+    fn sum(a: &[f32]) -> f32 {
+        // SAFETY: as above.
+        unsafe { sum_lanes(a) }
+    }
+
     fn arrange(b: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>) {
         if b.bits == 4 { int8::arrange4(q8, 32, out) } else { int8::arrange_i16(q8, out) }
     }
@@ -332,6 +347,99 @@ impl int8::IntKernel for Avx2Int {
             }
         }
     }
+}
+
+/// [`int8::quantize_query`] in AVX2, 32 values per step: the same maximum, scale, clamp and
+/// rounding (by 1.5 · 2^23), so the same bytes; the packing to bytes is two saturating packs
+/// (exact for −127..=127) and one lane permutation.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_setzero_ps();
+    let mut chunks = q.chunks_exact(8);
+    for c in &mut chunks {
+        // SAFETY: `c` is 8 floats.
+        let x = unsafe { _mm256_loadu_ps(c.as_ptr()) };
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x));
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+    let max =
+        chunks.remainder().iter().chain(&lanes).fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
+    let scale = if max > 0.0 { max / 127.0 } else { 0.0 };
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    let start = out.len();
+    out.resize(start + q.len(), 0);
+    let dst = &mut out[start..];
+    let (invv, lo, hi) = (_mm256_set1_ps(inv), _mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let (magic, magic_bits) = (_mm256_set1_ps(MAGIC), _mm256_set1_epi32(MAGIC.to_bits() as i32));
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let full = q.len() / 32 * 32;
+    for (c, o) in q[..full].chunks_exact(32).zip(dst.chunks_exact_mut(32)) {
+        let mut v = [_mm256_setzero_si256(); 4];
+        for (k, v) in v.iter_mut().enumerate() {
+            // SAFETY: `c` is 32 floats.
+            let x = unsafe { _mm256_loadu_ps(c.as_ptr().add(8 * k)) };
+            let x = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(x, invv), hi), lo);
+            *v = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(x, magic)), magic_bits);
+        }
+        let packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        // SAFETY: `o` is 32 bytes.
+        unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_permutevar8x32_epi32(packed, order)) };
+    }
+    let magic_bits = MAGIC.to_bits() as i32;
+    for (o, &x) in dst[full..].iter_mut().zip(&q[full..]) {
+        let v = (x * inv).clamp(-127.0, 127.0);
+        *o = ((v + MAGIC).to_bits() as i32 - magic_bits) as i8;
+    }
+    scale
+}
+
+/// [`crate::portable::dot_lanes`] in AVX2: the same 8 lanes (multiply, then add: not fused),
+/// the same order of the final sum, so the same bits.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let (mut ac, mut bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    for (x, y) in (&mut ac).zip(&mut bc) {
+        // SAFETY: `x` and `y` are 8 floats each.
+        let p = unsafe { _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr()), _mm256_loadu_ps(y.as_ptr())) };
+        acc = _mm256_add_ps(acc, p);
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// [`crate::portable::sum_lanes`] in AVX2, bit for bit as [`dot_lanes`].
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn sum_lanes(a: &[f32]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut ac = a.chunks_exact(8);
+    for x in &mut ac {
+        // SAFETY: `x` is 8 floats.
+        acc = _mm256_add_ps(acc, unsafe { _mm256_loadu_ps(x.as_ptr()) });
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    lanes.iter().sum::<f32>() + ac.remainder().iter().sum::<f32>()
 }
 
 /// The sums of the 8 lanes of each of 4 accumulators, in one vector (lane `i` from `acc[i]`):

@@ -40,6 +40,20 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
 struct Vnni;
 
 impl int8::IntKernel for Vnni {
+    fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
+        // SAFETY: this kernel is only used by `scores_int8` after `int8_supported` checked
+        // AVX2 (with AVX-512).
+        unsafe { crate::avx2::round_query(q, out) }
+    }
+
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        <crate::avx2::Avx2Int as int8::IntKernel>::dot(a, b)
+    }
+
+    fn sum(a: &[f32]) -> f32 {
+        <crate::avx2::Avx2Int as int8::IntKernel>::sum(a)
+    }
+
     fn arrange(b: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>) {
         if b.bits == 4 { int8::arrange4(q8, 64, out) } else { int8::arrange_natural(q8, out) }
     }

@@ -62,20 +62,20 @@ pub(crate) struct Prepared {
 
 impl Prepared {
     #[inline(always)]
-    fn prepare(&mut self, b: &QuantBlock<'_>, q: &[f32]) {
+    fn prepare<K: IntKernel>(&mut self, b: &QuantBlock<'_>, q: &[f32]) {
         let d = b.dim;
         self.q8.clear();
         for (i, qi) in q.chunks_exact(d).enumerate() {
             match b.params {
                 Params::PerRow { .. } => {
-                    self.scale[i] = quantize_query(qi, &mut self.q8);
-                    self.add[i] = sum_lanes(qi);
+                    self.scale[i] = K::round_query(qi, &mut self.q8);
+                    self.add[i] = K::sum(qi);
                 }
                 Params::PerChannel { scale, offset } => {
                     self.qw.clear();
                     self.qw.extend(qi.iter().zip(scale).map(|(x, s)| x * s));
-                    self.scale[i] = quantize_query(&self.qw, &mut self.q8);
-                    self.add[i] = offset.map_or(0.0, |o| dot_lanes(qi, o));
+                    self.scale[i] = K::round_query(&self.qw, &mut self.q8);
+                    self.add[i] = offset.map_or(0.0, |o| K::dot(qi, o));
                 }
             }
         }
@@ -166,6 +166,24 @@ pub(crate) trait IntKernel {
     /// `dots[i · rows.len() + r − rows.start] = Σ_d q_i[d] · code[r][d]` for the `n ≤ GROUP`
     /// arranged query rows of `q` (equal lengths, back to back).
     fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]);
+
+    /// [`quantize_query`], or an implementation that gives the same bytes and scale.
+    #[inline(always)]
+    fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
+        quantize_query(q, out)
+    }
+
+    /// [`dot_lanes`], or an implementation that gives the same bits.
+    #[inline(always)]
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        dot_lanes(a, b)
+    }
+
+    /// [`sum_lanes`], or an implementation that gives the same bits.
+    #[inline(always)]
+    fn sum(a: &[f32]) -> f32 {
+        sum_lanes(a)
+    }
 }
 
 /// The integer scores of `n_q` query rows against block `b`, through kernel `K`.
@@ -182,7 +200,7 @@ pub(crate) fn scores_by_block<K: IntKernel>(
     let mut i0 = 0;
     while i0 < n_q {
         let n = (n_q - i0).min(GROUP);
-        prep.prepare(b, &q[i0 * d..(i0 + n) * d]);
+        prep.prepare::<K>(b, &q[i0 * d..(i0 + n) * d]);
         arranged.clear();
         for qi in prep.q8.chunks_exact(d) {
             K::arrange(b, qi, arranged);

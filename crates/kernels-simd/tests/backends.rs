@@ -306,9 +306,19 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
     let mut ran = std::collections::BTreeMap::new();
     for backend in available() {
         for bits in [4u8, 8] {
-            for (dim, rows) in
-                [(64, 1), (128, 33), (128, 300), (192, 7), (256, 5), (384, 17), (4096, 3), (32, 9)]
-            {
+            for (dim, rows) in [
+                (64, 1),
+                (128, 33),
+                (128, 300),
+                (192, 7),
+                (256, 5),
+                (384, 17),
+                (4096, 3),
+                (32, 9),
+                (48, 5),
+                (16, 3),
+                (80, 4),
+            ] {
                 for special in 0..6u8 {
                     let mut case = Case::random(&mut rng, rows, dim, bits, special);
                     case.levels_kind = 0;
