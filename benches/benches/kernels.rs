@@ -14,7 +14,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use half::f16;
 use kvq::attention::{ScorePath, decode_attention_path, decode_attention_with};
 use kvq_cache_layout::{CacheConfig, PagedCache};
-use kvq_kernels_simd::{Backend, Levels, Params, QuantBlock, scores_int8_with, scores_with};
+use kvq_kernels_simd::{Backend, Levels, Params, QuantBlock, axpy_with, scores_int8_with, scores_with};
 use kvq_quant_core::synth::{Rng, normal_tensor};
 use kvq_quant_core::{QuantSpec, Shape, quantize};
 use std::hint::black_box;
@@ -64,24 +64,63 @@ fn keys(n: usize, d: usize) -> kvq_quant_core::Tensor {
     kvq_quant_core::Tensor::new(Shape::new(1, n, d), data).unwrap()
 }
 
-/// Backends timed for one size: every one on cache-resident keys; the fastest only (and the
+fn f32_axpy(values: &[f32], p: &[f32], out: &mut [f32]) {
+    for (v, &w) in values.chunks_exact(out.len()).zip(p) {
+        for (o, &x) in out.iter_mut().zip(v) {
+            *o += w * x;
+        }
+    }
+}
+
+fn f16_axpy(values: &[f16], p: &[f32], out: &mut [f32]) {
+    let mut buf = [0f32; D];
+    let row = &mut buf[..out.len()];
+    for (v, &w) in values.chunks_exact(out.len()).zip(p) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(v, row);
+        for (o, &x) in out.iter_mut().zip(&*row) {
+            *o += w * x;
+        }
+    }
+}
+
+/// What a group times: the score loop (one query against every key row) or the value
+/// accumulation (one row of weights over every value row, `o += Σ_t p[t] · v̂[t]`).
+#[derive(Clone, Copy, PartialEq)]
+enum Read {
+    Scores,
+    Values,
+}
+
+/// Backends timed for one size: every one on cache-resident rows; the fastest only (and the
 /// baselines) where a run streams gigabytes.
-fn score_group(c: &mut Criterion, n: usize, d: usize, all_backends: bool) {
-    let name = if n > 1 << 20 { format!("scores_dram_{}x{d}", n) } else { format!("scores_{n}x{d}") };
+fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: bool) {
+    let what = if read == Read::Scores { "scores" } else { "axpy" };
+    let name = if n > 1 << 20 { format!("{what}_dram_{n}x{d}") } else { format!("{what}_{n}x{d}") };
     let mut group = c.benchmark_group(name);
     if n > 1 << 20 {
         group.sample_size(10);
     }
     let q: Vec<f32> = normal_tensor(Shape::new(1, 1, d), 4).into_data();
-    let mut out = vec![0f32; n];
+    // Softmax-like weights: positive, summing to about one.
+    let p: Vec<f32> = {
+        let mut rng = Rng::new(6);
+        (0..n).map(|_| rng.uniform() as f32 * 2.0 / n as f32).collect()
+    };
+    let mut out = vec![0f32; if read == Read::Scores { n } else { d }];
     {
         let keys = keys(n, d);
         group.throughput(Throughput::Bytes((n * d * 4) as u64));
-        group.bench_function("f32", |b| b.iter(|| f32_scores(black_box(keys.data()), &q, &mut out)));
+        group.bench_function("f32", |b| match read {
+            Read::Scores => b.iter(|| f32_scores(black_box(keys.data()), &q, &mut out)),
+            Read::Values => b.iter(|| f32_axpy(black_box(keys.data()), &p, &mut out)),
+        });
         let keys16: Vec<f16> = keys.data().iter().map(|&x| f16::from_f32(x)).collect();
         drop(keys);
         group.throughput(Throughput::Bytes((n * d * 2) as u64));
-        group.bench_function("f16", |b| b.iter(|| f16_scores(black_box(&keys16), &q, &mut out)));
+        group.bench_function("f16", |b| match read {
+            Read::Scores => b.iter(|| f16_scores(black_box(&keys16), &q, &mut out)),
+            Read::Values => b.iter(|| f16_axpy(black_box(&keys16), &p, &mut out)),
+        });
     }
     let specs: &[&str] = if d == D {
         &[
@@ -132,21 +171,33 @@ fn score_group(c: &mut Criterion, n: usize, d: usize, all_backends: bool) {
             },
         )
         .unwrap();
-        let mut reference = vec![0f32; check];
-        scores_with(Backend::Scalar, &small, &q, 1, &mut reference).unwrap();
+        let run = |backend: Backend, blk: &QuantBlock<'_>, out: &mut [f32]| match read {
+            Read::Scores => scores_with(backend, blk, &q, 1, out).unwrap(),
+            Read::Values => axpy_with(backend, blk, &p[..blk.rows()], 1, out).unwrap(),
+        };
+        let reference = {
+            let mut r = vec![0f32; out.len().min(check)];
+            run(Backend::Scalar, &small, &mut r);
+            r
+        };
         for &backend in &backends {
-            scores_with(backend, &small, &q, 1, &mut out[..check]).unwrap();
-            assert!(
-                out[..check].iter().zip(&reference).all(|(a, b)| (a - b).abs() <= 1e-3 * (1.0 + b.abs()))
-            );
+            let got = &mut out[..reference.len()];
+            got.fill(0.0);
+            run(backend, &small, got);
+            assert!(got.iter().zip(&reference).all(|(a, b)| (a - b).abs() <= 1e-3 * (1.0 + b.abs())));
             group.bench_with_input(BenchmarkId::new(spec, backend), &backend, |b, &backend| {
-                b.iter(|| scores_with(backend, black_box(&block), &q, 1, &mut out).unwrap())
+                b.iter(|| run(backend, black_box(&block), &mut out))
             });
         }
-        if Backend::Avx2.is_available() && scores_int8_with(Backend::Avx2, &block, &q, 1, &mut out).unwrap() {
-            group.bench_function(BenchmarkId::new(spec, "avx2-int8"), |b| {
-                b.iter(|| scores_int8_with(Backend::Avx2, black_box(&block), &q, 1, &mut out).unwrap())
-            });
+        if read == Read::Values {
+            continue;
+        }
+        for backend in [Backend::Avx2, Backend::Avx512] {
+            if backend.is_available() && scores_int8_with(backend, &block, &q, 1, &mut out).unwrap() {
+                group.bench_function(BenchmarkId::new(spec, format!("{backend}-int8")), |b| {
+                    b.iter(|| scores_int8_with(backend, black_box(&block), &q, 1, &mut out).unwrap())
+                });
+            }
         }
     }
     group.finish();
@@ -162,14 +213,24 @@ fn block_row_bytes(d: usize, bits: u8) -> usize {
 }
 
 fn scores(c: &mut Criterion) {
-    score_group(c, 4096, D, true);
-    score_group(c, 4096, 64, false);
+    read_group(c, Read::Scores, 4096, D, true);
+    read_group(c, Read::Scores, 4096, 64, false);
+}
+
+fn values(c: &mut Criterion) {
+    read_group(c, Read::Values, 4096, D, true);
+    read_group(c, Read::Values, 4096, 64, false);
 }
 
 /// 8M keys: 4 GiB in f32, 256 MiB of codes in INT2 (plus parameters), so every format streams
 /// from DRAM.
 fn scores_dram(c: &mut Criterion) {
-    score_group(c, 8 << 20, D, false);
+    read_group(c, Read::Scores, 8 << 20, D, false);
+}
+
+/// The value accumulation over the same 8M rows.
+fn values_dram(c: &mut Criterion) {
+    read_group(c, Read::Values, 8 << 20, D, false);
 }
 
 /// Contiguous K and V of one layer (`[kv heads, tokens, D]`), for the baselines.
@@ -308,5 +369,5 @@ fn decode_at(c: &mut Criterion, len: usize) {
     group.finish();
 }
 
-criterion_group!(benches, scores, scores_dram, decode);
+criterion_group!(benches, scores, values, scores_dram, values_dram, decode);
 criterion_main!(benches);

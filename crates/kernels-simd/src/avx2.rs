@@ -303,7 +303,24 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
     if !supported(b) {
         return portable::axpy(b, p, n_q, out);
     }
-    axpy_group(b, p, n_q, out)
+    // The kernel walks a block column by column, reading every row once per 16 channels: right
+    // for a cache block (its rows stay in L1), a re-read of memory for a block of millions of
+    // rows. Those go through in slices of `AXPY_ROWS`.
+    const AXPY_ROWS: usize = 64;
+    if b.rows <= AXPY_ROWS {
+        return axpy_group(b, p, n_q, out);
+    }
+    let mut weights = Vec::with_capacity(n_q * AXPY_ROWS);
+    let mut r0 = 0;
+    while r0 < b.rows {
+        let r = r0..(r0 + AXPY_ROWS).min(b.rows);
+        weights.clear();
+        for i in 0..n_q {
+            weights.extend_from_slice(&p[i * b.rows + r.start..i * b.rows + r.end]);
+        }
+        axpy_group(&b.sub_rows(r.clone()), &weights, n_q, out);
+        r0 = r.end;
+    }
 }
 
 /// The AVX2 integer kernel: 4-bit codes meet the int8 query in `vpmaddubsw` (u8 × i8, pairs

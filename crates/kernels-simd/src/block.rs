@@ -100,6 +100,19 @@ impl<'a> QuantBlock<'a> {
         self.dim
     }
 
+    /// Rows `r` of the block as a block of their own (their codes and, per row, their
+    /// parameters).
+    pub(crate) fn sub_rows(&self, r: std::ops::Range<usize>) -> QuantBlock<'a> {
+        let params = match self.params {
+            Params::PerRow { scale, offset } => {
+                Params::PerRow { scale: &scale[r.clone()], offset: offset.map(|o| &o[r.clone()]) }
+            }
+            channel => channel,
+        };
+        let codes = &self.codes[r.start * self.row_bytes..r.end * self.row_bytes];
+        QuantBlock { codes, rows: r.len(), params, ..*self }
+    }
+
     /// Packed codes of row `r`.
     pub(crate) fn row(&self, r: usize) -> &'a [u8] {
         &self.codes[r * self.row_bytes..(r + 1) * self.row_bytes]
