@@ -51,6 +51,23 @@ fn f16_scores(keys: &[f16], q: &[f32], out: &mut [f32]) {
     }
 }
 
+/// A copy of `src` in memory advised for 2 MiB pages before it is written, as
+/// `QuantizedKvCache` advises its block pools. The DRAM-sized groups read every format from
+/// such memory, so that page walks favor none of them (one entry per group repeats the
+/// headline kernel on ordinary 4 KiB pages).
+fn in_huge_pages<T: bytemuck::Pod>(src: &[T]) -> Vec<T> {
+    // Zeroed allocation: mapped lazily, so the advice comes before the first touch.
+    let mut v: Vec<T> = bytemuck::zeroed_vec(src.len());
+    kvq_kernels_simd::advise_huge_pages(bytemuck::cast_slice(&v));
+    v.copy_from_slice(src);
+    v
+}
+
+/// `src` in huge pages for the DRAM-sized groups, as it is otherwise.
+fn place<T: bytemuck::Pod>(dram: bool, src: &[T]) -> Vec<T> {
+    if dram { in_huge_pages(src) } else { src.to_vec() }
+}
+
 /// Keys of `n` rows of `d` channels: `BASE` rows of standard normal values from a fixed seed,
 /// repeated (DRAM-resident sizes would take minutes to draw; repetition changes no timing).
 fn keys(n: usize, d: usize) -> kvq_quant_core::Tensor {
@@ -106,15 +123,17 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
         let mut rng = Rng::new(6);
         (0..n).map(|_| rng.uniform() as f32 * 2.0 / n as f32).collect()
     };
+    let dram = n > 1 << 20;
     let mut out = vec![0f32; if read == Read::Scores { n } else { d }];
     {
-        let keys = keys(n, d);
+        let keys = place(dram, keys(n, d).data());
         group.throughput(Throughput::Bytes((n * d * 4) as u64));
         group.bench_function("f32", |b| match read {
-            Read::Scores => b.iter(|| f32_scores(black_box(keys.data()), &q, &mut out)),
-            Read::Values => b.iter(|| f32_axpy(black_box(keys.data()), &p, &mut out)),
+            Read::Scores => b.iter(|| f32_scores(black_box(&keys), &q, &mut out)),
+            Read::Values => b.iter(|| f32_axpy(black_box(&keys), &p, &mut out)),
         });
-        let keys16: Vec<f16> = keys.data().iter().map(|&x| f16::from_f32(x)).collect();
+        let keys16: Vec<f16> = keys.iter().map(|&x| f16::from_f32(x)).collect();
+        let keys16 = place(dram, &keys16);
         drop(keys);
         group.throughput(Throughput::Bytes((n * d * 2) as u64));
         group.bench_function("f16", |b| match read {
@@ -140,15 +159,16 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
         let parsed: QuantSpec = spec.parse().unwrap();
         let qt = quantize(&keys(n, d), &parsed).unwrap();
         let mem = qt.memory();
-        let scale = qt.scales().to_f32();
-        let offset = qt.offsets().map(|o| o.to_f32());
+        let scale = place(dram, &qt.scales().to_f32());
+        let offset = qt.offsets().map(|o| place(dram, &o.to_f32()));
+        let codes = place(dram, qt.codes());
         let levels = if spec.starts_with("fp8") { Levels::Table(&table) } else { Levels::Affine };
         let params = if spec.contains("channel") {
             Params::PerChannel { scale: &scale, offset: offset.as_deref() }
         } else {
             Params::PerRow { scale: &scale, offset: offset.as_deref() }
         };
-        let block = QuantBlock::new(qt.codes(), n, d, parsed.bits(), levels, params).unwrap();
+        let block = QuantBlock::new(&codes, n, d, parsed.bits(), levels, params).unwrap();
         group.throughput(Throughput::Bytes(mem.total_bytes() as u64));
         let backends: Vec<Backend> = if all_backends {
             [Backend::Scalar, Backend::Wide, Backend::Avx2].into_iter().filter(|b| b.is_available()).collect()
@@ -198,6 +218,13 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
                     b.iter(|| scores_int8_with(backend, black_box(&block), &q, 1, &mut out).unwrap())
                 });
             }
+        }
+        // The headline kernel once more on the quantizer's own allocation (4 KiB pages).
+        if dram && spec == "int4-channel" && Backend::Avx512.is_available() {
+            let plain = QuantBlock::new(qt.codes(), n, d, parsed.bits(), levels, params).unwrap();
+            group.bench_function(BenchmarkId::new(spec, "avx512-int8-4kpages"), |b| {
+                b.iter(|| scores_int8_with(Backend::Avx512, black_box(&plain), &q, 1, &mut out).unwrap())
+            });
         }
     }
     group.finish();
@@ -324,6 +351,8 @@ fn decode_at(c: &mut Criterion, len: usize) {
             .with_specs(k.parse().unwrap(), v.parse().unwrap())
             .with_block_size(32);
         let mut cache = PagedCache::new(config).unwrap();
+        // As `QuantizedKvCache::new` does, before any block is written.
+        kvq_kernels_simd::advise_huge_pages(cache.pool().arena());
         let seq = cache.create();
         cache.extend(seq, 0, &kv, &vv).unwrap();
         let mem = cache.memory();
@@ -346,23 +375,23 @@ fn decode_at(c: &mut Criterion, len: usize) {
                 pool2.install(|| decode_attention_with(best, &cache, seq, 0, &q, q_heads, &mut out).unwrap())
             })
         });
-        if Backend::Avx2.is_available() {
-            group.bench_function(format!("{k}/{v}/avx2-int8_1thread"), |b| {
-                b.iter(|| {
-                    pool.install(|| {
-                        decode_attention_path(
-                            Backend::Avx2,
-                            ScorePath::Int8,
-                            &cache,
-                            seq,
-                            0,
-                            &q,
-                            q_heads,
-                            &mut out,
-                        )
-                        .unwrap()
-                    })
-                })
+        // The integer score path (int8 query), with each backend's integer kernel, and on two
+        // threads with the best one.
+        let int8 = |backend: Backend, pool: &rayon::ThreadPool, out: &mut [f32]| {
+            pool.install(|| {
+                decode_attention_path(backend, ScorePath::Int8, &cache, seq, 0, &q, q_heads, out).unwrap()
+            })
+        };
+        let int8_backends: Vec<Backend> =
+            [Backend::Avx2, Backend::Avx512].into_iter().filter(|b| b.is_available()).collect();
+        for &backend in &int8_backends {
+            group.bench_function(format!("{k}/{v}/{backend}-int8_1thread"), |b| {
+                b.iter(|| int8(backend, &pool, &mut out))
+            });
+        }
+        if let Some(&best) = int8_backends.last() {
+            group.bench_function(format!("{k}/{v}/{best}-int8_2threads"), |b| {
+                b.iter(|| int8(best, &pool2, &mut out))
             });
         }
     }

@@ -71,6 +71,13 @@ impl BlockPool {
         }
     }
 
+    /// The whole arena, every block back to back (block `id` at `id × block_bytes`): for
+    /// memory advice such as huge pages (`kvq_kernels_simd::advise_huge_pages`), which is best
+    /// given right after [`BlockPool::new`], before any block is written.
+    pub fn arena(&self) -> &[u8] {
+        &self.arena
+    }
+
     /// The bytes of block `id`.
     pub fn block(&self, id: BlockId) -> &[u8] {
         let s = id as usize * self.block_bytes;

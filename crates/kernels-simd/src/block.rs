@@ -102,6 +102,7 @@ impl<'a> QuantBlock<'a> {
 
     /// Rows `r` of the block as a block of their own (their codes and, per row, their
     /// parameters).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn sub_rows(&self, r: std::ops::Range<usize>) -> QuantBlock<'a> {
         let params = match self.params {
             Params::PerRow { scale, offset } => {

@@ -9,9 +9,10 @@
 //! every `unsafe` block carries a `// SAFETY:` comment. **Status:** the scalar and `wide`
 //! backends cover affine, symmetric and table (FP8, codebook) levels with per-row or
 //! per-channel parameters; the AVX2+FMA backend covers affine 2-, 4- and 8-bit blocks for
-//! scores and axpy. AVX-512 and dotprod are detected by [`dispatch`] but have no kernels of
-//! their own yet: [`implementation`] says which code actually runs, so no log claims a path
-//! that did not run.
+//! scores and axpy. The integer score path ([`scores_int8_with`]) has AVX2, AVX-512 VNNI and
+//! aarch64 dotprod kernels, all equal to [`scalar::scores_int8`] bit for bit. The `avx512`
+//! backend's float kernels are the AVX2 ones: [`implementation`] says which code actually
+//! runs, so no log claims a path that did not run.
 //!
 //! ```
 //! use kvq_kernels_simd::{Backend, Levels, Params, QuantBlock, scores_with};
@@ -35,6 +36,7 @@ pub mod dispatch;
 #[cfg(target_arch = "aarch64")]
 pub mod dotprod;
 mod int8;
+pub mod memory;
 pub mod portable;
 pub mod rowquant;
 pub mod scalar;
@@ -42,11 +44,12 @@ pub mod softmax;
 
 pub use block::{KernelError, Levels, Params, QuantBlock};
 pub use dispatch::Backend;
+pub use memory::advise_huge_pages;
 pub use rowquant::{row_kernels, row_kernels_for};
 
-/// The code that runs for the float kernels of `backend`: AVX-512 runs the AVX2 kernels (none
-/// of its own yet) and dotprod the `wide` (NEON) ones; dotprod has its own integer score
-/// kernel (see [`scores_int8_with`]). The AVX2 kernels fall back to `wide` for layouts they do
+/// The code that runs for the float kernels of `backend`: AVX-512 runs the AVX2 kernels and
+/// dotprod the `wide` (NEON) ones; both have integer score kernels of their own (see
+/// [`scores_int8_with`]). The AVX2 kernels fall back to `wide` for layouts they do
 /// not cover.
 pub fn implementation(backend: Backend) -> Backend {
     match backend {
@@ -136,9 +139,10 @@ pub fn axpy_with(
 }
 
 /// Scores through the integer path where the backend has one (AVX2: affine 4-bit rows of a
-/// multiple of 64 codes, 8-bit rows of a multiple of 16; dotprod: 4-bit rows of a multiple of
-/// 32, 8-bit of 16), else [`scores_with`]. Returns
-/// whether the integer path ran.
+/// multiple of 64 codes, 8-bit rows of a multiple of 16; AVX-512 with VNNI: 4-bit rows of a
+/// multiple of 128, 8-bit of 64, else its AVX2 kernel; dotprod: 4-bit rows of a multiple of
+/// 32, 8-bit of 16), else [`scores_with`]. Returns whether the integer path ran. Every
+/// integer kernel gives the scores of [`scalar::scores_int8`], bit for bit.
 ///
 /// The integer path quantizes each query row to int8, as llama.cpp does: each score is off by
 /// at most `max|q| / 254 · Σ_d |level_d · scale_d|` (see [`avx2::scores_int8`]).

@@ -370,10 +370,14 @@ impl QuantizedKvCache {
         let rows = kvq_kernels_simd::row_kernels().unwrap_or(kvq_quant_core::RowKernels::PORTABLE);
         let layers = (0..config.layers.len())
             .map(|l| {
-                PagedCache::new(config.layer_config(l).with_row_kernels(rows))
-                    .map_err(|e| KvqError::Config(format!("layer {l}: {e}")))
+                let cache = PagedCache::new(config.layer_config(l).with_row_kernels(rows))
+                    .map_err(|e| KvqError::Config(format!("layer {l}: {e}")))?;
+                // Before any block is written, so that the pool is backed by 2 MiB pages from
+                // the start where the system allows it (decode reads blocks scattered over it).
+                kvq_kernels_simd::advise_huge_pages(cache.pool().arena());
+                Ok(cache)
             })
-            .collect::<Result<_, _>>()?;
+            .collect::<Result<_, KvqError>>()?;
         Ok(Self { config, layers })
     }
 
