@@ -15,7 +15,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use crate::avx2::{by_block_avx2, hsum4_i32, store_dots};
+use crate::avx2::{by_block_avx2, store_dots};
 use crate::block::{Levels, QuantBlock};
 use crate::int8;
 
@@ -79,9 +79,8 @@ impl int8::IntKernel for Vnni {
 
 /// Adds the integer dots of `NQ` arranged query rows with one row of codes into `acc[..NQ]`,
 /// 64 code bytes at a time: 4-bit codes as two planes of nibbles (queries arranged by
-/// [`int8::arrange4`] with 64-byte chunks), 8-bit codes as they are. Two accumulators per
-/// query (the nibble planes, or even and odd chunks), so that consecutive `vpdpbusd`s do not
-/// wait on each other.
+/// [`int8::arrange4`] with 64-byte chunks), 8-bit codes as they are. One accumulator per
+/// query: the chains are a row long, and the rows of a step are independent.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW and VNNI; `BITS` is the row's width, 4 or 8, the row
@@ -89,7 +88,7 @@ impl int8::IntKernel for Vnni {
 /// bytes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
 #[inline]
-unsafe fn vacc<const BITS: u8, const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [[__m512i; 2]]) {
+unsafe fn vacc<const BITS: u8, const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m512i]) {
     let mask = _mm512_set1_epi8(0x0f);
     for (c, code) in row.chunks_exact(64).enumerate() {
         // SAFETY: `code` is 64 bytes; the query bytes of chunk c (128 for 4-bit codes, 64 for
@@ -101,17 +100,37 @@ unsafe fn vacc<const BITS: u8, const NQ: usize>(row: &[u8], q: &[u8], d: usize, 
                 let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
                 for (i, a) in acc.iter_mut().enumerate().take(NQ) {
                     let p = q.as_ptr().add(i * d + 128 * c);
-                    a[0] = _mm512_dpbusd_epi32(a[0], lo, _mm512_loadu_si512(p.cast()));
-                    a[1] = _mm512_dpbusd_epi32(a[1], hi, _mm512_loadu_si512(p.add(64).cast()));
+                    *a = _mm512_dpbusd_epi32(*a, lo, _mm512_loadu_si512(p.cast()));
+                    *a = _mm512_dpbusd_epi32(*a, hi, _mm512_loadu_si512(p.add(64).cast()));
                 }
             } else {
                 for (i, a) in acc.iter_mut().enumerate().take(NQ) {
                     let qv = _mm512_loadu_si512(q.as_ptr().add(i * d + 64 * c).cast());
-                    a[c % 2] = _mm512_dpbusd_epi32(a[c % 2], v, qv);
+                    *a = _mm512_dpbusd_epi32(*a, v, qv);
                 }
             }
         }
     }
+}
+
+/// The sums of the 16 lanes of each of 4 accumulators: pairs interleaved and added (32-bit,
+/// then 64-bit unpacks) so that every 128-bit lane holds partial sums of all four, then the
+/// four 128-bit lanes added. Nine operations before the final folds, for four sums.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[inline]
+unsafe fn hsum4_zmm(a: &[__m512i; 4]) -> [i32; 4] {
+    let t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+    let t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+    let u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    let y = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64::<1>(u));
+    let x = _mm_add_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256::<1>(y));
+    let mut out = [0i32; 4];
+    // SAFETY: `out` holds 4 i32.
+    unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), x) };
+    out
 }
 
 /// The dots of `STEP` rows from `rows.start + r` with `NQ` queries (`STEP · NQ ≤ 4`), reduced
@@ -128,19 +147,14 @@ unsafe fn vdot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
     q: &[u8],
     dots: &mut [i32],
 ) {
-    let mut acc = [[_mm512_setzero_si512(); 2]; 4];
+    let mut acc = [_mm512_setzero_si512(); 4];
     for j in 0..STEP {
         let (row, a) = (b.row(rows.start + r + j), &mut acc[j * NQ..(j + 1) * NQ]);
         // SAFETY: forwarded from the caller.
         unsafe { vacc::<BITS, NQ>(row, q, b.dim, a) };
     }
-    let mut halves = [_mm256_setzero_si256(); 4];
-    for (h, a) in halves.iter_mut().zip(&acc) {
-        let s = _mm512_add_epi32(a[0], a[1]);
-        *h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64::<1>(s));
-    }
-    // SAFETY: AVX2 is enabled by this function's target features.
-    store_dots::<NQ>(unsafe { hsum4_i32(&halves) }, STEP, r, rows.len(), dots);
+    // SAFETY: AVX-512 is enabled by this function's target features.
+    store_dots::<NQ>(unsafe { hsum4_zmm(&acc) }, STEP, r, rows.len(), dots);
 }
 
 /// Integer dots of `NQ` arranged query rows with rows `rows` of `b`, `4 / NQ` rows at a time
