@@ -14,7 +14,9 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use half::f16;
 use kvq::attention::{ScorePath, decode_attention_path, decode_attention_with};
 use kvq_cache_layout::{CacheConfig, PagedCache};
-use kvq_kernels_simd::{Backend, Levels, Params, QuantBlock, axpy_with, scores_int8_with, scores_with};
+use kvq_kernels_simd::{
+    Backend, Levels, Params, QuantBlock, axpy_int_with, axpy_with, scores_int8_with, scores_with,
+};
 use kvq_quant_core::synth::{Rng, normal_tensor};
 use kvq_quant_core::{QuantSpec, Shape, quantize};
 use std::hint::black_box;
@@ -210,6 +212,15 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
             });
         }
         if read == Read::Values {
+            // The integer value path (weights rounded to i16), where the backend has it.
+            let mut o = vec![0f32; d];
+            if Backend::Avx512.is_available()
+                && axpy_int_with(Backend::Avx512, &block, &p, 1, &mut o).unwrap()
+            {
+                group.bench_function(BenchmarkId::new(spec, "avx512-int16"), |b| {
+                    b.iter(|| axpy_int_with(Backend::Avx512, black_box(&block), &p, 1, &mut out).unwrap())
+                });
+            }
             continue;
         }
         for backend in [Backend::Avx2, Backend::Avx512] {

@@ -17,7 +17,7 @@ use std::ops::Range;
 
 use crate::avx2::{by_block_avx2, store_dots};
 use crate::block::{Levels, QuantBlock};
-use crate::int8;
+use crate::{int8, intv};
 
 fn cpu_ok() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
@@ -199,4 +199,143 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
     // SAFETY: `int8_supported` checked AVX2 and FMA (with AVX-512).
     SCRATCH.with_borrow_mut(|scratch| unsafe { by_block_avx2::<Vnni>(b, q, n_q, out, scratch) });
     true
+}
+
+/// Whether [`axpy_int`] has a VNNI kernel for this block on this CPU: affine 4-bit rows of a
+/// multiple of 128 codes.
+pub fn axpy_int_supported(b: &QuantBlock<'_>) -> bool {
+    b.bits == 4 && b.dim.is_multiple_of(128) && matches!(b.levels, Levels::Affine) && cpu_ok()
+}
+
+struct VnniAxpy;
+
+impl intv::IntAxpyKernel for VnniAxpy {
+    fn sums(b: &QuantBlock<'_>, rows: Range<usize>, w: &[i16], n: usize, acc: &mut [i32]) {
+        // SAFETY: `axpy_int_supported(b)` (checked by `axpy_int`, the only caller) covers the
+        // CPU, the bit width and the row length; the driver passes n weight rows of
+        // rows.len() and n · dim sums.
+        unsafe {
+            match n {
+                1 => vsums::<1>(b, rows, w, acc),
+                2 => vsums::<2>(b, rows, w, acc),
+                3 => vsums::<3>(b, rows, w, acc),
+                _ => vsums::<4>(b, rows, w, acc),
+            }
+        }
+    }
+}
+
+/// `acc[i · dim + c] = Σ_r w_i[r] · code[r][c]` for 4-bit rows `rows` of `b`, two rows at a
+/// time through `vpdpwssd` (i16 pairs): the codes of rows r and r + 1 interleaved byte by byte
+/// (`vpunpcklbw` or `vpunpckhbw`) and widened to i16 (`vpmovzxbw`) make one (row r, row r + 1)
+/// pair per 32-bit lane, and the weight pair `w[r] | w[r + 1] << 16` is broadcast. One 64-byte
+/// chunk, nibble plane and unpack half at a time, so that the sums (2 vectors of 16 channels
+/// per query) stay in registers.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VNNI; `b.bits == 4`, `b.dim` a multiple of 128;
+/// `w` holds `NQ` rows of `rows.len()` weights; `acc` holds `NQ · b.dim` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+unsafe fn vsums<const NQ: usize>(b: &QuantBlock<'_>, rows: Range<usize>, w: &[i16], acc: &mut [i32]) {
+    let (d, m) = (b.dim, rows.len());
+    let mask = _mm512_set1_epi8(0x0f);
+    // The weight pairs of an odd last row (paired with itself under a zero weight).
+    let mut last = [0i32; NQ];
+    if m % 2 == 1 {
+        for (i, l) in last.iter_mut().enumerate() {
+            *l = i32::from(w[i * m + m - 1]) & 0xffff;
+        }
+    }
+    for c in 0..d / 128 {
+        for pass in 0..4 {
+            let (plane, half) = (pass / 2, pass % 2);
+            let mut sums = [[_mm512_setzero_si512(); 2]; NQ];
+            let mut j = 0;
+            while j < m {
+                let (r, r1) = (rows.start + j, rows.start + (j + 1).min(m - 1));
+                // SAFETY: chunk c (64 bytes) lies within each row (row_bytes = d / 2).
+                let (v0, v1) = unsafe {
+                    (
+                        _mm512_loadu_si512(b.row(r).as_ptr().add(64 * c).cast()),
+                        _mm512_loadu_si512(b.row(r1).as_ptr().add(64 * c).cast()),
+                    )
+                };
+                let (p0, p1) = if plane == 0 {
+                    (_mm512_and_si512(v0, mask), _mm512_and_si512(v1, mask))
+                } else {
+                    (
+                        _mm512_and_si512(_mm512_srli_epi16(v0, 4), mask),
+                        _mm512_and_si512(_mm512_srli_epi16(v1, 4), mask),
+                    )
+                };
+                let x = if half == 0 { _mm512_unpacklo_epi8(p0, p1) } else { _mm512_unpackhi_epi8(p0, p1) };
+                let lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(x));
+                let hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64::<1>(x));
+                for (i, s) in sums.iter_mut().enumerate() {
+                    let pair = if j + 1 < m {
+                        // SAFETY: weights j and j + 1 of query row i lie inside `w`; read as
+                        // one little-endian i32 they are `w[j] | w[j + 1] << 16`.
+                        unsafe { w.as_ptr().add(i * m + j).cast::<i32>().read_unaligned() }
+                    } else {
+                        last[i]
+                    };
+                    let wv = _mm512_set1_epi32(pair);
+                    s[0] = _mm512_dpwssd_epi32(s[0], lo, wv);
+                    s[1] = _mm512_dpwssd_epi32(s[1], hi, wv);
+                }
+                j += 2;
+            }
+            // Each 256-bit half of a sum holds 8 consecutive channels: with `base` the first
+            // channel of the chunk's plane and half, the low unpack's lanes are channels
+            // base + 0..8 | base + 32..40 (`lo`) and base + 64..72 | base + 96..104 (`hi`);
+            // the high unpack's are 8 channels further on.
+            let base = 128 * c + 16 * plane + 8 * half;
+            for (i, s) in sums.iter().enumerate() {
+                let row = &mut acc[i * d..(i + 1) * d];
+                let parts = [
+                    (base, _mm512_castsi512_si256(s[0])),
+                    (base + 32, _mm512_extracti64x4_epi64::<1>(s[0])),
+                    (base + 64, _mm512_castsi512_si256(s[1])),
+                    (base + 96, _mm512_extracti64x4_epi64::<1>(s[1])),
+                ];
+                for (at, v) in parts {
+                    // SAFETY: at + 8 <= d, inside query row i of `acc`.
+                    unsafe { _mm256_storeu_si256(row.as_mut_ptr().add(at).cast(), v) };
+                }
+            }
+        }
+    }
+}
+
+/// Value accumulation through `vpdpwssd` with the weights rounded to i16 (see [`crate::intv`]
+/// for the algebra and the error bound: each output within `sw / 2 · Σ_r |level|`, `sw` the
+/// largest `|p · scale|` of the block over 32767). Equal, bit for bit, to
+/// [`crate::scalar::axpy_int`]. Returns `false`, computing nothing, when
+/// [`axpy_int_supported`] is false.
+pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    if !axpy_int_supported(b) {
+        return false;
+    }
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<intv::Scratch> = std::cell::RefCell::default();
+    }
+    // SAFETY: `axpy_int_supported` checked AVX2 and FMA (with AVX-512).
+    SCRATCH.with_borrow_mut(|scratch| unsafe { axpy_block_avx2::<VnniAxpy>(b, p, n_q, out, scratch) });
+    true
+}
+
+/// [`intv::axpy_by_block`] compiled with AVX2, as [`by_block_avx2`] (no float operation is
+/// reordered or fused, so the outputs equal the baseline build's).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_block_avx2<K: intv::IntAxpyKernel>(
+    b: &QuantBlock<'_>,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    scratch: &mut intv::Scratch,
+) {
+    intv::axpy_by_block::<K>(b, p, n_q, out, scratch)
 }

@@ -36,6 +36,7 @@ pub mod dispatch;
 #[cfg(target_arch = "aarch64")]
 pub mod dotprod;
 mod int8;
+mod intv;
 pub mod memory;
 pub mod portable;
 pub mod rowquant;
@@ -170,6 +171,35 @@ pub fn scores_int8_with(
         return Ok(true);
     }
     scores_with(backend, b, q, n_q, out).map(|()| false)
+}
+
+/// Value accumulation through the integer path where the backend has one (AVX-512 with VNNI:
+/// affine 4-bit rows of a multiple of 128 codes), else [`axpy_with`]. Returns whether the
+/// integer path ran.
+///
+/// The integer path rounds each weight row of the block (`p · scale` per row, `p` per
+/// channel) to i16 with one scale and sums `weight · code` exactly in i32: each output is off by
+/// at most `max|w| / 65534 · Σ_r |level_r|` (per channel, times `|scale|`). The results equal
+/// [`scalar::axpy_int`] bit for bit.
+///
+/// # Errors
+/// As [`axpy_with`].
+pub fn axpy_int_with(
+    backend: Backend,
+    b: &QuantBlock<'_>,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<bool, KernelError> {
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512
+        && p.len() == n_q * b.rows
+        && out.len() == n_q * b.dim
+        && avx512::axpy_int(b, p, n_q, out)
+    {
+        return Ok(true);
+    }
+    axpy_with(backend, b, p, n_q, out).map(|()| false)
 }
 
 /// Asks the CPU to start loading `data` into cache (one prefetch per 64-byte line), so that a

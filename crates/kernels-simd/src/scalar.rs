@@ -68,3 +68,16 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
     crate::int8::scores_by_block::<crate::int8::Reference>(b, q, n_q, out, &mut scratch);
     true
 }
+
+/// The integer value path's reference: weights rounded to i16 per block as every integer value
+/// kernel rounds them, exact integer sums with the codes, and the shared float epilogue (see
+/// `kvq_kernels_simd::avx512::axpy_int`). Every integer value kernel equals it bit for bit.
+/// Returns `false`, computing nothing, for levels that are not the codes themselves.
+pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    if !matches!(b.levels, crate::block::Levels::Affine) {
+        return false;
+    }
+    let mut scratch = crate::intv::Scratch::default();
+    crate::intv::axpy_by_block::<crate::intv::Reference>(b, p, n_q, out, &mut scratch);
+    true
+}

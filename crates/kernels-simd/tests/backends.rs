@@ -416,3 +416,92 @@ fn the_integer_reference_follows_its_algebra() {
     case.levels_kind = 1;
     assert!(!scalar::scores_int8(&case.block(), &[0.5; 16], 1, &mut [0.0; 2]));
 }
+
+/// The integer value path: every kernel equals the integer reference bit for bit (the weight
+/// rounding and the epilogue are shared, the sums exact), and the result stays within the
+/// stated bound of the exact accumulation: `sw / 2 · Σ_r level_r[c]` (per channel, times
+/// `|scale_c|`), `sw = max_r |w_r| / 32767`, plus float slack. Blocks past one kernel call
+/// (4369 INT4 rows), odd row counts (the last row pairs with a zero weight), group remainders.
+#[test]
+fn integer_values_equal_their_reference_and_stay_within_their_bound() {
+    use kvq_kernels_simd::axpy_int_with;
+    use kvq_quant_core::pack::unpack_row;
+    let mut rng = Rng::new(0x7a1);
+    let mut ran = 0;
+    for backend in available() {
+        for (dim, rows) in [(128, 32), (128, 1), (128, 33), (256, 7), (384, 130), (128, 5000), (64, 3)] {
+            for special in 0..6u8 {
+                let mut case = Case::random(&mut rng, rows, dim, 4, special);
+                case.levels_kind = 0;
+                let b = case.block();
+                let mut codes = vec![0u8; rows * dim];
+                for (r, c) in codes.chunks_exact_mut(dim).enumerate() {
+                    unpack_row(&case.codes[r * dim / 2..(r + 1) * dim / 2], 4, c).unwrap();
+                }
+                for n_q in [1usize, 2, 3, 4, 5, 8] {
+                    let mut p: Vec<f32> = (0..n_q * rows).map(|_| rng.uniform() as f32).collect();
+                    if special == 3 {
+                        p[..rows].iter_mut().for_each(|x| *x = 0.0);
+                    }
+                    let start: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+                    let mut got = start.clone();
+                    if !axpy_int_with(backend, &b, &p, n_q, &mut got).unwrap() {
+                        continue;
+                    }
+                    ran += 1;
+                    let mut want = start.clone();
+                    assert!(scalar::axpy_int(&b, &p, n_q, &mut want));
+                    let what = format!("{backend} dim {dim} rows {rows} special {special} n_q {n_q}");
+                    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(g.to_bits(), w.to_bits(), "{what} [{k}]: {g} vs {w}");
+                    }
+                    let mut exact = start.clone();
+                    scalar::axpy(&b, &p, n_q, &mut exact);
+                    let mut x = vec![0f32; rows * dim];
+                    scalar::dequantize(&b, &mut x);
+                    for i in 0..n_q {
+                        let w: Vec<f64> = (0..rows)
+                            .map(|r| {
+                                let pr = f64::from(p[i * rows + r]);
+                                if case.per_channel { pr } else { pr * f64::from(case.scale[r]) }
+                            })
+                            .collect();
+                        // Rows are rounded in calls of at most 4369 rows, each with its own scale;
+                        // the largest scale bounds them all.
+                        let sw = w.iter().fold(0f64, |m, v| m.max(v.abs())) / 32767.0;
+                        for c in 0..dim {
+                            let levels: f64 = (0..rows).map(|r| f64::from(codes[r * dim + c])).sum();
+                            let s = if case.per_channel { f64::from(case.scale[c]).abs() } else { 1.0 };
+                            let mag: f64 = f64::from(start[i * dim + c].abs())
+                                + (0..rows)
+                                    .map(|r| {
+                                        let off = match (case.with_offset, case.per_channel) {
+                                            (false, _) => 0.0,
+                                            (true, true) => case.offset[c],
+                                            (true, false) => case.offset[r],
+                                        };
+                                        f64::from(p[i * rows + r].abs())
+                                            * (f64::from((x[r * dim + c] - off).abs()) + f64::from(off.abs()))
+                                    })
+                                    .sum::<f64>();
+                            let k = i * dim + c;
+                            let tol = sw / 2.0 * levels * s * 1.001 + 1e-5 * mag + 1e-30;
+                            let err = (f64::from(got[k]) - f64::from(exact[k])).abs();
+                            assert!(
+                                err <= tol,
+                                "{what} [{k}]: {} vs exact {} (bound {tol})",
+                                got[k],
+                                exact[k]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
+        assert!(ran > 0, "the integer value path never ran on a machine that has it");
+    }
+    let _ = ran;
+}

@@ -12,7 +12,7 @@
 use half::f16;
 use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, Segment, SeqId, TailBuf};
 use kvq_kernels_simd::{
-    Backend, KernelError, Levels, Params, QuantBlock, axpy_with, scores_int8_with, scores_with,
+    Backend, KernelError, Levels, Params, QuantBlock, axpy_int_with, axpy_with, scores_int8_with, scores_with,
 };
 use kvq_quant_core::calibration::Part;
 use kvq_quant_core::{Codebook, CodebookSource, GroupParams, Kind};
@@ -131,8 +131,11 @@ pub enum ScorePath {
     /// Float kernels: equal to attention over the dequantized cache within f32 rounding.
     #[default]
     Float,
-    /// The integer path where the backend has one (queries rounded to int8, as llama.cpp
-    /// does): faster, with scores off by at most `max|q| / 254 · Σ|levels · scale|`.
+    /// The integer paths where the backend has them: scores with the queries rounded to int8
+    /// (as llama.cpp does), off by at most `max|q| / 254 · Σ|levels · scale|`; and, where the
+    /// backend has an integer value kernel (AVX-512 VNNI, INT4 values), the block's weights
+    /// `p · scale` rounded to i16, each output off by at most `max|w| / 65534 · Σ|levels|`.
+    /// Faster; the float path equals attention over the dequantized cache within f32 rounding.
     Int8,
 }
 
@@ -380,8 +383,9 @@ fn attend(
                 }
             }
             Run::Block(view) => {
-                let done = with_block(view, &readers[1], &mut bufs, |blk| {
-                    axpy_with(backend, blk, &s, g, &mut st.o)
+                let done = with_block(view, &readers[1], &mut bufs, |blk| match path {
+                    ScorePath::Float => axpy_with(backend, blk, &s, g, &mut st.o),
+                    ScorePath::Int8 => axpy_int_with(backend, blk, &s, g, &mut st.o).map(|_| ()),
                 })?;
                 if done.is_none() {
                     for t in 0..n {

@@ -1,0 +1,172 @@
+//! The integer value path's algebra, shared by its kernels and its scalar reference: each row
+//! of weights (per row: the probability times the row's scale; per channel: the probability)
+//! is rounded to i16 with one scale per block, a kernel sums `W[r] · code[r][c]` exactly in
+//! i32, and a float epilogue restores the scale and adds the offsets' term (through exact
+//! float sums of the probabilities).
+//!
+//! `o[c] += Σ_r p[r] · (s[r] · L[r][c] + f[r])` becomes `sw · Σ_r W[r] · L[r][c] + Σ_r p[r] · f[r]`
+//! with `W[r] = round(p[r] · s[r] / sw)`, `sw = max_r |p[r] · s[r]| / 32767`: each weight is off
+//! by at most `sw / 2`, so each output by at most `sw / 2 · Σ_r |L[r][c]|` (per channel, times
+//! `|s[c]|`). Everything but the integer sums is this module's code, so every kernel gives the
+//! same outputs bit for bit as [`crate::scalar::axpy_int`].
+
+use std::ops::Range;
+
+use crate::block::{Params, QuantBlock};
+use crate::int8::GROUP;
+use crate::portable::{dot_lanes, sum_lanes};
+
+/// The largest rounded weight.
+const W_MAX: f32 = 32767.0;
+
+/// Rows per kernel call for `bits`-wide codes: the most whose sums cannot overflow i32
+/// (`rows · 32767 · (2^bits − 1) < 2^31`), and at most 4096.
+fn chunk_rows(bits: u8) -> usize {
+    let per_row = 32767u64 * ((1u64 << bits) - 1);
+    ((i32::MAX as u64 / per_row) as usize).clamp(1, 4096)
+}
+
+/// `w / scale` rounded (ties to even) into −32767..=32767, appended to `out`, and the scale
+/// `max|w| / 32767` returned (zero weights: scale 0, all zero).
+#[inline(always)]
+fn round_weights(w: &[f32], out: &mut Vec<i16>) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    let mut lanes = [0f32; 8];
+    let mut chunks = w.chunks_exact(8);
+    for c in &mut chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            let a = x.abs();
+            *m = if a > *m { a } else { *m };
+        }
+    }
+    let max =
+        chunks.remainder().iter().chain(&lanes).fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
+    let scale = if max > 0.0 { max / W_MAX } else { 0.0 };
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    let magic_bits = MAGIC.to_bits() as i32;
+    out.extend(w.iter().map(|&x| {
+        let v = (x * inv).clamp(-W_MAX, W_MAX);
+        ((v + MAGIC).to_bits() as i32 - magic_bits) as i16
+    }));
+    scale
+}
+
+/// An architecture's integer value kernel.
+pub(crate) trait IntAxpyKernel {
+    /// `acc[i · dim + c] = Σ_r w[i · m + r − rows.start] · code[r][c]` for rows `rows` of `b`
+    /// (`m = rows.len()`) and the `n ≤ GROUP` rounded weight rows of `w`, channels in natural
+    /// order.
+    fn sums(b: &QuantBlock<'_>, rows: Range<usize>, w: &[i16], n: usize, acc: &mut [i32]);
+}
+
+/// Buffers of the integer value path, kept per thread by a kernel's module.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    wf: Vec<f32>,
+    w: Vec<i16>,
+    acc: Vec<i32>,
+}
+
+/// `out[i · dim + c] += Σ_r p[i · rows + r] · x̂[r][c]` through kernel `K`, `GROUP` weight rows
+/// and at most [`chunk_rows`] rows at a time.
+#[inline(always)]
+pub(crate) fn axpy_by_block<K: IntAxpyKernel>(
+    b: &QuantBlock<'_>,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) {
+    let (d, rows) = (b.dim, b.rows);
+    let Scratch { wf, w, acc } = scratch;
+    let step = chunk_rows(b.bits);
+    let mut r0 = 0;
+    while r0 < rows {
+        let at = r0..(r0 + step).min(rows);
+        let mut i0 = 0;
+        while i0 < n_q {
+            let n = (n_q - i0).min(GROUP);
+            let mut scale = [0f32; GROUP];
+            let mut add = [0f32; GROUP];
+            w.clear();
+            for i in 0..n {
+                let pi = &p[(i0 + i) * rows + at.start..(i0 + i) * rows + at.end];
+                wf.clear();
+                match b.params {
+                    Params::PerRow { scale: s, offset } => {
+                        wf.extend(pi.iter().zip(&s[at.clone()]).map(|(p, s)| p * s));
+                        add[i] = offset.map_or(0.0, |o| dot_lanes(pi, &o[at.clone()]));
+                    }
+                    Params::PerChannel { .. } => {
+                        wf.extend_from_slice(pi);
+                        add[i] = sum_lanes(pi);
+                    }
+                }
+                scale[i] = round_weights(wf, w);
+            }
+            acc.clear();
+            acc.resize(n * d, 0);
+            K::sums(b, at.clone(), w, n, acc);
+            for i in 0..n {
+                let (sw, add, a) = (scale[i], add[i], &acc[i * d..(i + 1) * d]);
+                let o = &mut out[(i0 + i) * d..(i0 + i + 1) * d];
+                match b.params {
+                    Params::PerRow { .. } => {
+                        for (o, &a) in o.iter_mut().zip(a) {
+                            *o += sw * a as f32 + add;
+                        }
+                    }
+                    Params::PerChannel { scale: s, offset } => {
+                        for (c, (o, &a)) in o.iter_mut().zip(a).enumerate() {
+                            *o += s[c] * (sw * a as f32) + offset.map_or(0.0, |f| f[c]) * add;
+                        }
+                    }
+                }
+            }
+            i0 += n;
+        }
+        r0 = at.end;
+    }
+}
+
+/// The reference integer kernel: codes unpacked and summed one by one.
+pub(crate) struct Reference;
+
+impl IntAxpyKernel for Reference {
+    fn sums(b: &QuantBlock<'_>, rows: Range<usize>, w: &[i16], n: usize, acc: &mut [i32]) {
+        let (d, m) = (b.dim, rows.len());
+        let mut codes = vec![0u8; d];
+        for r in rows.clone() {
+            kvq_quant_core::pack::unpack_row(b.row(r), b.bits, &mut codes)
+                .expect("QuantBlock::new checked the lengths");
+            for i in 0..n {
+                let wr = i32::from(w[i * m + r - rows.start]);
+                for (a, &c) in acc[i * d..(i + 1) * d].iter_mut().zip(&codes) {
+                    *a += wr * i32::from(c);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{chunk_rows, round_weights};
+
+    #[test]
+    fn weight_rounding_and_chunks() {
+        let mut out = Vec::new();
+        let s = round_weights(&[0.5, -1.0, 0.25, 0.0, 1.0e-9], &mut out);
+        assert_eq!(s, 1.0 / 32767.0);
+        assert_eq!(out, vec![16384, -32767, 8192, 0, 0]);
+        out.clear();
+        assert_eq!(round_weights(&[0.0; 3], &mut out), 0.0);
+        assert_eq!(out, vec![0; 3]);
+        // The sums of a chunk never overflow.
+        for bits in 1..=8u8 {
+            let rows = chunk_rows(bits) as u64;
+            assert!(rows * 32767 * ((1 << bits) - 1) <= i32::MAX as u64, "{bits}");
+        }
+        assert_eq!(chunk_rows(8), 257);
+    }
+}
