@@ -202,9 +202,14 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
 }
 
 /// Whether [`axpy_int`] has a VNNI kernel for this block on this CPU: affine 4-bit rows of a
-/// multiple of 128 codes.
+/// multiple of 128 codes or 8-bit rows of a multiple of 64.
 pub fn axpy_int_supported(b: &QuantBlock<'_>) -> bool {
-    b.bits == 4 && b.dim.is_multiple_of(128) && matches!(b.levels, Levels::Affine) && cpu_ok()
+    let ok_dim = match b.bits {
+        4 => b.dim.is_multiple_of(128),
+        8 => b.dim.is_multiple_of(64),
+        _ => false,
+    };
+    ok_dim && matches!(b.levels, Levels::Affine) && cpu_ok()
 }
 
 struct VnniAxpy;
@@ -215,28 +220,38 @@ impl intv::IntAxpyKernel for VnniAxpy {
         // CPU, the bit width and the row length; the driver passes n weight rows of
         // rows.len() and n · dim sums.
         unsafe {
-            match n {
-                1 => vsums::<1>(b, rows, w, acc),
-                2 => vsums::<2>(b, rows, w, acc),
-                3 => vsums::<3>(b, rows, w, acc),
-                _ => vsums::<4>(b, rows, w, acc),
+            match (b.bits, n) {
+                (4, 1) => vsums::<4, 1>(b, rows, w, acc),
+                (4, 2) => vsums::<4, 2>(b, rows, w, acc),
+                (4, 3) => vsums::<4, 3>(b, rows, w, acc),
+                (4, _) => vsums::<4, 4>(b, rows, w, acc),
+                (_, 1) => vsums::<8, 1>(b, rows, w, acc),
+                (_, 2) => vsums::<8, 2>(b, rows, w, acc),
+                (_, 3) => vsums::<8, 3>(b, rows, w, acc),
+                (_, _) => vsums::<8, 4>(b, rows, w, acc),
             }
         }
     }
 }
 
-/// `acc[i · dim + c] = Σ_r w_i[r] · code[r][c]` for 4-bit rows `rows` of `b`, two rows at a
+/// `acc[i · dim + c] = Σ_r w_i[r] · code[r][c]` for rows `rows` of `b`, two rows at a
 /// time through `vpdpwssd` (i16 pairs): the codes of rows r and r + 1 interleaved byte by byte
 /// (`vpunpcklbw` or `vpunpckhbw`) and widened to i16 (`vpmovzxbw`) make one (row r, row r + 1)
 /// pair per 32-bit lane, and the weight pair `w[r] | w[r + 1] << 16` is broadcast. One 64-byte
-/// chunk, nibble plane and unpack half at a time, so that the sums (2 vectors of 16 channels
-/// per query) stay in registers.
+/// chunk, nibble plane (4-bit codes; 8-bit codes have one) and unpack half at a time, so that
+/// the sums (2 vectors of 16 channels per query) stay in registers.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW and VNNI; `b.bits == 4`, `b.dim` a multiple of 128;
+/// The CPU must support AVX-512 F, BW and VNNI; `b.bits == BITS`, 4 with `b.dim` a multiple of
+/// 128 or 8 with a multiple of 64;
 /// `w` holds `NQ` rows of `rows.len()` weights; `acc` holds `NQ · b.dim` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-unsafe fn vsums<const NQ: usize>(b: &QuantBlock<'_>, rows: Range<usize>, w: &[i16], acc: &mut [i32]) {
+unsafe fn vsums<const BITS: u8, const NQ: usize>(
+    b: &QuantBlock<'_>,
+    rows: Range<usize>,
+    w: &[i16],
+    acc: &mut [i32],
+) {
     let (d, m) = (b.dim, rows.len());
     let mask = _mm512_set1_epi8(0x0f);
     // The weight pairs of an odd last row (paired with itself under a zero weight).
@@ -246,21 +261,25 @@ unsafe fn vsums<const NQ: usize>(b: &QuantBlock<'_>, rows: Range<usize>, w: &[i1
             *l = i32::from(w[i * m + m - 1]) & 0xffff;
         }
     }
-    for c in 0..d / 128 {
-        for pass in 0..4 {
+    // Channels per 64-byte chunk, and nibble planes.
+    let (per_chunk, planes) = if BITS == 4 { (128, 2) } else { (64, 1) };
+    for c in 0..d / per_chunk {
+        for pass in 0..2 * planes {
             let (plane, half) = (pass / 2, pass % 2);
             let mut sums = [[_mm512_setzero_si512(); 2]; NQ];
             let mut j = 0;
             while j < m {
                 let (r, r1) = (rows.start + j, rows.start + (j + 1).min(m - 1));
-                // SAFETY: chunk c (64 bytes) lies within each row (row_bytes = d / 2).
+                // SAFETY: chunk c (64 bytes) lies within each row (row_bytes = d · BITS / 8).
                 let (v0, v1) = unsafe {
                     (
                         _mm512_loadu_si512(b.row(r).as_ptr().add(64 * c).cast()),
                         _mm512_loadu_si512(b.row(r1).as_ptr().add(64 * c).cast()),
                     )
                 };
-                let (p0, p1) = if plane == 0 {
+                let (p0, p1) = if BITS == 8 {
+                    (v0, v1)
+                } else if plane == 0 {
                     (_mm512_and_si512(v0, mask), _mm512_and_si512(v1, mask))
                 } else {
                     (
@@ -285,18 +304,20 @@ unsafe fn vsums<const NQ: usize>(b: &QuantBlock<'_>, rows: Range<usize>, w: &[i1
                 }
                 j += 2;
             }
-            // Each 256-bit half of a sum holds 8 consecutive channels: with `base` the first
-            // channel of the chunk's plane and half, the low unpack's lanes are channels
-            // base + 0..8 | base + 32..40 (`lo`) and base + 64..72 | base + 96..104 (`hi`);
-            // the high unpack's are 8 channels further on.
-            let base = 128 * c + 16 * plane + 8 * half;
+            // Each 256-bit half of a sum holds 8 consecutive channels. Byte j of 16-byte lane k
+            // of the chunk is channel 32k + j of the chunk (4-bit, low plane; the high plane
+            // is 16 further on) or 16k + j (8-bit), and an unpack takes bytes 0..8 (low) or
+            // 8..16 (high) of each lane: so with `base` the first channel of the chunk's plane
+            // and half, `lo` holds lanes k = 0, 1 and `hi` lanes k = 2, 3.
+            let lane = if BITS == 4 { 32 } else { 16 };
+            let base = per_chunk * c + 16 * plane + 8 * half;
             for (i, s) in sums.iter().enumerate() {
                 let row = &mut acc[i * d..(i + 1) * d];
                 let parts = [
                     (base, _mm512_castsi512_si256(s[0])),
-                    (base + 32, _mm512_extracti64x4_epi64::<1>(s[0])),
-                    (base + 64, _mm512_castsi512_si256(s[1])),
-                    (base + 96, _mm512_extracti64x4_epi64::<1>(s[1])),
+                    (base + lane, _mm512_extracti64x4_epi64::<1>(s[0])),
+                    (base + 2 * lane, _mm512_castsi512_si256(s[1])),
+                    (base + 3 * lane, _mm512_extracti64x4_epi64::<1>(s[1])),
                 ];
                 for (at, v) in parts {
                     // SAFETY: at + 8 <= d, inside query row i of `acc`.

@@ -174,7 +174,8 @@ pub fn scores_int8_with(
 }
 
 /// Value accumulation through the integer path where the backend has one (AVX-512 with VNNI:
-/// affine 4-bit rows of a multiple of 128 codes), else [`axpy_with`]. Returns whether the
+/// affine 4-bit rows of a multiple of 128 codes, 8-bit rows of a multiple of 64), else
+/// [`axpy_with`]. Returns whether the
 /// integer path ran.
 ///
 /// The integer path rounds each weight row of the block (`p · scale` per row, `p` per

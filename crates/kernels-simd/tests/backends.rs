@@ -421,7 +421,8 @@ fn the_integer_reference_follows_its_algebra() {
 /// rounding and the epilogue are shared, the sums exact), and the result stays within the
 /// stated bound of the exact accumulation: `sw / 2 · Σ_r level_r[c]` (per channel, times
 /// `|scale_c|`), `sw = max_r |w_r| / 32767`, plus float slack. Blocks past one kernel call
-/// (4369 INT4 rows), odd row counts (the last row pairs with a zero weight), group remainders.
+/// (4369 INT4 rows, 257 INT8 rows), odd row counts (the last row pairs with a zero weight),
+/// group remainders.
 #[test]
 fn integer_values_equal_their_reference_and_stay_within_their_bound() {
     use kvq_kernels_simd::axpy_int_with;
@@ -429,14 +430,26 @@ fn integer_values_equal_their_reference_and_stay_within_their_bound() {
     let mut rng = Rng::new(0x7a1);
     let mut ran = 0;
     for backend in available() {
-        for (dim, rows) in [(128, 32), (128, 1), (128, 33), (256, 7), (384, 130), (128, 5000), (64, 3)] {
+        for (bits, dim, rows) in [
+            (4u8, 128, 32),
+            (4, 128, 1),
+            (4, 128, 33),
+            (4, 256, 7),
+            (4, 384, 130),
+            (4, 128, 5000),
+            (4, 64, 3),
+            (8, 64, 9),
+            (8, 128, 32),
+            (8, 192, 300),
+        ] {
             for special in 0..6u8 {
-                let mut case = Case::random(&mut rng, rows, dim, 4, special);
+                let mut case = Case::random(&mut rng, rows, dim, bits, special);
                 case.levels_kind = 0;
                 let b = case.block();
                 let mut codes = vec![0u8; rows * dim];
                 for (r, c) in codes.chunks_exact_mut(dim).enumerate() {
-                    unpack_row(&case.codes[r * dim / 2..(r + 1) * dim / 2], 4, c).unwrap();
+                    let rb = dim * usize::from(bits) / 8;
+                    unpack_row(&case.codes[r * rb..(r + 1) * rb], bits, c).unwrap();
                 }
                 for n_q in [1usize, 2, 3, 4, 5, 8] {
                     let mut p: Vec<f32> = (0..n_q * rows).map(|_| rng.uniform() as f32).collect();
@@ -451,7 +464,8 @@ fn integer_values_equal_their_reference_and_stay_within_their_bound() {
                     ran += 1;
                     let mut want = start.clone();
                     assert!(scalar::axpy_int(&b, &p, n_q, &mut want));
-                    let what = format!("{backend} dim {dim} rows {rows} special {special} n_q {n_q}");
+                    let what =
+                        format!("{backend} bits {bits} dim {dim} rows {rows} special {special} n_q {n_q}");
                     for (k, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert_eq!(g.to_bits(), w.to_bits(), "{what} [{k}]: {g} vs {w}");
                     }
