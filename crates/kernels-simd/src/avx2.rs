@@ -351,18 +351,7 @@ impl int8::IntKernel for Avx2Int {
         // SAFETY: `int8_supported(b)` (checked by `scores_int8`, the only caller) covers the
         // CPU, the bit width and the row length; the driver passes n arranged rows of equal
         // length and n · rows.len() dots.
-        unsafe {
-            match (b.bits, n) {
-                (4, 1) => idots::<4, 1>(b, rows, q, dots),
-                (4, 2) => idots::<4, 2>(b, rows, q, dots),
-                (4, 3) => idots::<4, 3>(b, rows, q, dots),
-                (4, _) => idots::<4, 4>(b, rows, q, dots),
-                (_, 1) => idots::<8, 1>(b, rows, q, dots),
-                (_, 2) => idots::<8, 2>(b, rows, q, dots),
-                (_, 3) => idots::<8, 3>(b, rows, q, dots),
-                (_, _) => idots::<8, 4>(b, rows, q, dots),
-            }
-        }
+        unsafe { by_4_or_8_and_group!(idots, b.bits, n, (b, rows, q, dots)) }
     }
 }
 

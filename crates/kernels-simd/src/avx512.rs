@@ -62,18 +62,7 @@ impl int8::IntKernel for Vnni {
         // SAFETY: `int8_supported(b)` (checked by `scores_int8`, the only caller) covers the
         // CPU, the bit width and the row length; the driver passes n arranged rows of `dim`
         // bytes and n · rows.len() dots.
-        unsafe {
-            match (b.bits, n) {
-                (4, 1) => vdots::<4, 1>(b, rows, q, dots),
-                (4, 2) => vdots::<4, 2>(b, rows, q, dots),
-                (4, 3) => vdots::<4, 3>(b, rows, q, dots),
-                (4, _) => vdots::<4, 4>(b, rows, q, dots),
-                (_, 1) => vdots::<8, 1>(b, rows, q, dots),
-                (_, 2) => vdots::<8, 2>(b, rows, q, dots),
-                (_, 3) => vdots::<8, 3>(b, rows, q, dots),
-                (_, _) => vdots::<8, 4>(b, rows, q, dots),
-            }
-        }
+        unsafe { by_4_or_8_and_group!(vdots, b.bits, n, (b, rows, q, dots)) }
     }
 }
 
@@ -219,18 +208,7 @@ impl intv::IntAxpyKernel for VnniAxpy {
         // SAFETY: `axpy_int_supported(b)` (checked by `axpy_int`, the only caller) covers the
         // CPU, the bit width and the row length; the driver passes n weight rows of
         // rows.len() and n · dim sums.
-        unsafe {
-            match (b.bits, n) {
-                (4, 1) => vsums::<4, 1>(b, rows, w, acc),
-                (4, 2) => vsums::<4, 2>(b, rows, w, acc),
-                (4, 3) => vsums::<4, 3>(b, rows, w, acc),
-                (4, _) => vsums::<4, 4>(b, rows, w, acc),
-                (_, 1) => vsums::<8, 1>(b, rows, w, acc),
-                (_, 2) => vsums::<8, 2>(b, rows, w, acc),
-                (_, 3) => vsums::<8, 3>(b, rows, w, acc),
-                (_, _) => vsums::<8, 4>(b, rows, w, acc),
-            }
-        }
+        unsafe { by_4_or_8_and_group!(vsums, b.bits, n, (b, rows, w, acc)) }
     }
 }
 

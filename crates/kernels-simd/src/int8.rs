@@ -20,31 +20,38 @@ const CHUNK_ROWS: usize = 256;
 pub(crate) const GROUP: usize = 4;
 
 /// `max|q| / 127`, returned, and `q / scale` rounded into −127..=127, appended to `out`.
-///
-/// Decode runs this once per block and query row, so it is written to vectorize on baseline
-/// SSE2: the maximum in 8 independent lanes, and rounding (ties to even) by adding and
-/// subtracting 1.5 · 2^23 rather than through a libm `round` call per value.
 #[inline(always)]
 pub(crate) fn quantize_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
+    round_symmetric(q, 127.0, out, |v| v as i8)
+}
+
+/// `max|x| / limit`, returned, and `x / scale` rounded (ties to even) into `−limit..=limit`,
+/// appended to `out` through `cast`; all zeros (scale 0) when `x` is. For limits up to 2^22.
+///
+/// Decode runs this once per block and row (queries here, weights in [`crate::intv`]), so it
+/// is written to vectorize on baseline SSE2: the maximum in 8 independent lanes, and rounding
+/// by adding and subtracting 1.5 · 2^23 rather than through a libm `round` call per value.
+#[inline(always)]
+pub(crate) fn round_symmetric<T>(x: &[f32], limit: f32, out: &mut Vec<T>, cast: impl Fn(i32) -> T) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     let mut lanes = [0f32; 8];
-    let mut chunks = q.chunks_exact(8);
+    let mut chunks = x.chunks_exact(8);
     for c in &mut chunks {
-        for (m, &x) in lanes.iter_mut().zip(c) {
-            let a = x.abs();
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            let a = v.abs();
             *m = if a > *m { a } else { *m };
         }
     }
     let max =
-        chunks.remainder().iter().chain(&lanes).fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
-    let scale = if max > 0.0 { max / 127.0 } else { 0.0 };
+        chunks.remainder().iter().chain(&lanes).fold(0f32, |m, &v| if v.abs() > m { v.abs() } else { m });
+    let scale = if max > 0.0 { max / limit } else { 0.0 };
     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    // For |v| ≤ 127 the sum's bits are MAGIC's plus the rounded value, so an integer
+    // For |v| ≤ limit the sum's bits are MAGIC's plus the rounded value, so an integer
     // subtraction reads it out (no float-to-int conversion with its NaN checks).
     let magic_bits = MAGIC.to_bits() as i32;
-    out.extend(q.iter().map(|&x| {
-        let v = (x * inv).clamp(-127.0, 127.0);
-        ((v + MAGIC).to_bits() as i32 - magic_bits) as i8
+    out.extend(x.iter().map(|&v| {
+        let v = (v * inv).clamp(-limit, limit);
+        cast((v + MAGIC).to_bits() as i32 - magic_bits)
     }));
     scale
 }

@@ -30,25 +30,7 @@ fn chunk_rows(bits: u8) -> usize {
 /// `max|w| / 32767` returned (zero weights: scale 0, all zero).
 #[inline(always)]
 fn round_weights(w: &[f32], out: &mut Vec<i16>) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
-    let mut lanes = [0f32; 8];
-    let mut chunks = w.chunks_exact(8);
-    for c in &mut chunks {
-        for (m, &x) in lanes.iter_mut().zip(c) {
-            let a = x.abs();
-            *m = if a > *m { a } else { *m };
-        }
-    }
-    let max =
-        chunks.remainder().iter().chain(&lanes).fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
-    let scale = if max > 0.0 { max / W_MAX } else { 0.0 };
-    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-    let magic_bits = MAGIC.to_bits() as i32;
-    out.extend(w.iter().map(|&x| {
-        let v = (x * inv).clamp(-W_MAX, W_MAX);
-        ((v + MAGIC).to_bits() as i32 - magic_bits) as i16
-    }));
-    scale
+    crate::int8::round_symmetric(w, W_MAX, out, |v| v as i16)
 }
 
 /// An architecture's integer value kernel.

@@ -27,6 +27,24 @@
 //! # Ok::<(), kvq_kernels_simd::KernelError>(())
 //! ```
 
+/// Dispatches `$f::<BITS, NQ>` on a runtime bit width (4, else 8) and query group size (1 to
+/// 3, else 4): the integer kernels' monomorphizations.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_4_or_8_and_group {
+    ($f:ident, $bits:expr, $nq:expr, ($($arg:expr),*)) => {
+        match ($bits, $nq) {
+            (4, 1) => $f::<4, 1>($($arg),*),
+            (4, 2) => $f::<4, 2>($($arg),*),
+            (4, 3) => $f::<4, 3>($($arg),*),
+            (4, _) => $f::<4, 4>($($arg),*),
+            (_, 1) => $f::<8, 1>($($arg),*),
+            (_, 2) => $f::<8, 2>($($arg),*),
+            (_, 3) => $f::<8, 3>($($arg),*),
+            (_, _) => $f::<8, 4>($($arg),*),
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
