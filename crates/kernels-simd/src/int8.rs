@@ -32,7 +32,12 @@ pub(crate) fn quantize_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
 /// is written to vectorize on baseline SSE2: the maximum in 8 independent lanes, and rounding
 /// by adding and subtracting 1.5 · 2^23 rather than through a libm `round` call per value.
 #[inline(always)]
-pub(crate) fn round_symmetric<T>(x: &[f32], limit: f32, out: &mut Vec<T>, cast: impl Fn(i32) -> T) -> f32 {
+pub(crate) fn round_symmetric<T: Copy + Default>(
+    x: &[f32],
+    limit: f32,
+    out: &mut Vec<T>,
+    cast: impl Fn(i32) -> T,
+) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     let mut lanes = [0f32; 8];
     let mut chunks = x.chunks_exact(8);
@@ -49,10 +54,14 @@ pub(crate) fn round_symmetric<T>(x: &[f32], limit: f32, out: &mut Vec<T>, cast: 
     // For |v| ≤ limit the sum's bits are MAGIC's plus the rounded value, so an integer
     // subtraction reads it out (no float-to-int conversion with its NaN checks).
     let magic_bits = MAGIC.to_bits() as i32;
-    out.extend(x.iter().map(|&v| {
+    // Into a slice of the final length (not `extend`, which compiles to an out-of-line fold
+    // that does not vectorize).
+    let start = out.len();
+    out.resize(start + x.len(), T::default());
+    for (o, &v) in out[start..].iter_mut().zip(x) {
         let v = (v * inv).clamp(-limit, limit);
-        cast((v + MAGIC).to_bits() as i32 - magic_bits)
-    }));
+        *o = cast((v + MAGIC).to_bits() as i32 - magic_bits);
+    }
     scale
 }
 
