@@ -469,10 +469,27 @@ impl QuantizedKvCache {
     /// # Errors
     /// [`KvqError::Attention`], [`KvqError::Cache`].
     pub fn attention(&self, seq: SeqId, layer: usize, q: &[f32], out: &mut [f32]) -> Result<(), KvqError> {
+        self.attention_path(ScorePath::Float, seq, layer, q, out)
+    }
+
+    /// [`QuantizedKvCache::attention`] with a choice of arithmetic: [`ScorePath::Int8`] takes
+    /// the integer kernels where the CPU has them (int8 queries for scores; i16 weights for
+    /// values on AVX-512 VNNI), faster within the error bounds [`ScorePath`] states.
+    ///
+    /// # Errors
+    /// [`KvqError::Attention`], [`KvqError::Cache`].
+    pub fn attention_path(
+        &self,
+        path: ScorePath,
+        seq: SeqId,
+        layer: usize,
+        q: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), KvqError> {
         let n = self.layers.len();
         let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
         let backend = kvq_kernels_simd::dispatch::selected().unwrap_or(kvq_kernels_simd::Backend::Scalar);
-        Ok(decode_attention_path(backend, ScorePath::Float, cache, seq, 0, q, self.config.query_heads, out)?)
+        Ok(decode_attention_path(backend, path, cache, seq, 0, q, self.config.query_heads, out)?)
     }
 
     /// Exact memory of every layer.
