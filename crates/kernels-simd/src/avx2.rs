@@ -6,9 +6,10 @@
 //! all rows into four queries' accumulators held in registers, so the output is read and
 //! written once per block instead of once per row.
 //!
-//! Covered: affine levels, 2-, 4- and 8-bit codes, rows whose length is a multiple of the
-//! chunk (64, 32, 16 codes), per-row and per-channel parameters. Anything else runs the `wide`
-//! kernels. Each public function checks the CPU itself, so it is safe to call anywhere.
+//! Covered: affine levels, and table levels (FP8, codebooks: the 8 levels of 8 codes come from
+//! one `vgatherdps`), 2-, 4- and 8-bit codes, rows whose length is a multiple of the chunk (64,
+//! 32, 16 codes), per-row and per-channel parameters. Anything else (symmetric levels, other
+//! widths) runs the `wide` kernels. Each public function checks the CPU itself, so it is safe to call anywhere.
 //!
 //! # Platform-specific behavior
 //! FMA rounds once per multiply-add and sums run in 8 lanes: results differ from the scalar
@@ -28,21 +29,34 @@ fn supported(b: &QuantBlock<'_>) -> bool {
         2 => 64,
         _ => return false,
     };
-    matches!(b.levels, Levels::Affine) && b.dim.is_multiple_of(chunk) && b.dim > 0 && cpu_ok()
+    matches!(b.levels, Levels::Affine | Levels::Table(_))
+        && b.dim.is_multiple_of(chunk)
+        && b.dim > 0
+        && cpu_ok()
 }
 
 fn cpu_ok() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
+/// The levels of a block for [`codes_f32`]: null for affine blocks (the level is the code),
+/// else the block's table of `2^bits` levels (FP8, codebooks).
+fn table_of(b: &QuantBlock<'_>) -> *const f32 {
+    match b.levels {
+        Levels::Table(t) => t.as_ptr(),
+        _ => std::ptr::null(),
+    }
+}
+
 /// The 16 codes of bit-group `k` of a 16-byte chunk of a `bits`-wide plane, as two vectors of
-/// 8 floats (codes `16k .. 16k + 8` and `16k + 8 .. 16k + 16` of the chunk).
+/// 8 floats (codes `16k .. 16k + 8` and `16k + 8 .. 16k + 16` of the chunk): the codes
+/// themselves, or with a `table`, their levels gathered from it (`vgatherdps`).
 ///
 /// # Safety
-/// The CPU must support AVX2.
+/// The CPU must support AVX2; a non-null `table` holds `2^bits` floats.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32) -> (__m256, __m256) {
+unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, table: *const f32) -> (__m256, __m256) {
     let v = match bits {
         8 => chunk,
         4 => {
@@ -60,9 +74,13 @@ unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32) -> (__m256, __m256) {
             _mm_and_si128(s, m)
         }
     };
-    let lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-    let hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
-    (lo, hi)
+    let (lo, hi) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+    if table.is_null() {
+        (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi))
+    } else {
+        // SAFETY: every index is a `bits`-wide code, below 2^bits, the table's length.
+        unsafe { (_mm256_i32gather_ps::<4>(table, lo), _mm256_i32gather_ps::<4>(table, hi)) }
+    }
 }
 
 /// Horizontal sums of up to 4 accumulators at once: lane `i` of the result is the sum of
@@ -90,15 +108,16 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
     mut emit: impl FnMut(usize, usize, f32),
 ) {
     let per_chunk = 128 / BITS as usize;
-    let d = b.dim;
+    let (d, table) = (b.dim, table_of(b));
     for r in 0..b.rows {
         let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
         for (ci, c) in b.row(r).chunks_exact(16).enumerate() {
             // SAFETY: `c` is exactly 16 bytes.
             let chunk = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
             for k in 0..per_chunk / 16 {
-                // SAFETY: AVX2 is enabled by this function's target features.
-                let (lo, hi) = unsafe { codes_f32(chunk, BITS, k as i32) };
+                // SAFETY: AVX2 is enabled by this function's target features; a table has
+                // 2^BITS entries (`QuantBlock::new` checked).
+                let (lo, hi) = unsafe { codes_f32(chunk, BITS, k as i32, table) };
                 let at = ci * per_chunk + 16 * k;
                 for (i, a) in acc.iter_mut().enumerate() {
                     // SAFETY: at + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
@@ -136,16 +155,16 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
     let per_chunk = 128 / BITS as usize;
-    let rows = b.rows;
+    let (rows, table) = (b.rows, table_of(b));
     for ci in 0..b.row_bytes / 16 {
         for k in 0..per_chunk / 16 {
             let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
             for r in 0..rows {
                 // SAFETY: chunk `ci` lies within row `r` (row_bytes is a multiple of 16 for
-                // supported blocks); AVX2 is enabled.
+                // supported blocks); AVX2 is enabled; a table has 2^BITS entries.
                 let (lo, hi) = unsafe {
                     let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
-                    codes_f32(chunk, BITS, k as i32)
+                    codes_f32(chunk, BITS, k as i32, table)
                 };
                 for (i, a) in acc.iter_mut().enumerate() {
                     // SAFETY: i·rows + r < w.len().

@@ -8,8 +8,8 @@
 //! This crate is the only one of the workspace allowed `unsafe` (the `std::arch` paths);
 //! every `unsafe` block carries a `// SAFETY:` comment. **Status:** the scalar and `wide`
 //! backends cover affine, symmetric and table (FP8, codebook) levels with per-row or
-//! per-channel parameters; the AVX2+FMA backend covers affine 2-, 4- and 8-bit blocks for
-//! scores and axpy. The integer score path ([`scores_int8_with`]) has AVX2, AVX-512 VNNI and
+//! per-channel parameters; the AVX2+FMA backend covers affine and table 2-, 4- and 8-bit
+//! blocks for scores and axpy. The integer score path ([`scores_int8_with`]) has AVX2, AVX-512 VNNI and
 //! aarch64 dotprod kernels, all equal to [`scalar::scores_int8`] bit for bit. The `avx512`
 //! backend's float kernels are the AVX2 ones: [`implementation`] says which code actually
 //! runs, so no log claims a path that did not run.
