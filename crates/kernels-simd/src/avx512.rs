@@ -6,7 +6,7 @@
 //! Covered: affine 4-bit rows of a multiple of 128 codes and 8-bit rows of a multiple of 64
 //! (u8 codes × i8 query directly: no widening and no shift). Other blocks run the AVX2
 //! integer kernel. The query rounding, the epilogue and so the scores are those of every
-//! other integer kernel ([`crate::int8`]), bit for bit.
+//! other integer kernel (the crate's shared `int8` algebra), bit for bit.
 //!
 //! The float kernels of the `avx512` backend are the AVX2 ones: on the AMD Zen 4 this crate
 //! is measured on, 512-bit float FMAs run as two 256-bit halves, and the float kernels are
@@ -306,7 +306,7 @@ unsafe fn vsums<const BITS: u8, const NQ: usize>(
     }
 }
 
-/// Value accumulation through `vpdpwssd` with the weights rounded to i16 (see [`crate::intv`]
+/// Value accumulation through `vpdpwssd` with the weights rounded to i16 (see the `intv` module
 /// for the algebra and the error bound: each output within `sw / 2 · Σ_r |level|`, `sw` the
 /// largest `|p · scale|` of the block over 32767). Equal, bit for bit, to
 /// [`crate::scalar::axpy_int`]. Returns `false`, computing nothing, when
