@@ -385,20 +385,21 @@ impl int8::IntKernel for Avx2Int {
 pub(crate) unsafe fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     let sign = _mm256_set1_ps(-0.0);
-    let mut m = _mm256_setzero_ps();
+    let (mut m, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mut chunks = q.chunks_exact(8);
     for c in &mut chunks {
         // SAFETY: `c` is 8 floats.
         let x = unsafe { _mm256_loadu_ps(c.as_ptr()) };
         m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
     }
     let mut lanes = [0f32; 8];
     // SAFETY: `lanes` holds 8 floats.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+    let any_nan = _mm256_movemask_ps(nan) != 0 || chunks.remainder().iter().any(|v| v.is_nan());
     let max =
         chunks.remainder().iter().chain(&lanes).fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
-    let scale = if max > 0.0 { max / 127.0 } else { 0.0 };
-    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    let (scale, inv) = int8::scale_of(max, any_nan, 127.0);
     let start = out.len();
     out.resize(start + q.len(), 0);
     let dst = &mut out[start..];

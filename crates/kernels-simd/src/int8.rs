@@ -38,19 +38,51 @@ pub(crate) fn round_symmetric<T: Copy + Default>(
     out: &mut Vec<T>,
     cast: impl Fn(i32) -> T,
 ) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
     let mut lanes = [0f32; 8];
+    let mut nan = [false; 8];
     let mut chunks = x.chunks_exact(8);
     for c in &mut chunks {
-        for (m, &v) in lanes.iter_mut().zip(c) {
+        for ((m, n), &v) in lanes.iter_mut().zip(&mut nan).zip(c) {
             let a = v.abs();
             *m = if a > *m { a } else { *m };
+            *n |= v.is_nan();
         }
     }
+    let any_nan = nan.contains(&true) || chunks.remainder().iter().any(|v| v.is_nan());
     let max =
         chunks.remainder().iter().chain(&lanes).fold(0f32, |m, &v| if v.abs() > m { v.abs() } else { m });
-    let scale = if max > 0.0 { max / limit } else { 0.0 };
-    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    finish_rounding(x, limit, max, any_nan, out, cast)
+}
+
+/// The scale `max / limit` of a rounding and its inverse (0 for a zero scale); NaN when any
+/// value was NaN.
+#[inline(always)]
+pub(crate) fn scale_of(max: f32, any_nan: bool, limit: f32) -> (f32, f32) {
+    let scale = if any_nan {
+        f32::NAN
+    } else if max > 0.0 {
+        max / limit
+    } else {
+        0.0
+    };
+    (scale, if scale > 0.0 { 1.0 / scale } else { 0.0 })
+}
+
+/// The scale of [`round_symmetric`] from the largest `|x|`, and the rounding itself: shared by
+/// the architecture versions, so that every one gives the same bytes. A NaN anywhere in `x`
+/// makes the scale NaN, so that it reaches every result computed with it (a NaN would
+/// otherwise drop out of the maximum and leave finite, meaningless codes).
+#[inline(always)]
+pub(crate) fn finish_rounding<T: Copy + Default>(
+    x: &[f32],
+    limit: f32,
+    max: f32,
+    any_nan: bool,
+    out: &mut Vec<T>,
+    cast: impl Fn(i32) -> T,
+) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    let (scale, inv) = scale_of(max, any_nan, limit);
     // For |v| ≤ limit the sum's bits are MAGIC's plus the rounded value, so an integer
     // subtraction reads it out (no float-to-int conversion with its NaN checks).
     let magic_bits = MAGIC.to_bits() as i32;

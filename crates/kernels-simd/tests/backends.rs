@@ -519,3 +519,44 @@ fn integer_values_equal_their_reference_and_stay_within_their_bound() {
     }
     let _ = ran;
 }
+
+/// A NaN in a query row or a weight row must not vanish in the int8 / i16 rounding (the
+/// maximum that sets the scale ignores NaN): every result of that row is NaN, on every
+/// backend and in the references, and the other rows are untouched.
+#[test]
+fn nan_inputs_reach_the_integer_results() {
+    use kvq_kernels_simd::{axpy_int_with, scores_int8_with};
+    let mut rng = Rng::new(404);
+    for backend in available() {
+        for (bits, dim) in [(4u8, 128usize), (8, 64), (4, 64), (8, 128)] {
+            let mut case = Case::random(&mut rng, 5, dim, bits, 0);
+            case.levels_kind = 0;
+            let b = case.block();
+            let mut q: Vec<f32> = (0..2 * dim).map(|_| rng.normal() as f32).collect();
+            q[dim + 7] = f32::NAN;
+            let mut s = vec![0f32; 10];
+            scores_int8_with(backend, &b, &q, 2, &mut s).unwrap();
+            assert!(
+                s[..5].iter().all(|x| x.is_finite()) && s[5..].iter().all(|x| x.is_nan()),
+                "{backend}: {s:?}"
+            );
+            let mut p: Vec<f32> = (0..10).map(|_| rng.uniform() as f32).collect();
+            p[2] = f32::NAN;
+            let mut o = vec![0f32; 2 * dim];
+            axpy_int_with(backend, &b, &p, 2, &mut o).unwrap();
+            assert!(
+                o[..dim].iter().all(|x| x.is_nan()) && o[dim..].iter().all(|x| x.is_finite()),
+                "{backend}"
+            );
+        }
+    }
+    let mut case = Case::random(&mut rng, 3, 64, 4, 0);
+    case.levels_kind = 0;
+    let b = case.block();
+    let mut s = vec![0f32; 3];
+    assert!(scalar::scores_int8(&b, &[f32::NAN; 64], 1, &mut s));
+    assert!(s.iter().all(|x| x.is_nan()));
+    let mut o = vec![0f32; 64];
+    assert!(scalar::axpy_int(&b, &[0.5, f32::NAN, 0.5], 1, &mut o));
+    assert!(o.iter().all(|x| x.is_nan()));
+}
