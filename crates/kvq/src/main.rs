@@ -87,6 +87,10 @@ enum Command {
             default_value = "int8-token,int4-channel/int4-token,int2-channel/int2-token"
         )]
         specs: Vec<String>,
+        /// Also time the integer paths (int8 queries for scores; i16 value weights where the
+        /// CPU has AVX-512 VNNI), one more row per spec.
+        #[arg(long)]
+        integer: bool,
     },
     /// Choose per-layer K and V specs that minimize attention error under an average bit
     /// budget (metadata counted), and write a cache config.
@@ -164,7 +168,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
-        Command::Bench { context, steps, specs } => bench(context, steps, &specs),
+        Command::Bench { context, steps, specs, integer } => bench(context, steps, &specs, integer),
         Command::Recommend { file, budget_bits, out, positions, json } => {
             let tf = open_input(file.as_deref())?;
             let layers = analysis::layers_from_file(&tf)?;
@@ -285,7 +289,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 
 /// `kvq bench`: decode attention per spec, against an f32 cache read by the same algorithm
 /// (a per-token f32 "spec" is not a format, so the baseline is the f32 dot/axpy loop).
-fn bench(context: usize, steps: usize, specs: &[String]) -> Result<(), Box<dyn std::error::Error>> {
+fn bench(
+    context: usize,
+    steps: usize,
+    specs: &[String],
+    integer: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use kvq::attention::{ScorePath, decode_attention_path};
     use kvq::layout::{CacheConfig, PagedCache};
     use kvq::quant::synth::normal_tensor;
     use std::time::Instant;
@@ -347,9 +357,9 @@ fn bench(context: usize, steps: usize, specs: &[String]) -> Result<(), Box<dyn s
     println!(
         "decode attention, {q_heads} query / {kv_heads} KV heads × {d}, {context} tokens, {steps} steps, backend {backend}, one thread"
     );
-    println!("{:<28} {:>10} {:>12} {:>9} {:>8}", "cache", "ms/step", "cache MiB", "GB/s", "vs f32");
+    println!("{:<34} {:>10} {:>12} {:>9} {:>8}", "cache", "ms/step", "cache MiB", "GB/s", "vs f32");
     println!(
-        "{:<28} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x",
+        "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x",
         "f32 (baseline)",
         base * 1e3,
         f32_bytes as f64 / 1048576.0,
@@ -362,23 +372,32 @@ fn bench(context: usize, steps: usize, specs: &[String]) -> Result<(), Box<dyn s
             .with_block_size(32)
             .with_row_kernels(kvq::kernels::row_kernels()?);
         let mut cache = PagedCache::new(config)?;
+        // As QuantizedKvCache does: 2 MiB pages for the pool where the system allows it.
+        kvq::kernels::advise_huge_pages(cache.pool().arena());
         let seq = cache.create();
         cache.extend(seq, 0, &k, &v)?;
         let bytes = cache.memory().used_bytes();
         // One thread, like the baseline, so the ratio compares code, not cores.
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
-        let t = time(&mut || {
-            pool.install(|| kvq::attention::decode_attention(&cache, seq, 0, &q, q_heads, &mut out))
-                .expect("shapes checked above");
-        });
-        println!(
-            "{:<28} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x",
-            spec.name(),
-            t * 1e3,
-            bytes as f64 / 1048576.0,
-            bytes as f64 / t / 1e9,
-            base / t
-        );
+        let paths: &[(ScorePath, &str)] = if integer {
+            &[(ScorePath::Float, ""), (ScorePath::Int8, " (integer)")]
+        } else {
+            &[(ScorePath::Float, "")]
+        };
+        for &(path, label) in paths {
+            let t = time(&mut || {
+                pool.install(|| decode_attention_path(backend, path, &cache, seq, 0, &q, q_heads, &mut out))
+                    .expect("shapes checked above");
+            });
+            println!(
+                "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x",
+                format!("{}{label}", spec.name()),
+                t * 1e3,
+                bytes as f64 / 1048576.0,
+                bytes as f64 / t / 1e9,
+                base / t
+            );
+        }
     }
     Ok(())
 }
