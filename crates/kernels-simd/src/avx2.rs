@@ -383,7 +383,7 @@ impl int8::IntKernel for Avx2Int {
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 pub(crate) unsafe fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
+    use int8::MAGIC;
     let sign = _mm256_set1_ps(-0.0);
     let (mut m, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mut chunks = q.chunks_exact(8);
@@ -397,9 +397,7 @@ pub(crate) unsafe fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
     // SAFETY: `lanes` holds 8 floats.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
     let any_nan = _mm256_movemask_ps(nan) != 0 || chunks.remainder().iter().any(|v| v.is_nan());
-    let max =
-        chunks.remainder().iter().chain(&lanes).fold(0f32, |m, &x| if x.abs() > m { x.abs() } else { m });
-    let (scale, inv) = int8::scale_of(max, any_nan, 127.0);
+    let (scale, inv) = int8::scale_of(int8::lane_max(&lanes, chunks.remainder()), any_nan, 127.0);
     let start = out.len();
     out.resize(start + q.len(), 0);
     let dst = &mut out[start..];
@@ -419,10 +417,8 @@ pub(crate) unsafe fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
         // SAFETY: `o` is 32 bytes.
         unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_permutevar8x32_epi32(packed, order)) };
     }
-    let magic_bits = MAGIC.to_bits() as i32;
     for (o, &x) in dst[full..].iter_mut().zip(&q[full..]) {
-        let v = (x * inv).clamp(-127.0, 127.0);
-        *o = ((v + MAGIC).to_bits() as i32 - magic_bits) as i8;
+        *o = int8::round_code(x, inv, 127.0) as i8;
     }
     scale
 }

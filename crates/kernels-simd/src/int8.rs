@@ -49,9 +49,25 @@ pub(crate) fn round_symmetric<T: Copy + Default>(
         }
     }
     let any_nan = nan.contains(&true) || chunks.remainder().iter().any(|v| v.is_nan());
-    let max =
-        chunks.remainder().iter().chain(&lanes).fold(0f32, |m, &v| if v.abs() > m { v.abs() } else { m });
-    finish_rounding(x, limit, max, any_nan, out, cast)
+    finish_rounding(x, limit, lane_max(&lanes, chunks.remainder()), any_nan, out, cast)
+}
+
+/// The largest `|v|` of the values not taken into lanes and of the lanes' maxima (NaN skipped).
+#[inline(always)]
+pub(crate) fn lane_max(lanes: &[f32; 8], rest: &[f32]) -> f32 {
+    rest.iter().chain(lanes).fold(0f32, |m, &v| if v.abs() > m { v.abs() } else { m })
+}
+
+/// 1.5 · 2^23: for `|v| ≤ 2^22`, the bits of `v + MAGIC` are MAGIC's plus `v` rounded (ties to
+/// even), so an integer subtraction reads the rounded value out (no float-to-int conversion
+/// with its NaN checks).
+pub(crate) const MAGIC: f32 = 12_582_912.0;
+
+/// `v · inv` rounded (ties to even) into `−limit..=limit`, the element step of every rounding.
+#[inline(always)]
+pub(crate) fn round_code(v: f32, inv: f32, limit: f32) -> i32 {
+    let v = (v * inv).clamp(-limit, limit);
+    (v + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32
 }
 
 /// The scale `max / limit` of a rounding and its inverse (0 for a zero scale); NaN when any
@@ -68,12 +84,11 @@ pub(crate) fn scale_of(max: f32, any_nan: bool, limit: f32) -> (f32, f32) {
     (scale, if scale > 0.0 { 1.0 / scale } else { 0.0 })
 }
 
-/// The scale of [`round_symmetric`] from the largest `|x|`, and the rounding itself: shared by
-/// the architecture versions, so that every one gives the same bytes. A NaN anywhere in `x`
-/// makes the scale NaN, so that it reaches every result computed with it (a NaN would
-/// otherwise drop out of the maximum and leave finite, meaningless codes).
+/// The scale of [`round_symmetric`] from the largest `|x|`, and the rounding itself. A NaN
+/// anywhere in `x` makes the scale NaN, so that it reaches every result computed with it (a
+/// NaN would otherwise drop out of the maximum and leave finite, meaningless codes).
 #[inline(always)]
-pub(crate) fn finish_rounding<T: Copy + Default>(
+fn finish_rounding<T: Copy + Default>(
     x: &[f32],
     limit: f32,
     max: f32,
@@ -81,18 +96,13 @@ pub(crate) fn finish_rounding<T: Copy + Default>(
     out: &mut Vec<T>,
     cast: impl Fn(i32) -> T,
 ) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
     let (scale, inv) = scale_of(max, any_nan, limit);
-    // For |v| ≤ limit the sum's bits are MAGIC's plus the rounded value, so an integer
-    // subtraction reads it out (no float-to-int conversion with its NaN checks).
-    let magic_bits = MAGIC.to_bits() as i32;
     // Into a slice of the final length (not `extend`, which compiles to an out-of-line fold
     // that does not vectorize).
     let start = out.len();
     out.resize(start + x.len(), T::default());
     for (o, &v) in out[start..].iter_mut().zip(x) {
-        let v = (v * inv).clamp(-limit, limit);
-        *o = cast((v + MAGIC).to_bits() as i32 - magic_bits);
+        *o = cast(round_code(v, inv, limit));
     }
     scale
 }

@@ -94,6 +94,18 @@ fn check_scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &[f32]) -> Resul
     })
 }
 
+fn check_axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &[f32]) -> Result<(), KernelError> {
+    check(p.len() == n_q * b.rows && out.len() == n_q * b.dim, || {
+        format!(
+            "{n_q} weight rows: {} weights and {} outputs for a block of {} × {}",
+            p.len(),
+            out.len(),
+            b.rows,
+            b.dim
+        )
+    })
+}
+
 /// `out[r · dim + d] = x̂[r][d]` with `backend`.
 ///
 /// # Errors
@@ -139,15 +151,7 @@ pub fn axpy_with(
     n_q: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    check(p.len() == n_q * b.rows && out.len() == n_q * b.dim, || {
-        format!(
-            "{n_q} weight rows: {} weights and {} outputs for a block of {} × {}",
-            p.len(),
-            out.len(),
-            b.rows,
-            b.dim
-        )
-    })?;
+    check_axpy(b, p, n_q, out)?;
     match implementation(backend) {
         Backend::Scalar => scalar::axpy(b, p, n_q, out),
         #[cfg(target_arch = "x86_64")]
@@ -210,12 +214,9 @@ pub fn axpy_int_with(
     n_q: usize,
     out: &mut [f32],
 ) -> Result<bool, KernelError> {
+    check_axpy(b, p, n_q, out)?;
     #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512
-        && p.len() == n_q * b.rows
-        && out.len() == n_q * b.dim
-        && avx512::axpy_int(b, p, n_q, out)
-    {
+    if backend == Backend::Avx512 && avx512::axpy_int(b, p, n_q, out) {
         return Ok(true);
     }
     axpy_with(backend, b, p, n_q, out).map(|()| false)
