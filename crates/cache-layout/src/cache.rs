@@ -281,9 +281,13 @@ impl PagedCache {
         )
     }
 
-    /// Blocks an extension of `layer` by `n` tokens needs: new blocks plus copies of shared
-    /// blocks it would write.
-    fn blocks_needed(&self, seq: SeqId, layer: usize, n: usize) -> Result<usize> {
+    /// Blocks an extension of `layer` of `seq` by `n` tokens needs from the pool: new blocks
+    /// plus copies of shared blocks it would write. An engine compares it with
+    /// `pool().free_blocks()` to schedule work that cannot fail for lack of blocks.
+    ///
+    /// # Errors
+    /// [`crate::CacheError::UnknownSequence`], [`crate::CacheError::Layer`].
+    pub fn blocks_needed(&self, seq: SeqId, layer: usize, n: usize) -> Result<usize> {
         let ls = self.layer_seq(seq, layer)?;
         let plan = WritePlan::new(&self.config, &self.parts, ls, n);
         let heads = self.config.kv_heads;

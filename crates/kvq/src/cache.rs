@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use kvq_cache_layout::{CacheConfig, CacheError, CacheMemory, PagedCache, SeqId, TailDtype};
-use kvq_quant_core::{Calibration, QuantSpec, Tensor};
+use kvq_quant_core::{Calibration, QuantSpec, RopePairing, Tensor};
 
 use crate::attention::{AttentionError, ScorePath, decode_attention_path};
 
@@ -68,6 +68,10 @@ pub struct KvCacheConfig {
     pub layers: Vec<LayerSpecs>,
     /// Static ranges, for per-tensor and per-head specs.
     pub calibration: Option<Calibration>,
+    /// Which channels of the cached keys rotate together under RoPE, when known (the model
+    /// that writes the keys sets it: GGUF Llama weights pair `(2i, 2i + 1)`, Hugging Face
+    /// checkpoints `(i, i + d/2)`). Recorded for quantizers that work on RoPE pairs.
+    pub rope_pairing: Option<RopePairing>,
 }
 
 /// Builds a [`KvCacheConfig`] with sensible defaults: INT4 per-channel keys and INT4 per-token
@@ -101,6 +105,7 @@ impl KvCacheConfig {
                 blocks_per_layer: 1024,
                 layers: vec![LayerSpecs { k, v }; layers],
                 calibration: None,
+                rope_pairing: None,
             },
             error: None,
         }
@@ -265,6 +270,12 @@ impl KvCacheConfigBuilder {
         self
     }
 
+    /// The RoPE channel pairing of the keys that will be cached.
+    pub fn rope_pairing(mut self, p: RopePairing) -> Self {
+        self.config.rope_pairing = Some(p);
+        self
+    }
+
     /// Validates and returns the config.
     ///
     /// # Errors
@@ -298,6 +309,8 @@ struct Wire {
     layers: Vec<WireLayer>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     calibration: Option<Calibration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope_pairing: Option<RopePairing>,
 }
 
 impl From<&KvCacheConfig> for Wire {
@@ -314,6 +327,7 @@ impl From<&KvCacheConfig> for Wire {
             blocks_per_layer: c.blocks_per_layer,
             layers: c.layers.iter().map(|l| WireLayer { k: l.k.to_string(), v: l.v.to_string() }).collect(),
             calibration: c.calibration.clone(),
+            rope_pairing: c.rope_pairing,
         }
     }
 }
@@ -345,6 +359,7 @@ impl TryFrom<Wire> for KvCacheConfig {
             blocks_per_layer: w.blocks_per_layer,
             layers,
             calibration: w.calibration,
+            rope_pairing: w.rope_pairing,
         };
         c.validate()?;
         Ok(c)
@@ -417,6 +432,23 @@ impl QuantizedKvCache {
     /// [`KvqError::Cache`]; nothing changes on error.
     pub fn extend(&mut self, seq: SeqId, layer: usize, k: &Tensor, v: &Tensor) -> Result<(), KvqError> {
         Ok(self.layer_mut(layer)?.extend(seq, 0, k, v)?)
+    }
+
+    /// Checks that `tokens` more tokens of `seq` fit in every layer's pool, without changing
+    /// anything: after `Ok`, appending them to every layer cannot fail for lack of blocks.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`]: [`CacheError::PoolExhausted`] naming the first layer's shortfall,
+    /// or an unknown sequence.
+    pub fn check_capacity(&self, seq: SeqId, tokens: usize) -> Result<(), KvqError> {
+        for c in &self.layers {
+            let needed = c.blocks_needed(seq, 0, tokens)?;
+            let free = c.pool().free_blocks();
+            if needed > free {
+                return Err(KvqError::Cache(CacheError::PoolExhausted { needed, free }));
+            }
+        }
+        Ok(())
     }
 
     /// A copy-on-write fork of `seq` in every layer.

@@ -8,6 +8,7 @@ fn config() -> KvCacheConfig {
         .block_size(8)
         .layer_specs(1, "int8-token".parse().unwrap(), "int8-token".parse().unwrap())
         .blocks_per_layer(64)
+        .rope_pairing(kvq::quant::RopePairing::Interleaved)
         .build()
         .unwrap()
 }
@@ -17,6 +18,7 @@ fn config_round_trips_through_toml_and_json() {
     let c = config();
     let toml = c.to_toml();
     assert!(toml.contains("version = 1") && toml.contains("k = \"int8-token\""), "{toml}");
+    assert!(toml.contains("rope_pairing = \"interleaved\""), "{toml}");
     assert_eq!(KvCacheConfig::from_toml(&toml).unwrap(), c);
     assert_eq!(KvCacheConfig::from_json(&c.to_json()).unwrap(), c);
     let dir = std::env::temp_dir().join(format!("kvq-config-{}", std::process::id()));

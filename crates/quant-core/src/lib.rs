@@ -37,6 +37,7 @@ pub mod metrics;
 pub mod pack;
 pub mod params;
 pub mod quantize;
+pub mod rope;
 pub mod rowkernels;
 pub mod synth;
 pub mod tensor;
@@ -53,5 +54,6 @@ pub use quantize::{
     GroupLayout, QuantizedTensor, encode_row_with, quantize, quantize_row, quantize_row_with,
     quantize_with_ranges, row_params_with, row_stats,
 };
+pub use rope::RopePairing;
 pub use rowkernels::{Linear, RowKernels};
 pub use tensor::{Shape, Tensor};
