@@ -1,0 +1,296 @@
+//! `kvq-eval`: what a quantized KV cache does to a model's next-token predictions.
+//!
+//! Runs a GGUF Llama-family model over real tokens with the f32 reference cache and with each
+//! kvq cache asked for, in lockstep, and reports perplexity, KL(reference ‖ quantized) of the
+//! next-token distributions, top-1 agreement, the cache's bits per value from its own memory
+//! report, and tokens per second against the reference in the same run.
+//!
+//! ```text
+//! cargo run --release -p kvq-candle --bin kvq-eval -- \
+//!     --tokens ../shared/data/kv-smollm2-135m-sample.safetensors --specs int8,int4-channel/int4-token
+//! cargo run --release -p kvq-candle --bin kvq-eval -- --text botchan.txt --ctx 512 --chunks 12
+//! ```
+//!
+//! Exit codes: 0 success, 1 runtime error (one line on stderr), 2 usage.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::Parser;
+use kvq::analysis::KvSpec;
+use kvq::attention::ScorePath;
+use kvq::cache::KvCacheConfig;
+use kvq::layout::TailDtype;
+use kvq_candle::eval::{Candidate, Protocol, Report, evaluate};
+use kvq_candle::{GgufTokenizer, LlamaModel, Weights};
+
+/// Where `cargo xtask fetch-model smollm2-135m` puts the model.
+const DEFAULT_MODEL: &str = "target/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The specs run when none are given: the KIVI-style default at 8, 4, 3 and 2 bits.
+const DEFAULT_SPECS: &str =
+    "int8-channel/int8-token,int4-channel/int4-token,int3-channel/int3-token,int2-channel/int2-token";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvq-eval",
+    about = "KL divergence, top-1 agreement and perplexity of quantized KV caches against an f32 cache, on a real model"
+)]
+struct Args {
+    /// The GGUF model (Llama-family). Default: the model `cargo xtask fetch-model smollm2-135m` fetches.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Token ids: the `input_ids` tensor of a safetensors file (such as a `kvq analyze` dump).
+    #[arg(long, conflicts_with = "text", required_unless_present = "text")]
+    tokens: Option<PathBuf>,
+    /// A text file, tokenized with the GGUF's own tokenizer (BOS added when the model adds one).
+    #[arg(long)]
+    text: Option<PathBuf>,
+    /// Cache specs, comma-separated: `KSPEC/VSPEC`, one spec for both, or `f32` (kvq's cache
+    /// holding every token in full precision, to check its attention path). Each gets kvq's
+    /// cache defaults (blocks of 32, one residual block, 4 sink tokens, f16 tails) unless the
+    /// flags below change them.
+    #[arg(long, conflicts_with = "config")]
+    specs: Option<String>,
+    /// Cache config files (TOML or JSON, as `kvq recommend` writes them), comma-separated; run as they are.
+    #[arg(long, value_delimiter = ',')]
+    config: Vec<PathBuf>,
+    /// Prefill this many tokens, then decode one token at a time (real decode).
+    #[arg(long, default_value_t = 256)]
+    prefill: usize,
+    /// llama-perplexity's protocol: chunks of N tokens from an empty cache, scored over their second half.
+    #[arg(long, requires = "chunks")]
+    ctx: Option<usize>,
+    /// Number of chunks for --ctx.
+    #[arg(long, requires = "ctx")]
+    chunks: Option<usize>,
+    /// Use only the first N tokens.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Attention arithmetic: `float`, or `int8` (int8 queries and i16 value weights where the CPU has them).
+    #[arg(long, default_value = "float")]
+    path: String,
+    /// Tokens per block (for --specs).
+    #[arg(long, default_value_t = 32)]
+    block_size: usize,
+    /// Extra full-precision blocks for per-channel keys (for --specs).
+    #[arg(long, default_value_t = 1)]
+    residual_blocks: usize,
+    /// Leading tokens kept in full precision (for --specs).
+    #[arg(long, default_value_t = 4)]
+    sinks: usize,
+    /// Weight matrices: `f32` (dequantized at load, so that the caches alone differ) or
+    /// `native` (candle's quantized matmuls, which round activations to 8 bits: a noise floor
+    /// of its own under every cache's figures).
+    #[arg(long, default_value = "f32")]
+    weights: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvq-eval: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+    if !model_path.exists() {
+        return Err(format!(
+            "{}: no such model file; `cargo xtask fetch-model smollm2-135m` fetches SmolLM2-135M-Instruct into target/models/",
+            model_path.display()
+        )
+        .into());
+    }
+    let weights = match args.weights.as_str() {
+        "f32" => Weights::F32,
+        "native" => Weights::Native,
+        other => return Err(format!("--weights {other:?}: use f32 or native").into()),
+    };
+    let model = LlamaModel::load_with(&model_path, weights)?;
+    let mut tokens = match (&args.tokens, &args.text) {
+        (Some(p), _) => read_input_ids(p)?,
+        (None, Some(p)) => {
+            let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+            GgufTokenizer::load(&model_path)?.encode(&text)?
+        }
+        (None, None) => unreachable!("clap requires one"),
+    };
+    if let Some(n) = args.max_tokens {
+        tokens.truncate(n);
+    }
+    let protocol = match (args.ctx, args.chunks) {
+        (Some(ctx), Some(chunks)) => Protocol::Chunks { ctx, chunks },
+        _ => Protocol::Decode { prefill: args.prefill },
+    };
+    let longest = match protocol {
+        Protocol::Chunks { ctx, .. } => ctx,
+        Protocol::Decode { .. } => tokens.len(),
+    };
+    let path = match args.path.as_str() {
+        "float" => ScorePath::Float,
+        "int8" => ScorePath::Int8,
+        other => return Err(format!("--path {other:?}: use float or int8").into()),
+    };
+    let candidates = candidates(args, &model, longest, path)?;
+    let c = model.config();
+    eprintln!(
+        "kvq-eval: {} ({} layers, {} query / {} KV heads of {}, {}; multiplied as {}), {} tokens, {} threads",
+        model_path.display(),
+        c.layers,
+        c.heads,
+        c.kv_heads,
+        c.head_dim,
+        model.weight_types().iter().map(|(t, n)| format!("{n} {t}")).collect::<Vec<_>>().join(", "),
+        args.weights,
+        tokens.len(),
+        candle_core::utils::get_num_threads(),
+    );
+    let report = evaluate(&model, &tokens, protocol, &candidates, progress())?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+/// The caches to evaluate, each checked against the model and given enough blocks.
+fn candidates(
+    args: &Args,
+    model: &LlamaModel,
+    longest: usize,
+    path: ScorePath,
+) -> Result<Vec<Candidate>, Box<dyn std::error::Error>> {
+    let c = model.config();
+    let blocks_needed = |block_size: usize| longest.div_ceil(block_size.max(1)) * c.kv_heads + c.kv_heads;
+    let mut out = Vec::new();
+    if !args.config.is_empty() {
+        for p in &args.config {
+            let mut config = KvCacheConfig::load(p)?;
+            c.check_cache(&config).map_err(|e| format!("{}: {e}", p.display()))?;
+            let need = blocks_needed(config.block_size);
+            if config.blocks_per_layer < need {
+                eprintln!(
+                    "kvq-eval: {}: {} blocks per layer hold fewer than {longest} tokens; using {need}",
+                    p.display(),
+                    config.blocks_per_layer
+                );
+                config.blocks_per_layer = need;
+            }
+            out.push(Candidate { name: p.display().to_string(), config, path });
+        }
+        return Ok(out);
+    }
+    for name in
+        args.specs.as_deref().unwrap_or(DEFAULT_SPECS).split(',').map(str::trim).filter(|s| !s.is_empty())
+    {
+        let builder = c.cache_builder().blocks_per_layer(blocks_needed(args.block_size));
+        let config = if name == "f32" {
+            builder.sink_tokens(longest).tail_dtype(TailDtype::F32).blocks_per_layer(c.kv_heads).build()?
+        } else {
+            let spec = KvSpec::parse(name).map_err(|e| format!("spec {name:?}: {e}"))?;
+            builder
+                .specs(spec.k, spec.v)
+                .block_size(args.block_size)
+                .residual_blocks(args.residual_blocks)
+                .sink_tokens(args.sinks)
+                .build()
+                .map_err(|e| format!("spec {name:?}: {e}"))?
+        };
+        out.push(Candidate { name: name.to_string(), config, path });
+    }
+    Ok(out)
+}
+
+/// The `input_ids` of a safetensors file, as u32, checked for shape and range.
+fn read_input_ids(path: &Path) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    let t = st.tensor("input_ids").map_err(|_| format!("{}: no input_ids tensor", path.display()))?;
+    let n: usize = t.shape().iter().product();
+    if t.shape().iter().filter(|&&d| d != 1).count() > 1 {
+        return Err(
+            format!("{}: input_ids shaped {:?}: one sequence expected", path.display(), t.shape()).into()
+        );
+    }
+    let data = t.data();
+    let ids: Vec<i64> = match t.dtype() {
+        safetensors::Dtype::I32 => {
+            data.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()).into()).collect()
+        }
+        safetensors::Dtype::I64 => {
+            data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()
+        }
+        safetensors::Dtype::U32 => {
+            data.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap()).into()).collect()
+        }
+        other => return Err(format!("{}: input_ids of {other:?}: integers expected", path.display()).into()),
+    };
+    debug_assert_eq!(ids.len(), n);
+    ids.iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            u32::try_from(id).map_err(|_| format!("{}: input_ids[{i}] = {id}", path.display()).into())
+        })
+        .collect()
+}
+
+fn progress() -> impl FnMut(usize, usize) {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "evaluating [{bar:30}] {pos}/{len} steps ({elapsed}, {eta} left)",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    move |done, all| {
+        bar.set_length(all as u64);
+        bar.set_position(done as u64);
+        if done == all {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+fn print_table(r: &Report) {
+    let what = match r.protocol {
+        Protocol::Decode { prefill } => format!("real decode after a prefill of {prefill} tokens"),
+        Protocol::Chunks { ctx, chunks } => format!("{chunks} chunks of {ctx} tokens, second halves scored"),
+    };
+    println!(
+        "{what}: {} predictions; reference (f32 cache): PPL {:.4}, {:.1} KiB",
+        r.positions,
+        r.ppl_ref,
+        r.ref_cache_bytes as f64 / 1024.0
+    );
+    println!(
+        "{:<32} {:>6} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9} {:>8} {:>7} {:>7} {:>6}",
+        "cache", "bits", "KiB", "PPL", "ratio", "mean KL", "median", "p99", "max", "top-1", "tok/s", "vs ref"
+    );
+    for c in &r.candidates {
+        println!(
+            "{:<32} {:>6.3} {:>9.1} {:>9.4} {:>7.4} {:>9.2e} {:>9.2e} {:>9.2e} {:>8.2e} {:>6.1}% {:>7.1} {:>5.2}x",
+            c.name,
+            c.bits_per_value,
+            c.cache_bytes as f64 / 1024.0,
+            c.ppl,
+            c.ppl_ratio,
+            c.kl_mean,
+            c.kl_median,
+            c.kl_p99,
+            c.kl_max,
+            100.0 * c.same_top1,
+            c.tokens_per_s,
+            c.tokens_per_s / c.ref_tokens_per_s,
+        );
+    }
+}

@@ -1,0 +1,558 @@
+//! A Llama-family decoder (Llama, SmolLM, Mistral-style GGUFs, Qwen2 with its q/k/v bias) whose
+//! attention reads and writes a [`KvStore`]: kvq's quantized cache or the f32 reference.
+//!
+//! Weights come from a GGUF file through candle-core's `gguf_file` and `QMatMul`, so every
+//! weight type candle can multiply (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K)
+//! loads. Projections and the MLP are candle ops; attention is the store's: each new token's
+//! keys and values are appended to the layer, then its queries attend over the layer, so a
+//! prefill of `T` tokens sees exactly what `T` decode steps would.
+
+use std::collections::HashMap;
+use std::io::{Read, Seek};
+use std::path::Path;
+
+use candle_core::quantized::{GgmlDType, QMatMul, gguf_file};
+use candle_core::{D, Device, Module, Tensor};
+use kvq::quant::RopePairing;
+
+use crate::convert::to_f32_vec;
+use crate::error::{Error, Result};
+use crate::store::KvStore;
+
+/// The shape of a Llama-family model, from its GGUF metadata.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// `general.architecture` (`llama` or `qwen2`).
+    pub architecture: String,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads (GQA when fewer than `heads`).
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// MLP width.
+    pub ffn: usize,
+    /// Vocabulary size (rows of the token embedding).
+    pub vocab: usize,
+    /// RMSNorm epsilon.
+    pub rms_eps: f64,
+    /// RoPE base frequency.
+    pub rope_theta: f32,
+    /// Which channels RoPE rotates together in these weights.
+    pub rope_pairing: RopePairing,
+    /// The context the model was trained for (`{arch}.context_length`; 0 when absent).
+    pub context_length: usize,
+    /// The beginning-of-sequence token.
+    pub bos: Option<u32>,
+    /// Whether the tokenizer puts `bos` in front of a text.
+    pub add_bos: bool,
+}
+
+fn md<'a>(ct: &'a gguf_file::Content, key: &str) -> Option<&'a gguf_file::Value> {
+    ct.metadata.get(key)
+}
+
+/// An integer metadata value of any integer type.
+fn md_usize(ct: &gguf_file::Content, key: &str) -> Result<Option<usize>> {
+    use gguf_file::Value as V;
+    let Some(v) = md(ct, key) else { return Ok(None) };
+    let n: Option<u64> = match *v {
+        V::U8(x) => Some(x.into()),
+        V::U16(x) => Some(x.into()),
+        V::U32(x) => Some(x.into()),
+        V::U64(x) => Some(x),
+        V::I8(x) => u64::try_from(x).ok(),
+        V::I16(x) => u64::try_from(x).ok(),
+        V::I32(x) => u64::try_from(x).ok(),
+        V::I64(x) => u64::try_from(x).ok(),
+        _ => None,
+    };
+    match n.and_then(|n| usize::try_from(n).ok()) {
+        Some(n) => Ok(Some(n)),
+        None => Err(bad(format!("metadata {key} is {v:?}, not a non-negative integer"))),
+    }
+}
+
+fn md_f64(ct: &gguf_file::Content, key: &str) -> Result<Option<f64>> {
+    use gguf_file::Value as V;
+    match md(ct, key) {
+        None => Ok(None),
+        Some(V::F32(x)) => Ok(Some(f64::from(*x))),
+        Some(V::F64(x)) => Ok(Some(*x)),
+        Some(v) => Err(bad(format!("metadata {key} is {v:?}, not a float"))),
+    }
+}
+
+fn bad(reason: String) -> Error {
+    Error::Model { path: String::new(), reason }
+}
+
+/// Upper bounds that no real model reaches; sizes beyond them are a corrupt or crafted file.
+const MAX_DIM: usize = 1 << 20;
+const MAX_LAYERS: usize = 1024;
+
+impl LlamaConfig {
+    /// Reads the model's shape from GGUF metadata and the token embedding's shape.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for an architecture other than `llama`/`qwen2` or partial RoPE;
+    /// [`Error::Model`] for missing or inconsistent metadata.
+    pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self> {
+        let architecture = match md(ct, "general.architecture") {
+            Some(gguf_file::Value::String(s)) => s.clone(),
+            _ => return Err(bad("no general.architecture".into())),
+        };
+        let rope_pairing = match architecture.as_str() {
+            // llama.cpp converts Llama checkpoints with q/k rows permuted for interleaved pairs.
+            "llama" => RopePairing::Interleaved,
+            // Qwen2 keeps the checkpoint's rotate-half layout (llama.cpp's NEOX RoPE).
+            "qwen2" => RopePairing::Half,
+            other => {
+                return Err(Error::Unsupported(format!("architecture {other:?} (supported: llama, qwen2)")));
+            }
+        };
+        let a = architecture.as_str();
+        let need = |key: &str| -> Result<usize> {
+            md_usize(ct, &format!("{a}.{key}"))?.ok_or_else(|| bad(format!("no {a}.{key}")))
+        };
+        let layers = need("block_count")?;
+        let hidden = need("embedding_length")?;
+        let heads = need("attention.head_count")?;
+        let ffn = need("feed_forward_length")?;
+        let kv_heads = md_usize(ct, &format!("{a}.attention.head_count_kv"))?.unwrap_or(heads);
+        if layers == 0 || layers > MAX_LAYERS || heads == 0 || kv_heads == 0 || hidden == 0 || ffn == 0 {
+            return Err(bad(format!(
+                "{layers} layers, {heads} heads, {kv_heads} KV heads, hidden {hidden}, ffn {ffn}"
+            )));
+        }
+        if [hidden, heads, ffn].iter().any(|&x| x > MAX_DIM) {
+            return Err(bad(format!("sizes beyond {MAX_DIM}: hidden {hidden}, heads {heads}, ffn {ffn}")));
+        }
+        if !heads.is_multiple_of(kv_heads) {
+            return Err(bad(format!("{heads} query heads cannot share {kv_heads} KV heads")));
+        }
+        let head_dim = match md_usize(ct, &format!("{a}.attention.key_length"))? {
+            Some(d) => d,
+            None if hidden.is_multiple_of(heads) => hidden / heads,
+            None => return Err(bad(format!("hidden {hidden} is not a multiple of {heads} heads"))),
+        };
+        if head_dim == 0 || head_dim % 2 == 1 || head_dim > 4096 {
+            return Err(bad(format!("head_dim {head_dim}")));
+        }
+        if let Some(vl) = md_usize(ct, &format!("{a}.attention.value_length"))?
+            && vl != head_dim
+        {
+            return Err(Error::Unsupported(format!(
+                "value heads of {vl} channels beside keys of {head_dim}"
+            )));
+        }
+        if let Some(r) = md_usize(ct, &format!("{a}.rope.dimension_count"))?
+            && r != head_dim
+        {
+            return Err(Error::Unsupported(format!("partial RoPE ({r} of {head_dim} channels)")));
+        }
+        if md(ct, &format!("{a}.rope.scaling.type"))
+            .is_some_and(|v| !matches!(v, gguf_file::Value::String(s) if s == "none"))
+        {
+            return Err(Error::Unsupported("RoPE scaling".into()));
+        }
+        if md_usize(ct, &format!("{a}.expert_count"))?.unwrap_or(0) > 1 {
+            return Err(Error::Unsupported("mixture of experts".into()));
+        }
+        let rms_eps = md_f64(ct, &format!("{a}.attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5);
+        let rope_theta = md_f64(ct, &format!("{a}.rope.freq_base"))?.unwrap_or(10_000.0) as f32;
+        if !(rms_eps.is_finite() && rms_eps >= 0.0 && rope_theta.is_finite() && rope_theta > 1.0) {
+            return Err(bad(format!("rms epsilon {rms_eps}, rope base {rope_theta}")));
+        }
+        let vocab = match ct.tensor_infos.get("token_embd.weight") {
+            Some(info) => match *info.shape.dims() {
+                [v, h] if h == hidden && v > 0 => v,
+                ref dims => {
+                    return Err(bad(format!("token_embd.weight is {dims:?}, expected [vocab, {hidden}]")));
+                }
+            },
+            None => return Err(bad("no token_embd.weight".into())),
+        };
+        let context_length = md_usize(ct, &format!("{a}.context_length"))?.unwrap_or(0);
+        let bos = md_usize(ct, "tokenizer.ggml.bos_token_id")?.and_then(|b| u32::try_from(b).ok());
+        let add_bos = matches!(md(ct, "tokenizer.ggml.add_bos_token"), Some(gguf_file::Value::Bool(true)));
+        Ok(Self {
+            architecture,
+            layers,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn,
+            vocab,
+            rms_eps,
+            rope_theta,
+            rope_pairing,
+            context_length,
+            bos: bos.filter(|&b| (b as usize) < vocab),
+            add_bos,
+        })
+    }
+
+    /// A kvq cache config builder for this model's shape (layers, KV heads, query heads,
+    /// head_dim), with the RoPE pairing recorded.
+    pub fn cache_builder(&self) -> kvq::cache::KvCacheConfigBuilder {
+        kvq::cache::KvCacheConfig::builder(self.layers, self.kv_heads, self.heads, self.head_dim)
+            .rope_pairing(self.rope_pairing)
+    }
+
+    /// Checks that a cache config was made for this model.
+    ///
+    /// # Errors
+    /// [`Error::ConfigMismatch`] naming the first difference.
+    pub fn check_cache(&self, c: &kvq::cache::KvCacheConfig) -> Result<()> {
+        let pairs = [
+            ("layers", c.layers.len(), self.layers),
+            ("KV heads", c.kv_heads, self.kv_heads),
+            ("query heads", c.query_heads, self.heads),
+            ("head_dim", c.head_dim, self.head_dim),
+        ];
+        for (what, cache, model) in pairs {
+            if cache != model {
+                return Err(Error::ConfigMismatch(format!(
+                    "the config has {cache} {what}, the model {model}"
+                )));
+            }
+        }
+        if let Some(p) = c.rope_pairing
+            && p != self.rope_pairing
+        {
+            return Err(Error::ConfigMismatch(format!(
+                "the config's keys pair channels {} under RoPE, the model's {}",
+                p.name(),
+                self.rope_pairing.name()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Weight types this crate loads (candle-core multiplies each of them).
+const SUPPORTED: [GgmlDType; 13] = [
+    GgmlDType::F32,
+    GgmlDType::F16,
+    GgmlDType::BF16,
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// Rotary position embedding in the weights' pairing, with llama.cpp's and candle's
+/// frequencies (`theta^(-2i/d)`, angles and their cos/sin in f32).
+#[derive(Debug, Clone)]
+struct Rope {
+    inv_freq: Vec<f32>,
+    pairing: RopePairing,
+}
+
+impl Rope {
+    fn new(head_dim: usize, theta: f32, pairing: RopePairing) -> Self {
+        let inv_freq =
+            (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
+        Self { inv_freq, pairing }
+    }
+
+    /// `(cos, sin)` of every pair at `pos`.
+    fn table(&self, pos: usize) -> Vec<(f32, f32)> {
+        self.inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).map(|(s, c)| (c, s)).collect()
+    }
+
+    /// Rotates every head of `x` (`heads × head_dim`).
+    fn apply(&self, x: &mut [f32], table: &[(f32, f32)]) {
+        let d = 2 * self.inv_freq.len();
+        for head in x.chunks_exact_mut(d) {
+            for (i, &(c, s)) in table.iter().enumerate() {
+                let (a, b) = self.pairing.channels(i, d);
+                let (xa, xb) = (head[a], head[b]);
+                head[a] = xa * c - xb * s;
+                head[b] = xa * s + xb * c;
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Tensor,
+    q: QMatMul,
+    k: QMatMul,
+    v: QMatMul,
+    o: QMatMul,
+    bias: Option<[Tensor; 3]>,
+    ffn_norm: Tensor,
+    gate: QMatMul,
+    up: QMatMul,
+    down: QMatMul,
+}
+
+/// A Llama-family decoder loaded from GGUF; see the [module docs](self).
+#[derive(Debug)]
+pub struct LlamaModel {
+    config: LlamaConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    output: QMatMul,
+    rope: Rope,
+    weight_types: Vec<(String, usize)>,
+}
+
+/// How the weight matrices are multiplied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Weights {
+    /// As stored: candle's quantized matmuls for quantized types. Fast and small, but each
+    /// activation row is rounded to 8 bits before the integer dot products (as in ggml), so a
+    /// one-ulp change upstream (another cache's attention output) can flip a rounding: two runs
+    /// that differ only in their KV cache then differ by noise that has nothing to do with it.
+    #[default]
+    Native,
+    /// Every matrix dequantized to f32 at load (4 bytes per weight): the model's function is
+    /// smooth in its inputs, so differences between caches are the caches' own. What
+    /// `kvq-eval` uses by default.
+    F32,
+}
+
+/// Reads tensors from a GGUF after checking their shape, type and extent in the file.
+struct Loader<'a, R> {
+    ct: &'a gguf_file::Content,
+    reader: &'a mut R,
+    file_len: u64,
+    types: HashMap<String, usize>,
+    weights: Weights,
+}
+
+impl<R: Read + Seek> Loader<'_, R> {
+    fn get(&mut self, name: &str, dims: &[usize]) -> Result<candle_core::quantized::QTensor> {
+        let info = self.ct.tensor_infos.get(name).ok_or_else(|| bad(format!("no tensor {name}")))?;
+        if info.shape.dims() != dims {
+            return Err(bad(format!("{name} is {:?}, expected {dims:?}", info.shape.dims())));
+        }
+        let dtype = info.ggml_dtype;
+        if !SUPPORTED.contains(&dtype) {
+            return Err(Error::Unsupported(format!("{name} is stored as {dtype:?}")));
+        }
+        let elems = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let bytes = elems
+            .filter(|e| e.is_multiple_of(dtype.block_size()))
+            .and_then(|e| (e / dtype.block_size()).checked_mul(dtype.type_size()))
+            .ok_or_else(|| bad(format!("{name}: {dims:?} does not fit {dtype:?} blocks")))?;
+        let end =
+            self.ct.tensor_data_offset.checked_add(info.offset).and_then(|s| s.checked_add(bytes as u64));
+        if end.is_none_or(|e| e > self.file_len) {
+            return Err(bad(format!(
+                "{name}: its {bytes} bytes run past the end of the file ({} bytes)",
+                self.file_len
+            )));
+        }
+        *self.types.entry(format!("{dtype:?}")).or_default() += 1;
+        Ok(self.ct.tensor(self.reader, name, &Device::Cpu)?)
+    }
+
+    fn matmul(&mut self, name: &str, dims: &[usize]) -> Result<QMatMul> {
+        let q = self.get(name, dims)?;
+        match self.weights {
+            Weights::Native => Ok(QMatMul::from_qtensor(q)?),
+            Weights::F32 => Ok(QMatMul::Tensor(q.dequantize(&Device::Cpu)?)),
+        }
+    }
+
+    fn dense(&mut self, name: &str, dims: &[usize]) -> Result<Tensor> {
+        Ok(self.get(name, dims)?.dequantize(&Device::Cpu)?)
+    }
+}
+
+impl LlamaModel {
+    /// Loads a GGUF file.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the file cannot be opened; [`Error::Model`] for a malformed or
+    /// truncated file; [`Error::Unsupported`] for what this crate does not implement.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        Self::load_with(path, Weights::Native)
+    }
+
+    /// Loads a GGUF file, multiplying its weights as `weights` says.
+    ///
+    /// # Errors
+    /// As [`LlamaModel::load`].
+    pub fn load_with(path: impl AsRef<Path>, weights: Weights) -> Result<Self> {
+        let path = path.as_ref();
+        let name = path.display().to_string();
+        let io = |source| Error::Io { path: name.clone(), source };
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            return Err(Error::Model { path: name, reason: "not a regular file".into() });
+        }
+        let mut file = std::io::BufReader::new(std::fs::File::open(path).map_err(io)?);
+        Self::read(&mut file, weights).map_err(|e| match e {
+            Error::Model { reason, .. } => Error::Model { path: name.clone(), reason },
+            Error::Candle(c) => Error::Model { path: name.clone(), reason: c.to_string() },
+            other => other,
+        })
+    }
+
+    /// Loads a model from a GGUF stream, multiplying its weights as `weights` says.
+    ///
+    /// # Errors
+    /// As [`LlamaModel::load`].
+    pub fn read<R: Read + Seek>(reader: &mut R, weights: Weights) -> Result<Self> {
+        let file_len = reader
+            .seek(std::io::SeekFrom::End(0))
+            .map_err(|source| Error::Io { path: "<reader>".into(), source })?;
+        reader
+            .seek(std::io::SeekFrom::Start(0))
+            .map_err(|source| Error::Io { path: "<reader>".into(), source })?;
+        let ct = gguf_file::Content::read(reader)?;
+        let config = LlamaConfig::from_gguf(&ct)?;
+        let c = &config;
+        let mut ld = Loader { ct: &ct, reader, file_len, types: HashMap::new(), weights };
+        let embed = ld.dense("token_embd.weight", &[c.vocab, c.hidden])?;
+        let norm = ld.dense("output_norm.weight", &[c.hidden])?;
+        let output = if ct.tensor_infos.contains_key("output.weight") {
+            ld.matmul("output.weight", &[c.vocab, c.hidden])?
+        } else {
+            ld.matmul("token_embd.weight", &[c.vocab, c.hidden])?
+        };
+        let (qd, kd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut layers = Vec::with_capacity(c.layers);
+        for i in 0..c.layers {
+            let p = |s: &str| format!("blk.{i}.{s}");
+            let bias = if ct.tensor_infos.contains_key(&p("attn_q.bias")) {
+                Some([
+                    ld.dense(&p("attn_q.bias"), &[qd])?,
+                    ld.dense(&p("attn_k.bias"), &[kd])?,
+                    ld.dense(&p("attn_v.bias"), &[kd])?,
+                ])
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attn_norm: ld.dense(&p("attn_norm.weight"), &[c.hidden])?,
+                q: ld.matmul(&p("attn_q.weight"), &[qd, c.hidden])?,
+                k: ld.matmul(&p("attn_k.weight"), &[kd, c.hidden])?,
+                v: ld.matmul(&p("attn_v.weight"), &[kd, c.hidden])?,
+                o: ld.matmul(&p("attn_output.weight"), &[c.hidden, qd])?,
+                bias,
+                ffn_norm: ld.dense(&p("ffn_norm.weight"), &[c.hidden])?,
+                gate: ld.matmul(&p("ffn_gate.weight"), &[c.ffn, c.hidden])?,
+                up: ld.matmul(&p("ffn_up.weight"), &[c.ffn, c.hidden])?,
+                down: ld.matmul(&p("ffn_down.weight"), &[c.hidden, c.ffn])?,
+            });
+        }
+        let mut weight_types: Vec<_> = ld.types.into_iter().collect();
+        weight_types.sort();
+        let rope = Rope::new(c.head_dim, c.rope_theta, c.rope_pairing);
+        Ok(Self { config, embed, layers, norm, output, rope, weight_types })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// How many weight tensors of each type the file held (`"Q4_1"`, `"F32"`, ...).
+    pub fn weight_types(&self) -> &[(String, usize)] {
+        &self.weight_types
+    }
+
+    /// A plain f32 cache for this model (the reference).
+    ///
+    /// # Errors
+    /// Never for a loaded model; the signature follows [`crate::F32Cache::new`].
+    pub fn f32_cache(&self) -> Result<crate::F32Cache> {
+        let c = &self.config;
+        crate::F32Cache::new(c.layers, c.kv_heads, c.heads, c.head_dim)
+    }
+
+    /// Runs `tokens` through the model after what `store` already holds (a prefill when it is
+    /// empty, a decode step for one token), appending their keys and values to every layer.
+    /// Returns the logits of every position, `[tokens, vocab]`.
+    ///
+    /// Input, the store's layers and its capacity ([`KvStore::check_capacity`]) are checked
+    /// before anything is appended, so a refused call leaves the store as it was. An error
+    /// from the store in mid-pass (a non-finite value the quantizer refuses) is followed by
+    /// an attempt to cut the store back to its length before the call ([`KvStore::truncate`]).
+    ///
+    /// # Errors
+    /// [`Error::Token`] for an id outside the vocabulary, [`Error::Shape`] for an empty input
+    /// or a store whose layers are out of step; the store's errors (a full pool).
+    pub fn forward(&self, store: &mut dyn KvStore, tokens: &[u32]) -> Result<Tensor> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(Error::Shape("no tokens".into()));
+        }
+        if let Some((position, &token)) = tokens.iter().enumerate().find(|&(_, &t)| t as usize >= c.vocab) {
+            return Err(Error::Token { token, position, vocab: c.vocab });
+        }
+        let start = store.len(0);
+        if let Some(l) = (1..c.layers).find(|&l| store.len(l) != start) {
+            return Err(Error::Shape(format!(
+                "the store holds {start} tokens in layer 0 and {} in layer {l}",
+                store.len(l)
+            )));
+        }
+        store.check_capacity(tokens.len())?;
+        let result = self.forward_inner(store, tokens, start);
+        if result.is_err() {
+            // Best effort: the error is what the caller needs; a store that cannot be cut
+            // back says so on its next call (layers out of step).
+            let _ = store.truncate(start);
+        }
+        result
+    }
+
+    fn forward_inner(&self, store: &mut dyn KvStore, tokens: &[u32], start: usize) -> Result<Tensor> {
+        let c = &self.config;
+        let n = tokens.len();
+        let (qd, kd, d) = (c.heads * c.head_dim, c.kv_heads * c.head_dim, c.head_dim);
+        let ids = Tensor::new(tokens, &Device::Cpu)?;
+        let mut x = self.embed.index_select(&ids, 0)?;
+        let tables: Vec<_> = (0..n).map(|t| self.rope.table(start + t)).collect();
+        let mut attn = vec![0f32; n * qd];
+        for (l, layer) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
+            let (mut q, mut k, mut v) = (layer.q.forward(&h)?, layer.k.forward(&h)?, layer.v.forward(&h)?);
+            if let Some([bq, bk, bv]) = &layer.bias {
+                (q, k, v) = (q.broadcast_add(bq)?, k.broadcast_add(bk)?, v.broadcast_add(bv)?);
+            }
+            let (mut q, mut k, v) = (to_f32_vec(&q)?, to_f32_vec(&k)?, to_f32_vec(&v)?);
+            for t in 0..n {
+                let (qt, kt) = (&mut q[t * qd..(t + 1) * qd], &mut k[t * kd..(t + 1) * kd]);
+                self.rope.apply(qt, &tables[t]);
+                self.rope.apply(kt, &tables[t]);
+                store.append(l, kt, &v[t * kd..(t + 1) * kd])?;
+                store.attention(l, qt, &mut attn[t * qd..(t + 1) * qd])?;
+            }
+            debug_assert_eq!(attn.len(), n * c.heads * d);
+            let a = Tensor::from_slice(&attn, (n, qd), &Device::Cpu)?;
+            x = (x + layer.o.forward(&a)?)?;
+            let h = rms_norm(&x, &layer.ffn_norm, c.rms_eps)?;
+            let mlp = layer.down.forward(&(layer.gate.forward(&h)?.silu()? * layer.up.forward(&h)?)?)?;
+            x = (x + mlp)?;
+        }
+        let x = rms_norm(&x, &self.norm, c.rms_eps)?;
+        Ok(self.output.forward(&x)?)
+    }
+}
+
+/// RMSNorm over the last dimension, in f32.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
+}

@@ -1,0 +1,95 @@
+//! The GGUF's own tokenizer: byte-level BPE from its metadata (`tokenizer.ggml.*`), through the
+//! `tokenizers` crate, with the pre-tokenizer llama.cpp uses for the model's `tokenizer.ggml.pre`.
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file;
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use tokenizers::Tokenizer;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+
+use crate::error::{Error, Result};
+
+/// A GGUF model's tokenizer.
+#[derive(Debug, Clone)]
+pub struct GgufTokenizer {
+    inner: Tokenizer,
+    bos: Option<u32>,
+    add_bos: bool,
+}
+
+impl GgufTokenizer {
+    /// Reads the tokenizer from a GGUF file's metadata (the tensors are not read).
+    ///
+    /// # Errors
+    /// [`Error::Io`], [`Error::Model`] for a malformed file, [`Error::Tokenizer`] for a
+    /// tokenizer other than byte-level BPE (`tokenizer.ggml.model = "gpt2"`).
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let name = path.display().to_string();
+        let mut file = std::io::BufReader::new(
+            std::fs::File::open(path).map_err(|source| Error::Io { path: name.clone(), source })?,
+        );
+        let ct = gguf_file::Content::read(&mut file)
+            .map_err(|e| Error::Model { path: name, reason: e.to_string() })?;
+        Self::from_gguf(&ct)
+    }
+
+    /// The tokenizer of parsed GGUF metadata.
+    ///
+    /// # Errors
+    /// As [`GgufTokenizer::load`].
+    pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self> {
+        let mut inner = Tokenizer::from_gguf(ct).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let pre = match ct.metadata.get("tokenizer.ggml.pre") {
+            Some(gguf_file::Value::String(s)) => s.as_str(),
+            _ => "default",
+        };
+        if pre == "smollm" {
+            // SmolLM's tokenizer splits every digit on its own before the GPT-2 byte-level
+            // split (its tokenizer.json, and llama.cpp's "smollm" pre-tokenizer).
+            let seq: Vec<PreTokenizerWrapper> =
+                vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()];
+            inner.with_pre_tokenizer(Some(Sequence::new(seq)));
+        }
+        let int = |key: &str| match ct.metadata.get(key) {
+            Some(v) => v.to_u32().ok(),
+            None => None,
+        };
+        let bos = int("tokenizer.ggml.bos_token_id");
+        let add_bos =
+            matches!(ct.metadata.get("tokenizer.ggml.add_bos_token"), Some(gguf_file::Value::Bool(true)));
+        Ok(Self { inner, bos, add_bos })
+    }
+
+    /// Token ids of `text`, with the BOS token in front when the model's tokenizer adds one
+    /// (`tokenizer.ggml.add_bos_token`), as llama.cpp tokenizes a text.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`].
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
+        if let (true, Some(b)) = (self.add_bos, self.bos) {
+            ids.push(b);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// The text of `ids`.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`].
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &Tokenizer {
+        &self.inner
+    }
+}

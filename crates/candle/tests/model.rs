@@ -1,0 +1,116 @@
+//! The model over kvq's quantized caches: prefill equals decode, errors grow as bits shrink,
+//! and the evaluation reports what it measured (including llama.cpp's chunked protocol).
+
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use common::*;
+use kvq::attention::ScorePath;
+use kvq_candle::eval::{Candidate, Protocol, evaluate};
+use kvq_candle::{KvStore, KvqStore, LlamaModel, Weights};
+
+fn model(name: &str) -> LlamaModel {
+    let dir = temp_dir(name);
+    let path = dir.join("tiny.gguf");
+    write_tiny(
+        &path,
+        "llama",
+        Types { attn: GgmlDType::Q8_0, mlp: GgmlDType::Q4K, output: GgmlDType::F16 },
+        21,
+    );
+    let m = LlamaModel::load_with(&path, Weights::F32).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+    m
+}
+
+fn candidate(m: &LlamaModel, spec: &str) -> Candidate {
+    let s = kvq::analysis::KvSpec::parse(spec).unwrap();
+    let config =
+        m.config().cache_builder().specs(s.k, s.v).block_size(16).blocks_per_layer(64).build().unwrap();
+    Candidate { name: spec.into(), config, path: ScorePath::Float }
+}
+
+#[test]
+fn a_prefill_equals_the_same_tokens_decoded_one_by_one() {
+    let m = model("prefill");
+    let tokens = Rng::new(4).tokens(80);
+    let config = m.config().cache_builder().block_size(16).blocks_per_layer(64).build().unwrap();
+    let (mut a, mut b) = (
+        KvqStore::new(config.clone(), ScorePath::Float).unwrap(),
+        KvqStore::new(config, ScorePath::Float).unwrap(),
+    );
+    let pre: Vec<Vec<f32>> = m.forward(&mut a, &tokens).unwrap().to_vec2().unwrap();
+    for (t, row) in tokens.iter().zip(&pre) {
+        let one = m.forward(&mut b, &[*t]).unwrap().squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+        // Batched and single-row f32 matmuls sum in different orders (1e-6 apart), and a key
+        // on a rounding boundary of the INT4 grid can take the other code; quantization
+        // itself moves these logits by about 1e-2.
+        assert!(rel_diff(&one, row) < 1e-3, "{}", rel_diff(&one, row));
+    }
+    assert_eq!(a.cache().layer(0).unwrap().memory(), b.cache().layer(0).unwrap().memory());
+    assert_eq!((0..LAYERS).map(|l| a.len(l)).collect::<Vec<_>>(), vec![80; LAYERS]);
+}
+
+#[test]
+fn fewer_bits_cost_more_kl_and_the_report_counts_the_cache() {
+    let m = model("bits");
+    let tokens = Rng::new(8).tokens(96);
+    let cands: Vec<_> = ["int8-channel/int8-token", "int4-channel/int4-token", "int2-channel/int2-token"]
+        .iter()
+        .map(|s| candidate(&m, s))
+        .collect();
+    let mut calls = 0;
+    let r = evaluate(&m, &tokens, Protocol::Decode { prefill: 32 }, &cands, |d, t| {
+        calls += 1;
+        assert!(d <= t);
+    })
+    .unwrap();
+    // One prefill, then tokens 32..=94 one at a time (the last token predicts nothing).
+    assert_eq!(calls, 1 + 63);
+    assert_eq!(r.positions, 96 - 32);
+    let kl: Vec<f64> = r.candidates.iter().map(|c| c.kl_mean).collect();
+    assert!(kl[0] < 1e-3 && kl[0] < kl[1] && kl[1] < kl[2], "{kl:?}");
+    for c in &r.candidates {
+        assert!(c.kl_median <= c.kl_p99 && c.kl_p99 <= c.kl_max && c.kl_mean <= c.kl_max);
+        assert!(c.same_top1 > 0.0 && c.same_top1 <= 1.0);
+        assert!(c.ppl.is_finite() && c.tokens_per_s > 0.0);
+        // Bits from the cache's own memory: codes and parameters plus f16 tails and sinks, so
+        // above the code width, and below f16.
+        assert!(c.cache_bytes > 0 && c.bits_per_value < 16.0, "{c:?}");
+    }
+    let bits: Vec<f64> = r.candidates.iter().map(|c| c.bits_per_value).collect();
+    assert!(
+        bits[0] > 8.0 && bits[1] > 4.0 && bits[2] > 2.0 && bits[0] > bits[1] && bits[1] > bits[2],
+        "{bits:?}"
+    );
+    assert!(r.ppl_ref.is_finite() && r.ref_cache_bytes == 95 * LAYERS * KV_HEADS * HEAD_DIM * 2 * 4);
+}
+
+#[test]
+fn chunks_follow_llama_perplexity() {
+    let m = model("chunks");
+    let tokens = Rng::new(2).tokens(200);
+    let cands = [candidate(&m, "int4-channel/int4-token")];
+    let r = evaluate(&m, &tokens, Protocol::Chunks { ctx: 64, chunks: 3 }, &cands, |_, _| {}).unwrap();
+    // Positions 32..=62 of each chunk predict tokens 33..=63.
+    assert_eq!(r.positions, 3 * (64 - 1 - 32));
+    assert!(r.candidates[0].kl_mean > 0.0);
+    // The reference perplexity equals a direct computation on the chunks.
+    let mut nll = 0.0;
+    for c in 0..3 {
+        let mut seg = tokens[c * 64..(c + 1) * 64].to_vec();
+        if let (true, Some(b)) = (m.config().add_bos, m.config().bos) {
+            seg[0] = b;
+        }
+        let mut cache = m.f32_cache().unwrap();
+        let rows: Vec<Vec<f32>> = m.forward(&mut cache, &seg[..63]).unwrap().to_vec2().unwrap();
+        for j in 32..63 {
+            let row = &rows[j];
+            let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = mx + row.iter().map(|&x| (x as f64 - mx).exp()).sum::<f64>().ln();
+            nll += lse - row[seg[j + 1] as usize] as f64;
+        }
+    }
+    let ppl = (nll / r.positions as f64).exp();
+    assert!((ppl - r.ppl_ref).abs() < 1e-9 * ppl, "{ppl} vs {}", r.ppl_ref);
+}
