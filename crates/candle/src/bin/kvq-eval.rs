@@ -243,20 +243,28 @@ fn read_input_ids(path: &Path) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
         .collect()
 }
 
+/// A progress bar on a terminal; elsewhere (a log, CI) one line per tenth of the work.
 fn progress() -> impl FnMut(usize, usize) {
+    use std::io::IsTerminal;
+    let terminal = std::io::stderr().is_terminal();
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "evaluating [{bar:30}] {pos}/{len} steps ({elapsed}, {eta} left)",
-        )
-        .expect("valid template")
-        .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template("evaluating [{bar:30}] {pos}/{len} steps ({elapsed}, {eta} left)")
+            .expect("valid template")
+            .progress_chars("=> "),
     );
+    let start = std::time::Instant::now();
+    let mut tenth = 0;
     move |done, all| {
-        bar.set_length(all as u64);
-        bar.set_position(done as u64);
-        if done == all {
-            bar.finish_and_clear();
+        if terminal {
+            bar.set_length(all as u64);
+            bar.set_position(done as u64);
+            if done == all {
+                bar.finish_and_clear();
+            }
+        } else if done * 10 >= (tenth + 1) * all {
+            tenth = done * 10 / all;
+            eprintln!("kvq-eval: {}% ({done}/{all} steps, {:.0} s)", tenth * 10, start.elapsed().as_secs_f64());
         }
     }
 }
