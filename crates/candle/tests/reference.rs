@@ -61,20 +61,25 @@ fn our_logits(model: &LlamaModel, store: &mut dyn KvStore, tokens: &[u32], prefi
     rows
 }
 
-/// Relative differences at every position: (f32 cache, kvq cache), and the prefill's last.
-fn differences(arch: &str, types: Types, seed: u64) -> (Vec<(f32, f32)>, f32) {
+/// Logits of the tiny model (`seed`) on 64 tokens: candle-transformers' at every position and
+/// its prefill's last, then ours with the f32 cache and with kvq's cache holding every token in
+/// full precision (sinks covering the sequence, f32 tails).
+struct Run {
+    theirs: Vec<Vec<f32>>,
+    their_prefill_last: Vec<f32>,
+    ours: [Vec<Vec<f32>>; 2],
+}
+
+const PREFILL: usize = 32;
+
+fn run(arch: &str, types: Types, seed: u64) -> Run {
     let dir = temp_dir(&format!("ref-{arch}-{:?}-{:?}-{seed}", types.attn, types.mlp));
     let path = dir.join("tiny.gguf");
     write_tiny(&path, arch, types, seed);
     let tokens = Rng::new(seed + 1).tokens(64);
-    let prefill = 32;
-    let (theirs, their_prefill_last) = candle_logits(arch, &path, &tokens, prefill);
-
+    let (theirs, their_prefill_last) = candle_logits(arch, &path, &tokens, PREFILL);
     let model = LlamaModel::load(&path).unwrap();
     let mut f32_cache = model.f32_cache().unwrap();
-    let ours = our_logits(&model, &mut f32_cache, &tokens, prefill);
-    // kvq's own cache, every token kept in full precision (sinks covering the sequence, f32
-    // tails): its attention path must give the same logits.
     let exact = model
         .config()
         .cache_builder()
@@ -84,15 +89,27 @@ fn differences(arch: &str, types: Types, seed: u64) -> (Vec<(f32, f32)>, f32) {
         .build()
         .unwrap();
     let mut kvq_exact = KvqStore::new(exact, ScorePath::Float).unwrap();
-    let ours_kvq = our_logits(&model, &mut kvq_exact, &tokens, prefill);
+    let ours = [
+        our_logits(&model, &mut f32_cache, &tokens, PREFILL),
+        our_logits(&model, &mut kvq_exact, &tokens, PREFILL),
+    ];
     std::fs::remove_dir_all(dir).unwrap();
-
-    assert_eq!(ours.len(), 64);
+    assert_eq!(ours[0].len(), 64);
     // The logits are not trivially equal: tokens give different distributions.
-    assert!(rel_diff(&ours[10], &ours[11]) > 1e-2);
-    let diffs =
-        theirs.iter().enumerate().map(|(p, t)| (rel_diff(&ours[p], t), rel_diff(&ours_kvq[p], t))).collect();
-    (diffs, rel_diff(&ours[prefill - 1], &their_prefill_last))
+    assert!(rel_diff(&ours[0][10], &ours[0][11]) > 1e-2);
+    Run { theirs, their_prefill_last, ours }
+}
+
+/// Relative differences at every position: (f32 cache, kvq cache), and the prefill's last.
+fn differences(arch: &str, types: Types, seed: u64) -> (Vec<(f32, f32)>, f32) {
+    let r = run(arch, types, seed);
+    let diffs = r
+        .theirs
+        .iter()
+        .enumerate()
+        .map(|(p, t)| (rel_diff(&r.ours[0][p], t), rel_diff(&r.ours[1][p], t)))
+        .collect();
+    (diffs, rel_diff(&r.ours[0][PREFILL - 1], &r.their_prefill_last))
 }
 
 fn check_exact(arch: &str, types: Types) {
@@ -167,28 +184,10 @@ fn quantized_weights_on_the_integer_path_give_the_same_predictions() {
 /// The worst KL(candle-transformers ‖ ours) over both caches and every position, and the share
 /// of positions with the same top token.
 fn integer_path_agreement(types: Types) -> (f64, f64) {
-    let dir = temp_dir(&format!("int-{:?}-{:?}", types.attn, types.mlp));
-    let path = dir.join("tiny.gguf");
-    write_tiny(&path, "llama", types, 11);
-    let tokens = Rng::new(12).tokens(64);
-    let (theirs, _) = candle_logits("llama", &path, &tokens, 32);
-    let model = LlamaModel::load(&path).unwrap();
-    let mut f32_cache = model.f32_cache().unwrap();
-    let exact = model
-        .config()
-        .cache_builder()
-        .sink_tokens(64)
-        .tail_dtype(TailDtype::F32)
-        .blocks_per_layer(64)
-        .build()
-        .unwrap();
-    let mut kvq_exact = KvqStore::new(exact, ScorePath::Float).unwrap();
-    let ours =
-        [our_logits(&model, &mut f32_cache, &tokens, 32), our_logits(&model, &mut kvq_exact, &tokens, 32)];
-    std::fs::remove_dir_all(dir).unwrap();
+    let r = run("llama", types, 11);
     let (mut worst, mut same, mut n) = (0f64, 0usize, 0usize);
-    for rows in &ours {
-        for (p, t) in theirs.iter().enumerate() {
+    for rows in &r.ours {
+        for (p, t) in r.theirs.iter().enumerate() {
             let s = kvq_candle::eval::compare(t, &rows[p], 0);
             worst = worst.max(s.kl);
             same += usize::from(s.same_top);

@@ -249,9 +249,11 @@ fn progress() -> impl FnMut(usize, usize) {
     let terminal = std::io::stderr().is_terminal();
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("evaluating [{bar:30}] {pos}/{len} steps ({elapsed}, {eta} left)")
-            .expect("valid template")
-            .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template(
+            "evaluating [{bar:30}] {pos}/{len} steps ({elapsed}, {eta} left)",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
     );
     let start = std::time::Instant::now();
     let mut tenth = 0;
@@ -264,7 +266,11 @@ fn progress() -> impl FnMut(usize, usize) {
             }
         } else if done * 10 >= (tenth + 1) * all {
             tenth = done * 10 / all;
-            eprintln!("kvq-eval: {}% ({done}/{all} steps, {:.0} s)", tenth * 10, start.elapsed().as_secs_f64());
+            eprintln!(
+                "kvq-eval: {}% ({done}/{all} steps, {:.0} s)",
+                tenth * 10,
+                start.elapsed().as_secs_f64()
+            );
         }
     }
 }
