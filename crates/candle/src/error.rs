@@ -5,7 +5,7 @@
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A candle operation failed (tensor shapes, dtypes, GGUF parsing inside candle).
-    #[error("candle: {0}")]
+    #[error("candle: {}", candle_message(.0))]
     Candle(#[from] candle_core::Error),
     /// kvq's cache refused a call or a config.
     #[error(transparent)]
@@ -53,6 +53,15 @@ pub enum Error {
     /// Tokenization failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+}
+
+/// A candle error's message without the backtrace candle appends when `RUST_BACKTRACE` is
+/// set: one line for the user, the backtrace stays in the error for a debugger.
+pub(crate) fn candle_message(e: &candle_core::Error) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => candle_message(inner),
+        other => other.to_string(),
+    }
 }
 
 /// `Result` with this crate's [`Error`].

@@ -402,7 +402,7 @@ impl LlamaModel {
         let mut file = std::io::BufReader::new(std::fs::File::open(path).map_err(io)?);
         Self::read(&mut file, weights).map_err(|e| match e {
             Error::Model { reason, .. } => Error::Model { path: name.clone(), reason },
-            Error::Candle(c) => Error::Model { path: name.clone(), reason: c.to_string() },
+            Error::Candle(c) => Error::Model { path: name.clone(), reason: crate::error::candle_message(&c) },
             other => other,
         })
     }

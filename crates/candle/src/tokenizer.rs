@@ -43,7 +43,8 @@ impl GgufTokenizer {
     /// # Errors
     /// As [`GgufTokenizer::load`].
     pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self> {
-        let mut inner = Tokenizer::from_gguf(ct).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let mut inner =
+            Tokenizer::from_gguf(ct).map_err(|e| Error::Tokenizer(crate::error::candle_message(&e)))?;
         let pre = match ct.metadata.get("tokenizer.ggml.pre") {
             Some(gguf_file::Value::String(s)) => s.as_str(),
             _ => "default",

@@ -1,0 +1,133 @@
+//! `kvq-eval` as a user runs it, on the tiny model: specs and config files, both protocols,
+//! JSON, and one-line errors with exit code 1 (2 for usage).
+
+mod common;
+
+use std::process::Command;
+
+use candle_core::quantized::GgmlDType;
+use common::*;
+
+fn eval() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvq-eval"))
+}
+
+/// A tiny model and a safetensors file of its token ids.
+fn setup(name: &str) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    let dir = temp_dir(name);
+    let model = dir.join("tiny.gguf");
+    write_tiny(
+        &model,
+        "llama",
+        Types { attn: GgmlDType::Q8_0, mlp: GgmlDType::Q4_0, output: GgmlDType::F32 },
+        4,
+    );
+    let ids: Vec<i32> = Rng::new(6).tokens(200).into_iter().map(|t| t as i32).collect();
+    let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![ids.len()], &bytes).unwrap();
+    let tokens = dir.join("tokens.safetensors");
+    safetensors::serialize_to_file([("input_ids", view)], None, &tokens).unwrap();
+    (dir, model, tokens)
+}
+
+fn json(out: &std::process::Output) -> serde_json::Value {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn specs_and_configs_in_both_protocols() {
+    let (dir, model, tokens) = setup("cli");
+    let out = eval()
+        .arg("--model")
+        .arg(&model)
+        .arg("--tokens")
+        .arg(&tokens)
+        .args([
+            "--prefill",
+            "64",
+            "--max-tokens",
+            "128",
+            "--specs",
+            "f32,int8,int4-channel/int4-token",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let r = json(&out);
+    assert_eq!(r["positions"], 64);
+    let c = r["candidates"].as_array().unwrap();
+    assert_eq!(c.len(), 3);
+    assert_eq!(c[0]["name"], "f32");
+    // kvq's cache holding everything in f32 gives the reference's distributions.
+    assert!(c[0]["kl_mean"].as_f64().unwrap() < 1e-9, "{}", c[0]);
+    assert!(c[1]["kl_mean"].as_f64().unwrap() < c[2]["kl_mean"].as_f64().unwrap());
+
+    // A config file (as `kvq recommend` writes it) runs as it is; its pool is enlarged only if
+    // it cannot hold the context, and says so.
+    let model_cfg = kvq_candle::LlamaModel::load(&model).unwrap().config().clone();
+    let config = model_cfg
+        .cache_builder()
+        .specs("int4-channel".parse().unwrap(), "int8-token".parse().unwrap())
+        .blocks_per_layer(4)
+        .build()
+        .unwrap();
+    let file = dir.join("cache.toml");
+    std::fs::write(&file, config.to_toml()).unwrap();
+    let out = eval()
+        .arg("--model")
+        .arg(&model)
+        .arg("--tokens")
+        .arg(&tokens)
+        .args(["--ctx", "64", "--chunks", "2", "--json", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let r = json(&out);
+    assert_eq!(r["positions"], 2 * 31);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("blocks per layer"));
+    // The table form.
+    let out = eval()
+        .arg("--model")
+        .arg(&model)
+        .arg("--tokens")
+        .arg(&tokens)
+        .args(["--max-tokens", "80", "--prefill", "70", "--specs", "int4"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("mean KL") && text.contains("int4"), "{text}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn errors_are_one_line_and_exit_1() {
+    let (dir, model, tokens) = setup("cli-errors");
+    let run = |args: &[&str]| {
+        let out = eval().args(args).output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (m, t) = (model.to_str().unwrap(), tokens.to_str().unwrap());
+    let (code, err) = run(&["--model", dir.join("none.gguf").to_str().unwrap(), "--tokens", t]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("cargo xtask fetch-model smollm2-135m"), "{err}");
+    for (args, needle) in [
+        (vec!["--model", m, "--tokens", t, "--specs", "int9-token"], "int9"),
+        (vec!["--model", m, "--tokens", t, "--prefill", "500"], "prefill"),
+        (vec!["--model", m, "--tokens", t, "--ctx", "150", "--chunks", "2"], "chunks"),
+        (vec!["--model", m, "--tokens", m], "tiny.gguf"),
+        (vec!["--model", t, "--tokens", t], "model"),
+        (vec!["--model", m, "--tokens", t, "--path", "fast"], "--path"),
+        (vec!["--model", m, "--text", dir.join("none.txt").to_str().unwrap()], "none.txt"),
+    ] {
+        let (code, err) = run(&args);
+        assert_eq!(code, Some(1), "{args:?}: {err}");
+        // The error is one line, the last (a line describing the loaded model may precede it).
+        let last = err.trim_end().lines().last().unwrap_or_default();
+        assert!(last.starts_with("kvq-eval: ") && last.contains(needle), "{args:?}: {err}");
+    }
+    let (code, _) = run(&["--model", m]);
+    assert_eq!(code, Some(2), "no tokens is a usage error");
+    std::fs::remove_dir_all(dir).unwrap();
+}
