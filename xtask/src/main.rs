@@ -525,6 +525,8 @@ fn eval(args: &[String]) -> Result<(), String> {
         .env("CANDLE_DEQUANTIZE_ALL", "1");
         return run_tests(&mut cmd, "real-model checks");
     }
+    // `cargo xtask eval -- --text ...` and `cargo xtask eval --text ...` both work.
+    let args = args.strip_prefix(&["--".to_string()][..]).unwrap_or(args);
     let mut cmd = cargo();
     cmd.args(["run", "--release", "-p", "kvq-candle", "--bin", "kvq-eval", "--", "--model"])
         .arg(&model)
