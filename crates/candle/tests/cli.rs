@@ -15,9 +15,8 @@ fn eval() -> Command {
 /// A tiny model and a safetensors file of its token ids.
 fn setup(name: &str) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
     let dir = temp_dir(name);
-    let model = dir.join("tiny.gguf");
-    write_tiny(
-        &model,
+    let model = tiny_in(
+        &dir,
         "llama",
         Types { attn: GgmlDType::Q8_0, mlp: GgmlDType::Q4_0, output: GgmlDType::F32 },
         4,

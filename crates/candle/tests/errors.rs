@@ -14,9 +14,7 @@ use kvq_candle::{Error, KvStore, KvqStore, LlamaModel};
 const TYPES: Types = Types { attn: GgmlDType::Q8_0, mlp: GgmlDType::Q4_0, output: GgmlDType::F16 };
 
 fn tiny(dir: &std::path::Path) -> std::path::PathBuf {
-    let path = dir.join("tiny.gguf");
-    write_tiny(&path, "llama", TYPES, 3);
-    path
+    tiny_in(dir, "llama", TYPES, 3)
 }
 
 #[test]

@@ -11,9 +11,8 @@ use kvq_candle::{KvStore, KvqStore, LlamaModel, Weights};
 
 fn model(name: &str) -> LlamaModel {
     let dir = temp_dir(name);
-    let path = dir.join("tiny.gguf");
-    write_tiny(
-        &path,
+    let path = tiny_in(
+        &dir,
         "llama",
         Types { attn: GgmlDType::Q8_0, mlp: GgmlDType::Q4K, output: GgmlDType::F16 },
         21,

@@ -74,8 +74,7 @@ const PREFILL: usize = 32;
 
 fn run(arch: &str, types: Types, seed: u64) -> Run {
     let dir = temp_dir(&format!("ref-{arch}-{:?}-{:?}-{seed}", types.attn, types.mlp));
-    let path = dir.join("tiny.gguf");
-    write_tiny(&path, arch, types, seed);
+    let path = tiny_in(&dir, arch, types, seed);
     let tokens = Rng::new(seed + 1).tokens(64);
     let (theirs, their_prefill_last) = candle_logits(arch, &path, &tokens, PREFILL);
     let model = LlamaModel::load(&path).unwrap();

@@ -99,6 +99,13 @@ pub fn write_tiny(path: &Path, arch: &str, types: Types, seed: u64) {
     gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
 }
 
+/// Writes the tiny model as `dir/tiny.gguf` and returns that path.
+pub fn tiny_in(dir: &Path, arch: &str, types: Types, seed: u64) -> PathBuf {
+    let path = dir.join("tiny.gguf");
+    write_tiny(&path, arch, types, seed);
+    path
+}
+
 /// A fresh temporary directory for one test.
 pub fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvq-candle-{name}-{}", std::process::id()));
