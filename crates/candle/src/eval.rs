@@ -70,12 +70,24 @@ fn argmax(x: &[f32]) -> usize {
 /// Compares one position: the reference's and the candidate's logits and the token that came
 /// next. Non-finite logits give a non-finite KL, never a silent number.
 pub fn compare(reference: &[f32], candidate: &[f32], next: u32) -> PositionStats {
-    let (mut lr, mut lc) = (Vec::new(), Vec::new());
+    let mut lr = Vec::new();
     log_softmax(reference, &mut lr);
-    log_softmax(candidate, &mut lc);
+    compare_with(&lr, argmax(reference), candidate, next, &mut Vec::new())
+}
+
+/// [`compare`] with the reference's log-probabilities and top token already computed (once
+/// per position, whatever the number of candidates); `scratch` holds the candidate's.
+fn compare_with(
+    lr: &[f64],
+    top_ref: usize,
+    candidate: &[f32],
+    next: u32,
+    scratch: &mut Vec<f64>,
+) -> PositionStats {
+    log_softmax(candidate, scratch);
     let kl = lr
         .iter()
-        .zip(&lc)
+        .zip(scratch.iter())
         .map(|(&a, &b)| if a == f64::NEG_INFINITY { 0.0 } else { a.exp() * (a - b) })
         .sum::<f64>();
     let t = next as usize;
@@ -83,8 +95,8 @@ pub fn compare(reference: &[f32], candidate: &[f32], next: u32) -> PositionStats
         // Rounding can leave a tiny negative sum for equal rows; NaN stays NaN.
         kl: if kl.is_nan() { kl } else { kl.max(0.0) },
         nll_ref: -lr[t],
-        nll: -lc[t],
-        same_top: argmax(reference) == argmax(candidate),
+        nll: -scratch[t],
+        same_top: top_ref == argmax(candidate),
     }
 }
 
@@ -222,6 +234,7 @@ pub fn evaluate(
     }
     let total: usize = segs.iter().map(|(s, first, _)| 1 + (s.len() - 1 - first)).sum();
     let mut done = 0;
+    let (mut lr, mut scratch) = (Vec::new(), Vec::new());
     for (seg, first_len, score_from) in &segs {
         for r in &mut runs {
             r.store.reset()?;
@@ -257,13 +270,21 @@ pub fn evaluate(
                 for (p, pos) in (keep..b).enumerate() {
                     let next = seg[pos + 1];
                     let rr = &reference[p * vocab..(p + 1) * vocab];
+                    log_softmax(rr, &mut lr);
+                    let top_ref = argmax(rr);
                     for (r, row) in runs[1..].iter_mut().zip(rest) {
-                        r.stats.push(compare(rr, &row[p * vocab..(p + 1) * vocab], next));
+                        r.stats.push(compare_with(
+                            &lr,
+                            top_ref,
+                            &row[p * vocab..(p + 1) * vocab],
+                            next,
+                            &mut scratch,
+                        ));
                     }
                     runs[0].stats.push(PositionStats {
                         kl: 0.0,
                         nll_ref: 0.0,
-                        nll: -log_prob(rr, next),
+                        nll: -lr[next as usize],
                         same_top: true,
                     });
                 }
@@ -313,12 +334,6 @@ impl Running {
     fn new(store: Box<dyn KvStore>) -> Self {
         Self { store, stats: Vec::new(), time: Duration::ZERO, timed_tokens: 0, bytes_at_max: (0, 0) }
     }
-}
-
-fn log_prob(logits: &[f32], t: u32) -> f64 {
-    let mut l = Vec::new();
-    log_softmax(logits, &mut l);
-    l[t as usize]
 }
 
 fn mean(x: impl Iterator<Item = f64>) -> f64 {
