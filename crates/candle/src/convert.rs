@@ -42,7 +42,8 @@ pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     Ok(f(&owned))
 }
 
-/// The tensor's elements as f32, borrowed where [`with_f32`] could read them in place.
+/// The tensor's elements as f32, in a new vector (read in place and copied once for a
+/// contiguous f32 tensor, converted otherwise).
 ///
 /// # Errors
 /// As [`with_f32`].

@@ -69,16 +69,17 @@ fn logits_equal_candle_transformers_on_the_real_model() {
     );
 }
 
-/// Records the keys and the attention outputs of some layers while the f32 cache runs.
-struct Recorder {
+/// The f32 cache, recording the keys of some layers and their attention outputs from position
+/// `from` on (`attention` takes `&self`, hence the cell).
+struct Recording {
     inner: F32Cache,
     layers: [usize; 3],
     keys: Vec<Vec<f32>>,
-    attn: Vec<Vec<f32>>,
+    attn: std::cell::RefCell<Vec<Vec<f32>>>,
     from: usize,
 }
 
-impl KvStore for Recorder {
+impl KvStore for Recording {
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> kvq_candle::Result<()> {
         if let Some(i) = self.layers.iter().position(|&l| l == layer) {
             self.keys[i].extend_from_slice(k);
@@ -86,7 +87,13 @@ impl KvStore for Recorder {
         self.inner.append(layer, k, v)
     }
     fn attention(&self, layer: usize, q: &[f32], out: &mut [f32]) -> kvq_candle::Result<()> {
-        self.inner.attention(layer, q, out)
+        self.inner.attention(layer, q, out)?;
+        if self.inner.len(layer) > self.from
+            && let Some(i) = self.layers.iter().position(|&l| l == layer)
+        {
+            self.attn.borrow_mut()[i].extend_from_slice(out);
+        }
+        Ok(())
     }
     fn len(&self, layer: usize) -> usize {
         self.inner.len(layer)
@@ -99,38 +106,6 @@ impl KvStore for Recorder {
     }
     fn used_bytes(&self) -> usize {
         self.inner.used_bytes()
-    }
-}
-
-/// A store whose `attention` records its outputs needs `&mut`: wrap the recorder's attention.
-struct Recording(std::cell::RefCell<Recorder>);
-
-impl KvStore for Recording {
-    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> kvq_candle::Result<()> {
-        self.0.get_mut().append(layer, k, v)
-    }
-    fn attention(&self, layer: usize, q: &[f32], out: &mut [f32]) -> kvq_candle::Result<()> {
-        let mut r = self.0.borrow_mut();
-        r.attention(layer, q, out)?;
-        let pos = r.inner.len(layer) - 1;
-        if pos >= r.from
-            && let Some(i) = r.layers.iter().position(|&l| l == layer)
-        {
-            r.attn[i].extend_from_slice(out);
-        }
-        Ok(())
-    }
-    fn len(&self, layer: usize) -> usize {
-        self.0.borrow().len(layer)
-    }
-    fn truncate(&mut self, len: usize) -> kvq_candle::Result<()> {
-        self.0.get_mut().truncate(len)
-    }
-    fn reset(&mut self) -> kvq_candle::Result<()> {
-        self.0.get_mut().reset()
-    }
-    fn used_bytes(&self) -> usize {
-        self.0.borrow().used_bytes()
     }
 }
 
@@ -148,16 +123,15 @@ fn keys_attention_and_perplexity_equal_the_transformers_capture() {
     let tokens = shared_tokens();
     let n = tokens.len();
     let layers = [0, 9, 29];
-    let rec = Recorder {
+    let mut rec = Recording {
         inner: model.f32_cache().unwrap(),
         layers,
         keys: vec![Vec::new(); 3],
-        attn: vec![Vec::new(); 3],
+        attn: std::cell::RefCell::new(vec![Vec::new(); 3]),
         from: n - 64,
     };
-    let mut store = Recording(std::cell::RefCell::new(rec));
-    let logits: Vec<Vec<f32>> = model.forward(&mut store, &tokens).unwrap().to_vec2().unwrap();
-    let rec = store.0.into_inner();
+    let logits: Vec<Vec<f32>> = model.forward(&mut rec, &tokens).unwrap().to_vec2().unwrap();
+    let attn = rec.attn.into_inner();
     let file = TensorFile::open(shared()).unwrap();
     let (h, d) = (c.kv_heads, c.head_dim);
     for (i, &l) in layers.iter().enumerate() {
@@ -180,8 +154,7 @@ fn keys_attention_and_perplexity_equal_the_transformers_capture() {
         let mut ours = vec![0f32; c.heads * 64 * d];
         for p in 0..64 {
             for head in 0..c.heads {
-                ours[(head * 64 + p) * d..][..d]
-                    .copy_from_slice(&rec.attn[i][(p * c.heads + head) * d..][..d]);
+                ours[(head * 64 + p) * d..][..d].copy_from_slice(&attn[i][(p * c.heads + head) * d..][..d]);
             }
         }
         let ea = rel_l2(&ours, theirs.data());
