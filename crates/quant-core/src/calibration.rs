@@ -18,8 +18,7 @@ pub const CALIBRATION_VERSION: u32 = 1;
 const FORMAT_TAG: &str = "kvq-calibration";
 
 /// Keys or values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Part {
     /// Keys.
     K,
@@ -29,6 +28,7 @@ pub enum Part {
 
 /// Per-channel ranges of one layer: `[heads, head_dim]`, row-major.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LayerRanges {
     /// Minimum per (head, channel).
     pub min: Vec<f32>,
@@ -48,6 +48,7 @@ pub struct Calibration {
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CalibrationWire {
     format: String,
     version: u32,
@@ -142,7 +143,12 @@ impl Calibration {
         if self.k.is_empty() || self.k.len() != self.v.len() || self.heads == 0 || self.head_dim == 0 {
             return Err(QuantError::InvalidArgument("calibration has no layers, heads or channels".into()));
         }
-        let n = self.heads * self.head_dim;
+        let n = self.heads.checked_mul(self.head_dim).ok_or_else(|| {
+            QuantError::InvalidArgument(format!(
+                "calibration of {} heads × {} channels overflows",
+                self.heads, self.head_dim
+            ))
+        })?;
         for (i, r) in self.k.iter().chain(&self.v).enumerate() {
             if r.min.len() != n || r.max.len() != n {
                 return Err(QuantError::ShapeMismatch {

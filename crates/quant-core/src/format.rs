@@ -49,7 +49,7 @@ pub enum CodebookSource {
 }
 
 /// Storage type of the per-group parameters (scale and, for affine, offset).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ParamDtype {
     /// IEEE half precision: 2 bytes per parameter.
     F16,

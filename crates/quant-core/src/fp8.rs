@@ -4,7 +4,7 @@
 //! quantizer that scales its group to the format's range never produces NaN or infinity.
 
 /// One of the two OCP 8-bit float formats.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Fp8Format {
     /// 4 exponent bits (bias 7), 3 mantissa bits; no infinities; max 448.
     E4M3,

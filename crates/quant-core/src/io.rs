@@ -66,6 +66,65 @@ pub enum TensorFileError {
     },
 }
 
+/// The largest safetensors file [`TensorFile::open`] reads (it holds the whole file in memory).
+pub const MAX_TENSOR_FILE_BYTES: u64 = 1 << 38;
+
+/// Reads a whole file that must be a regular file of at most `max_bytes` bytes. Devices,
+/// FIFOs and directories are refused before they are opened (`/dev/zero` would otherwise be
+/// read until memory runs out, a FIFO would block), and so is a file larger than `max_bytes`;
+/// the buffer is reserved fallibly.
+///
+/// # Errors
+/// [`std::io::ErrorKind::InvalidInput`] for a file that is not regular or too large,
+/// [`std::io::ErrorKind::OutOfMemory`] when its buffer cannot be had, and the I/O errors of
+/// reading it.
+pub fn read_regular_file(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::{Error, ErrorKind, Read};
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
+    }
+    if meta.len() > max_bytes {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!("{} bytes is over the limit of {max_bytes}", meta.len()),
+        ));
+    }
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(meta.len() as usize)
+        .map_err(|_| Error::new(ErrorKind::OutOfMemory, format!("cannot hold {} bytes", meta.len())))?;
+    // `take` bounds the read even if the file grows while it is read.
+    std::fs::File::open(path)?.take(max_bytes + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(Error::new(ErrorKind::InvalidInput, format!("over the limit of {max_bytes} bytes")));
+    }
+    Ok(bytes)
+}
+
+/// Writes `bytes` to `path` atomically: into a temporary file in the same directory, flushed
+/// to disk, then renamed over `path` (and the directory flushed), so that a crash or a full
+/// disk leaves either the previous file or the new one, never a torn file.
+///
+/// # Errors
+/// The I/O errors of creating, writing, flushing or renaming; `path` is unchanged then.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let mut tmp = tempfile::Builder::new().prefix(".kvq-").suffix(".tmp").tempfile_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    // The rename itself is durable once the directory is flushed (not possible everywhere).
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
 /// Name, dtype and shape of one tensor of a file.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct TensorInfo {
@@ -92,8 +151,8 @@ impl TensorFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, TensorFileError> {
         let path = path.as_ref();
         let label = path.display().to_string();
-        let bytes =
-            std::fs::read(path).map_err(|source| TensorFileError::Io { file: label.clone(), source })?;
+        let bytes = read_regular_file(path, MAX_TENSOR_FILE_BYTES)
+            .map_err(|source| TensorFileError::Io { file: label.clone(), source })?;
         Self::from_bytes(label, bytes)
     }
 

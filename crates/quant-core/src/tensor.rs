@@ -8,7 +8,7 @@ use std::fmt;
 use crate::error::{QuantError, Result};
 
 /// The shape of a K/V/Q tensor: `[batch, heads, tokens, head_dim]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Shape {
     /// Independent sequences (1 for a single sequence).
     pub batch: usize,

@@ -167,3 +167,36 @@ fn real_file_rejects_non_kv_tensors() {
     let k = f.read("layer9.k").unwrap();
     assert_eq!((k.shape().heads, k.shape().head_dim), (3, 64));
 }
+
+/// Crafted calibration files (`tests/regressions/calibration`): sizes whose product overflows
+/// are an error, in debug and release builds alike.
+#[test]
+fn crafted_calibrations_are_refused() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/regressions/calibration");
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let e = serde_json::from_str::<kvq_quant_core::Calibration>(&text).unwrap_err();
+        assert!(e.to_string().contains("overflows"), "{}: {e}", path.display());
+        n += 1;
+    }
+    assert!(n > 0);
+}
+
+#[test]
+fn only_regular_files_are_read() {
+    use kvq_quant_core::io::{TensorFile, read_regular_file};
+    for p in ["/dev/zero", "/"] {
+        let e = read_regular_file(std::path::Path::new(p), 1 << 20).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{p}");
+        assert!(TensorFile::open(p).unwrap_err().to_string().contains("not a regular file"));
+    }
+    let dir = std::env::temp_dir().join(format!("kvq-io-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("big.bin");
+    kvq_quant_core::io::write_atomic(&path, &[7u8; 100]).unwrap();
+    assert_eq!(read_regular_file(&path, 100).unwrap(), vec![7u8; 100]);
+    assert!(read_regular_file(&path, 99).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
