@@ -69,6 +69,21 @@ pub struct PagedCache {
 
 const PARTS: [Part; 2] = [Part::K, Part::V];
 
+/// The largest next sequence id a cache accepts from a file: ids then stay far from
+/// `u64::MAX` (2^62 more sequences would have to be created to reach it), so they never wrap.
+pub const MAX_SEQ_ID: u64 = 1 << 62;
+
+/// The largest magnitude a value may have so that it survives storage in `part`: a tail or
+/// sink of f16 holds at most 65504, and parameters of f16 (f32) must not overflow when the
+/// value is quantized (the bounds under which no format's scale or offset can).
+pub(crate) fn value_limit(layout: &PartLayout, tail: crate::config::TailDtype, stored_as_tail: bool) -> f32 {
+    let params: f32 = match layout.dtype {
+        ParamDtype::F16 => 32752.0,
+        ParamDtype::F32 => 1e37,
+    };
+    if stored_as_tail && tail == crate::config::TailDtype::F16 { params.min(65504.0) } else { params }
+}
+
 fn part_index(part: Part) -> usize {
     match part {
         Part::K => 0,
@@ -88,6 +103,14 @@ impl PagedCache {
     /// # Errors
     /// [`CacheError::Config`] when the config does not validate.
     pub fn new(config: CacheConfig) -> Result<Self> {
+        let mut cache = Self::unallocated(config)?;
+        cache.pool = BlockPool::new(cache.config.capacity_blocks, cache.pool.block_bytes())?;
+        Ok(cache)
+    }
+
+    /// The cache of `config` with a pool of no blocks (of the right block size): what a loader
+    /// needs to check a file against before it allocates the real pool.
+    pub(crate) fn unallocated(config: CacheConfig) -> Result<Self> {
         config.validate()?;
         let calibrated = config.calibration.is_some();
         let make = |spec| PartLayout::new(spec, config.head_dim, config.block_size, calibrated);
@@ -109,7 +132,7 @@ impl PagedCache {
                 }
             }
         }
-        let pool = BlockPool::new(config.capacity_blocks, parts[0].bytes() + parts[1].bytes());
+        let pool = BlockPool::new(0, parts[0].bytes() + parts[1].bytes())?;
         Ok(Self {
             config,
             parts,
@@ -189,10 +212,17 @@ impl PagedCache {
         }
     }
 
+    /// The id of the next sequence. A cache starts at 0 and a file can set at most
+    /// [`MAX_SEQ_ID`], so the counter cannot reach `u64::MAX` in any run.
+    pub(crate) fn take_seq_id(&mut self) -> SeqId {
+        let id = SeqId(self.next_id);
+        self.next_id = self.next_id.checked_add(1).expect("ids start at most 2^62 below u64::MAX");
+        id
+    }
+
     /// Starts an empty sequence.
     pub fn create(&mut self) -> SeqId {
-        let id = SeqId(self.next_id);
-        self.next_id += 1;
+        let id = self.take_seq_id();
         let layers = (0..self.config.layers).map(|_| self.empty_layer()).collect();
         self.seqs.insert(id, Sequence { layers });
         id
@@ -305,15 +335,36 @@ impl PagedCache {
         n: usize,
         row: impl Fn(usize, usize, usize) -> &'a [f32],
     ) -> Result<()> {
-        let start = self.layer_seq(seq, layer)?.len;
+        let ls = self.layer_seq(seq, layer)?;
+        let (start, sinks, d) = (ls.len, self.config.sink_tokens, self.config.head_dim);
+        // The tails that this call quantizes (when a block leaves the residual window) must be
+        // quantizable too. The cache only ever stores such values, and a loader checks them, so
+        // this guards the "a failed call changes nothing" promise rather than real data.
+        let p1 = (start + n).saturating_sub(sinks);
+        let window = (self.config.residual_blocks + 1) * self.config.block_size;
         for (i, layout) in self.parts.iter().enumerate() {
-            // Bounds under which no parameter of any format can overflow its storage type.
-            let limit = match layout.dtype {
-                ParamDtype::F16 => 32752.0,
-                ParamDtype::F32 => 1e37,
-            };
+            if !layout.has_tail() || p1 - ls.done[i] < window {
+                continue;
+            }
+            let limit = value_limit(layout, self.config.tail_dtype, true);
+            for (h, tail) in ls.tails[i].iter().enumerate() {
+                if let Some((at, value)) = tail.first_beyond(limit) {
+                    return Err(CacheError::NonFinite {
+                        part: if i == 0 { "key" } else { "value" },
+                        layer,
+                        head: h,
+                        token: sinks + ls.done[i] + at / d,
+                        channel: at % d,
+                        value,
+                    });
+                }
+            }
+        }
+        for (i, layout) in self.parts.iter().enumerate() {
             for h in 0..self.config.kv_heads {
                 for t in 0..n {
+                    let limit =
+                        value_limit(layout, self.config.tail_dtype, start + t < sinks || layout.has_tail());
                     let x = row(i, h, t);
                     let (lo, hi, finite) = self.config.row_kernels.stats(x);
                     if finite && lo.abs().max(hi.abs()) <= limit {
@@ -330,9 +381,10 @@ impl PagedCache {
                         });
                     }
                     if let Some(&big) = x.iter().find(|v| v.abs() > limit) {
+                        let dtype = if limit == 65504.0 { "f16 tail" } else { layout.dtype.name() };
                         return Err(CacheError::Quant(kvq_quant_core::QuantError::ParamOverflow {
                             value: big,
-                            dtype: layout.dtype.name(),
+                            dtype,
                         }));
                     }
                 }
@@ -366,7 +418,7 @@ impl PagedCache {
         for i in plan.first_written * heads..plan.have * heads {
             if pool.refcount(ls.blocks[i]) > 1 {
                 ls.blocks[i] = pool.copy_on_write(ls.blocks[i]);
-                stats.copied_blocks += 1;
+                stats.copied_blocks = stats.copied_blocks.saturating_add(1);
             }
         }
         for _ in plan.have * heads..plan.want * heads {
@@ -376,7 +428,7 @@ impl PagedCache {
         let k_bytes = parts[0].bytes();
         let mut scratch = vec![0u8; d];
         let mut params = vec![GroupParams::default(); heads * d];
-        let mut rows = Vec::with_capacity(bs * d);
+        let mut rows = Vec::with_capacity(heads * bs * d);
         for t in 0..n {
             let pos = ls.len + t;
             if pos < sinks {
@@ -417,7 +469,7 @@ impl PagedCache {
                         for h in 0..heads {
                             let id = ls.blocks[b * heads + h];
                             let g = layer * heads + h;
-                            stats.clamped_values += layout.encode_static(
+                            let clamped = layout.encode_static(
                                 &config.row_kernels,
                                 row(i, h, t),
                                 &statics[i][g],
@@ -426,6 +478,7 @@ impl PagedCache {
                                 r,
                                 &mut scratch,
                             )?;
+                            stats.clamped_values = stats.clamped_values.saturating_add(clamped);
                         }
                         ls.done[i] = p + 1;
                     }
@@ -434,17 +487,26 @@ impl PagedCache {
                             tail.push(row(i, h, t));
                         }
                         if p + 1 - ls.done[i] >= (config.residual_blocks + 1) * bs {
+                            // Every head's parameters before any head changes: a head that
+                            // cannot be quantized leaves the block and every tail as they were.
                             let fb = ls.done[i] / bs;
-                            for h in 0..heads {
-                                rows.clear();
-                                ls.tails[i][h].extend_f32(0..bs * d, &mut rows);
+                            rows.clear();
+                            for tail in &ls.tails[i] {
+                                tail.extend_f32(0..bs * d, &mut rows);
+                            }
+                            let params = rows
+                                .chunks_exact(bs * d)
+                                .map(|block| layout.channel_block_params(block))
+                                .collect::<Result<Vec<_>>>()?;
+                            for (h, (block, params)) in rows.chunks_exact(bs * d).zip(&params).enumerate() {
                                 let id = ls.blocks[fb * heads + h];
-                                layout.encode_channel_block(
+                                layout.write_channel_block(
                                     &config.row_kernels,
-                                    &rows,
+                                    block,
+                                    params,
                                     &mut pool.block_mut(id)[span.clone()],
                                     &mut scratch,
-                                )?;
+                                );
                                 ls.tails[i][h].drain_front(bs * d);
                             }
                             ls.done[i] += bs;
@@ -463,13 +525,15 @@ impl PagedCache {
     /// [`CacheError::UnknownSequence`].
     pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
         let copy = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?.clone();
+        if copy.layers.iter().flat_map(|ls| &ls.blocks).any(|&id| !self.pool.can_retain(id)) {
+            return Err(CacheError::Config(format!("a block of {seq:?} is shared by too many sequences")));
+        }
         for ls in &copy.layers {
             for &id in &ls.blocks {
                 self.pool.retain(id);
             }
         }
-        let id = SeqId(self.next_id);
-        self.next_id += 1;
+        let id = self.take_seq_id();
         self.seqs.insert(id, copy);
         Ok(id)
     }
@@ -602,5 +666,33 @@ impl WritePlan {
             }
         }
         Self { first_written, have, want: p1.div_ceil(bs).max(have) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A flush that cannot quantize one head changes no head: the others keep their tails and
+    /// their blocks, and the next appends neither fail differently nor panic. (Loading now
+    /// refuses such tails; this holds the flush to its own promise.)
+    #[test]
+    fn a_failed_flush_changes_no_head() {
+        let config = CacheConfig::new(1, 3, 8, 32).with_block_size(4).with_tail_dtype(crate::TailDtype::F32);
+        let mut cache = PagedCache::new(config).unwrap();
+        let seq = cache.create();
+        let row = vec![0.5f32; 24];
+        for _ in 0..3 {
+            cache.append(seq, 0, &row, &row).unwrap();
+        }
+        // Head 1's key tail holds a value no parameter can represent.
+        let ls = &mut cache.seqs.get_mut(&seq).unwrap().layers[0];
+        let TailBuf::F32(t) = &mut ls.tails[0][1] else { unreachable!("f32 tails") };
+        t[5] = f32::INFINITY;
+        let before = cache.clone();
+        for _ in 0..4 {
+            assert!(cache.append(seq, 0, &row, &row).is_err());
+            assert_eq!(cache, before, "a failed flush changed the cache");
+        }
     }
 }

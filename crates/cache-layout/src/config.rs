@@ -25,6 +25,14 @@ impl TailDtype {
     }
 }
 
+/// The most layers a cache can have.
+pub const MAX_LAYERS: usize = 1 << 16;
+/// The most values a block of one layer can hold (`head_dim × block_size × kv_heads`).
+pub const MAX_BLOCK_VALUES: usize = 1 << 30;
+/// The most tokens of the full-precision window (`(residual_blocks + 1) × block_size`) and of
+/// the attention sinks.
+pub const MAX_WINDOW_TOKENS: usize = 1 << 24;
+
 /// A cache's configuration. Build one with [`CacheConfig::new`] and the `with_*` methods.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CacheConfig {
@@ -131,9 +139,27 @@ impl CacheConfig {
         if self.layers == 0 || self.kv_heads == 0 || self.head_dim == 0 || self.block_size == 0 {
             return bad("layers, kv_heads, head_dim and block_size must be positive".into());
         }
-        if self.head_dim * self.block_size * self.kv_heads > 1 << 30 {
-            return bad("blocks of over 2^30 values per layer are not supported".into());
+        if self.layers > MAX_LAYERS {
+            return bad(format!("layers {} is over the limit of {MAX_LAYERS}", self.layers));
         }
+        let values = self.head_dim.checked_mul(self.block_size).and_then(|n| n.checked_mul(self.kv_heads));
+        if values.is_none_or(|n| n > MAX_BLOCK_VALUES) {
+            return bad(format!(
+                "head_dim {} × block_size {} × kv_heads {} is over the limit of 2^30 values per block and layer",
+                self.head_dim, self.block_size, self.kv_heads
+            ));
+        }
+        let window = self.residual_blocks.checked_add(1).and_then(|n| n.checked_mul(self.block_size));
+        if window.is_none_or(|n| n > MAX_WINDOW_TOKENS) {
+            return bad(format!(
+                "residual_blocks {} + 1 blocks of {} tokens is over the limit of {MAX_WINDOW_TOKENS} window tokens",
+                self.residual_blocks, self.block_size
+            ));
+        }
+        if self.sink_tokens > MAX_WINDOW_TOKENS {
+            return bad(format!("sink_tokens {} is over the limit of {MAX_WINDOW_TOKENS}", self.sink_tokens));
+        }
+
         for (name, spec) in [("K", &self.k_spec), ("V", &self.v_spec)] {
             if let Kind::Codebook(CodebookSource::LloydMax) = spec.kind() {
                 return bad(format!(
@@ -163,6 +189,12 @@ impl CacheConfig {
                 _ => {}
             }
         }
+        let calibrated = self.calibration.is_some();
+        let block_bytes =
+            crate::part::PartLayout::new(&self.k_spec, self.head_dim, self.block_size, calibrated)?.bytes()
+                + crate::part::PartLayout::new(&self.v_spec, self.head_dim, self.block_size, calibrated)?
+                    .bytes();
+        crate::pool::arena_bytes(self.capacity_blocks, block_bytes)?;
         if let Some(c) = &self.calibration
             && (c.layers() != self.layers || c.heads() != self.kv_heads || c.head_dim() != self.head_dim)
         {

@@ -74,6 +74,18 @@ pub enum CacheError {
     /// Quantization refused the data (e.g. a parameter overflowing f16).
     #[error(transparent)]
     Quant(#[from] QuantError),
+    /// Memory for the cache could not be allocated; nothing was changed.
+    #[error("cannot allocate {bytes} bytes for {what}")]
+    Alloc {
+        /// What the memory was for.
+        what: &'static str,
+        /// How much was asked for.
+        bytes: usize,
+    },
+    /// Sequence ids are exhausted (a cache loaded with its id counter near the end of its
+    /// range); nothing was changed.
+    #[error("no sequence id left (the next would be {0})")]
+    SequenceIds(u64),
     /// An offload file could not be read back; the cache is unchanged.
     #[error("offload file: {0}")]
     Offload(String),

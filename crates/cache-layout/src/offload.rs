@@ -6,27 +6,33 @@
 //! magic "KVQCACHE" | version u32 | kind u8 (0 cache, 1 sequence) | header length u32 |
 //! header (JSON: the cache config) | body | CRC-32 of everything before it (u32)
 //! ```
-//! The checksum is verified and the whole file parsed and checked for consistency before
-//! anything is built or allocated: a corrupt or truncated file is an error and changes nothing.
+//! The checksum is verified and the whole file parsed and checked for consistency before the
+//! pool is allocated: every count is checked against the bytes that are left before it sizes
+//! anything, every full-precision value is checked to be finite and within what its part can
+//! quantize, and a corrupt, truncated or crafted file is an error that changes nothing.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use kvq_quant_core::{Calibration, QuantSpec};
 
-use crate::cache::{CacheStats, LayerSeq, PagedCache, SeqId, Sequence};
+use crate::cache::{CacheStats, LayerSeq, MAX_SEQ_ID, PagedCache, SeqId, Sequence, value_limit};
 use crate::config::{CacheConfig, TailDtype};
 use crate::error::{CacheError, Result};
 use crate::part::TailBuf;
-use crate::pool::{BlockId, BlockPool};
+use crate::pool::{BlockId, BlockPool, arena_bytes, zeroed};
 
 const MAGIC: &[u8; 8] = b"KVQCACHE";
 /// The offload format version this build writes and reads.
 pub const OFFLOAD_VERSION: u32 = 1;
 const KIND_CACHE: u8 = 0;
 const KIND_SEQUENCE: u8 = 1;
+/// The largest offload file [`PagedCache::load`] reads (a pool of 2^32 blocks could not be
+/// described in less, but no machine holds such a pool in memory either).
+pub const MAX_FILE_BYTES: u64 = 1 << 40;
 
 #[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ConfigWire {
     layers: usize,
     kv_heads: usize,
@@ -138,6 +144,22 @@ impl<'a> Reader<'a> {
         let n = self.usize()?;
         self.take(n)
     }
+    /// Bytes not yet read.
+    fn left(&self) -> usize {
+        self.data.len() - self.at
+    }
+    /// A count of items of at least `item_bytes` bytes each that are still to be read: more
+    /// than the bytes left can hold is an error before anything is sized by it.
+    fn count(&mut self, item_bytes: usize, what: &str) -> Result<usize> {
+        let n = self.usize()?;
+        if n.checked_mul(item_bytes).is_none_or(|b| b > self.left()) {
+            return Err(CacheError::Offload(format!(
+                "{what} {n} needs more than the {} bytes left",
+                self.left()
+            )));
+        }
+        Ok(n)
+    }
     fn tail(&mut self, dtype: TailDtype) -> Result<TailBuf> {
         let b = self.bytes()?;
         if !b.len().is_multiple_of(dtype.size()) {
@@ -225,12 +247,15 @@ impl PagedCache {
         blocks: &mut dyn FnMut(&mut Reader<'a>) -> Result<BlockId>,
     ) -> Result<LayerSeq> {
         let c = &self.config;
-        let (len, done_k, done_v, n_blocks) = (r.usize()?, r.usize()?, r.usize()?, r.usize()?);
+        let (len, done_k, done_v) = (r.usize()?, r.usize()?, r.usize()?);
+        // Every block costs at least 4 bytes of the file (an id, or a length and contents).
+        let n_blocks = r.count(4, "block count")?;
         let p = len.saturating_sub(c.sink_tokens);
-        if n_blocks < p.div_ceil(c.block_size) * c.kv_heads {
+        let needed = p.div_ceil(c.block_size).checked_mul(c.kv_heads);
+        if needed.is_none_or(|b| n_blocks < b) {
             return Err(CacheError::Offload(format!("{n_blocks} blocks cannot hold {len} tokens")));
         }
-        if n_blocks > self.pool.capacity() {
+        if n_blocks > c.capacity_blocks {
             return Err(CacheError::Offload(format!("{n_blocks} blocks exceed the pool")));
         }
         let mut ids = Vec::with_capacity(n_blocks);
@@ -247,7 +272,9 @@ impl PagedCache {
         Ok(ls)
     }
 
-    /// Consistency of a layer read from a file: lengths of sinks and tails, done counters.
+    /// Consistency of a layer read from a file: lengths of sinks and tails, done counters, and
+    /// full-precision values that the cache itself could have stored (finite, and within what
+    /// their part quantizes without overflow), so that later appends cannot fail on them.
     fn check_layer_state(&self, ls: &LayerSeq) -> Result<()> {
         let c = &self.config;
         let d = c.head_dim;
@@ -255,6 +282,17 @@ impl PagedCache {
         let bad = |m: &str| Err(CacheError::Offload(format!("inconsistent sequence: {m}")));
         if ls.sinks.iter().flatten().any(|s| s.len() != ls.len.min(c.sink_tokens) * d) {
             return bad("sink lengths");
+        }
+        for (i, layout) in self.parts.iter().enumerate() {
+            let limit = value_limit(layout, c.tail_dtype, true);
+            for buf in ls.sinks[i].iter().chain(&ls.tails[i]) {
+                if let Some((_, v)) = buf.first_beyond(limit) {
+                    return Err(CacheError::Offload(format!(
+                        "inconsistent sequence: full-precision {} value {v} (finite values of magnitude at most {limit} only)",
+                        if i == 0 { "key" } else { "value" }
+                    )));
+                }
+            }
         }
         if ls.blocks.len() < p.div_ceil(c.block_size) * c.kv_heads
             || !ls.blocks.len().is_multiple_of(c.kv_heads)
@@ -316,29 +354,46 @@ impl PagedCache {
     /// inconsistent.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let (config, mut r) = open(bytes, KIND_CACHE)?;
-        let mut cache = PagedCache::new(config)?;
+        // The layouts, without the pool: nothing is sized from the header until the body has
+        // been checked against it.
+        let mut cache = PagedCache::unallocated(config)?;
         let next_id = r.u64()?;
+        if next_id > MAX_SEQ_ID {
+            return Err(CacheError::Offload(format!("next sequence id {next_id} is over {MAX_SEQ_ID}")));
+        }
         let stats = CacheStats { clamped_values: r.u64()?, copied_blocks: r.u64()? };
-        let cap = cache.pool.capacity();
+        let cap = cache.config.capacity_blocks;
+        let bb = cache.pool.block_bytes();
+        let arena_len = arena_bytes(cap, bb).map_err(|e| CacheError::Offload(e.to_string()))?;
+        if cap.checked_mul(4).is_none_or(|n| n > r.left()) {
+            return Err(CacheError::Offload(format!(
+                "a pool of {cap} blocks needs more than the {} bytes left",
+                r.left()
+            )));
+        }
         let refcount = (0..cap).map(|_| r.u32()).collect::<Result<Vec<_>>>()?;
-        let n_free = r.usize()?;
+        let n_free = r.count(4, "free list length")?;
         if n_free > cap {
             return Err(CacheError::Offload("free list longer than the pool".into()));
         }
         let free = (0..n_free).map(|_| r.u32()).collect::<Result<Vec<_>>>()?;
-        let bb = cache.pool.block_bytes();
-        let mut arena = vec![0u8; cap * bb];
+        let live = refcount.iter().filter(|&&rc| rc > 0).count();
+        if live.checked_mul(bb).is_none_or(|n| n > r.left()) {
+            return Err(CacheError::Offload(format!("{live} live blocks need more than the bytes left")));
+        }
+        let mut arena: Vec<u8> = zeroed(arena_len, "the block pool's arena")?;
         for (id, &rc) in refcount.iter().enumerate() {
             if rc > 0 {
                 arena[id * bb..(id + 1) * bb].copy_from_slice(r.take(bb)?);
             }
         }
-        let n_seqs = r.usize()?;
+        // A sequence costs at least its id and four counters per layer.
+        let n_seqs = r.count(8, "sequence count")?;
         let mut seqs = BTreeMap::new();
         let mut refs = vec![0u32; cap];
         for _ in 0..n_seqs {
             let id = SeqId(r.u64()?);
-            let mut layers = Vec::with_capacity(cache.config.layers);
+            let mut layers = Vec::new();
             for _ in 0..cache.config.layers {
                 let ls = cache.read_layer(&mut r, &mut |r| {
                     let b = r.u32()?;
@@ -348,7 +403,9 @@ impl PagedCache {
                     Ok(b)
                 })?;
                 for &b in &ls.blocks {
-                    refs[b as usize] += 1;
+                    refs[b as usize] = refs[b as usize]
+                        .checked_add(1)
+                        .ok_or_else(|| CacheError::Offload(format!("block {b} is referenced too often")))?;
                 }
                 layers.push(ls);
             }
@@ -378,12 +435,14 @@ impl PagedCache {
         Ok(cache)
     }
 
-    /// Writes the whole cache to `path`.
+    /// Writes the whole cache to `path`, atomically: the bytes go to a temporary file in the
+    /// same directory, are flushed to disk, and replace `path` in one rename, so a crash or a
+    /// full disk leaves either the old file or the new one, never a torn one.
     ///
     /// # Errors
     /// As [`PagedCache::to_bytes`], and I/O errors.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
-        std::fs::write(path, self.to_bytes()?)?;
+        kvq_quant_core::io::write_atomic(path.as_ref(), &self.to_bytes()?)?;
         Ok(())
     }
 
@@ -392,7 +451,7 @@ impl PagedCache {
     /// # Errors
     /// As [`PagedCache::from_bytes`], and I/O errors.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
-        Self::from_bytes(&std::fs::read(path)?)
+        Self::from_bytes(&kvq_quant_core::io::read_regular_file(path.as_ref(), MAX_FILE_BYTES)?)
     }
 
     /// One sequence, with the contents of its blocks, as bytes (for offloading it while other
@@ -456,8 +515,7 @@ impl PagedCache {
                 self.pool.block_mut(*id).copy_from_slice(it.next().expect("one content per block"));
             }
         }
-        let id = SeqId(self.next_id);
-        self.next_id += 1;
+        let id = self.take_seq_id();
         self.seqs.insert(id, Sequence { layers });
         Ok(id)
     }

@@ -212,15 +212,9 @@ impl PartLayout {
         Ok(clamped)
     }
 
-    /// Quantizes a whole block of `block_size` rows (row-major in `rows`) with one group per
-    /// channel, as [`kvq_quant_core::quantize`] does with `channel{block_size}`.
-    pub(crate) fn encode_channel_block(
-        &self,
-        kernels: &RowKernels,
-        rows: &[f32],
-        region: &mut [u8],
-        scratch: &mut [u8],
-    ) -> Result<()> {
+    /// The per-channel parameters of a whole block of `block_size` rows (row-major in `rows`),
+    /// as [`kvq_quant_core::quantize`] finds them with `channel{block_size}`.
+    pub(crate) fn channel_block_params(&self, rows: &[f32]) -> Result<Vec<GroupParams>> {
         let d = self.head_dim;
         let mut lo = vec![f32::INFINITY; d];
         let mut hi = vec![f32::NEG_INFINITY; d];
@@ -234,19 +228,30 @@ impl PartLayout {
         for (&l, &h) in lo.iter().zip(&hi) {
             params.push(self.codec.params(l, h)?);
         }
+        Ok(params)
+    }
+
+    /// Writes a block quantized with [`PartLayout::channel_block_params`]'s parameters; it
+    /// cannot fail, so a caller that found every head's parameters changes all heads or none.
+    pub(crate) fn write_channel_block(
+        &self,
+        kernels: &RowKernels,
+        rows: &[f32],
+        params: &[GroupParams],
+        region: &mut [u8],
+        scratch: &mut [u8],
+    ) {
+        let d = self.head_dim;
         for (g, &p) in params.iter().enumerate() {
             self.write_param(region, g, p);
         }
-        let channels = ChannelParams::new(&params);
+        let channels = ChannelParams::new(params);
         for (r, x) in rows.chunks_exact(d).enumerate() {
             self.codec.encode_channels(x, &channels, scratch);
-            kernels.pack(
-                scratch,
-                self.spec.bits(),
-                &mut region[r * self.row_bytes..(r + 1) * self.row_bytes],
-            )?;
+            kernels
+                .pack(scratch, self.spec.bits(), &mut region[r * self.row_bytes..(r + 1) * self.row_bytes])
+                .expect("a block region holds whole rows of head_dim codes");
         }
-        Ok(())
     }
 
     /// Decodes row `row` of a block region into `out` (`head_dim` values). `statics` are the
@@ -336,6 +341,16 @@ impl TailBuf {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The index and value of the first value that is not finite or whose magnitude is over
+    /// `limit`, if any.
+    pub(crate) fn first_beyond(&self, limit: f32) -> Option<(usize, f32)> {
+        let bad = |x: &f32| !x.is_finite() || x.abs() > limit;
+        match self {
+            TailBuf::F16(v) => v.iter().map(|h| h.to_f32()).enumerate().find(|(_, x)| bad(x)),
+            TailBuf::F32(v) => v.iter().copied().enumerate().find(|(_, x)| bad(x)),
+        }
     }
 
     /// Bytes held.

@@ -2,8 +2,13 @@
 //! reference counts. Allocation and release are O(1) (a stack pop and push), as in vLLM's and
 //! mistral.rs's block pools; the arena is allocated once, at its full capacity.
 
+use crate::error::{CacheError, Result};
+
 /// Index of a block in the pool.
 pub type BlockId = u32;
+
+/// The most blocks a pool can hold: every id fits a [`BlockId`].
+pub const MAX_BLOCKS: usize = BlockId::MAX as usize;
 
 /// A fixed-capacity arena of equally sized blocks.
 #[derive(Debug, Clone, PartialEq)]
@@ -17,13 +22,20 @@ pub struct BlockPool {
 
 impl BlockPool {
     /// A pool of `capacity` blocks of `block_bytes` bytes each, all free.
-    pub fn new(capacity: usize, block_bytes: usize) -> Self {
-        Self {
-            block_bytes,
-            arena: vec![0; capacity * block_bytes],
-            refcount: vec![0; capacity],
-            free: (0..capacity as BlockId).rev().collect(),
-        }
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] when `capacity` exceeds [`MAX_BLOCKS`] or the arena's size
+    /// overflows; [`CacheError::Alloc`] when the memory cannot be had (nothing is allocated
+    /// then).
+    pub fn new(capacity: usize, block_bytes: usize) -> Result<Self> {
+        let arena = arena_bytes(capacity, block_bytes)?;
+        let arena = zeroed(arena, "the block pool's arena")?;
+        let refcount = zeroed(capacity, "the block pool's reference counts")?;
+        let mut free = Vec::new();
+        free.try_reserve_exact(capacity)
+            .map_err(|_| CacheError::Alloc { what: "the block pool's free list", bytes: capacity * 4 })?;
+        free.extend((0..capacity as BlockId).rev());
+        Ok(Self { block_bytes, arena, refcount, free })
     }
 
     /// Blocks in the pool.
@@ -53,9 +65,15 @@ impl BlockPool {
         Some(id)
     }
 
-    /// Adds a reference (a fork shares the block).
+    /// Adds a reference (a fork shares the block). The caller has checked with
+    /// [`BlockPool::can_retain`] that the count does not overflow.
     pub(crate) fn retain(&mut self, id: BlockId) {
         self.refcount[id as usize] += 1;
+    }
+
+    /// Whether one more reference to `id` can be counted.
+    pub(crate) fn can_retain(&self, id: BlockId) -> bool {
+        self.refcount[id as usize] < u32::MAX
     }
 
     /// Drops a reference; the block returns to the free list when none are left.
@@ -113,13 +131,44 @@ impl BlockPool {
     }
 }
 
+/// Bytes of a pool's arena, checked: at most [`MAX_BLOCKS`] blocks, and a size that an
+/// allocation can have (`isize::MAX`).
+pub(crate) fn arena_bytes(capacity: usize, block_bytes: usize) -> Result<usize> {
+    if capacity > MAX_BLOCKS {
+        return Err(CacheError::Config(format!(
+            "capacity_blocks {capacity} is over the {MAX_BLOCKS} blocks a pool can address"
+        )));
+    }
+    capacity.checked_mul(block_bytes).filter(|&n| n <= isize::MAX as usize).ok_or_else(|| {
+        CacheError::Config(format!(
+            "capacity_blocks {capacity} × {block_bytes} bytes per block overflows the address space"
+        ))
+    })
+}
+
+/// `n` zeroed elements, or [`CacheError::Alloc`]. Zeroed allocation keeps the pages of a large
+/// arena untouched until they are written (and so open to huge-page advice).
+pub(crate) fn zeroed<T: bytemuck::Zeroable>(n: usize, what: &'static str) -> Result<Vec<T>> {
+    bytemuck::allocation::try_zeroed_slice_box::<T>(n)
+        .map(|b| b.into_vec())
+        .map_err(|()| CacheError::Alloc { what, bytes: n.saturating_mul(size_of::<T>()) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
+    fn sizes_are_checked_before_allocating() {
+        assert!(matches!(BlockPool::new(MAX_BLOCKS + 1, 1), Err(CacheError::Config(_))));
+        assert!(matches!(BlockPool::new(1 << 20, usize::MAX / 1024), Err(CacheError::Config(_))));
+        // Within the address space but not to be had: a typed error, not an abort.
+        assert!(matches!(BlockPool::new(1 << 31, 1 << 31), Err(CacheError::Alloc { .. })));
+    }
+
+    #[test]
     fn alloc_release_and_exhaustion() {
-        let mut p = BlockPool::new(3, 8);
+        let mut p = BlockPool::new(3, 8).unwrap();
         let a = p.alloc().unwrap();
         let b = p.alloc().unwrap();
         assert_eq!((a, b), (0, 1));
