@@ -583,16 +583,19 @@ unsafe fn idots<const BITS: u8, const NQ: usize>(
 ) {
     let (m, rr) = (rows.len(), 4 / NQ);
     let mut r = 0;
-    // SAFETY (all calls): forwarded from the caller.
     while r + rr <= m {
         match NQ {
+            // SAFETY: the CPU features and bounds are forwarded from the caller.
             1 => unsafe { idot_step::<BITS, NQ, 4>(b, &rows, r, q, dots) },
+            // SAFETY: the CPU features and bounds are forwarded from the caller.
             2 => unsafe { idot_step::<BITS, NQ, 2>(b, &rows, r, q, dots) },
+            // SAFETY: the CPU features and bounds are forwarded from the caller.
             _ => unsafe { idot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) },
         }
         r += rr;
     }
     while r < m {
+        // SAFETY: the CPU features and bounds are forwarded from the caller.
         unsafe { idot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) };
         r += 1;
     }

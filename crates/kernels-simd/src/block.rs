@@ -50,6 +50,7 @@ pub struct QuantBlock<'a> {
 
 /// Why a block or a kernel call was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum KernelError {
     /// Slices of the wrong length, or a bit width out of range.
     #[error("kernel input: {0}")]

@@ -27,6 +27,9 @@
 //! # Ok::<(), kvq_kernels_simd::KernelError>(())
 //! ```
 
+// The one crate of the workspace allowed `unsafe` (the SIMD intrinsics); every block carries a
+// `// SAFETY:` comment, which clippy's `undocumented_unsafe_blocks` checks.
+#![allow(unsafe_code)]
 /// Dispatches `$f::<BITS, NQ>` on a runtime bit width (4, else 8) and query group size (1 to
 /// 3, else 4): the integer kernels' monomorphizations.
 #[cfg(target_arch = "x86_64")]
@@ -62,7 +65,7 @@ pub mod scalar;
 pub mod softmax;
 
 pub use block::{KernelError, Levels, Params, QuantBlock};
-pub use dispatch::Backend;
+pub use dispatch::{Backend, DispatchError};
 pub use memory::advise_huge_pages;
 pub use rowquant::{row_kernels, row_kernels_for};
 

@@ -5,7 +5,9 @@
 //! `r = x − k ln 2` (in two parts, Cody–Waite) and a degree-6 polynomial for `e^r` on
 //! `|r| ≤ ln 2 / 2` (the Cephes `expf` coefficients): within 2 ulp of `f32::exp` for arguments
 //! in `[-87, 0]`. Arguments below −87 (weights under 2^-125 next to the row's maximum of 1)
-//! give 0, and so does −∞. [`exp_sum_scalar`] (through `f32::exp`) is the reference.
+//! give 0, and so does −∞; a NaN argument gives NaN, as `f32::exp` does, so that a NaN score
+//! poisons its softmax instead of vanishing from it. [`exp_sum_scalar`] (through `f32::exp`)
+//! is the reference.
 
 use crate::dispatch::Backend;
 
@@ -45,7 +47,10 @@ pub fn exp_sum_scalar(x: &mut [f32], m: f32) -> f32 {
 /// One lane of the polynomial, for tails (the same operations as the vector lanes).
 #[inline]
 fn exp_lane(t: f32) -> f32 {
-    if t.is_nan() || t < LOWEST {
+    if t.is_nan() {
+        return t;
+    }
+    if t < LOWEST {
         return 0.0;
     }
     let t = t.min(88.0);
@@ -66,8 +71,9 @@ pub fn exp_sum_wide(x: &mut [f32], m: f32) -> f32 {
     let (mv, lowest, highest) = (f32x8::splat(m), f32x8::splat(LOWEST), f32x8::splat(88.0));
     let mut acc = f32x8::ZERO;
     for c in x[..n].chunks_exact_mut(8) {
-        let t = f32x8::from(<[f32; 8]>::try_from(&*c).expect("8 lanes")) - mv;
-        let keep = t.simd_ge(lowest);
+        let t0 = f32x8::from(<[f32; 8]>::try_from(&*c).expect("8 lanes")) - mv;
+        let keep = t0.simd_ge(lowest);
+        let t = t0;
         let t = t.fast_min(highest).fast_max(lowest);
         let k = (t * f32x8::splat(LOG2E)).round();
         let r = (t - k * f32x8::splat(LN2_HI)) - k * f32x8::splat(LN2_LO);
@@ -77,7 +83,7 @@ pub fn exp_sum_wide(x: &mut [f32], m: f32) -> f32 {
         }
         let y = p * (r * r) + r + f32x8::ONE;
         let two_k: f32x8 = bytemuck_cast((k.round_int() + i32x8::splat(127)) << 23);
-        let e = (y * two_k) & keep;
+        let e = t0.is_nan().select(t0, (y * two_k) & keep);
         c.copy_from_slice(&e.to_array());
         acc += e;
     }
@@ -111,9 +117,10 @@ mod x86 {
         let mut acc = _mm256_setzero_ps();
         for c in x[..n].chunks_exact_mut(8) {
             // SAFETY: `c` holds 8 floats.
-            let t = _mm256_sub_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, mv);
-            let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(t, lowest);
-            let t = _mm256_max_ps(_mm256_min_ps(t, highest), lowest);
+            let t0 = _mm256_sub_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, mv);
+            let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(t0, lowest);
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(t0, t0);
+            let t = _mm256_max_ps(_mm256_min_ps(t0, highest), lowest);
             let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
                 t,
                 _mm256_set1_ps(LOG2E),
@@ -129,7 +136,7 @@ mod x86 {
                 _mm256_cvtps_epi32(k),
                 _mm256_set1_epi32(127),
             )));
-            let e = _mm256_and_ps(_mm256_mul_ps(y, two_k), keep);
+            let e = _mm256_blendv_ps(_mm256_and_ps(_mm256_mul_ps(y, two_k), keep), t0, nan);
             // SAFETY: `c` holds 8 floats.
             unsafe { _mm256_storeu_ps(c.as_mut_ptr(), e) };
             acc = _mm256_add_ps(acc, e);
@@ -160,7 +167,9 @@ mod tests {
             let t = x[i] - m;
             if backend == Backend::Scalar {
                 assert_eq!(g.to_bits(), e.to_bits());
-            } else if t < LOWEST || t.is_nan() {
+            } else if t.is_nan() {
+                assert!(g.is_nan(), "{backend} exp({t}) = {g}, the reference gives NaN");
+            } else if t < LOWEST {
                 assert_eq!(g, 0.0, "{backend} exp({t})");
             } else {
                 // 2 ulp of the reference, plus the subnormal range near the cut-off.
@@ -168,6 +177,10 @@ mod tests {
             }
         }
         let total: f32 = want.iter().sum();
+        if total.is_nan() {
+            assert!(s.is_nan() && w.is_nan(), "{backend} sum {s} of a NaN row");
+            return;
+        }
         assert!((s - total).abs() <= 1e-5 * total + 1e-30, "{backend} sum {s} vs {total}");
         assert!((w - total).abs() <= 1e-5 * total + 1e-30);
     }
@@ -189,6 +202,14 @@ mod tests {
             let s = [0.0, -1e-30, -0.5, -0.3465736, -86.99, -87.0, -87.01, -200.0, f32::NEG_INFINITY, -1e30];
             let xs: Vec<f32> = s.iter().cycle().take(37).copied().collect();
             check(backend, &xs, 0.0);
+            // NaN arguments, in the vector body and in the tail (the reference gives NaN).
+            for n in [1, 7, 8, 9, 17, 33] {
+                for at in [0, n / 2, n - 1] {
+                    let mut x = vec![-1.0f32; n];
+                    x[at] = f32::NAN;
+                    check(backend, &x, 0.0);
+                }
+            }
         }
     }
 
