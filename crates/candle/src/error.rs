@@ -3,6 +3,7 @@
 /// Errors of `kvq-candle`: every bad input (model file, tokens, shapes, cache config) is one of
 /// these, never a panic.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A candle operation failed (tensor shapes, dtypes, GGUF parsing inside candle).
     #[error("candle: {}", candle_message(.0))]

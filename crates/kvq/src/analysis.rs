@@ -17,6 +17,7 @@ use rayon::prelude::*;
 
 /// Why an analysis could not run.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum AnalyzeError {
     /// The tensor file could not be read.
     #[error(transparent)]
@@ -92,6 +93,39 @@ pub fn default_specs() -> Vec<KvSpec> {
     out.push(KvSpec::parse("fp8e4m3-token").expect("built-in spec"));
     out.push(KvSpec::parse("nf4-token").expect("built-in spec"));
     out
+}
+
+/// Keeps the specs of `specs` that can quantize every layer of `layers` (a group of 32 does
+/// not divide a head_dim of 16, say), and returns the others with the reason: a built-in list
+/// then applies to any model instead of failing as a whole.
+pub fn applicable_specs(
+    layers: &[LayerInput],
+    specs: Vec<KvSpec>,
+) -> (Vec<KvSpec>, Vec<(KvSpec, QuantError)>) {
+    let mut kept = Vec::new();
+    let mut skipped = Vec::new();
+    for spec in specs {
+        let problem = layers.iter().find_map(|l| {
+            spec.k.check_shape(l.k.shape()).and_then(|()| spec.v.check_shape(l.v.shape())).err()
+        });
+        match problem {
+            Some(e) => skipped.push((spec, e)),
+            None => kept.push(spec),
+        }
+    }
+    (kept, skipped)
+}
+
+/// A shape in reports: `{batch, heads, tokens, head_dim}` (the report's wire form; `Shape`
+/// itself carries no serde, so that its layout is no file format).
+fn shape_wire<S: serde::Serializer>(shape: &Shape, s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeStruct;
+    let mut st = s.serialize_struct("Shape", 4)?;
+    st.serialize_field("batch", &shape.batch)?;
+    st.serialize_field("heads", &shape.heads)?;
+    st.serialize_field("tokens", &shape.tokens)?;
+    st.serialize_field("head_dim", &shape.head_dim)?;
+    st.end()
 }
 
 /// The Q, K and V of one layer.
@@ -254,6 +288,7 @@ pub struct LayerReport {
     /// Layer name.
     pub layer: String,
     /// Shape of K (and V).
+    #[serde(serialize_with = "shape_wire")]
     pub kv_shape: Shape,
     /// Query heads.
     pub query_heads: usize,

@@ -20,7 +20,11 @@ use rayon::prelude::*;
 
 /// Why attention could not be computed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum AttentionError {
+    /// `KVQ_FORCE_BACKEND` names a backend that is unknown or that this CPU lacks.
+    #[error(transparent)]
+    Backend(#[from] kvq_kernels_simd::DispatchError),
     /// The cache refused the lookup (unknown sequence, layer out of range).
     #[error(transparent)]
     Cache(#[from] CacheError),
@@ -144,7 +148,8 @@ pub enum ScorePath {
 ///
 /// # Errors
 /// [`AttentionError::Shape`] when the query heads are not a multiple of the KV heads or the
-/// slices have the wrong length; cache and kernel errors.
+/// slices have the wrong length; [`AttentionError::Backend`] for a bad `KVQ_FORCE_BACKEND`;
+/// cache and kernel errors.
 pub fn decode_attention(
     cache: &PagedCache,
     seq: SeqId,
@@ -153,7 +158,7 @@ pub fn decode_attention(
     query_heads: usize,
     out: &mut [f32],
 ) -> Result<(), AttentionError> {
-    let backend = kvq_kernels_simd::dispatch::selected().unwrap_or(Backend::Scalar);
+    let backend = kvq_kernels_simd::dispatch::selected()?;
     decode_attention_with(backend, cache, seq, layer, q, query_heads, out)
 }
 

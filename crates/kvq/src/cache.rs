@@ -13,10 +13,18 @@ use crate::attention::{AttentionError, ScorePath, decode_attention_path};
 
 /// The version of the config format this build writes and reads.
 pub const CONFIG_VERSION: u32 = 1;
+/// The largest config file [`KvCacheConfig::load`] reads (a calibration of a large model
+/// inside it stays far below).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 30;
 
 /// Why the high-level cache refused a call.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum KvqError {
+    /// `KVQ_FORCE_BACKEND` names a backend that is unknown or that this CPU lacks: an error
+    /// rather than a silent fall back to code 50–100× slower.
+    #[error(transparent)]
+    Backend(#[from] kvq_kernels_simd::DispatchError),
     /// The config is invalid or could not be parsed.
     #[error("config: {0}")]
     Config(String),
@@ -198,14 +206,30 @@ impl KvCacheConfig {
         serde_json::to_string_pretty(&Wire::from(self)).expect("a config always serializes")
     }
 
+    /// Writes the config to `path`, as JSON for a `.json` name and TOML otherwise, atomically
+    /// (a temporary file in the same directory, flushed, then renamed over `path`).
+    ///
+    /// # Errors
+    /// [`KvqError::Io`]; `path` is unchanged then.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<(), KvqError> {
+        let path = path.as_ref();
+        let text =
+            if path.extension().is_some_and(|e| e == "json") { self.to_json() } else { self.to_toml() };
+        kvq_quant_core::io::write_atomic(path, text.as_bytes())
+            .map_err(|source| KvqError::Io { path: path.display().to_string(), source })
+    }
+
     /// Loads a config file, TOML or JSON by its extension (`.json` is JSON, anything else TOML).
+    /// Only a regular file of at most [`MAX_CONFIG_BYTES`] is read.
     ///
     /// # Errors
     /// [`KvqError::Io`], [`KvqError::Config`].
     pub fn load(path: impl AsRef<Path>) -> Result<Self, KvqError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| KvqError::Io { path: path.display().to_string(), source })?;
+        let io = |source| KvqError::Io { path: path.display().to_string(), source };
+        let bytes = kvq_quant_core::io::read_regular_file(path, MAX_CONFIG_BYTES).map_err(io)?;
+        let text = String::from_utf8(bytes)
+            .map_err(|_| io(std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text")))?;
         let parsed = if path.extension().is_some_and(|e| e == "json") {
             Self::from_json(&text)
         } else {
@@ -290,12 +314,14 @@ impl KvCacheConfigBuilder {
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct WireLayer {
     k: String,
     v: String,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Wire {
     version: u32,
     kv_heads: usize,
@@ -377,16 +403,19 @@ impl QuantizedKvCache {
     /// Allocates every layer's pool.
     ///
     /// # Errors
-    /// [`KvqError::Config`].
+    /// [`KvqError::Config`]; [`KvqError::Cache`] with [`CacheError::Alloc`] when a pool's
+    /// memory cannot be had; [`KvqError::Backend`] for a bad `KVQ_FORCE_BACKEND`.
     pub fn new(config: KvCacheConfig) -> Result<Self, KvqError> {
         config.validate()?;
-        // The fastest row quantizer for this CPU (the same codes as the portable one); a bad
-        // KVQ_FORCE_BACKEND falls back to portable here, as decode attention falls back to scalar.
-        let rows = kvq_kernels_simd::row_kernels().unwrap_or(kvq_quant_core::RowKernels::PORTABLE);
+        // The fastest row quantizer for this CPU (the same codes as the portable one).
+        let rows = kvq_kernels_simd::row_kernels()?;
         let layers = (0..config.layers.len())
             .map(|l| {
-                let cache = PagedCache::new(config.layer_config(l).with_row_kernels(rows))
-                    .map_err(|e| KvqError::Config(format!("layer {l}: {e}")))?;
+                let cache =
+                    PagedCache::new(config.layer_config(l).with_row_kernels(rows)).map_err(|e| match e {
+                        CacheError::Config(m) => KvqError::Config(format!("layer {l}: {m}")),
+                        other => KvqError::Cache(other),
+                    })?;
                 // Before any block is written, so that the pool is backed by 2 MiB pages from
                 // the start where the system allows it (decode reads blocks scattered over it).
                 kvq_kernels_simd::advise_huge_pages(cache.pool().arena());
@@ -520,7 +549,7 @@ impl QuantizedKvCache {
     ) -> Result<(), KvqError> {
         let n = self.layers.len();
         let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
-        let backend = kvq_kernels_simd::dispatch::selected().unwrap_or(kvq_kernels_simd::Backend::Scalar);
+        let backend = kvq_kernels_simd::dispatch::selected().map_err(AttentionError::Backend)?;
         Ok(decode_attention_path(backend, path, cache, seq, 0, q, self.config.query_heads, out)?)
     }
 

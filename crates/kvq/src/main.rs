@@ -37,18 +37,24 @@ fn progress(what: &'static str) -> impl FnMut(usize, usize) {
     }
 }
 
-/// Joins tensors of the same heads and head_dim along the token axis.
+/// Joins tensors of the same heads and head_dim along the token axis. Every part is validated
+/// first (not empty, finite), so that no loop runs over the rows of a crafted empty shape.
 fn concat_tokens(parts: &[Tensor]) -> Result<Tensor, Box<dyn std::error::Error>> {
     let s0 = parts[0].shape();
-    let mut tokens = 0;
+    let mut tokens = 0usize;
     for p in parts {
         let s = p.shape();
         if s.batch != s0.batch || s.heads != s0.heads || s.head_dim != s0.head_dim {
             return Err(format!("tensors of shape {s} and {s0} cannot be calibrated together").into());
         }
-        tokens += s.tokens;
+        p.validate()?;
+        tokens = tokens.checked_add(s.tokens).ok_or("token counts overflow")?;
     }
-    let mut data = Vec::with_capacity(s0.batch * s0.heads * tokens * s0.head_dim);
+    let len = Shape::with_batch(s0.batch, s0.heads, tokens, s0.head_dim)
+        .checked_len()
+        .ok_or("the joined tensor's size overflows")?;
+    let mut data = Vec::new();
+    data.try_reserve_exact(len).map_err(|_| format!("cannot hold {len} values to calibrate"))?;
     for b in 0..s0.batch {
         for h in 0..s0.heads {
             for p in parts {
@@ -170,9 +176,16 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
         Command::Bench { context, steps, specs, integer } => bench(context, steps, &specs, integer),
         Command::Recommend { file, budget_bits, out, positions, json } => {
+            if !(budget_bits.is_finite() && budget_bits > 0.0) {
+                return Err(format!("--budget-bits {budget_bits} is not a positive finite number").into());
+            }
             let tf = open_input(file.as_deref())?;
             let layers = analysis::layers_from_file(&tf)?;
-            let candidates = kvq::recommend::default_candidates();
+            let (candidates, skipped) =
+                analysis::applicable_specs(&layers, kvq::recommend::default_candidates());
+            for (spec, why) in skipped {
+                eprintln!("kvq: skipping candidate {}: {why}", spec.name());
+            }
             let (rec, specs) = kvq::recommend::recommend(
                 &layers,
                 &candidates,
@@ -196,12 +209,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             if let Some(out) = out {
                 let config = kvq::recommend::config_for(&layers, &specs)?;
-                let text = if out.extension().is_some_and(|e| e == "json") {
-                    config.to_json()
-                } else {
-                    config.to_toml()
-                };
-                std::fs::write(&out, text).map_err(|e| format!("{}: {e}", out.display()))?;
+                config.save(&out)?;
                 eprintln!("kvq: wrote {}", out.display());
             }
             Ok(())
@@ -233,7 +241,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let v = per_layer.iter().map(|(_, v)| join(v)).collect::<Result<Vec<_>, _>>()?;
             let cal = Calibration::from_tensors(&k, &v, percentile)?;
             let json = serde_json::to_string_pretty(&cal)?;
-            std::fs::write(&out, json).map_err(|e| format!("{}: {e}", out.display()))?;
+            kvq::quant::io::write_atomic(&out, json.as_bytes())
+                .map_err(|e| format!("{}: {e}", out.display()))?;
             eprintln!(
                 "kvq: wrote {} ({} layers, {} KV heads × {} channels, from {} file(s))",
                 out.display(),
@@ -255,19 +264,24 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             Ok(())
         }
         Command::Analyze { file, synthetic, specs, positions, per_head, plot, json } => {
-            let specs = if specs.is_empty() {
-                analysis::default_specs()
-            } else {
-                specs
-                    .iter()
-                    .map(|s| KvSpec::parse(s).map_err(|e| format!("--specs {s:?}: {e}")))
-                    .collect::<Result<_, _>>()?
-            };
             let (source, layers) = if synthetic {
                 ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), vec![analysis::synthetic_layer()])
             } else {
                 let tf = open_input(file.as_deref())?;
                 (tf.label().to_string(), analysis::layers_from_file(&tf)?)
+            };
+            let specs = if specs.is_empty() {
+                // The built-in list applies to any model: what cannot apply is skipped, said so.
+                let (kept, skipped) = analysis::applicable_specs(&layers, analysis::default_specs());
+                for (spec, why) in skipped {
+                    eprintln!("kvq: skipping built-in spec {}: {why}", spec.name());
+                }
+                kept
+            } else {
+                specs
+                    .iter()
+                    .map(|s| KvSpec::parse(s).map_err(|e| format!("--specs {s:?}: {e}")))
+                    .collect::<Result<_, _>>()?
             };
             let options =
                 Options { positions, per_head, histogram_bins: if plot.is_some() { 80 } else { 0 } };
@@ -287,6 +301,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
+/// The longest context `kvq bench` builds (K and V in f32 alone: 8 GiB at this length).
+const MAX_BENCH_CONTEXT: usize = 1 << 20;
+
 /// `kvq bench`: decode attention per spec, against an f32 cache read by the same algorithm
 /// (a per-token f32 "spec" is not a format, so the baseline is the f32 dot/axpy loop).
 fn bench(
@@ -303,6 +320,21 @@ fn bench(
         return Err("--context and --steps must be positive".into());
     }
     let (q_heads, kv_heads, d) = (32usize, 8usize, 128usize);
+    // K and V in f32 plus the largest cache (INT8, f32 tails): the memory is counted, and
+    // asked for, before anything is made.
+    if context > MAX_BENCH_CONTEXT {
+        return Err(format!(
+            "--context {context} is over the limit of {MAX_BENCH_CONTEXT} tokens (K and V alone would take {} GiB)",
+            context.saturating_mul(2 * kv_heads * d * 4) >> 30
+        )
+        .into());
+    }
+    let need = 2 * kv_heads * context * d * (4 + 4);
+    let mut probe: Vec<u8> = Vec::new();
+    probe
+        .try_reserve_exact(need)
+        .map_err(|_| format!("--context {context} needs about {} MiB, which cannot be had", need >> 20))?;
+    drop(probe);
     let specs = specs
         .iter()
         .map(|s| KvSpec::parse(s).map_err(|e| format!("--specs {s:?}: {e}")))

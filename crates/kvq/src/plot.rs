@@ -11,6 +11,7 @@ use crate::analysis::{Histogram, KvSpec, Report};
 
 /// Why a figure could not be written.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PlotError {
     /// The directory or a file in it could not be written.
     #[error("{path}: {source}")]

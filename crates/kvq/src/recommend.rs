@@ -61,6 +61,7 @@ pub struct Recommendation {
 
 /// Why no recommendation could be made.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RecommendError {
     /// Measuring the candidates failed.
     #[error(transparent)]
@@ -73,6 +74,9 @@ pub enum RecommendError {
         /// The budget.
         budget: f64,
     },
+    /// The budget is not a positive finite number of bits.
+    #[error("budget {0} bits per value is not a positive finite number")]
+    BadBudget(f64),
     /// The chosen specs do not make a valid cache config.
     #[error(transparent)]
     Config(#[from] KvqError),
@@ -81,7 +85,8 @@ pub enum RecommendError {
 /// Chooses per-layer specs from `candidates` under `budget_bits` on average.
 ///
 /// # Errors
-/// [`RecommendError::Analyze`], [`RecommendError::Budget`].
+/// [`RecommendError::BadBudget`] for a NaN, infinite or non-positive budget (checked before
+/// anything is measured), [`RecommendError::Analyze`], [`RecommendError::Budget`].
 pub fn recommend(
     layers: &[LayerInput],
     candidates: &[KvSpec],
@@ -89,6 +94,9 @@ pub fn recommend(
     options: &Options,
     progress: impl FnMut(usize, usize),
 ) -> Result<(Recommendation, Vec<KvSpec>), RecommendError> {
+    if !(budget_bits.is_finite() && budget_bits > 0.0) {
+        return Err(RecommendError::BadBudget(budget_bits));
+    }
     let report = analyze("recommend", layers, candidates, options, progress)?;
     let n = report.layers.len();
     // Per layer, the candidates sorted by bits.

@@ -118,7 +118,9 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut tokens = match (&args.tokens, &args.text) {
         (Some(p), _) => read_input_ids(p)?,
         (None, Some(p)) => {
-            let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+            let bytes = kvq::quant::io::read_regular_file(p, MAX_INPUT_BYTES)
+                .map_err(|e| format!("{}: {e}", p.display()))?;
+            let text = String::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", p.display()))?;
             GgufTokenizer::load(&model_path)?.encode(&text)?
         }
         (None, None) => unreachable!("clap requires one"),
@@ -210,9 +212,13 @@ fn candidates(
     Ok(out)
 }
 
+/// The largest text or token file read (a regular file only: not `/dev/zero`, not a FIFO).
+const MAX_INPUT_BYTES: u64 = 1 << 30;
+
 /// The `input_ids` of a safetensors file, as u32, checked for shape and range.
 fn read_input_ids(path: &Path) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
-    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let bytes = kvq::quant::io::read_regular_file(path, MAX_INPUT_BYTES)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
     let t = st.tensor("input_ids").map_err(|_| format!("{}: no input_ids tensor", path.display()))?;
     let n: usize = t.shape().iter().product();
