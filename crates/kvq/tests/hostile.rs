@@ -196,3 +196,13 @@ fn a_bad_forced_backend_is_an_error_in_the_facade() {
         assert!(err.contains(BAD_BACKEND), "{args:?}: {err}");
     }
 }
+
+/// Found by the fuzzer: `query_heads` was only checked to be a multiple of `kv_heads`, so a
+/// config with 2^62 of them loaded and attention's `query_heads × head_dim` overflowed.
+#[test]
+fn query_heads_are_bounded() {
+    let good = KvCacheConfig::builder(1, 2, 4, 8).block_size(4).blocks_per_layer(8).build().unwrap();
+    let bad = good.to_toml().replace("query_heads = 4", "query_heads = 4611686018427387904");
+    let e = KvCacheConfig::from_toml(&bad).unwrap_err();
+    assert!(e.to_string().contains("query_heads"), "{e}");
+}

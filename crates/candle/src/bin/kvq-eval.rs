@@ -215,38 +215,11 @@ fn candidates(
 /// The largest text or token file read (a regular file only: not `/dev/zero`, not a FIFO).
 const MAX_INPUT_BYTES: u64 = 1 << 30;
 
-/// The `input_ids` of a safetensors file, as u32, checked for shape and range.
+/// The `input_ids` of a safetensors file (a regular file only).
 fn read_input_ids(path: &Path) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
     let bytes = kvq::quant::io::read_regular_file(path, MAX_INPUT_BYTES)
         .map_err(|e| format!("{}: {e}", path.display()))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
-    let t = st.tensor("input_ids").map_err(|_| format!("{}: no input_ids tensor", path.display()))?;
-    let n: usize = t.shape().iter().product();
-    if t.shape().iter().filter(|&&d| d != 1).count() > 1 {
-        return Err(
-            format!("{}: input_ids shaped {:?}: one sequence expected", path.display(), t.shape()).into()
-        );
-    }
-    let data = t.data();
-    let ids: Vec<i64> = match t.dtype() {
-        safetensors::Dtype::I32 => {
-            data.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().unwrap()).into()).collect()
-        }
-        safetensors::Dtype::I64 => {
-            data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()
-        }
-        safetensors::Dtype::U32 => {
-            data.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().unwrap()).into()).collect()
-        }
-        other => return Err(format!("{}: input_ids of {other:?}: integers expected", path.display()).into()),
-    };
-    debug_assert_eq!(ids.len(), n);
-    ids.iter()
-        .enumerate()
-        .map(|(i, &id)| {
-            u32::try_from(id).map_err(|_| format!("{}: input_ids[{i}] = {id}", path.display()).into())
-        })
-        .collect()
+    kvq_candle::eval::input_ids(&bytes).map_err(|e| format!("{}: {e}", path.display()).into())
 }
 
 /// A progress bar on a terminal; elsewhere (a log, CI) one line per tenth of the work.
