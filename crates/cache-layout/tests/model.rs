@@ -2,28 +2,61 @@
 //!
 //! After every step each live sequence must dequantize to what quantizing the model's tokens
 //! with the same grouping gives (bit for bit), no block may leak, reference counts must match
-//! the block tables, and a failed operation must leave the cache exactly as it was.
+//! the block tables, and a failed operation must leave the cache exactly as it was. Specs
+//! include f32 parameters and calibrated (static) ones; caches are reloaded from their bytes
+//! mid-run; values too large for an f16 tail or an f16 parameter are appended too.
 
 use std::collections::BTreeMap;
 
 use half::f16;
 use kvq_cache_layout::{CacheConfig, CacheError, PagedCache, Segment, SeqId, TailDtype};
 use kvq_quant_core::calibration::Part;
-use kvq_quant_core::{QuantSpec, Shape, Tensor, quantize};
+use kvq_quant_core::{Calibration, QuantSpec, Shape, Tensor, quantize, quantize_with_ranges};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
 enum Op {
     Create,
-    Append { seq: usize, layer: usize, seed: u64 },
-    AppendAll { seq: usize, seed: u64 },
-    Extend { seq: usize, layer: usize, tokens: usize, seed: u64 },
-    Fork { seq: usize },
-    Truncate { seq: usize, len: usize },
-    Free { seq: usize },
+    Append {
+        seq: usize,
+        layer: usize,
+        seed: u64,
+    },
+    AppendAll {
+        seq: usize,
+        seed: u64,
+    },
+    Extend {
+        seq: usize,
+        layer: usize,
+        tokens: usize,
+        seed: u64,
+    },
+    Fork {
+        seq: usize,
+    },
+    Truncate {
+        seq: usize,
+        len: usize,
+    },
+    Free {
+        seq: usize,
+    },
     Reload,
-    ExportImport { seq: usize },
-    BadAppend { seq: usize },
+    ExportImport {
+        seq: usize,
+    },
+    BadAppend {
+        seq: usize,
+    },
+    /// An append with one value of 70000: over f16's range (an f16 tail cannot hold it) and
+    /// over what f16 parameters allow, but fine for f32 parameters away from f16 tails.
+    BigAppend {
+        seq: usize,
+        layer: usize,
+        part: usize,
+        seed: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -38,6 +71,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Reload),
         1 => (0..8usize).prop_map(|seq| Op::ExportImport { seq }),
         1 => (0..8usize).prop_map(|seq| Op::BadAppend { seq }),
+        1 => (0..8usize, 0..2usize, 0..2usize, any::<u64>()).prop_map(|(seq, layer, part, seed)| Op::BigAppend { seq, layer, part, seed }),
     ]
 }
 
@@ -52,6 +86,9 @@ struct Setup {
     k: &'static str,
     v: &'static str,
     capacity: usize,
+    /// Static ranges for every layer and head (needed by `head` and `tensor` specs; a
+    /// `channel` spec with them quantizes at once instead of through the residual window).
+    calibrated: bool,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -62,11 +99,28 @@ fn setup() -> impl Strategy<Value = Setup> {
         0..3usize,
         0..3usize,
         any::<bool>(),
-        prop::sample::select(vec!["int4-channel", "int3-channel", "int8-g4", "sym4-token"]),
-        prop::sample::select(vec!["int4-token", "int2-g4", "fp8e4m3-token", "nf4-channel"]),
+        prop::sample::select(vec![
+            "int4-channel",
+            "int3-channel",
+            "int8-g4",
+            "sym4-token",
+            "int4-channel-f32",
+            "int4-head",
+            "int8-tensor",
+        ]),
+        prop::sample::select(vec![
+            "int4-token",
+            "int2-g4",
+            "fp8e4m3-token",
+            "nf4-channel",
+            "int4-token-f32",
+            "int4-head-f32",
+            "sym8-g4-f32",
+        ]),
         6..30usize,
+        any::<bool>(),
     )
-        .prop_map(|(heads, d, bs, residual, sinks, f16_tail, k, v, capacity)| Setup {
+        .prop_map(|(heads, d, bs, residual, sinks, f16_tail, k, v, capacity, calibrate)| Setup {
             heads,
             d,
             bs,
@@ -76,7 +130,16 @@ fn setup() -> impl Strategy<Value = Setup> {
             k,
             v,
             capacity,
+            calibrated: calibrate || [k, v].iter().any(|s| s.contains("-head") || s.contains("-tensor")),
         })
+}
+
+/// Ranges from data of the test's own scale (so that some appended values fall outside and
+/// are clamped).
+fn calibration(s: &Setup) -> Calibration {
+    let shape = Shape::new(s.heads, 16, s.d);
+    let t = |seed: u64| Tensor::new(shape, values(seed, shape.len())).unwrap();
+    Calibration::from_tensors(&[t(1), t(2)], &[t(3), t(4)], None).unwrap()
 }
 
 const LAYERS: usize = 2;
@@ -99,6 +162,7 @@ fn values(seed: u64, n: usize) -> Vec<f32> {
 
 struct World {
     s: Setup,
+    calibration: Option<Calibration>,
     cache: PagedCache,
     model: BTreeMap<SeqId, ModelSeq>,
 }
@@ -109,8 +173,21 @@ impl World {
         text.parse().unwrap()
     }
 
+    /// Whether the part streams through a full-precision tail (per-channel, uncalibrated).
     fn channel(&self, part: usize) -> bool {
-        (if part == 0 { self.s.k } else { self.s.v }).contains("channel")
+        (if part == 0 { self.s.k } else { self.s.v }).contains("channel") && self.calibration.is_none()
+    }
+
+    /// The calibrated ranges of the part's groups for `(layer, head)`, when it is static.
+    fn static_ranges(&self, part: usize, layer: usize, head: usize) -> Option<(Vec<f32>, Vec<f32>)> {
+        let spec = self.spec(part);
+        let text = if part == 0 { self.s.k } else { self.s.v };
+        if text.contains("-token") || text.contains("-g") {
+            return None;
+        }
+        let p = if part == 0 { Part::K } else { Part::V };
+        let ranges = self.calibration.as_ref()?.group_ranges(p, layer, head, spec.granularity()).unwrap();
+        Some(ranges.into_iter().unzip())
     }
 
     fn nth(&self, i: usize) -> Option<SeqId> {
@@ -156,10 +233,14 @@ impl World {
         let n_sinks = len.min(sinks);
         let mut out = full(&rows[..n_sinks * d]);
         let spec = self.spec(part);
+        let ranges = self.static_ranges(part, layer, head);
         let q = |tokens: usize, from: usize| {
             let t =
                 Tensor::new(Shape::new(1, tokens, d), rows[from * d..(from + tokens) * d].to_vec()).unwrap();
-            quantize(&t, &spec).unwrap().dequantize().into_data()
+            match &ranges {
+                Some((lo, hi)) => quantize_with_ranges(&t, &spec, lo, hi).unwrap().dequantize().into_data(),
+                None => quantize(&t, &spec).unwrap().dequantize().into_data(),
+            }
         };
         if self.channel(part) {
             // Tokens wait in the tail in its storage type: with an f16 tail the block is
@@ -347,6 +428,18 @@ impl World {
                 assert!(snapshot == self.cache);
                 r.map(|_| ())
             }
+            Op::BigAppend { seq, layer, part, seed } => {
+                let Some(id) = self.nth(seq) else { return };
+                let (mut k, mut v) = (values(seed, heads * d), values(seed ^ 1, heads * d));
+                let x = if part == 0 { &mut k } else { &mut v };
+                x[(seed as usize) % (heads * d)] = 70_000.0;
+                let r = self.cache.append(id, layer, &k, &v);
+                if r.is_ok() {
+                    let split = |x: &[f32]| x.chunks(d).map(<[f32]>::to_vec).collect::<Vec<_>>();
+                    self.model_append(id, layer, &split(&k), &split(&v));
+                }
+                r
+            }
             Op::BadAppend { seq } => {
                 let Some(id) = self.nth(seq) else { return };
                 let mut k = values(7, heads * d);
@@ -371,13 +464,17 @@ proptest! {
     fn cache_matches_model(s in setup(), ops in prop::collection::vec(op(), 1..40)) {
         let k: QuantSpec = s.k.parse().unwrap();
         let v: QuantSpec = s.v.parse().unwrap();
-        let config = CacheConfig::new(LAYERS, s.heads, s.d, s.capacity)
+        let mut config = CacheConfig::new(LAYERS, s.heads, s.d, s.capacity)
             .with_specs(k, v)
             .with_block_size(s.bs)
             .with_residual_blocks(s.residual)
             .with_sink_tokens(s.sinks)
             .with_tail_dtype(s.tail);
-        let mut w = World { cache: PagedCache::new(config).unwrap(), model: BTreeMap::new(), s };
+        let calibration = s.calibrated.then(|| calibration(&s));
+        if let Some(c) = &calibration {
+            config = config.with_calibration(c.clone());
+        }
+        let mut w = World { cache: PagedCache::new(config).unwrap(), model: BTreeMap::new(), calibration, s };
         w.apply(&Op::Create);
         for op in &ops {
             w.apply(op);
