@@ -719,3 +719,44 @@ fn find_member(dir: &Path, member: &str) -> Option<PathBuf> {
 fn python() -> &'static str {
     if which("python3") { "python3" } else { "python" }
 }
+
+#[cfg(test)]
+mod tidy {
+    use super::root;
+
+    fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = entry.path();
+            if p.is_dir() && !p.ends_with("target") {
+                rust_files(&p, out);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                out.push(p);
+            }
+        }
+    }
+
+    /// `unsafe` lives in kernels-simd alone: the workspace lint is `deny` (so that crate can
+    /// allow it), and this test refuses both `unsafe` code and a local `allow` anywhere else.
+    #[test]
+    fn unsafe_only_in_kernels_simd() {
+        let mut files = Vec::new();
+        for dir in ["crates", "xtask", "benches"] {
+            rust_files(&root().join(dir), &mut files);
+        }
+        let kernels = root().join("crates/kernels-simd");
+        let mut offenders = Vec::new();
+        for f in files.iter().filter(|f| !f.starts_with(&kernels)) {
+            let text = std::fs::read_to_string(f).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap_or_default();
+                let words = ["unsafe {", "unsafe fn", "unsafe impl", "unsafe extern", "unsafe_code"];
+                // This file names the words it looks for.
+                if words.iter().any(|w| code.contains(w)) && !f.ends_with("xtask/src/main.rs") {
+                    offenders.push(format!("{}:{}: {line}", f.display(), i + 1));
+                }
+            }
+        }
+        assert!(files.len() > 50, "found only {} Rust files", files.len());
+        assert!(offenders.is_empty(), "unsafe outside kernels-simd:\n{}", offenders.join("\n"));
+    }
+}

@@ -1,5 +1,7 @@
 //! Real keys, values and queries of SmolLM2-135M: what the granularities do on data with
 //! outlier channels.
+// Megabytes of data through an interpreter would take hours; miri runs the other tests.
+#![cfg(not(miri))]
 
 mod common;
 

@@ -1,4 +1,6 @@
 //! The seed's benchmark (standard normal `[1, 32, 512, 128]`), checked against theory.
+// Megabytes of data through an interpreter would take hours; miri runs the other tests.
+#![cfg(not(miri))]
 
 use kvq_quant_core::metrics::error_stats;
 use kvq_quant_core::synth::normal_tensor;
