@@ -194,6 +194,11 @@ fn only_regular_files_are_read() {
     }
     let dir = std::env::temp_dir().join(format!("kvq-io-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    // A FIFO would block an open() forever: it is refused from its metadata alone.
+    let fifo = dir.join("fifo");
+    if std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success()) {
+        assert!(TensorFile::open(&fifo).unwrap_err().to_string().contains("not a regular file"));
+    }
     let path = dir.join("big.bin");
     kvq_quant_core::io::write_atomic(&path, &[7u8; 100]).unwrap();
     assert_eq!(read_regular_file(&path, 100).unwrap(), vec![7u8; 100]);
