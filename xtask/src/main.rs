@@ -84,6 +84,19 @@ fn run(cmd: &mut Command) -> Result<(), String> {
     if status.success() { Ok(()) } else { Err(format!("{cmd:?} failed with {status}")) }
 }
 
+/// With `XTASK_TALLY=FILE`, appends `passed failed` to FILE for `.ci/run` to sum.
+fn tally(passed: u64, failed: u64) -> Result<(), String> {
+    if let Ok(path) = std::env::var("XTASK_TALLY") {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| format!("{path}: {e}"))?;
+        writeln!(f, "{passed} {failed}").map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
 /// Runs a `cargo test`-like command, echoing its output, and counts the tests it reports.
 fn run_tests(cmd: &mut Command, label: &str) -> Result<(), String> {
     eprintln!("xtask: running {cmd:?}");
@@ -110,14 +123,7 @@ fn run_tests(cmd: &mut Command, label: &str) -> Result<(), String> {
         failed = 1;
     }
     println!("xtask {label}: {passed} passed, {failed} failed");
-    if let Ok(tally) = std::env::var("XTASK_TALLY") {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&tally)
-            .map_err(|e| format!("{tally}: {e}"))?;
-        writeln!(f, "{passed} {failed}").map_err(|e| e.to_string())?;
-    }
+    tally(passed, failed)?;
     if status.success() { Ok(()) } else { Err(format!("{label}: tests failed ({status})")) }
 }
 
@@ -474,14 +480,7 @@ fn fuzz(args: &[String]) -> Result<(), String> {
         }
     }
     println!("xtask fuzz: {ok} passed, {failed} failed");
-    if let Ok(tally) = std::env::var("XTASK_TALLY") {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&tally)
-            .map_err(|e| format!("{tally}: {e}"))?;
-        writeln!(f, "{ok} {failed}").map_err(|e| e.to_string())?;
-    }
+    tally(ok, failed)?;
     if failed == 0 { Ok(()) } else { Err(format!("fuzz: {failed} target(s) failed")) }
 }
 

@@ -350,6 +350,37 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[i]
 }
 
+/// The token ids of a safetensors file's `input_ids` tensor (I32, I64 or U32, one sequence:
+/// at most one axis longer than 1), each checked to fit a `u32`.
+///
+/// # Errors
+/// A message saying what is wrong: not safetensors, no `input_ids`, several sequences, a
+/// non-integer type, or an id out of range.
+pub fn input_ids(bytes: &[u8]) -> std::result::Result<Vec<u32>, String> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
+    let t = st.tensor("input_ids").map_err(|_| "no input_ids tensor".to_string())?;
+    if t.shape().iter().filter(|&&d| d != 1).count() > 1 {
+        return Err(format!("input_ids shaped {:?}: one sequence expected", t.shape()));
+    }
+    let data = t.data();
+    let ids: Vec<i64> = match t.dtype() {
+        safetensors::Dtype::I32 => {
+            data.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")).into()).collect()
+        }
+        safetensors::Dtype::I64 => {
+            data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
+        }
+        safetensors::Dtype::U32 => {
+            data.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")).into()).collect()
+        }
+        other => return Err(format!("input_ids of {other:?}: integers expected")),
+    };
+    ids.iter()
+        .enumerate()
+        .map(|(i, &id)| u32::try_from(id).map_err(|_| format!("input_ids[{i}] = {id}")))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -386,35 +417,4 @@ mod tests {
         assert_eq!(quantile(&v, 1.0), 100.0);
         assert!(quantile(&[], 0.5).is_nan());
     }
-}
-
-/// The token ids of a safetensors file's `input_ids` tensor (I32, I64 or U32, one sequence:
-/// at most one axis longer than 1), each checked to fit a `u32`.
-///
-/// # Errors
-/// A message saying what is wrong: not safetensors, no `input_ids`, several sequences, a
-/// non-integer type, or an id out of range.
-pub fn input_ids(bytes: &[u8]) -> std::result::Result<Vec<u32>, String> {
-    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
-    let t = st.tensor("input_ids").map_err(|_| "no input_ids tensor".to_string())?;
-    if t.shape().iter().filter(|&&d| d != 1).count() > 1 {
-        return Err(format!("input_ids shaped {:?}: one sequence expected", t.shape()));
-    }
-    let data = t.data();
-    let ids: Vec<i64> = match t.dtype() {
-        safetensors::Dtype::I32 => {
-            data.chunks_exact(4).map(|b| i32::from_le_bytes(b.try_into().expect("4 bytes")).into()).collect()
-        }
-        safetensors::Dtype::I64 => {
-            data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
-        }
-        safetensors::Dtype::U32 => {
-            data.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")).into()).collect()
-        }
-        other => return Err(format!("input_ids of {other:?}: integers expected")),
-    };
-    ids.iter()
-        .enumerate()
-        .map(|(i, &id)| u32::try_from(id).map_err(|_| format!("input_ids[{i}] = {id}")))
-        .collect()
 }

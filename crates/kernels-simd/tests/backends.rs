@@ -151,63 +151,73 @@ fn close(what: &str, got: &[f32], want: &[f32], mags: &[f64]) {
     }
 }
 
-fn check_backend(backend: Backend) {
-    let mut rng = Rng::new(0x6b7671 + backend as u64);
+/// One random case (special values drawn too) for every bit width, row length and row count,
+/// handed to `f` with the generator and a description.
+fn for_each_case(seed: u64, mut f: impl FnMut(&mut Rng, &Case, &str)) {
+    let mut rng = Rng::new(seed);
     for bits in 1..=8u8 {
         for &dim in DIMS {
             for &rows in ROWS {
                 let special = rng.below(8) as u8;
                 let case = Case::random(&mut rng, rows, dim, bits, special);
-                let b = case.block();
                 let what = format!(
-                    "{backend} bits {bits} dim {dim} rows {rows} special {special} kind {} per-channel {}",
+                    "bits {bits} dim {dim} rows {rows} special {special} kind {} per-channel {}",
                     case.levels_kind, case.per_channel
                 );
-
-                // Dequantize: the same arithmetic per element, so bit-exact.
-                let (mut got, mut want) = (vec![0f32; rows * dim], vec![0f32; rows * dim]);
-                dequantize_with(backend, &b, &mut got).unwrap();
-                scalar::dequantize(&b, &mut want);
-                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: dequantize");
-
-                for n_q in [1usize, 2, 3, 4, 5, 8] {
-                    let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
-                    let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
-                    scores_with(backend, &b, &q, n_q, &mut got).unwrap();
-                    scalar::scores(&b, &q, n_q, &mut want);
-                    close(&format!("{what}: scores"), &got, &want, &magnitudes_scores(&case, &b, &q, n_q));
-
-                    let p: Vec<f32> = (0..n_q * rows).map(|_| rng.uniform() as f32).collect();
-                    let start: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
-                    let (mut got, mut want) = (start.clone(), start.clone());
-                    axpy_with(backend, &b, &p, n_q, &mut got).unwrap();
-                    scalar::axpy(&b, &p, n_q, &mut want);
-                    let mut x = vec![0f32; rows * dim];
-                    scalar::dequantize(&b, &mut x);
-                    let mags: Vec<f64> = (0..n_q * dim)
-                        .map(|k| {
-                            let (i, d) = (k / dim, k % dim);
-                            f64::from(start[k].abs())
-                                + (0..rows)
-                                    .map(|r| {
-                                        // Kernels factor x = L·s + o into its two terms, so the
-                                        // magnitude is that of both, not of their sum.
-                                        let off = match (case.with_offset, case.per_channel) {
-                                            (false, _) => 0.0,
-                                            (true, true) => case.offset[d],
-                                            (true, false) => case.offset[r],
-                                        };
-                                        let pr = f64::from(p[i * rows + r].abs());
-                                        pr * (f64::from((x[r * dim + d] - off).abs()) + f64::from(off.abs()))
-                                    })
-                                    .sum::<f64>()
-                        })
-                        .collect();
-                    close(&format!("{what}: axpy"), &got, &want, &mags);
-                }
+                f(&mut rng, &case, &what);
             }
         }
     }
+}
+
+fn check_backend(backend: Backend) {
+    for_each_case(0x6b7671 + backend as u64, |rng, case, what| {
+        let (rows, dim) = (case.rows, case.dim);
+        let b = case.block();
+        let what = format!("{backend} {what}");
+
+        // Dequantize: the same arithmetic per element, so bit-exact.
+        let (mut got, mut want) = (vec![0f32; rows * dim], vec![0f32; rows * dim]);
+        dequantize_with(backend, &b, &mut got).unwrap();
+        scalar::dequantize(&b, &mut want);
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: dequantize");
+
+        for n_q in [1usize, 2, 3, 4, 5, 8] {
+            let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+            let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
+            scores_with(backend, &b, &q, n_q, &mut got).unwrap();
+            scalar::scores(&b, &q, n_q, &mut want);
+            close(&format!("{what}: scores"), &got, &want, &magnitudes_scores(case, &b, &q, n_q));
+
+            let p: Vec<f32> = (0..n_q * rows).map(|_| rng.uniform() as f32).collect();
+            let start: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+            let (mut got, mut want) = (start.clone(), start.clone());
+            axpy_with(backend, &b, &p, n_q, &mut got).unwrap();
+            scalar::axpy(&b, &p, n_q, &mut want);
+            let mut x = vec![0f32; rows * dim];
+            scalar::dequantize(&b, &mut x);
+            let mags: Vec<f64> = (0..n_q * dim)
+                .map(|k| {
+                    let (i, d) = (k / dim, k % dim);
+                    f64::from(start[k].abs())
+                        + (0..rows)
+                            .map(|r| {
+                                // Kernels factor x = L·s + o into its two terms, so the
+                                // magnitude is that of both, not of their sum.
+                                let off = match (case.with_offset, case.per_channel) {
+                                    (false, _) => 0.0,
+                                    (true, true) => case.offset[d],
+                                    (true, false) => case.offset[r],
+                                };
+                                let pr = f64::from(p[i * rows + r].abs());
+                                pr * (f64::from((x[r * dim + d] - off).abs()) + f64::from(off.abs()))
+                            })
+                            .sum::<f64>()
+                })
+                .collect();
+            close(&format!("{what}: axpy"), &got, &want, &mags);
+        }
+    });
 }
 
 macro_rules! backend_tests {
@@ -227,39 +237,28 @@ macro_rules! backend_tests {
 /// shared by the reference and a kernel cannot hide.
 #[test]
 fn scalar_matches_the_naive_decoding() {
-    let mut rng = Rng::new(0x6e61);
-    for bits in 1..=8u8 {
-        for &dim in DIMS {
-            for &rows in ROWS {
-                let special = rng.below(8) as u8;
-                let case = Case::random(&mut rng, rows, dim, bits, special);
-                let b = case.block();
-                let what =
-                    format!("bits {bits} dim {dim} rows {rows} special {special} kind {}", case.levels_kind);
-                let mut x = vec![0f32; rows * dim];
-                scalar::dequantize(&b, &mut x);
-                for r in 0..rows {
-                    for k in 0..dim {
-                        let (got, (want, mag)) = (f64::from(x[r * dim + k]), case.naive(r, k));
-                        // f32 arithmetic (with FMA or not) on terms of magnitude `mag`.
-                        let tol = 2.0 * f64::from(f32::EPSILON) * mag + 1e-37;
-                        assert!((got - want).abs() <= tol, "{what}: ({r}, {k}) {got} vs {want}");
-                    }
-                }
-                let q: Vec<f32> = (0..dim).map(|_| rng.normal() as f32).collect();
-                let mut s = vec![0f32; rows];
-                scalar::scores(&b, &q, 1, &mut s);
-                for (r, &got) in s.iter().enumerate() {
-                    let want: f64 = (0..dim).map(|k| f64::from(q[k]) * case.naive(r, k).0).sum();
-                    let mag: f64 = (0..dim).map(|k| f64::from(q[k].abs()) * case.naive(r, k).1).sum();
-                    assert!(
-                        (f64::from(got) - want).abs() <= 1e-5 * mag + 1e-30,
-                        "{what}: score {r} {got} vs {want}"
-                    );
-                }
+    for_each_case(0x6e61, |rng, case, what| {
+        let (rows, dim) = (case.rows, case.dim);
+        let b = case.block();
+        let mut x = vec![0f32; rows * dim];
+        scalar::dequantize(&b, &mut x);
+        for r in 0..rows {
+            for k in 0..dim {
+                let (got, (want, mag)) = (f64::from(x[r * dim + k]), case.naive(r, k));
+                // f32 arithmetic (with FMA or not) on terms of magnitude `mag`.
+                let tol = 2.0 * f64::from(f32::EPSILON) * mag + 1e-37;
+                assert!((got - want).abs() <= tol, "{what}: ({r}, {k}) {got} vs {want}");
             }
         }
-    }
+        let q: Vec<f32> = (0..dim).map(|_| rng.normal() as f32).collect();
+        let mut s = vec![0f32; rows];
+        scalar::scores(&b, &q, 1, &mut s);
+        for (r, &got) in s.iter().enumerate() {
+            let want: f64 = (0..dim).map(|k| f64::from(q[k]) * case.naive(r, k).0).sum();
+            let mag: f64 = (0..dim).map(|k| f64::from(q[k].abs()) * case.naive(r, k).1).sum();
+            assert!((f64::from(got) - want).abs() <= 1e-5 * mag + 1e-30, "{what}: score {r} {got} vs {want}");
+        }
+    });
 }
 
 backend_tests! {

@@ -3,25 +3,14 @@
 //! typed error or a one-line message with exit code 1, quickly; none panics, aborts or hangs.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::kvq;
 use kvq::layout::CacheError;
 use kvq::prelude::*;
-
-fn kvq(args: &[&str]) -> Output {
-    let bin = env!("CARGO_BIN_EXE_kvq");
-    let mut cmd = match std::env::var("KVQ_TEST_RUNNER") {
-        Ok(runner) if !runner.trim().is_empty() => {
-            let mut words = runner.split_whitespace();
-            let mut c = Command::new(words.next().expect("non-empty runner"));
-            c.args(words).arg(bin);
-            c
-        }
-        _ => Command::new(bin),
-    };
-    cmd.args(args).output().expect("kvq runs")
-}
 
 /// Runs `kvq args`, expecting a refusal: exit code 1 within `secs`, one line on stderr that
 /// contains `needle`.
