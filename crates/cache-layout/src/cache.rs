@@ -234,6 +234,35 @@ impl PagedCache {
     /// [`CacheError::Shape`], [`CacheError::NonFinite`], [`CacheError::Quant`] (a value too
     /// large for the parameter type), [`CacheError::PoolExhausted`]; nothing changes on error.
     pub fn append(&mut self, seq: SeqId, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        self.check_token_shape(k, v)?;
+        let d = self.config.head_dim;
+        self.extend_with(seq, layer, 1, |part, h, _| {
+            let x = if part == 0 { k } else { v };
+            &x[h * d..(h + 1) * d]
+        })
+    }
+
+    /// Whether [`PagedCache::append`] of this token would succeed, without changing anything:
+    /// the same checks of shape, values and free blocks, so that a caller appending to several
+    /// caches (a model's layers) can check them all before it writes any.
+    ///
+    /// # Errors
+    /// As [`PagedCache::append`].
+    pub fn check_append(&self, seq: SeqId, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        self.check_token_shape(k, v)?;
+        let d = self.config.head_dim;
+        self.validate(seq, layer, 1, |part, h, _| {
+            let x = if part == 0 { k } else { v };
+            &x[h * d..(h + 1) * d]
+        })?;
+        let needed = self.blocks_needed(seq, layer, 1)?;
+        if needed > self.pool.free_blocks() {
+            return Err(CacheError::PoolExhausted { needed, free: self.pool.free_blocks() });
+        }
+        Ok(())
+    }
+
+    fn check_token_shape(&self, k: &[f32], v: &[f32]) -> Result<()> {
         let hd = self.config.kv_heads * self.config.head_dim;
         for (name, x) in [("K", k), ("V", v)] {
             if x.len() != hd {
@@ -243,11 +272,7 @@ impl PagedCache {
                 });
             }
         }
-        let d = self.config.head_dim;
-        self.extend_with(seq, layer, 1, |part, h, _| {
-            let x = if part == 0 { k } else { v };
-            &x[h * d..(h + 1) * d]
-        })
+        Ok(())
     }
 
     /// Appends one token to every layer: `k` and `v` hold `layers × kv_heads × head_dim`

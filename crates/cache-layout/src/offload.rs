@@ -468,13 +468,9 @@ impl PagedCache {
         Ok(seal(w))
     }
 
-    /// Brings back a sequence written by [`PagedCache::export_sequence`] as a new sequence,
-    /// in fresh blocks.
-    ///
-    /// # Errors
-    /// [`CacheError::Offload`] for a bad file or a different cache config,
-    /// [`CacheError::PoolExhausted`]; nothing changes on error.
-    pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
+    /// Reads a one-sequence file into its layers (block ids still placeholders) and the
+    /// contents of its blocks, checking everything but the free blocks.
+    fn parse_sequence<'a>(&self, bytes: &'a [u8]) -> Result<(Vec<LayerSeq>, Vec<&'a [u8]>)> {
         let (config, mut r) = open(bytes, KIND_SEQUENCE)?;
         let config = CacheConfig {
             capacity_blocks: self.config.capacity_blocks,
@@ -504,6 +500,31 @@ impl PagedCache {
         if r.at != r.data.len() {
             return Err(CacheError::Offload("trailing bytes after the last layer".into()));
         }
+        Ok((layers, contents))
+    }
+
+    /// Whether [`PagedCache::import_sequence`] of `bytes` would succeed, without changing
+    /// anything (every check, free blocks included), so that a caller importing into several
+    /// caches can check them all first.
+    ///
+    /// # Errors
+    /// As [`PagedCache::import_sequence`].
+    pub fn check_import(&self, bytes: &[u8]) -> Result<()> {
+        let (_, contents) = self.parse_sequence(bytes)?;
+        if contents.len() > self.pool.free_blocks() {
+            return Err(CacheError::PoolExhausted { needed: contents.len(), free: self.pool.free_blocks() });
+        }
+        Ok(())
+    }
+
+    /// Brings back a sequence written by [`PagedCache::export_sequence`] as a new sequence,
+    /// in fresh blocks.
+    ///
+    /// # Errors
+    /// [`CacheError::Offload`] for a bad file or a different cache config,
+    /// [`CacheError::PoolExhausted`]; nothing changes on error.
+    pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
+        let (mut layers, contents) = self.parse_sequence(bytes)?;
         let needed = contents.len();
         if needed > self.pool.free_blocks() {
             return Err(CacheError::PoolExhausted { needed, free: self.pool.free_blocks() });

@@ -43,6 +43,9 @@ pub enum Target {
     OffloadCache,
     /// `PagedCache::import_sequence` (one offloaded sequence) into a cache of the seed's config.
     OffloadSeq,
+    /// `QuantizedKvCache::import_sequence` (one sequence of every layer) into a cache of the
+    /// seed's config.
+    KvqSeq,
     /// `LlamaModel::read` and `GgufTokenizer::from_gguf` on GGUF bytes.
     Gguf,
     /// `kvq_candle::eval::input_ids` (the token files of `kvq-eval --tokens`).
@@ -59,13 +62,14 @@ fn err(e: impl std::fmt::Display) -> String {
 
 impl Target {
     /// Every target.
-    pub const ALL: [Target; 8] = [
+    pub const ALL: [Target; 9] = [
         Target::Safetensors,
         Target::ConfigToml,
         Target::ConfigJson,
         Target::Calibration,
         Target::OffloadCache,
         Target::OffloadSeq,
+        Target::KvqSeq,
         Target::Gguf,
         Target::Tokens,
     ];
@@ -79,6 +83,7 @@ impl Target {
             Target::Calibration => "calibration",
             Target::OffloadCache => "offload-cache",
             Target::OffloadSeq => "offload-seq",
+            Target::KvqSeq => "kvq-seq",
             Target::Gguf => "gguf",
             Target::Tokens => "tokens",
         }
@@ -99,7 +104,7 @@ impl Target {
     pub fn regression_dir(self) -> PathBuf {
         let crates = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("crates/").to_path_buf();
         let owner = match self {
-            Target::Safetensors | Target::ConfigToml | Target::ConfigJson => "kvq",
+            Target::Safetensors | Target::ConfigToml | Target::ConfigJson | Target::KvqSeq => "kvq",
             Target::Calibration => "quant-core",
             Target::OffloadCache | Target::OffloadSeq => "cache-layout",
             Target::Gguf | Target::Tokens => "candle",
@@ -135,6 +140,10 @@ impl Target {
                 let (cache, seq) = filled(seq_config(), 9);
                 vec![cache.export_sequence(seq).expect("writes")]
             }
+            Target::KvqSeq => {
+                let (cache, seq) = facade_cache(21);
+                vec![cache.export_sequence(seq).expect("writes")]
+            }
             Target::Gguf => vec![tiny_gguf()],
             Target::Tokens => {
                 vec![token_file(safetensors::Dtype::I64, 12), token_file(safetensors::Dtype::U32, 5)]
@@ -164,6 +173,7 @@ impl Target {
             Target::Calibration => run_calibration(input),
             Target::OffloadCache => run_offload_cache(input),
             Target::OffloadSeq => run_offload_seq(input),
+            Target::KvqSeq => run_kvq_seq(input),
             Target::Gguf => run_gguf(input),
             Target::Tokens => kvq_candle::eval::input_ids(input).map(|_| ()),
         }
@@ -211,8 +221,10 @@ fn run_safetensors(input: &[u8]) -> Outcome {
     let _ = file.list();
     let _ = file.metadata();
     let layers = analysis::layers_from_file(&file).map_err(err)?;
+    // Analysis is the costliest use: a smaller budget keeps the loop at thousands of inputs
+    // per second.
     let values: usize = layers.iter().map(|l| l.q.data().len() + 2 * l.k.data().len()).sum();
-    if values > WORK {
+    if values > WORK / 8 {
         return Ok(());
     }
     let specs: Vec<KvSpec> = ["int4-channel/int4-token", "int2-g8", "fp8e4m3-token", "nf4-token"]
@@ -396,6 +408,42 @@ fn run_offload_seq(input: &[u8]) -> Outcome {
     }
 }
 
+/// A facade cache of the first seed config with one sequence of `n` tokens.
+fn facade_cache(n: usize) -> (QuantizedKvCache, SeqId) {
+    let c = seed_configs().remove(0);
+    let mut cache = QuantizedKvCache::new(c.clone()).expect("valid");
+    let seq = cache.create();
+    let per = c.layers.len() * c.kv_heads * c.head_dim;
+    for t in 0..n {
+        cache.append_all_layers(seq, &token(per, t), &token(per, t + 1)).expect("fits");
+    }
+    (cache, seq)
+}
+
+fn run_kvq_seq(input: &[u8]) -> Outcome {
+    let (mut cache, _) = facade_cache(5);
+    let free = cache.free_blocks();
+    let seq = match cache.import_sequence(input) {
+        Err(e) => {
+            assert_eq!(cache.free_blocks(), free, "a refused import took blocks");
+            return Err(err(e));
+        }
+        Ok(seq) => seq,
+    };
+    let c = cache.config().clone();
+    let q = token(c.query_heads * c.head_dim, 1);
+    let mut out = vec![0f32; q.len()];
+    for l in 0..c.layers.len() {
+        cache.attention(seq, l, &q, &mut out).map_err(err)?;
+    }
+    let again = cache.export_sequence(seq).expect("writes");
+    cache.free(seq).map_err(err)?;
+    let id = cache.import_sequence(&again).expect("an exported sequence imports where it was");
+    let per = c.layers.len() * c.kv_heads * c.head_dim;
+    cache.append_all_layers(id, &token(per, 2), &token(per, 3)).map_err(err)?;
+    Ok(())
+}
+
 /// A tiny Llama (1 layer, 2 query heads and 1 KV head of 8 channels, 16 tokens of vocabulary)
 /// in F32, written by candle's GGUF writer.
 fn tiny_gguf() -> Vec<u8> {
@@ -505,16 +553,27 @@ const NUMBERS: [&str; 16] = [
 
 /// A mutated copy of `input` (`others`: the rest of the corpus, for splicing).
 pub fn mutate(target: Target, rng: &mut Rng, input: &[u8], others: &[Vec<u8>]) -> Vec<u8> {
-    let offload = matches!(target, Target::OffloadCache | Target::OffloadSeq);
-    if offload && input.len() > 21 && rng.below(2) == 0 {
+    if target == Target::KvqSeq
+        && rng.below(2) == 0
+        && let Some(out) = mutate_kvq_seq_layer(rng, input)
+    {
+        return out;
+    }
+    let offload = matches!(target, Target::OffloadCache | Target::OffloadSeq | Target::KvqSeq);
+    if offload && input.len() > 21 && rng.below(2) == 0 && target != Target::KvqSeq {
         return mutate_offload_parts(rng, input, others);
     }
     let mut out = edit(rng, input, others, target.is_text());
+    // Splices and duplications grow inputs; past the size of any seed they only cost time.
+    out.truncate(MAX_INPUT);
     if offload && out.len() >= 4 && rng.below(4) != 0 {
         reseal(&mut out);
     }
     out
 }
+
+/// The longest input [`mutate`] makes.
+pub const MAX_INPUT: usize = 1 << 16;
 
 fn edit(rng: &mut Rng, input: &[u8], others: &[Vec<u8>], text: bool) -> Vec<u8> {
     let mut v = input.to_vec();
@@ -615,6 +674,7 @@ fn mutate_offload_parts(rng: &mut Rng, input: &[u8], others: &[Vec<u8>]) -> Vec<
         return edit(rng, input, others, false);
     };
     let (mut header, mut body) = (input[17..end].to_vec(), input[end..input.len() - 4].to_vec());
+    body.truncate(MAX_INPUT);
     if rng.below(3) == 0 {
         header = edit(rng, &header, &[], true);
     } else {
@@ -627,6 +687,34 @@ fn mutate_offload_parts(rng: &mut Rng, input: &[u8], others: &[Vec<u8>]) -> Vec<
     out.extend_from_slice(&[0; 4]);
     reseal(&mut out);
     out
+}
+
+/// A facade sequence file with one layer's one-sequence file mutated (as an offload file is:
+/// header or body, re-sealed) and the container's lengths and checksum recomputed; `None`
+/// when the input is not such a container.
+fn mutate_kvq_seq_layer(rng: &mut Rng, input: &[u8]) -> Option<Vec<u8>> {
+    let content = input.get(..input.len().checked_sub(4)?)?;
+    let layers = u32::from_le_bytes(content.get(12..16)?.try_into().ok()?) as usize;
+    let mut parts = Vec::new();
+    let mut at = 16usize;
+    for _ in 0..layers.min(64) {
+        let n = usize::try_from(u64::from_le_bytes(content.get(at..at + 8)?.try_into().ok()?)).ok()?;
+        parts.push(content.get(at + 8..(at + 8).checked_add(n)?)?.to_vec());
+        at += 8 + n;
+    }
+    if parts.is_empty() {
+        return None;
+    }
+    let i = rng.below(parts.len() as u64) as usize;
+    parts[i] = mutate(Target::OffloadSeq, rng, &parts[i], &[]);
+    let mut out = content[..16].to_vec();
+    for p in &parts {
+        out.extend_from_slice(&(p.len() as u64).to_le_bytes());
+        out.extend_from_slice(p);
+    }
+    out.extend_from_slice(&[0; 4]);
+    reseal(&mut out);
+    Some(out)
 }
 
 /// Recomputes an offload file's trailing CRC-32.

@@ -13,6 +13,11 @@ use crate::attention::{AttentionError, ScorePath, decode_attention_path};
 
 /// The version of the config format this build writes and reads.
 pub const CONFIG_VERSION: u32 = 1;
+/// The magic of [`QuantizedKvCache::export_sequence`]'s files.
+const SEQ_MAGIC: &[u8; 8] = b"KVQSEQS\0";
+/// Their version.
+const SEQ_VERSION: u32 = 1;
+
 /// The most values one token's queries can have (`query_heads × head_dim`).
 pub const MAX_QUERY_VALUES: usize = 1 << 24;
 /// The largest config file [`KvCacheConfig::load`] reads (a calibration of a large model
@@ -461,6 +466,122 @@ impl QuantizedKvCache {
     /// [`KvqError::Cache`]; nothing changes on error.
     pub fn append(&mut self, seq: SeqId, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KvqError> {
         Ok(self.layer_mut(layer)?.append(seq, 0, k, v)?)
+    }
+
+    /// Appends one token to every layer: `k` and `v` hold `layers × kv_heads × head_dim`
+    /// values (layer-major). Every layer is checked (shape, values, free blocks) before any is
+    /// written, so the call appends to all layers or to none.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`] naming the first layer's problem; nothing changes on error.
+    pub fn append_all_layers(&mut self, seq: SeqId, k: &[f32], v: &[f32]) -> Result<(), KvqError> {
+        let per_layer = self.config.kv_heads * self.config.head_dim;
+        let n = self.layers.len() * per_layer;
+        if k.len() != n || v.len() != n {
+            return Err(KvqError::Cache(CacheError::Shape {
+                expected: format!("{n} values for K and V (layers × kv_heads × head_dim)"),
+                got: format!("{} and {}", k.len(), v.len()),
+            }));
+        }
+        let layer = |l: usize| l * per_layer..(l + 1) * per_layer;
+        for (l, c) in self.layers.iter().enumerate() {
+            c.check_append(seq, 0, &k[layer(l)], &v[layer(l)])?;
+        }
+        for (l, c) in self.layers.iter_mut().enumerate() {
+            c.append(seq, 0, &k[layer(l)], &v[layer(l)])?;
+        }
+        Ok(())
+    }
+
+    /// Blocks that appending `tokens` tokens of `seq` would take from each layer's pool (new
+    /// blocks plus copies of shared blocks written), in layer order: what a scheduler compares
+    /// with each pool's free blocks before it admits work.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`] for an unknown sequence.
+    pub fn blocks_needed(&self, seq: SeqId, tokens: usize) -> Result<Vec<usize>, KvqError> {
+        self.layers.iter().map(|c| c.blocks_needed(seq, 0, tokens).map_err(KvqError::from)).collect()
+    }
+
+    /// Free blocks of each layer's pool, in layer order.
+    pub fn free_blocks(&self) -> Vec<usize> {
+        self.layers.iter().map(|c| c.pool().free_blocks()).collect()
+    }
+
+    /// One sequence of every layer, with the contents of its blocks, as bytes (to offload it
+    /// while others keep decoding): a container of each layer's one-sequence offload file,
+    /// with a checksum. The sequence stays in the cache; free it to reclaim its blocks.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`]: an unknown sequence, or a spec without a text form (fixed codebooks).
+    pub fn export_sequence(&self, seq: SeqId) -> Result<Vec<u8>, KvqError> {
+        let mut out = SEQ_MAGIC.to_vec();
+        out.extend_from_slice(&SEQ_VERSION.to_le_bytes());
+        out.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
+        for c in &self.layers {
+            let bytes = c.export_sequence(seq)?;
+            out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            out.extend_from_slice(&bytes);
+        }
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        Ok(out)
+    }
+
+    /// Brings back a sequence written by [`QuantizedKvCache::export_sequence`] as a new
+    /// sequence of every layer. Every layer's part is checked (format, config, values, free
+    /// blocks) before any layer changes.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`] with [`CacheError::Offload`] for a bad file or one written by a
+    /// cache of another config, [`CacheError::PoolExhausted`]; nothing changes on error.
+    pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId, KvqError> {
+        let bad = |m: String| KvqError::Cache(CacheError::Offload(m));
+        let head = SEQ_MAGIC.len() + 8;
+        if bytes.len() < head + 4 || bytes[..SEQ_MAGIC.len()] != SEQ_MAGIC[..] {
+            return Err(bad("not a kvq sequence file (bad magic or truncated)".into()));
+        }
+        let (content, crc) = bytes.split_at(bytes.len() - 4);
+        if crc32fast::hash(content) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
+            return Err(bad("checksum mismatch: the file is corrupt or truncated".into()));
+        }
+        let word = |at: usize| u32::from_le_bytes(content[at..at + 4].try_into().expect("4 bytes"));
+        let (version, layers) = (word(SEQ_MAGIC.len()), word(SEQ_MAGIC.len() + 4) as usize);
+        if version != SEQ_VERSION {
+            return Err(bad(format!("sequence file version {version} (this build reads {SEQ_VERSION})")));
+        }
+        if layers != self.layers.len() {
+            return Err(bad(format!("the file has {layers} layers, the cache {}", self.layers.len())));
+        }
+        let mut parts = Vec::with_capacity(layers);
+        let mut at = head;
+        for l in 0..layers {
+            let len = content
+                .get(at..at + 8)
+                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|&n| n <= content.len() - at - 8)
+                .ok_or_else(|| bad(format!("layer {l}: truncated")))?;
+            parts.push(&content[at + 8..at + 8 + len]);
+            at += 8 + len;
+        }
+        if at != content.len() {
+            return Err(bad("trailing bytes after the last layer".into()));
+        }
+        for (l, (c, part)) in self.layers.iter().zip(&parts).enumerate() {
+            c.check_import(part).map_err(|e| match e {
+                CacheError::Offload(m) => bad(format!("layer {l}: {m}")),
+                other => KvqError::Cache(other),
+            })?;
+        }
+        let ids = self
+            .layers
+            .iter_mut()
+            .zip(&parts)
+            .map(|(c, part)| c.import_sequence(part))
+            .collect::<Result<Vec<_>, _>>()?;
+        debug_assert!(ids.windows(2).all(|w| w[0] == w[1]), "layers out of step");
+        Ok(ids[0])
     }
 
     /// Appends many tokens (`[kv_heads, tokens, head_dim]` tensors) to `layer`.

@@ -169,3 +169,110 @@ fn integer_attention_on_real_data_tracks_the_float_path() {
     }
     assert!(rel < 1e-2, "relative difference {rel}");
 }
+
+fn token(n: usize, t: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 13 + t * 7) % 29) as f32 / 10.0 - 1.4).collect()
+}
+
+/// One call for every layer equals one call per layer; a bad value in the last layer, or a
+/// wrong length, changes no layer.
+#[test]
+fn append_all_layers_is_all_or_nothing() {
+    let c = config();
+    let per = c.kv_heads * c.head_dim;
+    let (mut one, mut each) =
+        (QuantizedKvCache::new(c.clone()).unwrap(), QuantizedKvCache::new(c.clone()).unwrap());
+    let (s1, s2) = (one.create(), each.create());
+    for t in 0..20 {
+        let (k, v) = (token(3 * per, t), token(3 * per, t + 1));
+        one.append_all_layers(s1, &k, &v).unwrap();
+        for l in 0..3 {
+            each.append(s2, l, &k[l * per..(l + 1) * per], &v[l * per..(l + 1) * per]).unwrap();
+        }
+    }
+    for l in 0..3 {
+        assert_eq!(one.layer(l), each.layer(l), "layer {l}");
+    }
+    assert_eq!(one.blocks_needed(s1, 1).unwrap(), each.blocks_needed(s2, 1).unwrap());
+    let before: Vec<_> = (0..3).map(|l| one.layer(l).unwrap().clone()).collect();
+    let mut k = token(3 * per, 99);
+    k[3 * per - 1] = f32::NAN;
+    assert!(one.append_all_layers(s1, &k, &token(3 * per, 5)).is_err());
+    assert!(one.append_all_layers(s1, &k[1..], &k[1..]).is_err());
+    for (l, layer) in before.iter().enumerate() {
+        assert_eq!(one.layer(l).unwrap(), layer, "layer {l} changed");
+    }
+}
+
+#[test]
+fn blocks_needed_predicts_what_appends_take() {
+    let mut cache = QuantizedKvCache::new(config()).unwrap();
+    let seq = cache.create();
+    let per = 2 * 32;
+    for t in 0..37 {
+        let need = cache.blocks_needed(seq, 1).unwrap();
+        let free = cache.free_blocks();
+        cache.append_all_layers(seq, &token(3 * per, t), &token(3 * per, t)).unwrap();
+        let after = cache.free_blocks();
+        for l in 0..3 {
+            assert_eq!(free[l] - after[l], need[l], "token {t} layer {l}");
+        }
+    }
+    assert_eq!(cache.blocks_needed(seq, 64).unwrap().len(), 3);
+}
+
+/// A sequence leaves through `export_sequence` and comes back, in the same or another cache of
+/// the same config, attending exactly as before; a damaged or foreign file changes nothing.
+#[test]
+fn sequences_export_and_import_across_layers() {
+    let c = config();
+    let per = c.kv_heads * c.head_dim;
+    let mut cache = QuantizedKvCache::new(c.clone()).unwrap();
+    let seq = cache.create();
+    for t in 0..45 {
+        cache.append_all_layers(seq, &token(3 * per, t), &token(3 * per, t + 3)).unwrap();
+    }
+    let file = cache.export_sequence(seq).unwrap();
+    let q = token(c.query_heads * c.head_dim, 1);
+    let attend = |cache: &QuantizedKvCache, s: SeqId| {
+        (0..3)
+            .map(|l| {
+                let mut out = vec![0f32; q.len()];
+                cache.attention(s, l, &q, &mut out).unwrap();
+                out
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut other = QuantizedKvCache::new(c.clone()).unwrap();
+    let back = other.import_sequence(&file).unwrap();
+    assert_eq!(attend(&other, back), attend(&cache, seq));
+    cache.free(seq).unwrap();
+    let again = cache.import_sequence(&file).unwrap();
+    assert_eq!(attend(&cache, again), attend(&other, back));
+
+    let before: Vec<_> = (0..3).map(|l| other.layer(l).unwrap().clone()).collect();
+    let mut damaged = file.clone();
+    let i = damaged.len() / 2;
+    damaged[i] ^= 4;
+    for bad in [&damaged[..], &file[..file.len() - 1], &file[..10], b"not a file"] {
+        assert!(other.import_sequence(bad).is_err());
+    }
+    let foreign = KvCacheConfig::builder(3, 2, 6, 32).block_size(16).blocks_per_layer(64).build().unwrap();
+    let mut f = QuantizedKvCache::new(foreign).unwrap();
+    let e = f.import_sequence(&file).unwrap_err();
+    assert!(e.to_string().contains("another configuration"), "{e}");
+    // Too few free blocks (the sequence takes 12 per layer, 8 are free): refused before any layer imports.
+    let small = KvCacheConfig { blocks_per_layer: 16, ..c };
+    let mut tiny = QuantizedKvCache::new(small).unwrap();
+    let busy = tiny.create();
+    for t in 0..30 {
+        tiny.append_all_layers(busy, &token(3 * per, t), &token(3 * per, t)).unwrap();
+    }
+    let free = tiny.free_blocks();
+    let e = tiny.import_sequence(&file).unwrap_err();
+    assert!(matches!(e, KvqError::Cache(kvq::layout::CacheError::PoolExhausted { .. })), "{e}");
+    assert_eq!(tiny.free_blocks(), free);
+    for (l, layer) in before.iter().enumerate() {
+        assert_eq!(other.layer(l).unwrap(), layer);
+    }
+}
