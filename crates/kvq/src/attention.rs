@@ -34,6 +34,71 @@ pub enum AttentionError {
     /// Query or output of the wrong size.
     #[error("attention input: {0}")]
     Shape(String),
+    /// An [`AttentionOptions`] value out of its range.
+    #[error("attention options: {0}")]
+    Options(String),
+}
+
+/// What varies between model families' attention, beyond the cache itself. The default is
+/// plain causal softmax attention over every cached token with scores `q·k / √head_dim` on the
+/// float path.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[non_exhaustive]
+pub struct AttentionOptions {
+    /// Float or integer arithmetic ([`ScorePath`]).
+    pub path: ScorePath,
+    /// The factor of `q·k` before the softmax; `None`: `1 / √head_dim`. (Gemma 2 uses
+    /// `1 / √query_pre_attn_scalar`, some models fold the factor into their queries: 1.)
+    pub scale: Option<f32>,
+    /// Attend only the last `n` cached tokens, the newest included (Mistral, and Gemma 2's
+    /// local layers): older tokens, attention sinks among them, get no weight.
+    pub sliding_window: Option<usize>,
+    /// Logit soft-capping (Gemma 2, Grok): each scaled score `s` becomes `cap · tanh(s / cap)`
+    /// before the softmax.
+    pub softcap: Option<f32>,
+}
+
+impl AttentionOptions {
+    /// The options with `path` and every other field at its default.
+    pub fn with_path(path: ScorePath) -> Self {
+        Self { path, ..Self::default() }
+    }
+
+    /// Sets the score scale.
+    pub fn scale(mut self, scale: f32) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+
+    /// Sets the sliding window, in tokens.
+    pub fn sliding_window(mut self, tokens: usize) -> Self {
+        self.sliding_window = Some(tokens);
+        self
+    }
+
+    /// Sets the soft cap of the scores.
+    pub fn softcap(mut self, cap: f32) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
+
+    fn check(&self) -> Result<(), AttentionError> {
+        let bad = |m: String| Err(AttentionError::Options(m));
+        if let Some(s) = self.scale
+            && !(s.is_finite() && s > 0.0)
+        {
+            return bad(format!("scale {s} is not a positive finite number"));
+        }
+        if self.sliding_window == Some(0) {
+            return bad("a sliding window of 0 tokens attends nothing".into());
+        }
+        if let Some(c) = self.softcap
+            && !(c.is_finite() && c > 0.0)
+        {
+            return bad(format!("softcap {c} is not a positive finite number"));
+        }
+        Ok(())
+    }
 }
 
 /// The level table of a part's spec, for the kernels (FP8 decode table, codebook levels).
@@ -193,6 +258,27 @@ pub fn decode_attention_path(
     query_heads: usize,
     out: &mut [f32],
 ) -> Result<(), AttentionError> {
+    let options = AttentionOptions::with_path(path);
+    decode_attention_options(backend, &options, cache, seq, layer, q, query_heads, out)
+}
+
+/// [`decode_attention_with`] with [`AttentionOptions`]: score path, scale, sliding window and
+/// soft-capping.
+///
+/// # Errors
+/// As [`decode_attention`], and [`AttentionError::Options`] for an option out of range.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_options(
+    backend: Backend,
+    options: &AttentionOptions,
+    cache: &PagedCache,
+    seq: SeqId,
+    layer: usize,
+    q: &[f32],
+    query_heads: usize,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
+    options.check()?;
     let cfg = cache.config();
     let (heads, d) = (cfg.kv_heads, cfg.head_dim);
     if query_heads == 0
@@ -212,7 +298,7 @@ pub fn decode_attention_path(
     out.par_chunks_mut(g * d).enumerate().try_for_each(|(h, o)| {
         head_attention(
             backend,
-            path,
+            options,
             cache,
             seq,
             layer,
@@ -311,16 +397,20 @@ impl Partial {
     }
 }
 
-/// Attends the g query rows `qs` (already scaled by 1/sqrt(d)) over `units`.
+/// Attends the g query rows `qs` (already scaled) over `units`, from token `start` on (the
+/// sliding window's first token; the units begin at or after the unit that holds it).
+#[allow(clippy::too_many_arguments)]
 fn attend(
     backend: Backend,
-    path: ScorePath,
+    options: &AttentionOptions,
     readers: &[PartReader; 2],
     units: &[(usize, usize, Run<'_>, Run<'_>)],
     qs: &[f32],
     g: usize,
     d: usize,
+    start: usize,
 ) -> Result<Partial, AttentionError> {
+    let path = options.path;
     let mut st = Partial::new(g, d);
     let mut bufs = (Vec::new(), Vec::new());
     let mut s = Vec::new();
@@ -362,6 +452,16 @@ fn attend(
                         }
                     }
                 }
+            }
+        }
+        if let Some(cap) = options.softcap {
+            let inv = 1.0 / cap;
+            s.iter_mut().for_each(|x| *x = cap * (*x * inv).tanh());
+        }
+        // Tokens before the window (in the unit that straddles its start) get no weight.
+        if *a < start {
+            for i in 0..g {
+                s[i * n..i * n + (start - a).min(n)].fill(f32::NEG_INFINITY);
             }
         }
         // Online softmax: rescale what was accumulated when the running maximum grows.
@@ -416,7 +516,7 @@ const SPLIT_TOKENS: usize = 2048;
 #[allow(clippy::too_many_arguments)]
 fn head_attention(
     backend: Backend,
-    path: ScorePath,
+    options: &AttentionOptions,
     cache: &PagedCache,
     seq: SeqId,
     layer: usize,
@@ -432,19 +532,22 @@ fn head_attention(
     if len == 0 {
         return Ok(());
     }
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = options.scale.unwrap_or(1.0 / (d as f32).sqrt());
     let qs: Vec<f32> = q.iter().map(|x| x * scale).collect();
     let ks = cache.segments(seq, layer, head, Part::K)?;
     let vs = cache.segments(seq, layer, head, Part::V)?;
-    let all = units(&ks, &vs, d);
+    let mut all = units(&ks, &vs, d);
+    // A sliding window drops whole units before it (their blocks are never read).
+    let start = options.sliding_window.map_or(0, |w| len.saturating_sub(w));
+    all.retain(|(_, b, _, _)| *b > start);
     let threads = rayon::current_num_threads();
     let st = if len > SPLIT_TOKENS && cache.config().kv_heads < threads && all.len() > 1 {
         let per = all.len().div_ceil(threads);
         all.par_chunks(per)
-            .map(|part| attend(backend, path, readers, part, &qs, g, d))
+            .map(|part| attend(backend, options, readers, part, &qs, g, d, start))
             .try_reduce(|| Partial::new(g, d), |a, b| Ok(a.merge(b)))?
     } else {
-        attend(backend, path, readers, &all, &qs, g, d)?
+        attend(backend, options, readers, &all, &qs, g, d, start)?
     };
     for i in 0..g {
         let inv = 1.0 / st.l[i];

@@ -9,7 +9,7 @@ use std::path::Path;
 use kvq_cache_layout::{CacheConfig, CacheError, CacheMemory, PagedCache, SeqId, TailDtype};
 use kvq_quant_core::{Calibration, QuantSpec, RopePairing, Tensor};
 
-use crate::attention::{AttentionError, ScorePath, decode_attention_path};
+use crate::attention::{AttentionError, AttentionOptions, ScorePath, decode_attention_options};
 
 /// The version of the config format this build writes and reads.
 pub const CONFIG_VERSION: u32 = 1;
@@ -676,10 +676,27 @@ impl QuantizedKvCache {
         q: &[f32],
         out: &mut [f32],
     ) -> Result<(), KvqError> {
+        self.attention_with(&AttentionOptions::with_path(path), seq, layer, q, out)
+    }
+
+    /// [`QuantizedKvCache::attention`] with [`AttentionOptions`]: score path, scale, sliding
+    /// window and logit soft-capping, for the model families that need them.
+    ///
+    /// # Errors
+    /// [`KvqError::Attention`] (an option out of range among them), [`KvqError::Cache`],
+    /// [`KvqError::Backend`].
+    pub fn attention_with(
+        &self,
+        options: &AttentionOptions,
+        seq: SeqId,
+        layer: usize,
+        q: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), KvqError> {
         let n = self.layers.len();
         let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
         let backend = kvq_kernels_simd::dispatch::selected().map_err(AttentionError::Backend)?;
-        Ok(decode_attention_path(backend, path, cache, seq, 0, q, self.config.query_heads, out)?)
+        Ok(decode_attention_options(backend, options, cache, seq, 0, q, self.config.query_heads, out)?)
     }
 
     /// Exact memory of every layer.

@@ -155,3 +155,117 @@ fn long_context_split_across_threads() {
     let q: Vec<f32> = (0..group * d).map(|_| rng.normal() as f32).collect();
     check(&cache, seq, 0, &q, group, "MQA, 2600 tokens");
 }
+
+/// f64 attention of one query over the dequantized cache with a scale, a sliding window and a
+/// soft cap, written out plainly.
+fn reference_with(
+    cache: &PagedCache,
+    seq: SeqId,
+    q: &[f32],
+    query_heads: usize,
+    scale: f64,
+    window: usize,
+    cap: Option<f64>,
+) -> Vec<f64> {
+    let c = cache.config();
+    let (heads, d) = (c.kv_heads, c.head_dim);
+    let len = cache.len(seq, 0).unwrap();
+    let start = len.saturating_sub(window);
+    let g = query_heads / heads;
+    let mut out = vec![0f64; query_heads * d];
+    for h in 0..query_heads {
+        let k = cache.dequantize(seq, 0, h / g, Part::K).unwrap();
+        let v = cache.dequantize(seq, 0, h / g, Part::V).unwrap();
+        let s: Vec<f64> = (start..len)
+            .map(|t| {
+                let dot: f64 = (0..d).map(|i| f64::from(q[h * d + i]) * f64::from(k[t * d + i])).sum();
+                let x = dot * scale;
+                cap.map_or(x, |c| c * (x / c).tanh())
+            })
+            .collect();
+        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+        let sum: f64 = w.iter().sum();
+        for (j, t) in (start..len).enumerate() {
+            for i in 0..d {
+                out[h * d + i] += w[j] / sum * f64::from(v[t * d + i]);
+            }
+        }
+    }
+    out
+}
+
+/// Scale, sliding window (inside a block, on a block boundary, over the sinks, wider than the
+/// context) and soft-capping, on every backend and both score paths, against the plain
+/// reference; and options out of range are errors.
+#[test]
+fn attention_options_match_the_reference() {
+    use kvq::attention::{AttentionError, AttentionOptions, decode_attention_options};
+    let mut rng = Rng::new(5);
+    let (kv_heads, g, d, len) = (2usize, 2usize, 32usize, 77usize);
+    let config = CacheConfig::new(1, kv_heads, d, 64)
+        .with_specs("int4-channel".parse().unwrap(), "int4-token".parse().unwrap())
+        .with_block_size(16)
+        .with_residual_blocks(1)
+        .with_sink_tokens(3);
+    let mut cache = PagedCache::new(config).unwrap();
+    let seq = cache.create();
+    let shape = Shape::new(kv_heads, len, d);
+    let random = |rng: &mut Rng, s: f64| {
+        Tensor::new(shape, (0..shape.len()).map(|_| (rng.normal() * s) as f32).collect()).unwrap()
+    };
+    let (k, v) = (random(&mut rng, 2.0), random(&mut rng, 1.0));
+    cache.extend(seq, 0, &k, &v).unwrap();
+    let q: Vec<f32> = (0..kv_heads * g * d).map(|_| rng.normal() as f32).collect();
+    let default_scale = 1.0 / (d as f64).sqrt();
+    let cases = [
+        (None, None, None),
+        (Some(0.5f32), None, None),
+        (None, Some(10usize), None),
+        (None, Some(77 - 3 - 32), None),
+        (None, Some(75), None),
+        (None, Some(1000), None),
+        (None, None, Some(2.0f32)),
+        (Some(0.3), Some(20), Some(1.5)),
+    ];
+    for (scale, window, cap) in cases {
+        let want = reference_with(
+            &cache,
+            seq,
+            &q,
+            kv_heads * g,
+            scale.map_or(default_scale, f64::from),
+            window.unwrap_or(usize::MAX),
+            cap.map(f64::from),
+        );
+        for backend in available() {
+            for path in [ScorePath::Float, ScorePath::Int8] {
+                let mut o = AttentionOptions::with_path(path);
+                o.scale = scale;
+                o.sliding_window = window;
+                o.softcap = cap;
+                let mut got = vec![0f32; q.len()];
+                decode_attention_options(backend, &o, &cache, seq, 0, &q, kv_heads * g, &mut got).unwrap();
+                let (mut e2, mut r2) = (0f64, 0f64);
+                for (&a, &w) in got.iter().zip(&want) {
+                    e2 += (f64::from(a) - w).powi(2);
+                    r2 += w * w;
+                }
+                let rel = (e2 / r2).sqrt();
+                let tol = if path == ScorePath::Int8 { 2e-2 } else { 2e-5 };
+                assert!(rel < tol, "{scale:?} {window:?} {cap:?} {backend} {path:?}: {rel}");
+            }
+        }
+    }
+    let mut out = vec![0f32; q.len()];
+    for bad in [
+        AttentionOptions::default().scale(f32::NAN),
+        AttentionOptions::default().scale(-1.0),
+        AttentionOptions::default().sliding_window(0),
+        AttentionOptions::default().softcap(0.0),
+        AttentionOptions::default().softcap(f32::INFINITY),
+    ] {
+        let e = decode_attention_options(available()[0], &bad, &cache, seq, 0, &q, kv_heads * g, &mut out);
+        assert!(matches!(e, Err(AttentionError::Options(_))), "{bad:?}");
+    }
+}
