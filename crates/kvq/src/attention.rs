@@ -278,38 +278,90 @@ pub fn decode_attention_options(
     query_heads: usize,
     out: &mut [f32],
 ) -> Result<(), AttentionError> {
+    decode_attention_chunk(backend, options, cache, seq, layer, q, 1, query_heads, out)
+}
+
+/// Attention of a chunk of `tokens` new tokens, already appended to `layer` of `seq` (the
+/// last `tokens` cached tokens), each attending causally to the cache and to the chunk's
+/// earlier tokens: chunked prefill, and the verification step of speculative decoding. `q`
+/// and `out` are `tokens × query_heads × head_dim`, token-major. Each KV head's blocks are
+/// read once for the whole chunk.
+///
+/// # Errors
+/// As [`decode_attention_options`], and [`AttentionError::Shape`] when `tokens` is 0 or more
+/// than the cached tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_chunk(
+    backend: Backend,
+    options: &AttentionOptions,
+    cache: &PagedCache,
+    seq: SeqId,
+    layer: usize,
+    q: &[f32],
+    tokens: usize,
+    query_heads: usize,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
     options.check()?;
     let cfg = cache.config();
     let (heads, d) = (cfg.kv_heads, cfg.head_dim);
+    let want = query_heads.checked_mul(d).and_then(|n| n.checked_mul(tokens));
     if query_heads == 0
         || !query_heads.is_multiple_of(heads)
-        || q.len() != query_heads * d
-        || out.len() != query_heads * d
+        || want != Some(q.len())
+        || want != Some(out.len())
     {
         return Err(AttentionError::Shape(format!(
-            "{query_heads} query heads over {heads} KV heads of {d}: q has {} values, out {}",
+            "{tokens} tokens of {query_heads} query heads over {heads} KV heads of {d}: q has {} values, out {}",
             q.len(),
             out.len()
         )));
     }
     let len = cache.len(seq, layer)?;
+    if len == 0 && tokens == 1 {
+        // One query over an empty sequence attends nothing: zeros, as decode always gave.
+        out.fill(0.0);
+        return Ok(());
+    }
+    if tokens == 0 || tokens > len {
+        return Err(AttentionError::Shape(format!(
+            "a chunk of {tokens} tokens, {len} cached: the chunk's tokens are appended before they attend"
+        )));
+    }
     let g = query_heads / heads;
     let readers = [PartReader::new(cache, Part::K), PartReader::new(cache, Part::V)];
-    out.par_chunks_mut(g * d).enumerate().try_for_each(|(h, o)| {
-        head_attention(
-            backend,
-            options,
-            cache,
-            seq,
-            layer,
-            h,
-            &q[h * g * d..(h + 1) * g * d],
-            g,
-            len,
-            &readers,
-            o,
-        )
-    })
+    let head = |h: usize, q_rows: &[f32], o: &mut [f32]| {
+        head_attention(backend, options, cache, seq, layer, h, q_rows, g, tokens, len, &readers, o)
+    };
+    if tokens == 1 {
+        // One token: a KV head's query rows and outputs are contiguous already.
+        return out
+            .par_chunks_mut(g * d)
+            .enumerate()
+            .try_for_each(|(h, o)| head(h, &q[h * g * d..(h + 1) * g * d], o));
+    }
+    // Rows of KV head h: token j's query heads h·g .. (h + 1)·g, token after token.
+    let rows = |x: &[f32], h: usize| -> Vec<f32> {
+        (0..tokens)
+            .flat_map(|j| {
+                x[(j * query_heads + h * g) * d..(j * query_heads + (h + 1) * g) * d].iter().copied()
+            })
+            .collect()
+    };
+    let per_head = (0..heads)
+        .into_par_iter()
+        .map(|h| {
+            let mut o = vec![0f32; tokens * g * d];
+            head(h, &rows(q, h), &mut o).map(|()| o)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    for (h, o) in per_head.iter().enumerate() {
+        for j in 0..tokens {
+            let at = (j * query_heads + h * g) * d;
+            out[at..at + g * d].copy_from_slice(&o[j * g * d..(j + 1) * g * d]);
+        }
+    }
+    Ok(())
 }
 
 /// One run of tokens of one part: a slice of full-precision rows, or a whole quantized block.
@@ -397,8 +449,9 @@ impl Partial {
     }
 }
 
-/// Attends the g query rows `qs` (already scaled) over `units`, from token `start` on (the
-/// sliding window's first token; the units begin at or after the unit that holds it).
+/// Attends the g query rows `qs` (already scaled) over `units`; row `i` sees tokens
+/// `spans[i].0 .. spans[i].1` only (its sliding window and its causal end), the others get no
+/// weight.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     backend: Backend,
@@ -408,8 +461,10 @@ fn attend(
     qs: &[f32],
     g: usize,
     d: usize,
-    start: usize,
+    spans: &[(usize, usize)],
 ) -> Result<Partial, AttentionError> {
+    let latest_start = spans.iter().map(|s| s.0).max().unwrap_or(0);
+    let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
     let mut st = Partial::new(g, d);
     let mut bufs = (Vec::new(), Vec::new());
@@ -458,16 +513,24 @@ fn attend(
             let inv = 1.0 / cap;
             s.iter_mut().for_each(|x| *x = cap * (*x * inv).tanh());
         }
-        // Tokens before the window (in the unit that straddles its start) get no weight.
-        if *a < start {
-            for i in 0..g {
-                s[i * n..i * n + (start - a).min(n)].fill(f32::NEG_INFINITY);
+        // Tokens outside a row's span (before its window, after its own position) get no
+        // weight; most units lie inside every span.
+        if *a < latest_start || *b > earliest_end {
+            for (i, &(lo, hi)) in spans.iter().enumerate() {
+                let row = &mut s[i * n..(i + 1) * n];
+                row[..lo.saturating_sub(*a).min(n)].fill(f32::NEG_INFINITY);
+                row[hi.saturating_sub(*a).min(n)..].fill(f32::NEG_INFINITY);
             }
         }
         // Online softmax: rescale what was accumulated when the running maximum grows.
         for i in 0..g {
             let scores = &mut s[i * n..(i + 1) * n];
             let m = scores.iter().copied().fold(st.m[i], f32::max);
+            if m == f32::NEG_INFINITY {
+                // Nothing of this row seen yet: no weight, and no 0 · ∞ in the rescaling.
+                scores.fill(0.0);
+                continue;
+            }
             let factor = (st.m[i] - m).exp();
             let sum = kvq_kernels_simd::softmax::exp_sum_with(backend, scores, m);
             st.l[i] = st.l[i] * factor + sum;
@@ -514,6 +577,9 @@ fn attend(
 const SPLIT_TOKENS: usize = 2048;
 
 #[allow(clippy::too_many_arguments)]
+/// The attention of one KV head's query rows: `tokens × g` rows (token after token), where
+/// token `j` is cached token `len − tokens + j` and attends up to itself.
+#[allow(clippy::too_many_arguments)]
 fn head_attention(
     backend: Backend,
     options: &AttentionOptions,
@@ -523,6 +589,7 @@ fn head_attention(
     head: usize,
     q: &[f32],
     g: usize,
+    tokens: usize,
     len: usize,
     readers: &[PartReader; 2],
     out: &mut [f32],
@@ -532,24 +599,31 @@ fn head_attention(
     if len == 0 {
         return Ok(());
     }
+    let rows = tokens * g;
     let scale = options.scale.unwrap_or(1.0 / (d as f32).sqrt());
     let qs: Vec<f32> = q.iter().map(|x| x * scale).collect();
+    let spans: Vec<(usize, usize)> = (0..rows)
+        .map(|r| {
+            let end = len - tokens + r / g + 1;
+            (options.sliding_window.map_or(0, |w| end.saturating_sub(w)), end)
+        })
+        .collect();
     let ks = cache.segments(seq, layer, head, Part::K)?;
     let vs = cache.segments(seq, layer, head, Part::V)?;
     let mut all = units(&ks, &vs, d);
-    // A sliding window drops whole units before it (their blocks are never read).
-    let start = options.sliding_window.map_or(0, |w| len.saturating_sub(w));
-    all.retain(|(_, b, _, _)| *b > start);
+    // Units before every row's window are never read.
+    let first = spans.iter().map(|s| s.0).min().unwrap_or(0);
+    all.retain(|(_, b, _, _)| *b > first);
     let threads = rayon::current_num_threads();
     let st = if len > SPLIT_TOKENS && cache.config().kv_heads < threads && all.len() > 1 {
         let per = all.len().div_ceil(threads);
         all.par_chunks(per)
-            .map(|part| attend(backend, options, readers, part, &qs, g, d, start))
-            .try_reduce(|| Partial::new(g, d), |a, b| Ok(a.merge(b)))?
+            .map(|part| attend(backend, options, readers, part, &qs, rows, d, &spans))
+            .try_reduce(|| Partial::new(rows, d), |a, b| Ok(a.merge(b)))?
     } else {
-        attend(backend, options, readers, &all, &qs, g, d, start)?
+        attend(backend, options, readers, &all, &qs, rows, d, &spans)?
     };
-    for i in 0..g {
+    for i in 0..rows {
         let inv = 1.0 / st.l[i];
         for (o, &x) in out[i * d..(i + 1) * d].iter_mut().zip(&st.o[i * d..(i + 1) * d]) {
             *o = x * inv;

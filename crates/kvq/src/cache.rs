@@ -9,7 +9,9 @@ use std::path::Path;
 use kvq_cache_layout::{CacheConfig, CacheError, CacheMemory, PagedCache, SeqId, TailDtype};
 use kvq_quant_core::{Calibration, QuantSpec, RopePairing, Tensor};
 
-use crate::attention::{AttentionError, AttentionOptions, ScorePath, decode_attention_options};
+use crate::attention::{
+    AttentionError, AttentionOptions, ScorePath, decode_attention_chunk, decode_attention_options,
+};
 
 /// The version of the config format this build writes and reads.
 pub const CONFIG_VERSION: u32 = 1;
@@ -677,6 +679,29 @@ impl QuantizedKvCache {
         out: &mut [f32],
     ) -> Result<(), KvqError> {
         self.attention_with(&AttentionOptions::with_path(path), seq, layer, q, out)
+    }
+
+    /// Attention of the last `tokens` tokens of `seq` in `layer` (appended already), each
+    /// attending causally up to itself: a prefill chunk, or the tokens a speculative decoder
+    /// verifies. `q` and `out` are `tokens × query_heads × head_dim`, token-major.
+    ///
+    /// # Errors
+    /// As [`QuantizedKvCache::attention_with`], and [`KvqError::Attention`] for a chunk of 0
+    /// tokens or of more than are cached.
+    pub fn attention_chunk(
+        &self,
+        options: &AttentionOptions,
+        seq: SeqId,
+        layer: usize,
+        q: &[f32],
+        tokens: usize,
+        out: &mut [f32],
+    ) -> Result<(), KvqError> {
+        let n = self.layers.len();
+        let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
+        let backend = kvq_kernels_simd::dispatch::selected().map_err(AttentionError::Backend)?;
+        let qh = self.config.query_heads;
+        Ok(decode_attention_chunk(backend, options, cache, seq, 0, q, tokens, qh, out)?)
     }
 
     /// [`QuantizedKvCache::attention`] with [`AttentionOptions`]: score path, scale, sliding

@@ -166,10 +166,11 @@ fn reference_with(
     scale: f64,
     window: usize,
     cap: Option<f64>,
+    end: usize,
 ) -> Vec<f64> {
     let c = cache.config();
     let (heads, d) = (c.kv_heads, c.head_dim);
-    let len = cache.len(seq, 0).unwrap();
+    let len = end;
     let start = len.saturating_sub(window);
     let g = query_heads / heads;
     let mut out = vec![0f64; query_heads * d];
@@ -237,6 +238,7 @@ fn attention_options_match_the_reference() {
             scale.map_or(default_scale, f64::from),
             window.unwrap_or(usize::MAX),
             cap.map(f64::from),
+            len,
         );
         for backend in available() {
             for path in [ScorePath::Float, ScorePath::Int8] {
@@ -268,4 +270,72 @@ fn attention_options_match_the_reference() {
         let e = decode_attention_options(available()[0], &bad, &cache, seq, 0, &q, kv_heads * g, &mut out);
         assert!(matches!(e, Err(AttentionError::Options(_))), "{bad:?}");
     }
+}
+
+/// A chunk of new tokens attends causally, each token up to itself: every row of the chunk
+/// equals the reference cut at that token, with and without a sliding window, for chunks that
+/// cross block boundaries and the residual window; bad chunk sizes are errors.
+#[test]
+fn chunks_attend_causally() {
+    use kvq::attention::{AttentionOptions, decode_attention_chunk};
+    let mut rng = Rng::new(9);
+    let (kv_heads, g, d, len) = (2usize, 3usize, 32usize, 70usize);
+    let config = CacheConfig::new(1, kv_heads, d, 64)
+        .with_specs("int4-channel".parse().unwrap(), "int4-token".parse().unwrap())
+        .with_block_size(16)
+        .with_residual_blocks(1)
+        .with_sink_tokens(2);
+    let mut cache = PagedCache::new(config).unwrap();
+    let seq = cache.create();
+    let shape = Shape::new(kv_heads, len, d);
+    let random =
+        |rng: &mut Rng| Tensor::new(shape, (0..shape.len()).map(|_| rng.normal() as f32).collect()).unwrap();
+    let (k, v) = (random(&mut rng), random(&mut rng));
+    cache.extend(seq, 0, &k, &v).unwrap();
+    let qh = kv_heads * g;
+    for tokens in [1usize, 2, 5, 19, 70] {
+        let q: Vec<f32> = (0..tokens * qh * d).map(|_| rng.normal() as f32).collect();
+        for window in [None, Some(7usize), Some(40)] {
+            for backend in available() {
+                for path in [ScorePath::Float, ScorePath::Int8] {
+                    let mut o = AttentionOptions::with_path(path);
+                    o.sliding_window = window;
+                    let mut got = vec![0f32; q.len()];
+                    decode_attention_chunk(backend, &o, &cache, seq, 0, &q, tokens, qh, &mut got).unwrap();
+                    for j in 0..tokens {
+                        let row = &q[j * qh * d..(j + 1) * qh * d];
+                        let end = len - tokens + j + 1;
+                        let scale = 1.0 / (d as f64).sqrt();
+                        let want = reference_with(
+                            &cache,
+                            seq,
+                            row,
+                            qh,
+                            scale,
+                            window.unwrap_or(usize::MAX),
+                            None,
+                            end,
+                        );
+                        let (mut e2, mut r2) = (0f64, 0f64);
+                        for (&a, &w) in got[j * qh * d..(j + 1) * qh * d].iter().zip(&want) {
+                            e2 += (f64::from(a) - w).powi(2);
+                            r2 += w * w;
+                        }
+                        let rel = (e2 / r2).sqrt();
+                        let tol = if path == ScorePath::Int8 { 2e-2 } else { 2e-5 };
+                        assert!(
+                            rel < tol,
+                            "chunk {tokens} token {j} window {window:?} {backend} {path:?}: {rel}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let o = AttentionOptions::default();
+    let mut out = vec![0f32; 71 * qh * d];
+    let q = vec![0.5f32; 71 * qh * d];
+    assert!(decode_attention_chunk(available()[0], &o, &cache, seq, 0, &q, 71, qh, &mut out).is_err());
+    assert!(decode_attention_chunk(available()[0], &o, &cache, seq, 0, &[], 0, qh, &mut []).is_err());
+    assert!(decode_attention_chunk(available()[0], &o, &cache, seq, 0, &q[1..], 71, qh, &mut out).is_err());
 }
