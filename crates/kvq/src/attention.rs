@@ -576,7 +576,6 @@ fn attend(
 /// there are fewer KV heads than threads.
 const SPLIT_TOKENS: usize = 2048;
 
-#[allow(clippy::too_many_arguments)]
 /// The attention of one KV head's query rows: `tokens × g` rows (token after token), where
 /// token `j` is cached token `len − tokens + j` and attends up to itself.
 #[allow(clippy::too_many_arguments)]
