@@ -157,7 +157,8 @@ fn long_context_split_across_threads() {
 }
 
 /// f64 attention of one query over the dequantized cache with a scale, a sliding window and a
-/// soft cap, written out plainly.
+/// soft cap, written out plainly, for the query at token `end - 1`.
+#[allow(clippy::too_many_arguments)]
 fn reference_with(
     cache: &PagedCache,
     seq: SeqId,
