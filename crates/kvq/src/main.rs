@@ -352,52 +352,63 @@ fn bench(
         }
         start.elapsed().as_secs_f64() / steps as f64
     };
-    // f32 baseline: scores, softmax and value sums over contiguous f32 keys and values.
-    let scale = 1.0 / (d as f32).sqrt();
+    // Baselines: contiguous f32 and f16 caches read as a good GQA kernel reads them, each K and
+    // V row once per KV head for its whole group of query heads.
+    let g = q_heads / kv_heads;
+    let (k16, v16): (Vec<half::f16>, Vec<half::f16>) = (
+        k.data().iter().map(|&x| half::f16::from_f32(x)).collect(),
+        v.data().iter().map(|&x| half::f16::from_f32(x)).collect(),
+    );
+    let row32 = |x: &Tensor, kv: usize, t: usize, buf: &mut [f32]| buf.copy_from_slice(x.row(0, kv, t));
+    let row16 = |x: &[half::f16], kv: usize, t: usize, buf: &mut [f32]| {
+        use half::slice::HalfFloatSliceExt;
+        // half converts slices with F16C (NEON on aarch64) where the CPU has it.
+        x[(kv * context + t) * d..(kv * context + t + 1) * d].convert_to_f32_slice(buf);
+    };
+    let mut s = vec![0f32; g * context];
+    let mut buf = vec![0f32; d];
     let base = time(&mut || {
-        let g = q_heads / kv_heads;
-        let mut s = vec![0f32; context];
-        for h in 0..q_heads {
-            let kv = h / g;
-            let qh = &q[h * d..(h + 1) * d];
-            for (t, x) in s.iter_mut().enumerate() {
-                // Eight independent lanes, so the compiler vectorizes the f32 baseline too.
-                let mut acc = [0f32; 8];
-                for (kc, qc) in k.row(0, kv, t).chunks_exact(8).zip(qh.chunks_exact(8)) {
-                    for i in 0..8 {
-                        acc[i] += kc[i] * qc[i];
-                    }
-                }
-                *x = acc.iter().sum::<f32>() * scale;
-            }
-            let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            s.iter_mut().for_each(|x| {
-                *x = (*x - m).exp();
-                sum += *x;
-            });
-            let o = &mut out[h * d..(h + 1) * d];
-            o.fill(0.0);
-            for (t, &w) in s.iter().enumerate() {
-                for (ov, &x) in o.iter_mut().zip(v.row(0, kv, t)) {
-                    *ov += w / sum * x;
-                }
-            }
-        }
+        gqa_attention(
+            &q,
+            &mut out,
+            (q_heads, kv_heads, d, context),
+            &mut s,
+            &mut buf,
+            &mut |kv, t, b, part| row32(if part == 0 { &k } else { &v }, kv, t, b),
+        )
+    });
+    let base16 = time(&mut || {
+        gqa_attention(
+            &q,
+            &mut out,
+            (q_heads, kv_heads, d, context),
+            &mut s,
+            &mut buf,
+            &mut |kv, t, b, part| row16(if part == 0 { &k16 } else { &v16 }, kv, t, b),
+        )
     });
     let f32_bytes = 2 * kv_heads * context * d * 4;
     println!(
-        "decode attention, {q_heads} query / {kv_heads} KV heads × {d}, {context} tokens, {steps} steps, backend {backend}, one thread"
+        "decode attention, {q_heads} query / {kv_heads} KV heads × {d}, {context} tokens, {steps} steps, backend {backend} (float kernels: {}), one thread",
+        kvq::kernels::implementation(backend)
     );
-    println!("{:<34} {:>10} {:>12} {:>9} {:>8}", "cache", "ms/step", "cache MiB", "GB/s", "vs f32");
     println!(
-        "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x",
-        "f32 (baseline)",
-        base * 1e3,
-        f32_bytes as f64 / 1048576.0,
-        f32_bytes as f64 / base / 1e9,
-        1.0
+        "{:<34} {:>10} {:>12} {:>9} {:>8} {:>8}",
+        "cache", "ms/step", "cache MiB", "GB/s", "vs f32", "vs f16"
     );
+    for (name, t, bytes) in
+        [("f32 (GQA loop)", base, f32_bytes), ("f16 (GQA loop, F16C)", base16, f32_bytes / 2)]
+    {
+        println!(
+            "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x",
+            name,
+            t * 1e3,
+            bytes as f64 / 1048576.0,
+            bytes as f64 / t / 1e9,
+            base / t,
+            base16 / t
+        );
+    }
     for spec in &specs {
         let config = CacheConfig::new(1, kv_heads, d, kv_heads * context.div_ceil(32))
             .with_specs(spec.k.clone(), spec.v.clone())
@@ -422,14 +433,72 @@ fn bench(
                     .expect("shapes checked above");
             });
             println!(
-                "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x",
+                "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x",
                 format!("{}{label}", spec.name()),
                 t * 1e3,
                 bytes as f64 / 1048576.0,
                 bytes as f64 / t / 1e9,
-                base / t
+                base / t,
+                base16 / t
             );
         }
     }
     Ok(())
+}
+
+/// Fetches row `(kv head, token)` of K (`part` 0) or V (1) into the buffer, as f32.
+type RowFn<'a> = dyn FnMut(usize, usize, &mut [f32], usize) + 'a;
+
+/// Softmax attention of one query token over a contiguous cache, KV head by KV head: each K
+/// and V row is fetched once (by `row(kv_head, token, buffer, part)`, 0 for K) for the whole
+/// group of query heads that share it, as GQA-aware kernels do. `dims` is `(query heads, KV
+/// heads, head_dim, tokens)`; `s` holds `group × tokens` scores.
+fn gqa_attention(
+    q: &[f32],
+    out: &mut [f32],
+    dims: (usize, usize, usize, usize),
+    s: &mut [f32],
+    buf: &mut [f32],
+    row: &mut RowFn<'_>,
+) {
+    let (q_heads, kv_heads, d, context) = dims;
+    let g = q_heads / kv_heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    for kv in 0..kv_heads {
+        let qg = &q[kv * g * d..(kv + 1) * g * d];
+        for t in 0..context {
+            row(kv, t, buf, 0);
+            for i in 0..g {
+                // Eight independent lanes, so the compiler vectorizes the baseline too.
+                let mut acc = [0f32; 8];
+                for (kc, qc) in buf.chunks_exact(8).zip(qg[i * d..(i + 1) * d].chunks_exact(8)) {
+                    for l in 0..8 {
+                        acc[l] += kc[l] * qc[l];
+                    }
+                }
+                s[i * context + t] = acc.iter().sum::<f32>() * scale;
+            }
+        }
+        for i in 0..g {
+            let si = &mut s[i * context..(i + 1) * context];
+            let m = si.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            si.iter_mut().for_each(|x| {
+                *x = (*x - m).exp();
+                sum += *x;
+            });
+            si.iter_mut().for_each(|x| *x /= sum);
+        }
+        let o = &mut out[kv * g * d..(kv + 1) * g * d];
+        o.fill(0.0);
+        for t in 0..context {
+            row(kv, t, buf, 1);
+            for i in 0..g {
+                let w = s[i * context + t];
+                for (ov, &x) in o[i * d..(i + 1) * d].iter_mut().zip(buf.iter()) {
+                    *ov += w * x;
+                }
+            }
+        }
+    }
 }

@@ -203,11 +203,12 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let text = stdout(&o);
     let rows: Vec<&str> = text.lines().skip(2).collect();
-    assert_eq!(rows.len(), 3, "{text}");
+    assert_eq!(rows.len(), 4, "{text}");
     assert!(
-        rows[0].starts_with("f32 (baseline)")
-            && rows[1].starts_with("int4-channel/int4-token")
-            && rows[2].starts_with("int8-token")
+        rows[0].starts_with("f32 (GQA loop)")
+            && rows[1].starts_with("f16 (GQA loop")
+            && rows[2].starts_with("int4-channel/int4-token")
+            && rows[3].starts_with("int8-token")
     );
     assert!(rows.iter().all(|r| r.trim_end().ends_with('x')));
     // --integer adds the integer paths' row under each spec's.
@@ -216,10 +217,10 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let text = stdout(&o);
     let rows: Vec<&str> = text.lines().skip(2).collect();
-    assert_eq!(rows.len(), 3, "{text}");
+    assert_eq!(rows.len(), 4, "{text}");
     assert!(
-        rows[1].starts_with("int4-channel/int4-token ")
-            && rows[2].starts_with("int4-channel/int4-token (integer)")
+        rows[2].starts_with("int4-channel/int4-token ")
+            && rows[3].starts_with("int4-channel/int4-token (integer)")
     );
     assert_eq!(kvq(&["bench", "--steps", "0"]).status.code(), Some(1));
     assert_eq!(kvq(&["bench", "--specs", "int4-head"]).status.code(), Some(1));
