@@ -727,27 +727,39 @@ pub fn reseal(bytes: &mut [u8]) {
 /// A short signature of an outcome, for keeping inputs that reach somewhere new: "ok", or the
 /// refusal's message with its numbers blanked.
 pub fn signature(outcome: &Outcome) -> String {
-    // Numbers become one `#` and quoted text one `_`: what varies with the input goes, the
-    // kind of error stays.
+    // Words with a digit in them (numbers, hex, sizes) become `#` and quoted text `_`: what
+    // varies with the input goes, the kind of error stays.
     let blank = |s: &str| -> String {
         let mut out = String::new();
+        let mut word = String::new();
         let mut quote: Option<char> = None;
+        let flush = |word: &mut String, out: &mut String| {
+            if word.chars().any(|c| c.is_ascii_digit()) {
+                if !out.ends_with('#') {
+                    out.push('#');
+                }
+            } else {
+                out.push_str(word);
+            }
+            word.clear();
+        };
         for c in s.chars() {
             match quote {
                 Some(q) if c == q => quote = None,
                 Some(_) => {}
                 None if matches!(c, '`' | '"' | '\'') => {
+                    flush(&mut word, &mut out);
                     quote = Some(c);
                     out.push('_');
                 }
-                None if c.is_ascii_digit() => {
-                    if !out.ends_with('#') {
-                        out.push('#');
-                    }
+                None if c.is_ascii_alphanumeric() || c == '_' => word.push(c),
+                None => {
+                    flush(&mut word, &mut out);
+                    out.push(c);
                 }
-                None => out.push(c),
             }
         }
+        flush(&mut word, &mut out);
         out.chars().take(48).collect()
     };
     match outcome {

@@ -3,6 +3,7 @@
 //! ```text
 //! kvq-fuzz TARGET [--seconds N] [--inputs N] [--seed S] [--timeout-ms MS] [--limit-mib MIB] --out DIR
 //! kvq-fuzz TARGET --replay FILE...
+//! kvq-fuzz --list | --write-seeds DIR
 //! ```
 //! Before each input it writes the input to `DIR/current` (one positioned write), so that when
 //! the process aborts (an allocation over the limit that was not fallible) or hangs (the
@@ -42,6 +43,17 @@ struct Args {
 fn parse() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     let first = it.next();
+    if first.as_deref() == Some("--write-seeds") {
+        // `kvq-fuzz --write-seeds DIR`: every target's seeds as files, to look at or replay.
+        let dir = PathBuf::from(it.next().unwrap_or_else(|| "target/fuzz/seeds".into()));
+        for t in Target::ALL {
+            std::fs::create_dir_all(dir.join(t.name())).expect("seed directory");
+            for (i, seed) in t.seeds().iter().enumerate() {
+                std::fs::write(dir.join(t.name()).join(format!("seed-{i}")), seed).expect("write seed");
+            }
+        }
+        std::process::exit(0);
+    }
     if first.as_deref() == Some("--list") {
         for t in Target::ALL {
             println!("{}", t.name());
