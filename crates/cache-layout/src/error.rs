@@ -82,9 +82,10 @@ pub enum CacheError {
         /// How much was asked for.
         bytes: usize,
     },
-    /// Sequence ids are exhausted (a cache loaded with its id counter near the end of its
-    /// range); nothing was changed.
-    #[error("no sequence id left (the next would be {0})")]
+    /// The next sequence id is past the largest a file may hold (`MAX_SEQ_ID`, 2^62): only a
+    /// cache loaded from a file with its counter at that bound gets there, and it can no longer
+    /// be written whole (single sequences still can).
+    #[error("sequence id {0} is over the 2^62 that an offload file may hold")]
     SequenceIds(u64),
     /// An offload file could not be read back; the cache is unchanged.
     #[error("offload file: {0}")]

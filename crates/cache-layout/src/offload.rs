@@ -318,8 +318,15 @@ impl PagedCache {
     /// The whole cache as bytes: config, pool, every sequence, statistics.
     ///
     /// # Errors
-    /// [`CacheError::Offload`] when a spec cannot be written (fixed codebooks).
+    /// [`CacheError::Offload`] when a spec cannot be written (fixed codebooks);
+    /// [`CacheError::SequenceIds`] when the next sequence id is over [`MAX_SEQ_ID`], which no
+    /// file could then hold.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        // What the loader refuses is not written: a cache whose ids went past the bound (only
+        // one loaded from a crafted file near it can) would not read back.
+        if self.next_id > MAX_SEQ_ID {
+            return Err(CacheError::SequenceIds(self.next_id));
+        }
         let mut w = start(&self.config, KIND_CACHE)?;
         w.u64(self.next_id);
         w.u64(self.stats.clamped_values);

@@ -88,7 +88,9 @@ fn quick<T>(f: impl FnOnce() -> T) -> T {
 
 #[test]
 fn every_crafted_cache_file_is_refused_quickly() {
-    for (name, bytes) in regressions("offload-cache") {
+    // `fuzz-*` inputs are valid files that once broke a later step; the fuzz crate's
+    // regression test replays those through every step.
+    for (name, bytes) in regressions("offload-cache").into_iter().filter(|(n, _)| !n.starts_with("fuzz-")) {
         let got = quick(|| PagedCache::from_bytes(&bytes));
         // copied-overflow holds a legal (if extreme) counter: it loads, and counting saturates.
         if name.contains("copied-overflow") {
@@ -158,6 +160,12 @@ fn sequence_ids_never_wrap() {
     assert_eq!((a, b), (SeqId(MAX_SEQ_ID), SeqId(MAX_SEQ_ID + 1)));
     assert_eq!(loaded.len(seq, 0).unwrap(), 5, "the live sequence was not replaced");
     assert_eq!(loaded.sequences().count(), 3);
+    // Found by the fuzzer: such a cache wrote a file its own loader refused. It is not
+    // written now; one sequence of it still is.
+    assert!(matches!(loaded.to_bytes(), Err(CacheError::SequenceIds(_))));
+    assert!(loaded.export_sequence(a).is_ok());
+    let at_bound = PagedCache::from_bytes(&with_next(MAX_SEQ_ID)).unwrap();
+    assert_eq!(PagedCache::from_bytes(&at_bound.to_bytes().unwrap()).unwrap(), at_bound);
 }
 
 #[test]
