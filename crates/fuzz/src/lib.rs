@@ -499,7 +499,7 @@ fn run_gguf(input: &[u8]) -> Outcome {
     use kvq_candle::{GgufTokenizer, KvStore, LlamaModel, Weights};
     let model = LlamaModel::read(&mut Cursor::new(input), Weights::F32).map_err(err)?;
     let c = model.config();
-    if c.hidden * c.vocab <= WORK {
+    if c.hidden.checked_mul(c.vocab).is_some_and(|n| n <= WORK) {
         let mut store = model.f32_cache().map_err(err)?;
         model.forward(&mut store as &mut dyn KvStore, &[1, 2]).map_err(err)?;
     }
@@ -552,20 +552,22 @@ const NUMBERS: [&str; 16] = [
 
 /// A mutated copy of `input` (`others`: the rest of the corpus, for splicing).
 pub fn mutate(target: Target, rng: &mut Rng, input: &[u8], others: &[Vec<u8>]) -> Vec<u8> {
-    if target == Target::KvqSeq
-        && rng.below(2) == 0
-        && let Some(out) = mutate_kvq_seq_layer(rng, input)
-    {
+    // Half the time, a structure-aware edit of a checksummed file (which re-seals it).
+    let structured = match target {
+        Target::KvqSeq if rng.below(2) == 0 => mutate_kvq_seq_layer(rng, input),
+        Target::OffloadCache | Target::OffloadSeq if input.len() > 21 && rng.below(2) == 0 => {
+            Some(mutate_offload_parts(rng, input, others))
+        }
+        _ => None,
+    };
+    if let Some(out) = structured {
         return out;
-    }
-    let offload = matches!(target, Target::OffloadCache | Target::OffloadSeq | Target::KvqSeq);
-    if offload && input.len() > 21 && rng.below(2) == 0 && target != Target::KvqSeq {
-        return mutate_offload_parts(rng, input, others);
     }
     let mut out = edit(rng, input, others, target.is_text());
     // Splices and duplications grow inputs; past the size of any seed they only cost time.
     out.truncate(MAX_INPUT);
-    if offload && out.len() >= 4 && rng.below(4) != 0 {
+    let sealed = matches!(target, Target::OffloadCache | Target::OffloadSeq | Target::KvqSeq);
+    if sealed && out.len() >= 4 && rng.below(4) != 0 {
         reseal(&mut out);
     }
     out

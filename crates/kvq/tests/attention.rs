@@ -30,21 +30,31 @@ fn reference(cache: &PagedCache, seq: SeqId, layer: usize, q: &[f32], query_head
     a.outputs().to_vec()
 }
 
+/// `‖got − want‖ / ‖want‖`.
+fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    let (mut e2, mut r2) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        e2 += (f64::from(g) - w).powi(2);
+        r2 += w * w;
+    }
+    (e2 / r2.max(1e-300)).sqrt()
+}
+
+/// The error allowed against the f64 reference: f32 rounding on the float path; the int8
+/// score path rounds each query to 8 bits (where a backend has it), an error (under 1e-2 here)
+/// an order of magnitude under that of INT4 keys (1e-1).
+fn tolerance(path: ScorePath) -> f64 {
+    if path == ScorePath::Int8 { 2e-2 } else { 2e-5 }
+}
+
 fn check(cache: &PagedCache, seq: SeqId, layer: usize, q: &[f32], query_heads: usize, what: &str) {
     let want = reference(cache, seq, layer, q, query_heads);
     for (backend, path) in available().into_iter().flat_map(|b| [(b, ScorePath::Float), (b, ScorePath::Int8)])
     {
         let mut got = vec![0f32; q.len()];
         decode_attention_path(backend, path, cache, seq, layer, q, query_heads, &mut got).unwrap();
-        let (mut e2, mut r2) = (0f64, 0f64);
-        for (&g, &w) in got.iter().zip(&want) {
-            e2 += (f64::from(g) - w).powi(2);
-            r2 += w * w;
-        }
-        let rel = (e2 / r2.max(1e-300)).sqrt();
-        // The int8 score path rounds each query to 8 bits (where a backend has it); its
-        // error (under 1e-2 here) stays an order of magnitude under that of INT4 keys (1e-1).
-        let tolerance = if path == ScorePath::Int8 { 2e-2 } else { 2e-5 };
+        let rel = rel_err(&got, &want);
+        let tolerance = tolerance(path);
         assert!(rel < tolerance, "{what}, backend {backend}, {path:?}: relative error {rel}");
     }
 }
@@ -249,14 +259,8 @@ fn attention_options_match_the_reference() {
                 o.softcap = cap;
                 let mut got = vec![0f32; q.len()];
                 decode_attention_options(backend, &o, &cache, seq, 0, &q, kv_heads * g, &mut got).unwrap();
-                let (mut e2, mut r2) = (0f64, 0f64);
-                for (&a, &w) in got.iter().zip(&want) {
-                    e2 += (f64::from(a) - w).powi(2);
-                    r2 += w * w;
-                }
-                let rel = (e2 / r2).sqrt();
-                let tol = if path == ScorePath::Int8 { 2e-2 } else { 2e-5 };
-                assert!(rel < tol, "{scale:?} {window:?} {cap:?} {backend} {path:?}: {rel}");
+                let rel = rel_err(&got, &want);
+                assert!(rel < tolerance(path), "{scale:?} {window:?} {cap:?} {backend} {path:?}: {rel}");
             }
         }
     }
@@ -317,15 +321,9 @@ fn chunks_attend_causally() {
                             None,
                             end,
                         );
-                        let (mut e2, mut r2) = (0f64, 0f64);
-                        for (&a, &w) in got[j * qh * d..(j + 1) * qh * d].iter().zip(&want) {
-                            e2 += (f64::from(a) - w).powi(2);
-                            r2 += w * w;
-                        }
-                        let rel = (e2 / r2).sqrt();
-                        let tol = if path == ScorePath::Int8 { 2e-2 } else { 2e-5 };
+                        let rel = rel_err(&got[j * qh * d..(j + 1) * qh * d], &want);
                         assert!(
-                            rel < tol,
+                            rel < tolerance(path),
                             "chunk {tokens} token {j} window {window:?} {backend} {path:?}: {rel}"
                         );
                     }
