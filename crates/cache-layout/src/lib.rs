@@ -45,4 +45,4 @@ pub use config::{CacheConfig, TailDtype};
 pub use error::{CacheError, Result};
 pub use part::{Mode, PartLayout, TailBuf};
 pub use pool::{BlockId, BlockPool};
-pub use read::{BlockView, CacheMemory, LayerMemory, Segment};
+pub use read::{BlockView, CacheMemory, LayerMemory, Segment, Segments};

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use kvq_quant_core::GroupParams;
 use kvq_quant_core::calibration::Part;
 
-use crate::cache::{PagedCache, SeqId};
+use crate::cache::{LayerSeq, PagedCache, SeqId};
 use crate::error::Result;
 use crate::part::{Mode, PartLayout, TailBuf};
 use crate::pool::BlockId;
@@ -29,6 +29,99 @@ pub enum Segment<'a> {
     /// Tokens quantized in a block.
     Quantized(BlockView<'a>),
 }
+
+/// The segments of one `(sequence, layer, KV head)` and part in token order, from
+/// [`PagedCache::segment_iter`]: sinks, quantized blocks, then the full-precision tail.
+#[derive(Clone)]
+pub struct Segments<'a> {
+    cache: &'a PagedCache,
+    ls: &'a LayerSeq,
+    part: Part,
+    /// The part's index (0: K, 1: V).
+    i: usize,
+    layer: usize,
+    head: usize,
+    /// 0: the sinks; `1..=blocks`: block `next − 1`; `blocks + 1`: the tail; then done.
+    next: usize,
+    blocks: usize,
+}
+
+impl std::fmt::Debug for Segments<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segments")
+            .field("part", &self.part)
+            .field("layer", &self.layer)
+            .field("head", &self.head)
+            .field("remaining", &self.len())
+            .finish()
+    }
+}
+
+impl Segments<'_> {
+    fn has_sinks(&self) -> bool {
+        self.ls.len.min(self.cache.config.sink_tokens) > 0
+    }
+
+    fn has_tail(&self) -> bool {
+        !self.ls.tails[self.i][self.head].is_empty()
+    }
+}
+
+impl<'a> Iterator for Segments<'a> {
+    type Item = Segment<'a>;
+
+    fn next(&mut self) -> Option<Segment<'a>> {
+        let cfg = &self.cache.config;
+        let (bs, d, sinks) = (cfg.block_size, cfg.head_dim, cfg.sink_tokens);
+        loop {
+            let at = self.next;
+            if at > self.blocks + 1 {
+                return None;
+            }
+            self.next += 1;
+            if at == 0 {
+                if self.has_sinks() {
+                    let rows = &self.ls.sinks[self.i][self.head];
+                    return Some(Segment::Full {
+                        first_token: 0,
+                        tokens: self.ls.len.min(sinks),
+                        rows,
+                        offset: 0,
+                    });
+                }
+            } else if at <= self.blocks {
+                let b = at - 1;
+                let id = self.ls.blocks[b * cfg.kv_heads + self.head];
+                return Some(Segment::Quantized(BlockView {
+                    first_token: sinks + b * bs,
+                    tokens: (self.ls.done[self.i] - b * bs).min(bs),
+                    block: id,
+                    region: self.cache.region(id, self.part),
+                    layout: &self.cache.parts[self.i],
+                    statics: self.cache.static_params(self.part, self.layer, self.head),
+                }));
+            } else if self.has_tail() {
+                let tail = &self.ls.tails[self.i][self.head];
+                return Some(Segment::Full {
+                    first_token: sinks + self.ls.done[self.i],
+                    tokens: tail.len() / d,
+                    rows: tail,
+                    offset: 0,
+                });
+            }
+        }
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let sinks = usize::from(self.next == 0 && self.has_sinks());
+        let blocks = (self.blocks + 1).saturating_sub(self.next.max(1));
+        let tail = usize::from(self.next <= self.blocks + 1 && self.has_tail());
+        let n = sinks + blocks + tail;
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for Segments<'_> {}
 
 /// The K or V region of one block, ready for a kernel: packed rows and parameters, no copy.
 #[derive(Debug, Clone, Copy)]
@@ -93,8 +186,14 @@ impl BlockView<'_> {
 
     /// Decodes row `r` to f32 (reference path).
     pub fn decode_row(&self, r: usize, out: &mut [f32]) {
-        let mut scratch = vec![0u8; self.layout.head_dim];
-        self.layout.decode_row(self.region, r, self.statics, out, &mut scratch);
+        self.decode_row_with(r, out, &mut Vec::new());
+    }
+
+    /// [`BlockView::decode_row`] with the caller's buffer for the unpacked codes, which a
+    /// loop over rows reuses instead of allocating per row.
+    pub fn decode_row_with(&self, r: usize, out: &mut [f32], codes: &mut Vec<u8>) {
+        codes.resize(self.layout.head_dim, 0);
+        self.layout.decode_row(self.region, r, self.statics, out, codes);
     }
 }
 
@@ -203,6 +302,15 @@ impl PagedCache {
     /// [`crate::CacheError::UnknownSequence`], [`crate::CacheError::Layer`], or
     /// [`crate::CacheError::Shape`] for a head out of range.
     pub fn segments(&self, seq: SeqId, layer: usize, head: usize, part: Part) -> Result<Vec<Segment<'_>>> {
+        Ok(self.segment_iter(seq, layer, head, part)?.collect())
+    }
+
+    /// [`PagedCache::segments`] as an iterator, which allocates nothing: what decode walks
+    /// on every step.
+    ///
+    /// # Errors
+    /// As [`PagedCache::segments`].
+    pub fn segment_iter(&self, seq: SeqId, layer: usize, head: usize, part: Part) -> Result<Segments<'_>> {
         let ls = self.layer_seq(seq, layer)?;
         let heads = self.config.kv_heads;
         if head >= heads {
@@ -212,35 +320,8 @@ impl PagedCache {
             });
         }
         let i = self.part_of(part);
-        let (bs, d, sinks) = (self.config.block_size, self.config.head_dim, self.config.sink_tokens);
-        let layout = &self.parts[i];
-        let mut out = Vec::new();
-        let n_sinks = ls.len.min(sinks);
-        if n_sinks > 0 {
-            out.push(Segment::Full { first_token: 0, tokens: n_sinks, rows: &ls.sinks[i][head], offset: 0 });
-        }
-        let done = ls.done[i];
-        for b in 0..done.div_ceil(bs) {
-            let id = ls.blocks[b * heads + head];
-            out.push(Segment::Quantized(BlockView {
-                first_token: sinks + b * bs,
-                tokens: (done - b * bs).min(bs),
-                block: id,
-                region: self.region(id, part),
-                layout,
-                statics: self.static_params(part, layer, head),
-            }));
-        }
-        let tail = &ls.tails[i][head];
-        if !tail.is_empty() {
-            out.push(Segment::Full {
-                first_token: sinks + done,
-                tokens: tail.len() / d,
-                rows: tail,
-                offset: 0,
-            });
-        }
-        Ok(out)
+        let blocks = ls.done[i].div_ceil(self.config.block_size);
+        Ok(Segments { cache: self, ls, part, i, layer, head, next: 0, blocks })
     }
 
     /// K or V of `(seq, layer, head)` decoded to f32, `tokens × head_dim` (reference path).

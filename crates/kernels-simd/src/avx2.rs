@@ -217,12 +217,15 @@ macro_rules! by_bits_and_group {
 }
 
 /// Scores of every query row, up to 4 at a time: see [`scores`].
-fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
+fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &mut portable::Scratch) {
     let (d, rows) = (b.dim, b.rows);
     match b.params {
         Params::PerRow { scale, offset } => in_groups_of_4(n_q, |i0, n| {
             let qg = &q[i0 * d..(i0 + n) * d];
-            let qsum: Vec<f32> = qg.chunks_exact(d).map(|qi| qi.iter().sum()).collect();
+            let mut qsum = [0f32; 4];
+            for (s, qi) in qsum.iter_mut().zip(qg.chunks_exact(d)) {
+                *s = qi.iter().sum();
+            }
             let emit = |i: usize, r: usize, dot: f32| {
                 out[(i0 + i) * rows + r] = scale[r] * dot + offset.map_or(0.0, |o| o[r]) * qsum[i];
             };
@@ -230,7 +233,8 @@ fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
             unsafe { by_bits_and_group!(group_dots, b.bits, n, (b, qg, emit)) }
         }),
         Params::PerChannel { scale, offset } => {
-            let (qw, cst) = portable::fold_channels(q, n_q, scale, offset);
+            portable::fold_channels(q, n_q, scale, offset, &mut w.qw, &mut w.cst);
+            let (qw, cst) = (&w.qw, &w.cst);
             in_groups_of_4(n_q, |i0, n| {
                 let emit = |i: usize, r: usize, dot: f32| out[(i0 + i) * rows + r] = dot + cst[i0 + i];
                 // SAFETY: as above.
@@ -240,18 +244,9 @@ fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
     }
 }
 
-/// Value accumulation of every query row, up to 4 at a time: see [`axpy`].
-fn axpy_group(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
-    // Decode calls this once per block: the buffers are kept per thread, not allocated.
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = std::cell::RefCell::default();
-    }
-    // SAFETY: callers checked `supported(b)`, which checks AVX2 and FMA.
-    SCRATCH.with_borrow_mut(|(sums, w)| unsafe { axpy_group_with(b, p, n_q, out, sums, w) });
-}
-
-/// The weights and the epilogue of [`axpy_group`], compiled with AVX2 so that their loops
-/// (once per block in decode) vectorize 8 wide.
+/// Value accumulation of every query row, up to 4 at a time (see [`axpy`]), compiled with
+/// AVX2 so that the weights' and the epilogue's loops (once per block in decode) vectorize 8
+/// wide.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `supported(b)`.
@@ -311,25 +306,36 @@ unsafe fn axpy_group_with(
 
 /// See [`crate::scalar::scores`]. Falls back to the `wide` kernels for layouts it does not cover.
 pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
+    crate::with_scratch(|w| scores_in(b, q, n_q, out, w))
+}
+
+/// [`scores`] with the caller's scratch.
+pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &mut crate::Scratch) {
     if !supported(b) {
-        return portable::scores(b, q, n_q, out);
+        return portable::scores_in(b, q, n_q, out, &mut w.wide);
     }
-    scores_group(b, q, n_q, out)
+    scores_group(b, q, n_q, out, &mut w.wide)
 }
 
 /// See [`crate::scalar::axpy`]. Falls back to the `wide` kernels for layouts it does not cover.
 pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
+    crate::with_scratch(|w| axpy_in(b, p, n_q, out, w))
+}
+
+/// [`axpy`] with the caller's scratch.
+pub(crate) fn axpy_in(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32], w: &mut crate::Scratch) {
     if !supported(b) {
-        return portable::axpy(b, p, n_q, out);
+        return portable::axpy_in(b, p, n_q, out, &mut w.wide);
     }
     // The kernel walks a block column by column, reading every row once per 16 channels: right
     // for a cache block (its rows stay in L1), a re-read of memory for a block of millions of
     // rows. Those go through in slices of `AXPY_ROWS`.
     const AXPY_ROWS: usize = 64;
+    let crate::Scratch { sums, w, weights, .. } = w;
     if b.rows <= AXPY_ROWS {
-        return axpy_group(b, p, n_q, out);
+        // SAFETY: `supported(b)` checked AVX2 and FMA.
+        return unsafe { axpy_group_with(b, p, n_q, out, sums, w) };
     }
-    let mut weights = Vec::with_capacity(n_q * AXPY_ROWS);
     let mut r0 = 0;
     while r0 < b.rows {
         let r = r0..(r0 + AXPY_ROWS).min(b.rows);
@@ -337,7 +343,8 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
         for i in 0..n_q {
             weights.extend_from_slice(&p[i * b.rows + r.start..i * b.rows + r.end]);
         }
-        axpy_group(&b.sub_rows(r.clone()), &weights, n_q, out);
+        // SAFETY: as above.
+        unsafe { axpy_group_with(&b.sub_rows(r.clone()), weights, n_q, out, sums, w) };
         r0 = r.end;
     }
 }
@@ -620,14 +627,22 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
 /// `scale_q / 2 · Σ_d |level_d| · scale` (the query's rounding), `scale_q = max|q| / 127`.
 /// Returns `false`, computing nothing, when [`int8_supported`] is false.
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    crate::with_scratch(|w| scores_int8_in(b, q, n_q, out, &mut w.int8))
+}
+
+/// [`scores_int8`] with the caller's scratch.
+pub(crate) fn scores_int8_in(
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    scratch: &mut int8::Scratch,
+) -> bool {
     if !int8_supported(b) {
         return false;
     }
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<int8::Scratch> = std::cell::RefCell::default();
-    }
     // SAFETY: `int8_supported` checked AVX2 and FMA.
-    SCRATCH.with_borrow_mut(|scratch| unsafe { by_block_avx2::<Avx2Int>(b, q, n_q, out, scratch) });
+    unsafe { by_block_avx2::<Avx2Int>(b, q, n_q, out, scratch) };
     true
 }
 

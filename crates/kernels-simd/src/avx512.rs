@@ -182,14 +182,22 @@ unsafe fn vdots<const BITS: u8, const NQ: usize>(
 /// bound (the scores are the same, bit for bit). Returns `false`, computing nothing, when
 /// [`int8_supported`] is false.
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    crate::with_scratch(|w| scores_int8_in(b, q, n_q, out, &mut w.int8))
+}
+
+/// [`scores_int8`] with the caller's scratch.
+pub(crate) fn scores_int8_in(
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    scratch: &mut int8::Scratch,
+) -> bool {
     if !int8_supported(b) {
         return false;
     }
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<int8::Scratch> = std::cell::RefCell::default();
-    }
     // SAFETY: `int8_supported` checked AVX2 and FMA (with AVX-512).
-    SCRATCH.with_borrow_mut(|scratch| unsafe { by_block_avx2::<Vnni>(b, q, n_q, out, scratch) });
+    unsafe { by_block_avx2::<Vnni>(b, q, n_q, out, scratch) };
     true
 }
 
@@ -315,14 +323,22 @@ unsafe fn vsums<const BITS: u8, const NQ: usize>(
 /// [`crate::scalar::axpy_int`]. Returns `false`, computing nothing, when
 /// [`axpy_int_supported`] is false.
 pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    crate::with_scratch(|w| axpy_int_in(b, p, n_q, out, &mut w.intv))
+}
+
+/// [`axpy_int`] with the caller's scratch.
+pub(crate) fn axpy_int_in(
+    b: &QuantBlock<'_>,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    scratch: &mut intv::Scratch,
+) -> bool {
     if !axpy_int_supported(b) {
         return false;
     }
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<intv::Scratch> = std::cell::RefCell::default();
-    }
     // SAFETY: `axpy_int_supported` checked AVX2 and FMA (with AVX-512).
-    SCRATCH.with_borrow_mut(|scratch| unsafe { axpy_block_avx2::<VnniAxpy>(b, p, n_q, out, scratch) });
+    unsafe { axpy_block_avx2::<VnniAxpy>(b, p, n_q, out, scratch) };
     true
 }
 

@@ -104,12 +104,20 @@ impl int8::IntKernel for Sdot {
 /// (the scores equal [`crate::scalar::scores_int8`] bit for bit). Returns `false`, computing
 /// nothing, when [`int8_supported`] is false.
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    crate::with_scratch(|w| scores_int8_in(b, q, n_q, out, &mut w.int8))
+}
+
+/// [`scores_int8`] with the caller's scratch.
+pub(crate) fn scores_int8_in(
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    scratch: &mut int8::Scratch,
+) -> bool {
     if !int8_supported(b) {
         return false;
     }
-    thread_local! {
-        static SCRATCH: std::cell::RefCell<int8::Scratch> = std::cell::RefCell::default();
-    }
-    SCRATCH.with_borrow_mut(|scratch| int8::scores_by_block::<Sdot>(b, q, n_q, out, scratch));
+    int8::scores_by_block::<Sdot>(b, q, n_q, out, scratch);
     true
 }

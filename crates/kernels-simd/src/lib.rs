@@ -69,6 +69,42 @@ pub use dispatch::{Backend, DispatchError};
 pub use memory::advise_huge_pages;
 pub use rowquant::{row_kernels, row_kernels_for};
 
+/// The buffers the kernels reuse from call to call (unpacked levels, folded and rounded
+/// queries, partial sums). The `*_with` functions keep one per thread; a caller that needs
+/// every call free of allocation whatever thread runs it (a decode workspace) owns one per
+/// task and passes it to the `*_in` functions. Its buffers grow to the largest block and
+/// query group seen, and stay.
+#[derive(Default)]
+pub struct Scratch {
+    pub(crate) wide: portable::Scratch,
+    #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
+    pub(crate) int8: int8::Scratch,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) intv: intv::Scratch,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) sums: Vec<f32>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) w: Vec<f32>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) weights: Vec<f32>,
+}
+
+impl std::fmt::Debug for Scratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scratch").finish_non_exhaustive()
+    }
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// Runs `f` with this thread's [`Scratch`]. The `*_in` kernels never call back into it, so
+/// no borrow nests.
+pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with_borrow_mut(f)
+}
+
 /// The code that runs for the float kernels of `backend`: AVX-512 runs the AVX2 kernels and
 /// dotprod the `wide` (NEON) ones; both have integer score kernels of their own (see
 /// [`scores_int8_with`]). The AVX2 kernels fall back to `wide` for layouts they do
@@ -133,14 +169,51 @@ pub fn scores_with(
     n_q: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    with_scratch(|w| scores_in(backend, w, b, q, n_q, out))
+}
+
+/// [`scores_with`] with the caller's [`Scratch`]: no allocation once it has grown to the
+/// block and the query group (the scalar reference allocates; no fast path selects it).
+///
+/// # Errors
+/// As [`scores_with`].
+pub fn scores_in(
+    backend: Backend,
+    scratch: &mut Scratch,
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
     check_scores(b, q, n_q, out)?;
     match implementation(backend) {
         Backend::Scalar => scalar::scores(b, q, n_q, out),
-        #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => avx2::scores(b, q, n_q, out),
-        _ => portable::scores(b, q, n_q, out),
+        _ => scores_fast(backend, scratch, b, q, n_q, out),
     }
     Ok(())
+}
+
+fn scores_fast(
+    backend: Backend,
+    w: &mut Scratch,
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) {
+    match implementation(backend) {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => avx2::scores_in(b, q, n_q, out, w),
+        _ => portable::scores_in(b, q, n_q, out, &mut w.wide),
+    }
+}
+
+fn axpy_fast(backend: Backend, w: &mut Scratch, b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
+    match implementation(backend) {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => avx2::axpy_in(b, p, n_q, out, w),
+        _ => portable::axpy_in(b, p, n_q, out, &mut w.wide),
+    }
 }
 
 /// `out[i · dim + d] += Σ_t p[i · rows + t] · x̂[t][d]` for `n_q` weight rows, with `backend`.
@@ -154,12 +227,25 @@ pub fn axpy_with(
     n_q: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    with_scratch(|w| axpy_in(backend, w, b, p, n_q, out))
+}
+
+/// [`axpy_with`] with the caller's [`Scratch`], as [`scores_in`].
+///
+/// # Errors
+/// As [`axpy_with`].
+pub fn axpy_in(
+    backend: Backend,
+    scratch: &mut Scratch,
+    b: &QuantBlock<'_>,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
     check_axpy(b, p, n_q, out)?;
     match implementation(backend) {
         Backend::Scalar => scalar::axpy(b, p, n_q, out),
-        #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => avx2::axpy(b, p, n_q, out),
-        _ => portable::axpy(b, p, n_q, out),
+        _ => axpy_fast(backend, scratch, b, p, n_q, out),
     }
     Ok(())
 }
@@ -182,20 +268,51 @@ pub fn scores_int8_with(
     n_q: usize,
     out: &mut [f32],
 ) -> Result<bool, KernelError> {
+    with_scratch(|w| scores_int8_in(backend, w, b, q, n_q, out))
+}
+
+/// [`scores_int8_with`] with the caller's [`Scratch`], as [`scores_in`].
+///
+/// # Errors
+/// As [`scores_with`].
+pub fn scores_int8_in(
+    backend: Backend,
+    scratch: &mut Scratch,
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<bool, KernelError> {
     check_scores(b, q, n_q, out)?;
+    if implementation(backend) == Backend::Scalar {
+        scalar::scores(b, q, n_q, out);
+        return Ok(false);
+    }
+    Ok(scores_int8_fast(backend, scratch, b, q, n_q, out))
+}
+
+fn scores_int8_fast(
+    backend: Backend,
+    w: &mut Scratch,
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512 && avx512::scores_int8(b, q, n_q, out) {
-        return Ok(true);
+    if backend == Backend::Avx512 && avx512::scores_int8_in(b, q, n_q, out, &mut w.int8) {
+        return true;
     }
     #[cfg(target_arch = "x86_64")]
-    if implementation(backend) == Backend::Avx2 && avx2::scores_int8(b, q, n_q, out) {
-        return Ok(true);
+    if implementation(backend) == Backend::Avx2 && avx2::scores_int8_in(b, q, n_q, out, &mut w.int8) {
+        return true;
     }
     #[cfg(target_arch = "aarch64")]
-    if backend == Backend::Dotprod && dotprod::scores_int8(b, q, n_q, out) {
-        return Ok(true);
+    if backend == Backend::Dotprod && dotprod::scores_int8_in(b, q, n_q, out, &mut w.int8) {
+        return true;
     }
-    scores_with(backend, b, q, n_q, out).map(|()| false)
+    scores_fast(backend, w, b, q, n_q, out);
+    false
 }
 
 /// Value accumulation through the integer path where the backend has one (AVX-512 with VNNI:
@@ -217,12 +334,43 @@ pub fn axpy_int_with(
     n_q: usize,
     out: &mut [f32],
 ) -> Result<bool, KernelError> {
+    with_scratch(|w| axpy_int_in(backend, w, b, p, n_q, out))
+}
+
+/// [`axpy_int_with`] with the caller's [`Scratch`], as [`scores_in`].
+///
+/// # Errors
+/// As [`axpy_with`].
+pub fn axpy_int_in(
+    backend: Backend,
+    scratch: &mut Scratch,
+    b: &QuantBlock<'_>,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<bool, KernelError> {
     check_axpy(b, p, n_q, out)?;
-    #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512 && avx512::axpy_int(b, p, n_q, out) {
-        return Ok(true);
+    if implementation(backend) == Backend::Scalar {
+        scalar::axpy(b, p, n_q, out);
+        return Ok(false);
     }
-    axpy_with(backend, b, p, n_q, out).map(|()| false)
+    Ok(axpy_int_fast(backend, scratch, b, p, n_q, out))
+}
+
+fn axpy_int_fast(
+    backend: Backend,
+    w: &mut Scratch,
+    b: &QuantBlock<'_>,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 && avx512::axpy_int_in(b, p, n_q, out, &mut w.intv) {
+        return true;
+    }
+    axpy_fast(backend, w, b, p, n_q, out);
+    false
 }
 
 /// Asks the CPU to start loading `data` into cache (one prefetch per 64-byte line), so that a

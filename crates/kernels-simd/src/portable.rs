@@ -36,7 +36,7 @@ fn store8(v: f32x8, out: &mut [f32]) {
 }
 
 /// Codes of row `r` as f32 (before levels), in natural order.
-fn unpack_codes_f32(b: &QuantBlock<'_>, r: usize, out: &mut [f32]) {
+fn unpack_codes_f32(b: &QuantBlock<'_>, r: usize, out: &mut [f32], codes: &mut Vec<u8>) {
     let row = b.row(r);
     let d = b.dim;
     match b.bits {
@@ -73,29 +73,29 @@ fn unpack_codes_f32(b: &QuantBlock<'_>, r: usize, out: &mut [f32]) {
             }
         }
         _ => {
-            let mut codes = vec![0u8; d];
-            unpack_row(row, b.bits, &mut codes).expect("QuantBlock::new checked the lengths");
-            for (o, &c) in out.iter_mut().zip(&codes) {
+            codes.resize(d, 0);
+            unpack_row(row, b.bits, codes).expect("QuantBlock::new checked the lengths");
+            for (o, &c) in out.iter_mut().zip(codes.iter()) {
                 *o = f32::from(c);
             }
         }
     }
 }
 
-/// Levels of row `r` as f32.
-fn unpack_levels(b: &QuantBlock<'_>, r: usize, out: &mut [f32]) {
+/// Levels of row `r` as f32; `codes` is scratch for layouts unpacked through bytes.
+fn unpack_levels(b: &QuantBlock<'_>, r: usize, out: &mut [f32], codes: &mut Vec<u8>) {
     match b.levels {
-        Levels::Affine => unpack_codes_f32(b, r, out),
+        Levels::Affine => unpack_codes_f32(b, r, out, codes),
         Levels::Symmetric { zero } => {
-            unpack_codes_f32(b, r, out);
+            unpack_codes_f32(b, r, out, codes);
             for v in out.iter_mut() {
                 *v -= zero;
             }
         }
         Levels::Table(t) => {
-            let mut codes = vec![0u8; b.dim];
-            unpack_row(b.row(r), b.bits, &mut codes).expect("QuantBlock::new checked the lengths");
-            for (o, &c) in out.iter_mut().zip(&codes) {
+            codes.resize(b.dim, 0);
+            unpack_row(b.row(r), b.bits, codes).expect("QuantBlock::new checked the lengths");
+            for (o, &c) in out.iter_mut().zip(codes.iter()) {
                 *o = t[c as usize];
             }
         }
@@ -166,10 +166,12 @@ pub(crate) fn fold_channels(
     n_q: usize,
     scale: &[f32],
     offset: Option<&[f32]>,
-) -> (Vec<f32>, Vec<f32>) {
+    qw: &mut Vec<f32>,
+    cst: &mut Vec<f32>,
+) {
     let d = scale.len();
-    let mut qw = vec![0f32; n_q * d];
-    let mut cst = vec![0f32; n_q];
+    qw.resize(n_q * d, 0.0);
+    cst.resize(n_q, 0.0);
     for i in 0..n_q {
         let qi = &q[i * d..(i + 1) * d];
         for ((w, &x), &s) in qw[i * d..(i + 1) * d].iter_mut().zip(qi).zip(scale) {
@@ -177,14 +179,28 @@ pub(crate) fn fold_channels(
         }
         cst[i] = offset.map_or(0.0, |o| dot(qi, o));
     }
-    (qw, cst)
+}
+
+/// Buffers the kernels of this backend reuse (part of [`crate::Scratch`]): decode calls them
+/// once per block and must not allocate on every call.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub(crate) codes: Vec<u8>,
+    pub(crate) levels: Vec<f32>,
+    pub(crate) qw: Vec<f32>,
+    pub(crate) cst: Vec<f32>,
+    pub(crate) acc: Vec<f32>,
 }
 
 /// See [`crate::scalar::dequantize`].
 pub fn dequantize(b: &QuantBlock<'_>, out: &mut [f32]) {
+    crate::with_scratch(|w| dequantize_in(b, out, &mut w.wide.codes))
+}
+
+fn dequantize_in(b: &QuantBlock<'_>, out: &mut [f32], codes: &mut Vec<u8>) {
     let d = b.dim;
     for (r, o) in out.chunks_exact_mut(d).take(b.rows).enumerate() {
-        unpack_levels(b, r, o);
+        unpack_levels(b, r, o, codes);
         match b.params {
             Params::PerRow { scale, offset } => {
                 let (s, off) = (scale[r], offset.map_or(0.0, |x| x[r]));
@@ -203,25 +219,32 @@ pub fn dequantize(b: &QuantBlock<'_>, out: &mut [f32]) {
 
 /// See [`crate::scalar::scores`].
 pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
+    crate::with_scratch(|w| scores_in(b, q, n_q, out, &mut w.wide))
+}
+
+pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &mut Scratch) {
     let d = b.dim;
-    let mut levels = vec![0f32; d];
+    let Scratch { codes, levels, qw, cst, .. } = w;
+    levels.resize(d, 0.0);
     match b.params {
         Params::PerRow { scale, offset } => {
-            let qsum: Vec<f32> = q.chunks_exact(d).map(|qi| qi.iter().sum()).collect();
+            // Σ q per query row, kept in `cst`.
+            cst.clear();
+            cst.extend(q.chunks_exact(d).take(n_q).map(|qi| qi.iter().sum::<f32>()));
             for r in 0..b.rows {
-                unpack_levels(b, r, &mut levels);
+                unpack_levels(b, r, levels, codes);
                 let off = offset.map_or(0.0, |o| o[r]);
                 for i in 0..n_q {
-                    out[i * b.rows + r] = scale[r] * dot(&q[i * d..(i + 1) * d], &levels) + off * qsum[i];
+                    out[i * b.rows + r] = scale[r] * dot(&q[i * d..(i + 1) * d], levels) + off * cst[i];
                 }
             }
         }
         Params::PerChannel { scale, offset } => {
-            let (qw, cst) = fold_channels(q, n_q, scale, offset);
+            fold_channels(q, n_q, scale, offset, qw, cst);
             for r in 0..b.rows {
-                unpack_levels(b, r, &mut levels);
+                unpack_levels(b, r, levels, codes);
                 for i in 0..n_q {
-                    out[i * b.rows + r] = dot(&qw[i * d..(i + 1) * d], &levels) + cst[i];
+                    out[i * b.rows + r] = dot(&qw[i * d..(i + 1) * d], levels) + cst[i];
                 }
             }
         }
@@ -230,26 +253,32 @@ pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
 
 /// See [`crate::scalar::axpy`].
 pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
+    crate::with_scratch(|w| axpy_in(b, p, n_q, out, &mut w.wide))
+}
+
+pub(crate) fn axpy_in(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32], w: &mut Scratch) {
     let d = b.dim;
-    let mut levels = vec![0f32; d];
+    let Scratch { codes, levels, acc, .. } = w;
+    levels.resize(d, 0.0);
     match b.params {
         Params::PerRow { scale, offset } => {
             for r in 0..b.rows {
-                unpack_levels(b, r, &mut levels);
+                unpack_levels(b, r, levels, codes);
                 let off = offset.map_or(0.0, |o| o[r]);
                 for i in 0..n_q {
                     let w = p[i * b.rows + r];
-                    axpb(&mut out[i * d..(i + 1) * d], w * scale[r], &levels, w * off);
+                    axpb(&mut out[i * d..(i + 1) * d], w * scale[r], levels, w * off);
                 }
             }
         }
         Params::PerChannel { scale, offset } => {
             // Σ_r p_r (L_r · s + o) = s · Σ_r p_r L_r + o · Σ_r p_r.
-            let mut acc = vec![0f32; n_q * d];
+            acc.clear();
+            acc.resize(n_q * d, 0.0);
             for r in 0..b.rows {
-                unpack_levels(b, r, &mut levels);
+                unpack_levels(b, r, levels, codes);
                 for i in 0..n_q {
-                    axpb(&mut acc[i * d..(i + 1) * d], p[i * b.rows + r], &levels, 0.0);
+                    axpb(&mut acc[i * d..(i + 1) * d], p[i * b.rows + r], levels, 0.0);
                 }
             }
             for i in 0..n_q {

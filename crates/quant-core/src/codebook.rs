@@ -6,8 +6,9 @@
 
 use crate::error::{QuantError, Result};
 
-/// The NormalFloat-4 levels published with QLoRA (Dettmers et al., 2023).
-const NF4_LEVELS: [f32; 16] = [
+/// The NormalFloat-4 levels published with QLoRA (Dettmers et al., 2023): what
+/// [`Codebook::nf4`] holds, without building a codebook.
+pub const NF4_LEVELS: [f32; 16] = [
     -1.0,
     -0.696_192_8,
     -0.525_073_05,
