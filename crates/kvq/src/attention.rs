@@ -12,10 +12,11 @@
 use half::f16;
 use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, Segment, SeqId, TailBuf};
 use kvq_kernels_simd::{
-    Backend, KernelError, Levels, Params, QuantBlock, axpy_int_with, axpy_with, scores_int8_with, scores_with,
+    Backend, KernelError, Levels, Params, QuantBlock, axpy_in, axpy_int_in, scores_in, scores_int8_in,
 };
 use kvq_quant_core::calibration::Part;
-use kvq_quant_core::{Codebook, CodebookSource, GroupParams, Kind};
+use kvq_quant_core::codebook::NF4_LEVELS;
+use kvq_quant_core::{CodebookSource, GroupParams, Kind};
 use rayon::prelude::*;
 
 /// Why attention could not be computed.
@@ -101,34 +102,50 @@ impl AttentionOptions {
     }
 }
 
-/// The level table of a part's spec, for the kernels (FP8 decode table, codebook levels).
-fn level_table(kind: &Kind) -> Option<Vec<f32>> {
-    match kind {
-        Kind::Fp8(f) => Some((0..=255u8).map(|c| f.decode(c)).collect()),
-        Kind::Codebook(CodebookSource::Nf4) => Some(Codebook::nf4().levels().to_vec()),
-        Kind::Codebook(CodebookSource::Fixed(cb)) => Some(cb.levels().to_vec()),
-        _ => None,
-    }
+/// The level table of a part's spec, for the kernels (FP8 decode table, codebook levels),
+/// held inline: a step builds its readers without allocating.
+fn level_table(kind: &Kind) -> Option<([f32; 256], usize)> {
+    let mut t = [0f32; 256];
+    let n = match kind {
+        Kind::Fp8(f) => {
+            for (c, x) in t.iter_mut().enumerate() {
+                *x = f.decode(c as u8);
+            }
+            256
+        }
+        Kind::Codebook(CodebookSource::Nf4) => copy_levels(&mut t, &NF4_LEVELS),
+        Kind::Codebook(CodebookSource::Fixed(cb)) => copy_levels(&mut t, cb.levels()),
+        _ => return None,
+    };
+    Some((t, n))
+}
+
+/// Copies a codebook's levels (at most 2^8 of them: codes are at most 8 bits).
+fn copy_levels(t: &mut [f32; 256], levels: &[f32]) -> usize {
+    let n = levels.len().min(t.len());
+    t[..n].copy_from_slice(&levels[..n]);
+    n
 }
 
 struct PartReader {
-    table: Option<Vec<f32>>,
+    table: Option<([f32; 256], usize)>,
     zero: f32,
-    kind: Kind,
+    symmetric: bool,
 }
 
 impl PartReader {
     fn new(cache: &PagedCache, part: Part) -> Self {
         let spec = cache.part(part).spec();
         let bits = spec.bits();
-        Self { table: level_table(spec.kind()), zero: (1u32 << (bits - 1)) as f32, kind: spec.kind().clone() }
+        let symmetric = matches!(spec.kind(), Kind::Symmetric);
+        Self { table: level_table(spec.kind()), zero: (1u32 << (bits - 1)) as f32, symmetric }
     }
 
     fn levels(&self) -> Levels<'_> {
-        match (&self.kind, &self.table) {
-            (_, Some(t)) => Levels::Table(t),
-            (Kind::Symmetric, None) => Levels::Symmetric { zero: self.zero },
-            _ => Levels::Affine,
+        match &self.table {
+            Some((t, n)) => Levels::Table(&t[..*n]),
+            None if self.symmetric => Levels::Symmetric { zero: self.zero },
+            None => Levels::Affine,
         }
     }
 }
@@ -182,16 +199,6 @@ fn with_block<R>(
     let codes = &view.region[..rows * layout.row_bytes()];
     let block = QuantBlock::new(codes, rows, d, layout.spec().bits(), reader.levels(), params)?;
     f(&block).map(Some)
-}
-
-/// Rows `offset / dim ..` of a full-precision segment, widened to f32.
-fn full_rows(rows: &TailBuf, offset: usize, tokens: usize, dim: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(tokens * dim);
-    match rows {
-        TailBuf::F32(v) => out.extend_from_slice(&v[offset..offset + tokens * dim]),
-        TailBuf::F16(v) => out.extend(v[offset..offset + tokens * dim].iter().map(|h: &f16| h.to_f32())),
-    }
-    out
 }
 
 /// How scores against quantized keys are computed.
@@ -285,7 +292,8 @@ pub fn decode_attention_options(
 /// last `tokens` cached tokens), each attending causally to the cache and to the chunk's
 /// earlier tokens: chunked prefill, and the verification step of speculative decoding. `q`
 /// and `out` are `tokens × query_heads × head_dim`, token-major. Each KV head's blocks are
-/// read once for the whole chunk.
+/// read once for the whole chunk. A batch of one of [`decode_attention_batch`], with a
+/// workspace of its own (allocated per call).
 ///
 /// # Errors
 /// As [`decode_attention_options`], and [`AttentionError::Shape`] when `tokens` is 0 or more
@@ -302,123 +310,361 @@ pub fn decode_attention_chunk(
     query_heads: usize,
     out: &mut [f32],
 ) -> Result<(), AttentionError> {
+    let batch = [BatchSeq { seq, tokens }];
+    let mut ws = DecodeWorkspace::new();
+    decode_attention_batch(backend, options, cache, layer, &batch, q, query_heads, out, &mut ws)
+}
+
+/// One sequence of a batch: its id, and how many of its newest cached tokens bring queries
+/// in this call (1 when decoding; a prefill chunk or the tokens a speculative decoder
+/// verifies attend causally, each up to itself).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchSeq {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Its new tokens, appended to the cache already: at least 1, at most its length.
+    pub tokens: usize,
+}
+
+impl BatchSeq {
+    /// One decode token of `seq`.
+    pub fn decode(seq: SeqId) -> Self {
+        Self { seq, tokens: 1 }
+    }
+}
+
+/// Scratch memory of decode attention that the caller keeps across steps: once a step has
+/// run, every later step with no more sequences, tokens per sequence, query heads and cached
+/// tokens per block than the largest seen performs no heap allocation. One workspace serves
+/// every layer of a cache; it holds no reference to it.
+#[derive(Default)]
+pub struct DecodeWorkspace {
+    /// One per (sequence, KV head, part of a split context); only the first ones of a step
+    /// are used, the rest keep their buffers for larger steps.
+    tasks: Vec<Task>,
+    /// Per sequence of the batch: its cached tokens and its first token row in `q`.
+    seqs: Vec<(usize, usize)>,
+}
+
+impl std::fmt::Debug for DecodeWorkspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeWorkspace").field("tasks", &self.tasks.len()).finish_non_exhaustive()
+    }
+}
+
+impl DecodeWorkspace {
+    /// An empty workspace; the first step sizes it.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+/// The work of one (sequence, KV head, part), and the buffers it reuses step after step.
+#[derive(Default)]
+struct Task {
+    entry: usize,
+    head: usize,
+    part: usize,
+    parts: usize,
+    /// The group's query rows, token after token, scaled.
+    q: Vec<f32>,
+    /// Per query row, the cached tokens it attends.
+    spans: Vec<(usize, usize)>,
+    st: Partial,
+    bufs: (Vec<f32>, Vec<f32>),
+    s: Vec<f32>,
+    row: Vec<f32>,
+    full: Vec<f32>,
+    codes: Vec<u8>,
+    kernel: kvq_kernels_simd::Scratch,
+}
+
+/// Contexts longer than this split one head's blocks across threads (flash-decoding) when
+/// there are fewer (sequence, KV head) pairs than threads.
+const SPLIT_TOKENS: usize = 2048;
+
+/// Decode attention for a batch of sequences of different lengths in one call (continuous
+/// batching). `q` and `out` hold every sequence's token rows in batch order, each row
+/// `query_heads × head_dim` (head-major): sequence `i` owns `batch[i].tokens` rows. The work
+/// is spread with rayon over (sequence, KV head), and along the context (flash-decoding, the
+/// parts merged by log-sum-exp) when there are fewer of those than threads. With a `ws`
+/// kept across steps, a step allocates nothing once the workspace has grown to the batch.
+///
+/// A sequence with no cached tokens and one query token gets zeros. `out` is written only
+/// when every sequence succeeded.
+///
+/// # Errors
+/// [`AttentionError::Shape`] when the query heads are not a multiple of the KV heads, `q` or
+/// `out` is not the batch's size, or a sequence's `tokens` is 0 or more than it has cached;
+/// [`AttentionError::Options`]; cache and kernel errors.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_batch(
+    backend: Backend,
+    options: &AttentionOptions,
+    cache: &PagedCache,
+    layer: usize,
+    batch: &[BatchSeq],
+    q: &[f32],
+    query_heads: usize,
+    out: &mut [f32],
+    ws: &mut DecodeWorkspace,
+) -> Result<(), AttentionError> {
     options.check()?;
     let cfg = cache.config();
     let (heads, d) = (cfg.kv_heads, cfg.head_dim);
-    let want = query_heads.checked_mul(d).and_then(|n| n.checked_mul(tokens));
-    if query_heads == 0
-        || !query_heads.is_multiple_of(heads)
-        || want != Some(q.len())
-        || want != Some(out.len())
-    {
+    let row = query_heads.checked_mul(d);
+    if query_heads == 0 || !query_heads.is_multiple_of(heads) || row.is_none() {
         return Err(AttentionError::Shape(format!(
-            "{tokens} tokens of {query_heads} query heads over {heads} KV heads of {d}: q has {} values, out {}",
+            "{query_heads} query heads over {heads} KV heads: not a whole number of query heads per KV head"
+        )));
+    }
+    let DecodeWorkspace { tasks, seqs } = ws;
+    seqs.clear();
+    let mut rows = 0usize;
+    for e in batch {
+        let len = cache.len(e.seq, layer)?;
+        if !(len == 0 && e.tokens == 1) && (e.tokens == 0 || e.tokens > len) {
+            return Err(AttentionError::Shape(format!(
+                "{} new tokens of sequence {:?}, {len} cached: a chunk's tokens are appended before they attend",
+                e.tokens, e.seq
+            )));
+        }
+        seqs.push((len, rows));
+        rows = rows.saturating_add(e.tokens);
+    }
+    let want = row.and_then(|r| r.checked_mul(rows));
+    if want != Some(q.len()) || want != Some(out.len()) {
+        return Err(AttentionError::Shape(format!(
+            "{rows} token rows of {query_heads} query heads of {d}: q has {} values, out {}",
             q.len(),
             out.len()
         )));
     }
-    let len = cache.len(seq, layer)?;
-    if len == 0 && tokens == 1 {
-        // One query over an empty sequence attends nothing: zeros, as decode always gave.
-        out.fill(0.0);
-        return Ok(());
-    }
-    if tokens == 0 || tokens > len {
-        return Err(AttentionError::Shape(format!(
-            "a chunk of {tokens} tokens, {len} cached: the chunk's tokens are appended before they attend"
-        )));
-    }
     let g = query_heads / heads;
     let readers = [PartReader::new(cache, Part::K), PartReader::new(cache, Part::V)];
-    let head = |h: usize, q_rows: &[f32], o: &mut [f32]| {
-        head_attention(backend, options, cache, seq, layer, h, q_rows, g, tokens, len, &readers, o)
-    };
-    if tokens == 1 {
-        // One token: a KV head's query rows and outputs are contiguous already.
-        return out
-            .par_chunks_mut(g * d)
-            .enumerate()
-            .try_for_each(|(h, o)| head(h, &q[h * g * d..(h + 1) * g * d], o));
-    }
-    // Rows of KV head h: token j's query heads h·g .. (h + 1)·g, token after token.
-    let rows = |x: &[f32], h: usize| -> Vec<f32> {
-        (0..tokens)
-            .flat_map(|j| {
-                x[(j * query_heads + h * g) * d..(j * query_heads + (h + 1) * g) * d].iter().copied()
-            })
-            .collect()
-    };
-    let per_head = (0..heads)
-        .into_par_iter()
-        .map(|h| {
-            let mut o = vec![0f32; tokens * g * d];
-            head(h, &rows(q, h), &mut o).map(|()| o)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    for (h, o) in per_head.iter().enumerate() {
-        for j in 0..tokens {
-            let at = (j * query_heads + h * g) * d;
-            out[at..at + g * d].copy_from_slice(&o[j * g * d..(j + 1) * g * d]);
+    // Plan: a task per (sequence, head), several per head for long contexts when the pairs
+    // would leave threads idle.
+    let threads = rayon::current_num_threads();
+    let pairs = seqs.iter().filter(|s| s.0 > 0).count() * heads;
+    let mut n = 0;
+    for (i, &(len, _)) in seqs.iter().enumerate() {
+        if len == 0 {
+            continue;
         }
+        let parts = if pairs < threads && len > SPLIT_TOKENS {
+            threads.div_ceil(pairs).min(len.div_ceil(cfg.block_size))
+        } else {
+            1
+        };
+        for head in 0..heads {
+            for part in 0..parts {
+                if n == tasks.len() {
+                    tasks.push(Task::default());
+                }
+                let t = &mut tasks[n];
+                (t.entry, t.head, t.part, t.parts) = (i, head, part, parts);
+                n += 1;
+            }
+        }
+    }
+    let seqs = &*seqs;
+    tasks[..n].par_iter_mut().try_for_each(|t| {
+        let (len, first) = seqs[t.entry];
+        t.run(
+            backend,
+            options,
+            cache,
+            layer,
+            batch[t.entry],
+            len,
+            &q[first * query_heads * d..],
+            query_heads,
+            g,
+            &readers,
+        )
+    })?;
+    // Every task succeeded: merge the parts of each head, normalize, write the outputs.
+    for (&(len, first), e) in seqs.iter().zip(batch) {
+        if len == 0 {
+            out[first * query_heads * d..(first + e.tokens) * query_heads * d].fill(0.0);
+        }
+    }
+    let mut at = 0;
+    while at < n {
+        let parts = tasks[at].parts;
+        let (lead, rest) = tasks[at..at + parts].split_first_mut().expect("a head has a part");
+        for other in rest.iter() {
+            lead.st.merge_from(&other.st);
+        }
+        let first = seqs[lead.entry].1;
+        let st = &lead.st;
+        for r in 0..st.m.len() {
+            let (j, i) = (r / g, r % g);
+            let o = ((first + j) * query_heads + lead.head * g + i) * d;
+            let inv = 1.0 / st.l[r];
+            for (y, &x) in out[o..o + d].iter_mut().zip(&st.o[r * d..(r + 1) * d]) {
+                *y = x * inv;
+            }
+        }
+        at += lead.parts;
     }
     Ok(())
 }
 
-/// One run of tokens of one part: a slice of full-precision rows, or a whole quantized block.
+impl Task {
+    /// Attends this task's part of the head's cached tokens with the group's query rows of
+    /// every new token of the sequence; `q` starts at the sequence's first token row.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &mut self,
+        backend: Backend,
+        options: &AttentionOptions,
+        cache: &PagedCache,
+        layer: usize,
+        e: BatchSeq,
+        len: usize,
+        q: &[f32],
+        query_heads: usize,
+        g: usize,
+        readers: &[PartReader; 2],
+    ) -> Result<(), AttentionError> {
+        let d = cache.config().head_dim;
+        let h = self.head;
+        let scale = options.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        self.q.clear();
+        for j in 0..e.tokens {
+            let at = (j * query_heads + h * g) * d;
+            self.q.extend(q[at..at + g * d].iter().map(|x| x * scale));
+        }
+        let rows = e.tokens * g;
+        self.spans.clear();
+        self.spans.extend((0..rows).map(|r| {
+            let end = len - e.tokens + r / g + 1;
+            (options.sliding_window.map_or(0, |w| end.saturating_sub(w)), end)
+        }));
+        // Units before every row's window are never read.
+        let first = self.spans.iter().map(|s| s.0).min().unwrap_or(0);
+        let ks = cache.segment_iter(e.seq, layer, h, Part::K)?;
+        let vs = cache.segment_iter(e.seq, layer, h, Part::V)?;
+        let units = Units::new(ks, vs, d).filter(move |u| u.end > first);
+        let per = if self.parts > 1 { units.clone().count().div_ceil(self.parts) } else { usize::MAX };
+        let mine = units.skip(self.part.saturating_mul(per)).take(per);
+        self.st.reset(rows, d);
+        let mut scratch = Scratch {
+            bufs: &mut self.bufs,
+            s: &mut self.s,
+            row: &mut self.row,
+            full: &mut self.full,
+            codes: &mut self.codes,
+            kernel: &mut self.kernel,
+        };
+        attend(backend, options, readers, mine, &self.q, rows, d, &self.spans, &mut self.st, &mut scratch)
+    }
+}
+
+/// Buffers [`attend`] reuses across units.
+struct Scratch<'w> {
+    bufs: &'w mut (Vec<f32>, Vec<f32>),
+    s: &'w mut Vec<f32>,
+    row: &'w mut Vec<f32>,
+    full: &'w mut Vec<f32>,
+    codes: &'w mut Vec<u8>,
+    kernel: &'w mut kvq_kernels_simd::Scratch,
+}
+
+/// One run of tokens of one part: full-precision rows, or a whole quantized block.
+#[derive(Clone, Copy)]
 enum Run<'a> {
-    Full(Vec<f32>),
+    /// `offset` is the first value's index in `rows`.
+    Full {
+        rows: &'a TailBuf,
+        offset: usize,
+    },
     Block(BlockView<'a>),
 }
 
-/// The runs of K and V for every grid unit (sinks, then `block_size` tokens at a time): K and
-/// V segments start on the same grid, so each unit lies inside one segment of each.
-fn units<'a>(k: &[Segment<'a>], v: &[Segment<'a>], d: usize) -> Vec<(usize, usize, Run<'a>, Run<'a>)> {
-    let mut bounds: Vec<usize> = Vec::new();
-    for s in k.iter().chain(v) {
-        match s {
-            Segment::Full { first_token, tokens, .. } => {
-                bounds.push(*first_token);
-                bounds.push(first_token + tokens);
-            }
-            Segment::Quantized(b) => {
-                bounds.push(b.first_token);
-                bounds.push(b.first_token + b.tokens);
+impl<'a> Run<'a> {
+    /// The `n × d` values of a full run as f32: borrowed, or widened into `buf`.
+    fn full<'b>(rows: &'a TailBuf, offset: usize, n: usize, buf: &'b mut Vec<f32>) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        match rows {
+            TailBuf::F32(v) => &v[offset..offset + n],
+            TailBuf::F16(v) => {
+                buf.clear();
+                buf.extend(v[offset..offset + n].iter().map(|h: &f16| h.to_f32()));
+                buf
             }
         }
     }
-    bounds.sort_unstable();
-    bounds.dedup();
-    // Segments come in token order, so one cursor per part walks them once (a search per unit
-    // would be quadratic in the context length).
-    fn span(s: &Segment<'_>) -> (usize, usize) {
-        match *s {
-            Segment::Full { first_token, tokens, .. } => (first_token, first_token + tokens),
-            Segment::Quantized(b) => (b.first_token, b.first_token + b.tokens),
-        }
-    }
-    let run = |segs: &[Segment<'a>], at: &mut usize, a: usize, b: usize| -> Run<'a> {
-        while span(&segs[*at]).1 <= a {
-            *at += 1;
-        }
-        match segs[*at] {
-            Segment::Full { first_token, rows, offset, .. } => {
-                Run::Full(full_rows(rows, offset + (a - first_token) * d, b - a, d))
-            }
-            Segment::Quantized(view) => {
-                debug_assert!(a == view.first_token && b == view.first_token + view.tokens);
-                Run::Block(view)
-            }
-        }
-    };
-    let (mut ki, mut vi) = (0, 0);
-    bounds
-        .windows(2)
-        .map(|w| (w[0], w[1], run(k, &mut ki, w[0], w[1]), run(v, &mut vi, w[0], w[1])))
-        .collect()
 }
 
-/// Online-softmax state of the g query heads of a group: running max, running sum, and the
+/// A grid unit (the sinks, then `block_size` tokens at a time): tokens `start..end`, with
+/// their K and V runs.
+#[derive(Clone, Copy)]
+struct Unit<'a> {
+    start: usize,
+    end: usize,
+    k: Run<'a>,
+    v: Run<'a>,
+}
+
+/// The units of a head, walking its K and V segments together: they start on the same grid,
+/// so each unit lies inside one segment of each.
+#[derive(Clone)]
+struct Units<'a> {
+    k: std::iter::Peekable<kvq_cache_layout::Segments<'a>>,
+    v: std::iter::Peekable<kvq_cache_layout::Segments<'a>>,
+    at: usize,
+    d: usize,
+}
+
+impl<'a> Units<'a> {
+    fn new(k: kvq_cache_layout::Segments<'a>, v: kvq_cache_layout::Segments<'a>, d: usize) -> Self {
+        Self { k: k.peekable(), v: v.peekable(), at: 0, d }
+    }
+}
+
+fn span(s: &Segment<'_>) -> (usize, usize) {
+    match *s {
+        Segment::Full { first_token, tokens, .. } => (first_token, first_token + tokens),
+        Segment::Quantized(b) => (b.first_token, b.first_token + b.tokens),
+    }
+}
+
+impl<'a> Iterator for Units<'a> {
+    type Item = Unit<'a>;
+
+    fn next(&mut self) -> Option<Unit<'a>> {
+        let at = self.at;
+        // Drop the segments that end at or before the cursor.
+        while self.k.peek().is_some_and(|s| span(s).1 <= at) {
+            self.k.next();
+        }
+        while self.v.peek().is_some_and(|s| span(s).1 <= at) {
+            self.v.next();
+        }
+        let (ks, vs) = (*self.k.peek()?, *self.v.peek()?);
+        let end = span(&ks).1.min(span(&vs).1);
+        let d = self.d;
+        let run = |s: Segment<'a>| match s {
+            Segment::Full { first_token, rows, offset, .. } => {
+                Run::Full { rows, offset: offset + (at - first_token) * d }
+            }
+            Segment::Quantized(view) => {
+                debug_assert!(at == view.first_token && end == view.first_token + view.tokens);
+                Run::Block(view)
+            }
+        };
+        self.at = end;
+        Some(Unit { start: at, end, k: run(ks), v: run(vs) })
+    }
+}
+
+/// Online-softmax state of a group's query rows: running max, running sum, and the
 /// unnormalized output.
+#[derive(Default)]
 struct Partial {
     m: Vec<f32>,
     l: Vec<f32>,
@@ -426,12 +672,18 @@ struct Partial {
 }
 
 impl Partial {
-    fn new(g: usize, d: usize) -> Self {
-        Self { m: vec![f32::NEG_INFINITY; g], l: vec![0.0; g], o: vec![0.0; g * d] }
+    /// The empty state of `rows` rows of `d` values, in the buffers already held.
+    fn reset(&mut self, rows: usize, d: usize) {
+        self.m.clear();
+        self.m.resize(rows, f32::NEG_INFINITY);
+        self.l.clear();
+        self.l.resize(rows, 0.0);
+        self.o.clear();
+        self.o.resize(rows * d, 0.0);
     }
 
     /// Merges another partial over disjoint tokens (log-sum-exp), as flash-decoding does.
-    fn merge(mut self, other: Partial) -> Partial {
+    fn merge_from(&mut self, other: &Partial) {
         let d = self.o.len() / self.m.len().max(1);
         for i in 0..self.m.len() {
             let m = self.m[i].max(other.m[i]);
@@ -445,36 +697,36 @@ impl Partial {
             }
             self.m[i] = m;
         }
-        self
     }
 }
 
-/// Attends the g query rows `qs` (already scaled) over `units`; row `i` sees tokens
-/// `spans[i].0 .. spans[i].1` only (its sliding window and its causal end), the others get no
-/// weight.
+/// Attends the g query rows `qs` (already scaled) over `units` into `st`; row `i` sees
+/// tokens `spans[i].0 .. spans[i].1` only (its sliding window and its causal end), the
+/// others get no weight.
 #[allow(clippy::too_many_arguments)]
-fn attend(
+fn attend<'a>(
     backend: Backend,
     options: &AttentionOptions,
     readers: &[PartReader; 2],
-    units: &[(usize, usize, Run<'_>, Run<'_>)],
+    units: impl Iterator<Item = Unit<'a>>,
     qs: &[f32],
     g: usize,
     d: usize,
     spans: &[(usize, usize)],
-) -> Result<Partial, AttentionError> {
+    st: &mut Partial,
+    w: &mut Scratch<'_>,
+) -> Result<(), AttentionError> {
     let latest_start = spans.iter().map(|s| s.0).max().unwrap_or(0);
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
-    let mut st = Partial::new(g, d);
-    let mut bufs = (Vec::new(), Vec::new());
-    let mut s = Vec::new();
-    let mut row = vec![0f32; d];
-    for (u, (a, b, k, v)) in units.iter().enumerate() {
+    let Scratch { bufs, s, row, full, codes, kernel } = w;
+    row.resize(d, 0.0);
+    let mut units = units.peekable();
+    while let Some(Unit { start: a, end: b, k, v }) = units.next() {
         // Start loading the next unit's blocks while this one computes: block regions are
         // scattered in the pool, so the hardware prefetcher cannot guess them.
-        if let Some((_, _, nk, nv)) = units.get(u + 1) {
-            for run in [nk, nv] {
+        if let Some(next) = units.peek() {
+            for run in [next.k, next.v] {
                 if let Run::Block(view) = run {
                     kvq_kernels_simd::prefetch(view.region);
                 }
@@ -483,7 +735,8 @@ fn attend(
         let n = b - a;
         s.resize(g * n, 0.0);
         match k {
-            Run::Full(x) => {
+            Run::Full { rows, offset } => {
+                let x = Run::full(rows, offset, n * d, full);
                 for i in 0..g {
                     for t in 0..n {
                         s[i * n + t] = qs[i * d..(i + 1) * d]
@@ -495,15 +748,16 @@ fn attend(
                 }
             }
             Run::Block(view) => {
-                let done = with_block(view, &readers[0], &mut bufs, |blk| match path {
-                    ScorePath::Float => scores_with(backend, blk, qs, g, &mut s),
-                    ScorePath::Int8 => scores_int8_with(backend, blk, qs, g, &mut s).map(|_| ()),
+                let done = with_block(&view, &readers[0], bufs, |blk| match path {
+                    ScorePath::Float => scores_in(backend, kernel, blk, qs, g, s),
+                    ScorePath::Int8 => scores_int8_in(backend, kernel, blk, qs, g, s).map(|_| ()),
                 })?;
                 if done.is_none() {
                     for t in 0..n {
-                        view.decode_row(t, &mut row);
+                        view.decode_row_with(t, row, codes);
                         for i in 0..g {
-                            s[i * n + t] = qs[i * d..(i + 1) * d].iter().zip(&row).map(|(p, q)| p * q).sum();
+                            s[i * n + t] =
+                                qs[i * d..(i + 1) * d].iter().zip(row.iter()).map(|(p, q)| p * q).sum();
                         }
                     }
                 }
@@ -515,11 +769,11 @@ fn attend(
         }
         // Tokens outside a row's span (before its window, after its own position) get no
         // weight; most units lie inside every span.
-        if *a < latest_start || *b > earliest_end {
+        if a < latest_start || b > earliest_end {
             for (i, &(lo, hi)) in spans.iter().enumerate() {
                 let row = &mut s[i * n..(i + 1) * n];
-                row[..lo.saturating_sub(*a).min(n)].fill(f32::NEG_INFINITY);
-                row[hi.saturating_sub(*a).min(n)..].fill(f32::NEG_INFINITY);
+                row[..lo.saturating_sub(a).min(n)].fill(f32::NEG_INFINITY);
+                row[hi.saturating_sub(a).min(n)..].fill(f32::NEG_INFINITY);
             }
         }
         // Online softmax: rescale what was accumulated when the running maximum grows.
@@ -540,7 +794,8 @@ fn attend(
             }
         }
         match v {
-            Run::Full(x) => {
+            Run::Full { rows, offset } => {
+                let x = Run::full(rows, offset, n * d, full);
                 for i in 0..g {
                     for t in 0..n {
                         let w = s[i * n + t];
@@ -551,16 +806,16 @@ fn attend(
                 }
             }
             Run::Block(view) => {
-                let done = with_block(view, &readers[1], &mut bufs, |blk| match path {
-                    ScorePath::Float => axpy_with(backend, blk, &s, g, &mut st.o),
-                    ScorePath::Int8 => axpy_int_with(backend, blk, &s, g, &mut st.o).map(|_| ()),
+                let done = with_block(&view, &readers[1], bufs, |blk| match path {
+                    ScorePath::Float => axpy_in(backend, kernel, blk, s, g, &mut st.o),
+                    ScorePath::Int8 => axpy_int_in(backend, kernel, blk, s, g, &mut st.o).map(|_| ()),
                 })?;
                 if done.is_none() {
                     for t in 0..n {
-                        view.decode_row(t, &mut row);
+                        view.decode_row_with(t, row, codes);
                         for i in 0..g {
                             let w = s[i * n + t];
-                            for (o, &vv) in st.o[i * d..(i + 1) * d].iter_mut().zip(&row) {
+                            for (o, &vv) in st.o[i * d..(i + 1) * d].iter_mut().zip(row.iter()) {
                                 *o += w * vv;
                             }
                         }
@@ -569,90 +824,5 @@ fn attend(
             }
         }
     }
-    Ok(st)
-}
-
-/// Contexts longer than this split one head's blocks across threads (flash-decoding) when
-/// there are fewer KV heads than threads.
-const SPLIT_TOKENS: usize = 2048;
-
-/// The attention of one KV head's query rows: `tokens × g` rows (token after token), where
-/// token `j` is cached token `len − tokens + j` and attends up to itself.
-#[allow(clippy::too_many_arguments)]
-fn head_attention(
-    backend: Backend,
-    options: &AttentionOptions,
-    cache: &PagedCache,
-    seq: SeqId,
-    layer: usize,
-    head: usize,
-    q: &[f32],
-    g: usize,
-    tokens: usize,
-    len: usize,
-    readers: &[PartReader; 2],
-    out: &mut [f32],
-) -> Result<(), AttentionError> {
-    let d = cache.config().head_dim;
-    out.fill(0.0);
-    if len == 0 {
-        return Ok(());
-    }
-    let rows = tokens * g;
-    let scale = options.scale.unwrap_or(1.0 / (d as f32).sqrt());
-    let qs: Vec<f32> = q.iter().map(|x| x * scale).collect();
-    let spans: Vec<(usize, usize)> = (0..rows)
-        .map(|r| {
-            let end = len - tokens + r / g + 1;
-            (options.sliding_window.map_or(0, |w| end.saturating_sub(w)), end)
-        })
-        .collect();
-    let ks = cache.segments(seq, layer, head, Part::K)?;
-    let vs = cache.segments(seq, layer, head, Part::V)?;
-    let mut all = units(&ks, &vs, d);
-    // Units before every row's window are never read.
-    let first = spans.iter().map(|s| s.0).min().unwrap_or(0);
-    all.retain(|(_, b, _, _)| *b > first);
-    let threads = rayon::current_num_threads();
-    let st = if len > SPLIT_TOKENS && cache.config().kv_heads < threads && all.len() > 1 {
-        let per = all.len().div_ceil(threads);
-        all.par_chunks(per)
-            .map(|part| attend(backend, options, readers, part, &qs, rows, d, &spans))
-            .try_reduce(|| Partial::new(rows, d), |a, b| Ok(a.merge(b)))?
-    } else {
-        attend(backend, options, readers, &all, &qs, rows, d, &spans)?
-    };
-    for i in 0..rows {
-        let inv = 1.0 / st.l[i];
-        for (o, &x) in out[i * d..(i + 1) * d].iter_mut().zip(&st.o[i * d..(i + 1) * d]) {
-            *o = x * inv;
-        }
-    }
     Ok(())
-}
-
-/// Decode attention for many sequences at once (continuous batching): `queries[i]` belongs to
-/// `seqs[i]`; results go to `outs[i]`. Sequences run in parallel.
-///
-/// # Errors
-/// The first error of any sequence.
-pub fn decode_attention_batch(
-    cache: &PagedCache,
-    layer: usize,
-    seqs: &[SeqId],
-    queries: &[&[f32]],
-    query_heads: usize,
-    outs: &mut [Vec<f32>],
-) -> Result<(), AttentionError> {
-    if seqs.len() != queries.len() || seqs.len() != outs.len() {
-        return Err(AttentionError::Shape(format!(
-            "{} sequences, {} queries, {} outputs",
-            seqs.len(),
-            queries.len(),
-            outs.len()
-        )));
-    }
-    outs.par_iter_mut()
-        .zip(seqs.par_iter().zip(queries.par_iter()))
-        .try_for_each(|(o, (&seq, q))| decode_attention(cache, seq, layer, q, query_heads, o))
 }

@@ -10,7 +10,8 @@ use kvq_cache_layout::{CacheConfig, CacheError, CacheMemory, PagedCache, SeqId, 
 use kvq_quant_core::{Calibration, QuantSpec, RopePairing, Tensor};
 
 use crate::attention::{
-    AttentionError, AttentionOptions, ScorePath, decode_attention_chunk, decode_attention_options,
+    AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch,
+    decode_attention_chunk, decode_attention_options,
 };
 
 /// The version of the config format this build writes and reads.
@@ -722,6 +723,57 @@ impl QuantizedKvCache {
         let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
         let backend = kvq_kernels_simd::dispatch::selected().map_err(AttentionError::Backend)?;
         Ok(decode_attention_options(backend, options, cache, seq, 0, q, self.config.query_heads, out)?)
+    }
+
+    /// Decode attention of a whole batch of sequences over `layer` in one call (continuous
+    /// batching): `batch[i]` brings `tokens` query rows (1 to decode, more for a prefill
+    /// chunk or speculative verification, each attending causally up to itself), stacked in
+    /// batch order in `q` and `out`, each row `query_heads × head_dim`. Parallel over
+    /// (sequence, KV head) with rayon, and along long contexts when those are fewer than the
+    /// threads. Keep one [`DecodeWorkspace`] per decoding thread across steps and layers:
+    /// after the first step, steps no larger allocate nothing.
+    ///
+    /// ```
+    /// use kvq::prelude::*;
+    ///
+    /// // 2 layers, 2 KV heads, 4 query heads, head_dim 64.
+    /// let spec: QuantSpec = "int4-token".parse()?;
+    /// let config = KvCacheConfig::builder(2, 2, 4, 64).specs(spec.clone(), spec).build()?;
+    /// let mut cache = QuantizedKvCache::new(config)?;
+    /// let (a, b) = (cache.create(), cache.create());
+    /// for (seq, tokens) in [(a, 40), (b, 3)] {
+    ///     for t in 0..tokens {
+    ///         let kv: Vec<f32> = (0..2 * 64).map(|i| ((i + t) as f32 * 0.1).sin()).collect();
+    ///         cache.append_all_layers(seq, &kv.repeat(2), &kv.repeat(2))?;
+    ///     }
+    /// }
+    /// let batch = [BatchSeq::decode(a), BatchSeq::decode(b)];
+    /// let q = vec![0.5f32; 2 * 4 * 64];
+    /// let mut out = vec![0f32; q.len()];
+    /// let mut ws = DecodeWorkspace::new();
+    /// for layer in 0..2 {
+    ///     cache.attention_batch(&AttentionOptions::default(), layer, &batch, &q, &mut out, &mut ws)?;
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`KvqError::Attention`] (shapes, options, a sequence's token count), [`KvqError::Cache`]
+    /// (an unknown sequence or layer), [`KvqError::Backend`]. `out` is left as it was.
+    pub fn attention_batch(
+        &self,
+        options: &AttentionOptions,
+        layer: usize,
+        batch: &[BatchSeq],
+        q: &[f32],
+        out: &mut [f32],
+        ws: &mut DecodeWorkspace,
+    ) -> Result<(), KvqError> {
+        let n = self.layers.len();
+        let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
+        let backend = kvq_kernels_simd::dispatch::selected().map_err(AttentionError::Backend)?;
+        let qh = self.config.query_heads;
+        Ok(decode_attention_batch(backend, options, cache, 0, batch, q, qh, out, ws)?)
     }
 
     /// Exact memory of every layer.

@@ -1,6 +1,6 @@
 //! One import for the common types: `use kvq::prelude::*;`.
 
-pub use crate::attention::{AttentionOptions, ScorePath, decode_attention};
+pub use crate::attention::{AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention};
 pub use crate::cache::{KvCacheConfig, KvqError, LayerSpecs, QuantizedKvCache};
 pub use kvq_cache_layout::{SeqId, TailDtype};
 pub use kvq_quant_core::calibration::Part;

@@ -338,3 +338,114 @@ fn chunks_attend_causally() {
     assert!(decode_attention_chunk(available()[0], &o, &cache, seq, 0, &[], 0, qh, &mut []).is_err());
     assert!(decode_attention_chunk(available()[0], &o, &cache, seq, 0, &q[1..], 71, qh, &mut out).is_err());
 }
+
+/// A batch of sequences of different lengths, some decoding one token and some a chunk, in
+/// one call: each sequence's rows equal the reference cut at each of its tokens; with four
+/// threads and two KV heads one long sequence is split along its context (flash-decoding).
+/// A failing sequence leaves `out` as it was.
+#[test]
+fn batches_of_mixed_sequences() {
+    use kvq::attention::{AttentionOptions, BatchSeq, DecodeWorkspace, decode_attention_batch};
+    let mut rng = Rng::new(13);
+    let (kv_heads, g, d) = (2usize, 2usize, 64usize);
+    let qh = kv_heads * g;
+    let config = CacheConfig::new(1, kv_heads, d, 512)
+        .with_specs("int4-channel".parse().unwrap(), "int8-token".parse().unwrap())
+        .with_block_size(32)
+        .with_residual_blocks(1)
+        .with_sink_tokens(4)
+        .with_tail_dtype(TailDtype::F16);
+    let mut cache = PagedCache::new(config).unwrap();
+    let lens = [2600usize, 1, 70, 0, 33];
+    let seqs: Vec<SeqId> = lens
+        .iter()
+        .map(|&len| {
+            let seq = cache.create();
+            if len > 0 {
+                let shape = Shape::new(kv_heads, len, d);
+                let mut random =
+                    || Tensor::new(shape, (0..shape.len()).map(|_| rng.normal() as f32).collect());
+                let (k, v) = (random().unwrap(), random().unwrap());
+                cache.extend(seq, 0, &k, &v).unwrap();
+            }
+            seq
+        })
+        .collect();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
+    let o = AttentionOptions::default();
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut ws = DecodeWorkspace::new();
+    for (shape, chunks) in [("all decode", [1usize, 1, 1, 1, 1]), ("mixed", [3, 1, 17, 1, 33])] {
+        let batch: Vec<BatchSeq> =
+            seqs.iter().zip(chunks).map(|(&seq, tokens)| BatchSeq { seq, tokens }).collect();
+        let rows: usize = chunks.iter().sum();
+        let q: Vec<f32> = (0..rows * qh * d).map(|_| rng.normal() as f32).collect();
+        for backend in available() {
+            let mut out = vec![f32::NAN; q.len()];
+            pool.install(|| {
+                decode_attention_batch(backend, &o, &cache, 0, &batch, &q, qh, &mut out, &mut ws)
+            })
+            .unwrap();
+            let mut row = 0;
+            for ((&seq, &len), &tokens) in seqs.iter().zip(&lens).zip(&chunks) {
+                for j in 0..tokens {
+                    let got = &out[(row + j) * qh * d..(row + j + 1) * qh * d];
+                    if len == 0 {
+                        assert!(got.iter().all(|&x| x == 0.0), "{shape}: an empty sequence gives zeros");
+                        continue;
+                    }
+                    let qj = &q[(row + j) * qh * d..(row + j + 1) * qh * d];
+                    let want =
+                        reference_with(&cache, seq, qj, qh, scale, usize::MAX, None, len - tokens + j + 1);
+                    let rel = rel_err(got, &want);
+                    assert!(rel < 2e-5, "{shape}, {backend}: sequence of {len}, token {j}: {rel}");
+                }
+                row += tokens;
+            }
+        }
+    }
+    // A sequence that cannot attend (a chunk longer than its cache) fails the call and leaves
+    // the outputs alone; so does an unknown sequence.
+    let batch = [BatchSeq::decode(seqs[0]), BatchSeq { seq: seqs[1], tokens: 2 }];
+    let q = vec![0.25f32; 3 * qh * d];
+    let mut out = vec![7.0f32; q.len()];
+    assert!(
+        decode_attention_batch(available()[0], &o, &cache, 0, &batch, &q, qh, &mut out, &mut ws).is_err()
+    );
+    assert!(out.iter().all(|&x| x == 7.0));
+    let mut other = PagedCache::new(cache.config().clone()).unwrap();
+    let stranger = (0..6).map(|_| other.create()).last().unwrap();
+    let batch = [BatchSeq::decode(seqs[0]), BatchSeq::decode(stranger)];
+    let mut out = vec![7.0f32; 2 * qh * d];
+    let r = decode_attention_batch(
+        available()[0],
+        &o,
+        &cache,
+        0,
+        &batch,
+        &q[..2 * qh * d],
+        qh,
+        &mut out,
+        &mut ws,
+    );
+    assert!(r.is_err() && out.iter().all(|&x| x == 7.0));
+    // Wrong sizes.
+    let batch = [BatchSeq::decode(seqs[0])];
+    assert!(
+        decode_attention_batch(available()[0], &o, &cache, 0, &batch, &q, qh, &mut out, &mut ws).is_err()
+    );
+    assert!(
+        decode_attention_batch(
+            available()[0],
+            &o,
+            &cache,
+            0,
+            &batch,
+            &q[..qh * d],
+            3,
+            &mut out[..qh * d],
+            &mut ws
+        )
+        .is_err()
+    );
+}
