@@ -1,7 +1,8 @@
 //! Reading the cache: the score loop of one query against N keys (head_dim 128 and 64; 4096
 //! keys, cache-resident, and 8M keys, DRAM-resident: at least 256 MiB of keys in every format),
 //! and decode attention for one Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head_dim
-//! 128) at 4k and 32k tokens, on 1 and 2 threads.
+//! 128) at 4k and 32k tokens, on 1 and 2 threads; and batched decode of that layer (16
+//! sequences × 4k tokens, 64 × 1k) in one call with a reused workspace.
 //!
 //! Throughput is bytes of cache read (codes + parameters, or the f32/f16 keys), so GB/s
 //! compares formats on what they cost in memory traffic. Baselines in the same run: a plain
@@ -12,10 +13,13 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
-use kvq::attention::{ScorePath, decode_attention_path, decode_attention_with};
+use kvq::attention::{
+    AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch, decode_attention_path,
+    decode_attention_with,
+};
 use kvq_cache_layout::{CacheConfig, PagedCache};
 use kvq_kernels_simd::{
-    Backend, Levels, Params, QuantBlock, axpy_int_with, axpy_with, scores_int8_with, scores_with,
+    Backend, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dispatch, scores_int8_with, scores_with,
 };
 use kvq_quant_core::synth::{Rng, normal_tensor};
 use kvq_quant_core::{QuantSpec, Shape, quantize};
@@ -409,5 +413,58 @@ fn decode_at(c: &mut Criterion, len: usize) {
     group.finish();
 }
 
-criterion_group!(benches, scores, values, scores_dram, values_dram, decode);
+/// Continuous batching: one decode step of many sequences of one Llama-3-8B-shaped layer in
+/// one `decode_attention_batch` call, with a workspace kept across steps (no allocation per
+/// step), on one thread and on two.
+fn decode_batch(c: &mut Criterion) {
+    for (seqs, len) in [(16usize, 4096usize), (64, 1024)] {
+        let (q_heads, kv_heads) = (32usize, 8usize);
+        let mut rng = Rng::new(17);
+        let kv = normal_tensor(Shape::new(kv_heads, len, D), 23);
+        let vv = normal_tensor(Shape::new(kv_heads, len, D), 24);
+        let mut group = c.benchmark_group(format!("decode_batch_{seqs}x{}k", len / 1024));
+        group.sample_size(10);
+        let (k, v) = ("int4-channel", "int4-token");
+        let config = CacheConfig::new(1, kv_heads, D, seqs * kv_heads * len / 32)
+            .with_specs(k.parse().unwrap(), v.parse().unwrap())
+            .with_block_size(32);
+        let mut cache = PagedCache::new(config).unwrap();
+        kvq_kernels_simd::advise_huge_pages(cache.pool().arena());
+        let batch: Vec<BatchSeq> = (0..seqs)
+            .map(|_| {
+                let seq = cache.create();
+                cache.extend(seq, 0, &kv, &vv).unwrap();
+                BatchSeq::decode(seq)
+            })
+            .collect();
+        group.throughput(Throughput::Bytes(cache.memory().used_bytes() as u64));
+        let q: Vec<f32> = (0..seqs * q_heads * D).map(|_| rng.normal() as f32).collect();
+        let mut out = vec![0f32; q.len()];
+        let best = dispatch::selected().unwrap();
+        for threads in [1usize, 2] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for path in [ScorePath::Float, ScorePath::Int8] {
+                let options = AttentionOptions::with_path(path);
+                let mut ws = DecodeWorkspace::new();
+                let name = format!(
+                    "{k}/{v}/{best}{}_{threads}thread",
+                    if path == ScorePath::Int8 { "-int8" } else { "" }
+                );
+                group.bench_function(name, |b| {
+                    b.iter(|| {
+                        pool.install(|| {
+                            decode_attention_batch(
+                                best, &options, &cache, 0, &batch, &q, q_heads, &mut out, &mut ws,
+                            )
+                            .unwrap()
+                        })
+                    })
+                });
+            }
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, scores, values, scores_dram, values_dram, decode, decode_batch);
 criterion_main!(benches);
