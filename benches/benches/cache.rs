@@ -1,4 +1,5 @@
-//! Streaming append: the cost of quantizing one 128-value row (alone, and among the 8 KV heads
+//! Streaming append: the cost of quantizing one 128-value row (alone, with min/max and with
+//! error-minimizing ranges, and among the 8 KV heads
 //! of a token), and tokens per second into a
 //! paged cache of one layer with 8 KV heads × head_dim 128, INT4 per-channel K and INT4
 //! per-token V (blocks of 32 tokens, f16 tails).
@@ -22,7 +23,8 @@ fn row_quantize(c: &mut Criterion) {
     let mut group = c.benchmark_group("quantize_row_128");
     group.throughput(Throughput::Elements(1));
     for kernels in kernel_sets() {
-        for spec in ["int4-token", "int8-token", "int2-token", "int4-g32"] {
+        for spec in ["int4-token", "int8-token", "int2-token", "int4-g32", "int4-token-mse", "int2-token-mse"]
+        {
             let spec: QuantSpec = spec.parse().unwrap();
             let codec = Codec::new(&spec, None);
             let seg = match spec.granularity() {

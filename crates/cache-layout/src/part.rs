@@ -13,8 +13,8 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use kvq_quant_core::pack::{packed_len, unpack_row};
 use kvq_quant_core::{
-    ChannelParams, Codec, Granularity, GroupParams, ParamDtype, QuantSpec, RowKernels, encode_row_with,
-    row_params_with,
+    ChannelParams, Codec, Granularity, GroupParams, ParamDtype, QuantSpec, RangeRule, RowKernels,
+    encode_row_with, row_params_with,
 };
 
 use crate::config::TailDtype;
@@ -225,8 +225,17 @@ impl PartLayout {
             }
         }
         let mut params = Vec::with_capacity(d);
-        for (&l, &h) in lo.iter().zip(&hi) {
-            params.push(self.codec.params(l, h)?);
+        if self.spec.ranges() == RangeRule::MinMax {
+            for (&l, &h) in lo.iter().zip(&hi) {
+                params.push(self.codec.params(l, h)?);
+            }
+        } else {
+            let mut channel = Vec::with_capacity(rows.len() / d);
+            for (c, (&l, &h)) in lo.iter().zip(&hi).enumerate() {
+                channel.clear();
+                channel.extend(rows.chunks_exact(d).map(|x| x[c]));
+                params.push(self.codec.group_params(&channel, l, h)?);
+            }
         }
         Ok(params)
     }

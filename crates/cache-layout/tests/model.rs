@@ -102,6 +102,7 @@ fn setup() -> impl Strategy<Value = Setup> {
         prop::sample::select(vec![
             "int4-channel",
             "int3-channel",
+            "int2-channel-mse",
             "int8-g4",
             "sym4-token",
             "int4-channel-f32",
@@ -110,7 +111,8 @@ fn setup() -> impl Strategy<Value = Setup> {
         ]),
         prop::sample::select(vec![
             "int4-token",
-            "int2-g4",
+            "int3-token-mse",
+            "int2-g4-mse",
             "fp8e4m3-token",
             "nf4-channel",
             "int4-token-f32",

@@ -6,7 +6,7 @@
 
 use crate::codebook::Codebook;
 use crate::error::Result;
-use crate::format::{CodebookSource, Kind, ParamDtype, QuantSpec};
+use crate::format::{CodebookSource, Kind, ParamDtype, QuantSpec, RangeRule};
 use crate::fp8::Fp8Format;
 use crate::params::{Round, round_param};
 use crate::rowkernels::{Linear, RowKernels};
@@ -40,25 +40,115 @@ pub(crate) fn encode_linear(x: &[f32], l: &Linear, out: &mut [u8]) {
     use wide::{f32x8, i16x8, u8x16};
     let n = x.len().min(out.len());
     let full = n / 16 * 16;
-    let (off_v, inv_v, lo_v, hi_v, add_v, magic) = (
-        f32x8::splat(l.offset),
-        f32x8::splat(l.inv),
-        f32x8::splat(l.lo),
-        f32x8::splat(l.hi),
-        f32x8::splat(l.add),
-        f32x8::splat(ROUND_MAGIC),
-    );
+    let lanes = LinearLanes::new(l);
     let lane = |v: &[f32]| {
         let v = f32x8::from(<[f32; 8]>::try_from(v).expect("8 lanes"));
-        let t = ((v - off_v) * inv_v).fast_max(lo_v).fast_min(hi_v) + add_v;
         // Rounded to an integral float in [0, 255], so truncation is exact.
-        i16x8::from_i32x8_saturate(((t + magic) - magic).fast_trunc_int())
+        i16x8::from_i32x8_saturate(lanes.code(v).fast_trunc_int())
     };
     for (xs, os) in x[..full].chunks_exact(16).zip(out[..full].chunks_exact_mut(16)) {
         os.copy_from_slice(&u8x16::narrow_i16x8(lane(&xs[..8]), lane(&xs[8..])).to_array());
     }
     for (o, &v) in out[full..n].iter_mut().zip(&x[full..n]) {
         *o = round_to_code(clamp((v - l.offset) * l.inv, l.lo, l.hi) + l.add);
+    }
+}
+
+/// Shrink factors of the range the error-minimizing search starts from (1 is min/max). Spread
+/// evenly down to half the range, the point beyond which clipping a Gaussian-like group at 2
+/// bits stops paying; the refits move each start to its nearest local optimum.
+pub const MSE_SHRINKS: &[f32] = &[1.0, 0.9, 0.8, 0.7, 0.6, 0.5];
+
+/// Alternating assignment/least-squares rounds from each start of the search.
+pub const MSE_REFITS: usize = 2;
+
+/// Values per stack chunk in the error-minimizing search.
+const FIT_CHUNK: usize = 256;
+
+/// Sums over a group for the least-squares refit: levels `l`, values `x`.
+#[derive(Debug, Clone, Copy, Default)]
+struct FitSums {
+    n: f64,
+    l: f64,
+    ll: f64,
+    x: f64,
+    xl: f64,
+}
+
+/// [`Codec::fit_error`] for the linear kinds in one pass: each value's code is computed as
+/// [`encode_linear`] computes it (`L(code)` is the code less the zero point) and decoded as
+/// [`Codec::decode`] does, eight lanes at a time with `wide` (the tail one by one with the same
+/// operations), the sums of each chunk of [`FIT_CHUNK`] values added up in f64.
+fn fit_error_linear(xs: &[f32], l: &Linear, p: GroupParams) -> (f64, FitSums) {
+    use wide::f32x8;
+    let linear = LinearLanes::new(l);
+    let (scale, offset) = (f32x8::splat(p.scale), f32x8::splat(p.offset));
+    let (mut err, mut sums) = (0f64, FitSums::default());
+    for chunk in xs.chunks(FIT_CHUNK) {
+        // Error², level, level², value, value · level.
+        let zero = f32x8::splat(0.0);
+        let (mut e2, mut sl, mut sll, mut sx, mut sxl) = (zero, zero, zero, zero, zero);
+        let mut lanes = chunk.chunks_exact(8);
+        for c in &mut lanes {
+            let v = f32x8::from(<[f32; 8]>::try_from(c).expect("8 lanes"));
+            let level = linear.code(v) - linear.add;
+            let e = v - (level * scale + offset);
+            e2 += e * e;
+            sl += level;
+            sll += level * level;
+            sx += v;
+            sxl += v * level;
+        }
+        let total = |a: f32x8| a.to_array().iter().map(|&v| f64::from(v)).sum::<f64>();
+        let mut tail = [0f64; 5];
+        for &v in lanes.remainder() {
+            let t = clamp((v - l.offset) * l.inv, l.lo, l.hi) + l.add;
+            let level = ((t + ROUND_MAGIC) - ROUND_MAGIC) - l.add;
+            let e = v - (level * p.scale + p.offset);
+            let (v, level) = (f64::from(v), f64::from(level));
+            tail[0] += f64::from(e * e);
+            tail[1] += level;
+            tail[2] += level * level;
+            tail[3] += v;
+            tail[4] += v * level;
+        }
+        err += total(e2) + tail[0];
+        sums.l += total(sl) + tail[1];
+        sums.ll += total(sll) + tail[2];
+        sums.x += total(sx) + tail[3];
+        sums.xl += total(sxl) + tail[4];
+        sums.n += chunk.len() as f64;
+    }
+    (err, sums)
+}
+
+/// [`Linear`] in eight lanes.
+struct LinearLanes {
+    offset: wide::f32x8,
+    inv: wide::f32x8,
+    lo: wide::f32x8,
+    hi: wide::f32x8,
+    add: wide::f32x8,
+}
+
+impl LinearLanes {
+    fn new(l: &Linear) -> Self {
+        use wide::f32x8;
+        Self {
+            offset: f32x8::splat(l.offset),
+            inv: f32x8::splat(l.inv),
+            lo: f32x8::splat(l.lo),
+            hi: f32x8::splat(l.hi),
+            add: f32x8::splat(l.add),
+        }
+    }
+
+    /// The codes of `v` as integral floats: `round(clamp((v − offset) · inv, lo, hi) + add)`.
+    #[inline(always)]
+    fn code(&self, v: wide::f32x8) -> wide::f32x8 {
+        let magic = wide::f32x8::splat(ROUND_MAGIC);
+        let t = ((v - self.offset) * self.inv).fast_max(self.lo).fast_min(self.hi) + self.add;
+        (t + magic) - magic
     }
 }
 
@@ -118,6 +208,7 @@ enum Math {
 pub struct Codec {
     math: Math,
     dtype: ParamDtype,
+    ranges: RangeRule,
 }
 
 impl Codec {
@@ -138,7 +229,115 @@ impl Codec {
                 Math::Codebook(fitted.cloned().unwrap_or_else(Codebook::nf4))
             }
         };
-        Self { math, dtype: spec.param_dtype() }
+        Self { math, dtype: spec.param_dtype(), ranges: spec.ranges() }
+    }
+
+    /// The parameters of a group holding `xs`, whose minimum and maximum are `min` and `max`
+    /// (finite), by the spec's [`RangeRule`]: [`Codec::params`] for min/max ranges, the
+    /// search of [`Codec::fit_mse`] for error-minimizing ones. Every layout calls this, so
+    /// the offline quantizer and the streaming cache choose the same parameters.
+    ///
+    /// # Errors
+    /// As [`Codec::params`].
+    #[inline]
+    pub fn group_params(&self, xs: &[f32], min: f32, max: f32) -> Result<GroupParams> {
+        match self.ranges {
+            RangeRule::MinMax => self.params(min, max),
+            RangeRule::Mse => self.fit_mse(xs, min, max),
+        }
+    }
+
+    /// The parameters that minimize the squared error of `xs` (minimum `min`, maximum `max`,
+    /// all finite), among those a short deterministic search visits: the min/max parameters;
+    /// ranges shrunk about the centre (affine) or about zero (the other kinds) by each factor
+    /// of [`MSE_SHRINKS`]; and from each of those, [`MSE_REFITS`] rounds of nearest-code
+    /// assignment followed by the least-squares scale (and offset) for those codes. Every
+    /// candidate is rounded to the storage type before its error is measured, so the result
+    /// is never worse than min/max on `xs`. Allocates nothing.
+    ///
+    /// # Errors
+    /// As [`Codec::params`].
+    pub fn fit_mse(&self, xs: &[f32], min: f32, max: f32) -> Result<GroupParams> {
+        let first = self.params(min, max)?;
+        if xs.is_empty() || min >= max {
+            return Ok(first);
+        }
+        let start = self.fit_error(xs, first);
+        let mut best = (start.0, first);
+        let affine = matches!(self.math, Math::Affine { .. });
+        let (centre, half) =
+            if affine { (0.5 * (min + max), 0.5 * (max - min)) } else { (0.0, min.abs().max(max.abs())) };
+        for &shrink in MSE_SHRINKS {
+            let (mut p, mut fit) = if shrink >= 1.0 {
+                (first, start)
+            } else {
+                let Ok(p) = self.params(centre - half * shrink, centre + half * shrink) else { continue };
+                (p, self.fit_error(xs, p))
+            };
+            for round in 0..=MSE_REFITS {
+                if fit.0 < best.0 {
+                    best = (fit.0, p);
+                }
+                if round == MSE_REFITS {
+                    break;
+                }
+                let Some(next) = self.refit(&fit.1) else { break };
+                let next_fit = self.fit_error(xs, next);
+                if next_fit.0 >= fit.0 {
+                    break;
+                }
+                (p, fit) = (next, next_fit);
+            }
+        }
+        Ok(best.1)
+    }
+
+    /// `(Σ (x − x̂)², the fit statistics)` of `xs` quantized with `p`, in chunks on the stack.
+    fn fit_error(&self, xs: &[f32], p: GroupParams) -> (f64, FitSums) {
+        if let Some(l) = self.linear(p) {
+            return fit_error_linear(xs, &l, p);
+        }
+        let mut codes = [0u8; FIT_CHUNK];
+        let mut decoded = [0f32; FIT_CHUNK];
+        let mut levels = [0f32; FIT_CHUNK];
+        let unit = GroupParams { scale: 1.0, offset: 0.0 };
+        let (mut err, mut sums) = (0f64, FitSums::default());
+        for x in xs.chunks(FIT_CHUNK) {
+            let n = x.len();
+            self.encode(x, p, &mut codes[..n]);
+            self.decode(&codes[..n], p, &mut decoded[..n]);
+            self.decode(&codes[..n], unit, &mut levels[..n]);
+            for ((&v, &y), &l) in x.iter().zip(&decoded[..n]).zip(&levels[..n]) {
+                let (v, l) = (f64::from(v), f64::from(l));
+                err += (v - f64::from(y)).powi(2);
+                sums.l += l;
+                sums.ll += l * l;
+                sums.x += v;
+                sums.xl += v * l;
+            }
+            sums.n += n as f64;
+        }
+        (err, sums)
+    }
+
+    /// The least-squares parameters for the codes whose sums are `s`: `x ≈ scale · L(code) +
+    /// offset` (affine) or `x ≈ scale · L(code)`, rounded to the storage type. `None` when the
+    /// codes cannot determine them (one code for the whole group, a non-positive scale).
+    fn refit(&self, s: &FitSums) -> Option<GroupParams> {
+        let (scale, offset) = if matches!(self.math, Math::Affine { .. }) {
+            let var = s.ll - s.l * s.l / s.n;
+            let scale = (s.xl - s.x * s.l / s.n) / var;
+            (scale, (s.x - scale * s.l) / s.n)
+        } else {
+            (s.xl / s.ll, 0.0)
+        };
+        if !(scale.is_finite() && offset.is_finite() && scale > 0.0) {
+            return None;
+        }
+        let scale = round_param(scale as f32, self.dtype, Round::Up).ok()?;
+        let offset =
+            if offset == 0.0 { 0.0 } else { round_param(offset as f32, self.dtype, Round::Down).ok()? };
+        (scale > 0.0).then_some(GroupParams { scale, offset })
     }
 
     /// Parameters for a group whose values span `[min, max]` (finite, `min <= max`), rounded
@@ -271,5 +470,97 @@ impl Codec {
             Math::Codebook(cb) => Some(cb),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::Rng;
+
+    fn sse(codec: &Codec, xs: &[f32], p: GroupParams) -> f64 {
+        let mut codes = vec![0u8; xs.len()];
+        let mut y = vec![0f32; xs.len()];
+        codec.encode(xs, p, &mut codes);
+        codec.decode(&codes, p, &mut y);
+        xs.iter().zip(&y).map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2)).sum()
+    }
+
+    fn min_max(xs: &[f32]) -> (f32, f32) {
+        xs.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), &v| (l.min(v), h.max(v)))
+    }
+
+    /// Groups of several shapes: Gaussian, one outlier, skewed, two values, constant, tiny.
+    fn groups() -> Vec<Vec<f32>> {
+        let mut rng = Rng::new(7);
+        let mut out = Vec::new();
+        for n in [1usize, 2, 3, 16, 64, 300] {
+            let gauss: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+            let mut outlier = gauss.clone();
+            outlier[n / 2] = 40.0;
+            let skewed: Vec<f32> = gauss.iter().map(|v| v.exp() - 0.3).collect();
+            let two: Vec<f32> = (0..n).map(|i| if i % 3 == 0 { -1.5 } else { 0.25 }).collect();
+            out.extend([gauss, outlier, skewed, two, vec![0.7; n]]);
+            out.push((0..n).map(|_| 1e-6 * rng.normal() as f32).collect());
+        }
+        out
+    }
+
+    fn specs() -> Vec<QuantSpec> {
+        let mut out = Vec::new();
+        for b in 1..=8 {
+            out.push(format!("int{b}-token-mse"));
+            out.push(format!("int{b}-token-mse-f32"));
+        }
+        for b in 2..=8 {
+            out.push(format!("sym{b}-token-mse"));
+        }
+        out.extend(["fp8e4m3-token-mse", "fp8e5m2-token-mse", "nf4-token-mse"].map(String::from));
+        out.iter().map(|s| s.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn error_minimizing_ranges_are_never_worse_than_min_max() {
+        for spec in specs() {
+            let codec = Codec::new(&spec, None);
+            for xs in groups() {
+                let (lo, hi) = min_max(&xs);
+                let plain = codec.params(lo, hi).unwrap();
+                let fitted = codec.group_params(&xs, lo, hi).unwrap();
+                let (a, b) = (sse(&codec, &xs, plain), sse(&codec, &xs, fitted));
+                assert!(b <= a, "{spec}, {} values: {b} > {a}", xs.len());
+                assert!(fitted.scale.is_finite() && fitted.offset.is_finite() && fitted.scale >= 0.0);
+                // Representable in the storage type, as every stored parameter must be.
+                if spec.param_dtype() == ParamDtype::F16 {
+                    for v in [fitted.scale, fitted.offset] {
+                        assert_eq!(half::f16::from_f32(v).to_f32(), v, "{spec}");
+                    }
+                }
+                assert_eq!(fitted, codec.group_params(&xs, lo, hi).unwrap(), "deterministic");
+            }
+        }
+    }
+
+    #[test]
+    fn error_minimizing_ranges_clip_gaussian_tails_at_low_bits() {
+        // A uniform 2-bit grid fitted to a Gaussian spans about ±2σ, while the min/max of 4096
+        // samples spans about ±3.5σ: clipping should lower the error by a wide margin, and the
+        // fitted range should cover less than the data's.
+        let mut rng = Rng::new(11);
+        let xs: Vec<f32> = (0..4096).map(|_| rng.normal() as f32).collect();
+        let (lo, hi) = min_max(&xs);
+        for (spec, gain) in [("int2-token-mse", 0.6), ("sym3-token-mse", 0.8), ("int4-token-mse", 0.8)] {
+            let spec: QuantSpec = spec.parse().unwrap();
+            let codec = Codec::new(&spec, None);
+            let plain = codec.params(lo, hi).unwrap();
+            let fitted = codec.group_params(&xs, lo, hi).unwrap();
+            let (a, b) = (sse(&codec, &xs, plain), sse(&codec, &xs, fitted));
+            assert!(b < gain * a, "{spec}: {b} vs {a}");
+            assert!(fitted.scale < plain.scale, "{spec}: the range shrinks");
+        }
+        // Min/max specs are untouched by the search.
+        let spec: QuantSpec = "int2-token".parse().unwrap();
+        let codec = Codec::new(&spec, None);
+        assert_eq!(codec.group_params(&xs, lo, hi).unwrap(), codec.params(lo, hi).unwrap());
     }
 }

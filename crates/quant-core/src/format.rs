@@ -5,7 +5,7 @@
 //! [`QuantSpec::from_str`](std::str::FromStr) and printed by `Display`:
 //!
 //! ```text
-//! spec  := kind [ "-" granularity ] [ "-f32" ]
+//! spec  := kind [ "-" granularity ] [ "-mse" ] [ "-f32" ]
 //! kind  := "int" BITS        affine (asymmetric min/max), 1..=8 bits
 //!        | "sym" BITS        symmetric (absmax, zero point 0), 2..=8 bits
 //!        | "fp8e4m3" | "fp8e5m2"
@@ -14,7 +14,9 @@
 //! granularity := "tensor" | "head" | "channel" | "channel" N | "token" | "g" N
 //! ```
 //! The default granularity is `token` and parameters are stored as f16 unless `-f32` is given:
-//! `int4-channel`, `int2-g32`, `fp8e4m3-token`, `int8-tensor-f32`.
+//! `int4-channel`, `int2-g32`, `fp8e4m3-token`, `int8-tensor-f32`. A group's parameters come
+//! from its minimum and maximum unless `-mse` asks for the range that minimizes the group's
+//! squared error ([`RangeRule::Mse`]): `int2-channel-mse`, `int3-token-mse-f32`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -94,6 +96,21 @@ pub enum Granularity {
     Group(usize),
 }
 
+/// How a group's parameters follow from its values (when they are not calibrated).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum RangeRule {
+    /// The group's minimum and maximum (absmax for the symmetric kinds): no value clips.
+    #[default]
+    MinMax,
+    /// The parameters that minimize the group's squared reconstruction error, found by a
+    /// short search: ranges shrunk from min/max, each refined by alternating nearest-code
+    /// assignment and a least-squares refit of scale (and offset). Outliers clip to the
+    /// extreme codes when that lowers the error of the rest; never worse than
+    /// [`RangeRule::MinMax`] on the group's own values. Decoding is unchanged, so every kernel
+    /// of the kind applies; the cost is at quantization time (see `docs/formats.md`).
+    Mse,
+}
+
 /// A full quantization spec: format kind, bit width, granularity and parameter storage.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantSpec {
@@ -101,6 +118,7 @@ pub struct QuantSpec {
     bits: u8,
     granularity: Granularity,
     param_dtype: ParamDtype,
+    ranges: RangeRule,
 }
 
 impl QuantSpec {
@@ -137,7 +155,7 @@ impl QuantSpec {
             }
             _ => {}
         }
-        Ok(Self { kind, bits, granularity, param_dtype })
+        Ok(Self { kind, bits, granularity, param_dtype, ranges: RangeRule::MinMax })
     }
 
     /// Affine (asymmetric) spec with f16 parameters.
@@ -159,6 +177,17 @@ impl QuantSpec {
     pub fn with_param_dtype(mut self, dtype: ParamDtype) -> Self {
         self.param_dtype = dtype;
         self
+    }
+
+    /// The same spec with its dynamic ranges chosen by `rule`.
+    pub fn with_ranges(mut self, rule: RangeRule) -> Self {
+        self.ranges = rule;
+        self
+    }
+
+    /// How dynamic ranges are chosen.
+    pub fn ranges(&self) -> RangeRule {
+        self.ranges
     }
 
     /// The format kind.
@@ -223,6 +252,9 @@ impl fmt::Display for QuantSpec {
             Granularity::PerToken => f.write_str("-token")?,
             Granularity::Group(g) => write!(f, "-g{g}")?,
         }
+        if self.ranges == RangeRule::Mse {
+            f.write_str("-mse")?;
+        }
         if self.param_dtype == ParamDtype::F32 {
             f.write_str("-f32")?;
         }
@@ -255,6 +287,7 @@ impl FromStr for QuantSpec {
         };
         let mut granularity = Granularity::PerToken;
         let mut dtype = ParamDtype::F16;
+        let mut ranges = RangeRule::MinMax;
         for part in parts {
             let part = part.to_ascii_lowercase();
             let size = |text: &str| text.parse::<usize>().map_err(|_| bad("expected a size"));
@@ -267,6 +300,14 @@ impl FromStr for QuantSpec {
                     dtype = ParamDtype::F16;
                     continue;
                 }
+                "mse" => {
+                    ranges = RangeRule::Mse;
+                    continue;
+                }
+                "minmax" => {
+                    ranges = RangeRule::MinMax;
+                    continue;
+                }
                 "tensor" => Granularity::PerTensor,
                 "head" => Granularity::PerHead,
                 "channel" => Granularity::PerChannel { token_group: None },
@@ -276,10 +317,12 @@ impl FromStr for QuantSpec {
                 }
                 p if p.starts_with('g') => Granularity::Group(size(&p[1..])?),
                 _ => {
-                    return Err(bad("unknown granularity (tensor, head, channel[N], token, gN)"));
+                    return Err(bad(
+                        "unknown granularity (tensor, head, channel[N], token, gN) or option (mse, f32)",
+                    ));
                 }
             };
         }
-        QuantSpec::new(kind, bits, granularity, dtype)
+        Ok(QuantSpec::new(kind, bits, granularity, dtype)?.with_ranges(ranges))
     }
 }

@@ -46,7 +46,7 @@ pub use calibration::{Calibration, Part};
 pub use codebook::Codebook;
 pub use codec::{ChannelParams, Codec, GroupParams};
 pub use error::{QuantError, Result};
-pub use format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec};
+pub use format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec, RangeRule};
 pub use fp8::Fp8Format;
 pub use memory::MemoryReport;
 pub use params::ParamVec;

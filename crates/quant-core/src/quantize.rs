@@ -10,7 +10,7 @@
 use crate::codebook::Codebook;
 use crate::codec::{ChannelParams, Codec, GroupParams};
 use crate::error::{QuantError, Result};
-use crate::format::{CodebookSource, Granularity, Kind, QuantSpec};
+use crate::format::{CodebookSource, Granularity, Kind, QuantSpec, RangeRule};
 use crate::memory::MemoryReport;
 use crate::pack::{pack_into, packed_len_unchecked, unpack_into};
 use crate::params::ParamVec;
@@ -107,11 +107,12 @@ pub fn quantize(tensor: &Tensor, spec: &QuantSpec) -> Result<QuantizedTensor> {
     spec.check_shape(shape)?;
     let layout = GroupLayout::new(shape, spec.granularity());
     let (mins, maxs) = group_ranges(tensor, &layout)?;
-    encode_tensor(tensor, spec, &layout, &mins, &maxs)
+    encode_tensor(tensor, spec, &layout, &mins, &maxs, true)
 }
 
 /// Quantizes `tensor` with ranges given per group (e.g. from a static calibration), in the
-/// order of [`GroupLayout`]. Values outside their group's range saturate.
+/// order of [`GroupLayout`]. Values outside their group's range saturate. The ranges are used
+/// as given, whatever the spec's [`RangeRule`](crate::RangeRule).
 ///
 /// # Errors
 /// As [`quantize`], and [`QuantError::ShapeMismatch`] when the range vectors do not have one
@@ -138,16 +139,18 @@ pub fn quantize_with_ranges(
     {
         return Err(QuantError::InvalidArgument(format!("group {i} has range [{}, {}]", mins[i], maxs[i])));
     }
-    encode_tensor(tensor, spec, &layout, mins, maxs)
+    encode_tensor(tensor, spec, &layout, mins, maxs, false)
 }
 
-/// Parameters from validated ranges, then codes row by row.
+/// Parameters from validated ranges (`dynamic`: the data's own, which the spec's range rule
+/// may refine; otherwise calibrated ones, used as given), then codes row by row.
 fn encode_tensor(
     tensor: &Tensor,
     spec: &QuantSpec,
     layout: &GroupLayout,
     mins: &[f32],
     maxs: &[f32],
+    dynamic: bool,
 ) -> Result<QuantizedTensor> {
     let shape = tensor.shape();
     let groups = layout.groups();
@@ -163,6 +166,12 @@ fn encode_tensor(
         _ => None,
     };
     let codec = if fitted.is_some() { Codec::new(spec, fitted.as_ref()) } else { plain };
+    if dynamic && spec.ranges() != RangeRule::MinMax {
+        let (starts, members) = group_members(tensor, layout);
+        for (g, p) in params.iter_mut().enumerate() {
+            *p = codec.group_params(&members[starts[g]..starts[g + 1]], mins[g], maxs[g])?;
+        }
+    }
 
     let d = shape.head_dim;
     let row_bytes = packed_len_unchecked(d, spec.bits());
@@ -266,7 +275,7 @@ pub fn row_params_with(
         if !finite {
             check_finite(Shape::new(1, 1, n), x)?;
         }
-        params[0] = codec.params(lo, hi)?;
+        params[0] = codec.group_params(x, lo, hi)?;
         return Ok(());
     }
     check_row(n, seg, params.len(), n)?;
@@ -275,7 +284,7 @@ pub fn row_params_with(
         if !finite {
             check_finite(Shape::new(1, 1, n), x)?;
         }
-        *p = codec.params(lo, hi)?;
+        *p = codec.group_params(xs, lo, hi)?;
     }
     Ok(())
 }
@@ -359,6 +368,34 @@ pub fn group_ranges(tensor: &Tensor, layout: &GroupLayout) -> Result<(Vec<f32>, 
         check_finite(tensor.shape(), tensor.data())?;
     }
     Ok((mins, maxs))
+}
+
+/// Every group's values, in row order within the group: `members[starts[g]..starts[g + 1]]`
+/// for group `g` (a counting sort of the elements by group).
+fn group_members(tensor: &Tensor, layout: &GroupLayout) -> (Vec<usize>, Vec<f32>) {
+    let d = tensor.shape().head_dim;
+    let mut starts = vec![0usize; layout.groups() + 1];
+    let rows = tensor.data().chunks_exact(d).enumerate();
+    for (r, _) in rows.clone() {
+        let (first, seg) = layout.row_groups(r);
+        for g in 0..d / seg {
+            starts[first + g + 1] += seg;
+        }
+    }
+    for g in 1..starts.len() {
+        starts[g] += starts[g - 1];
+    }
+    let mut next = starts.clone();
+    let mut members = vec![0f32; tensor.data().len()];
+    for (r, x) in rows {
+        let (first, seg) = layout.row_groups(r);
+        for (g, xs) in x.chunks_exact(seg).enumerate() {
+            let at = next[first + g];
+            members[at..at + seg].copy_from_slice(xs);
+            next[first + g] += seg;
+        }
+    }
+    (starts, members)
 }
 
 /// Minimum, maximum and whether every value is finite, eight lanes at a time (`wide`, so

@@ -82,4 +82,21 @@ proptest! {
         let gap = Codebook::nf4().levels().windows(2).map(|w| w[1] - w[0]).fold(0.0, f32::max);
         check_elements(&x, &spec, |a, b, scale| (a - b).abs() <= 0.5 * gap * scale * (1.0 + 1e-4) + 4.0 * f32::EPSILON * a.abs())?;
     }
+
+    #[test]
+    fn error_minimizing_ranges_never_lose_to_min_max(x in tensor(), kind in 0usize..4, bits in 2u8..=8, g in 0usize..6) {
+        let kind = ["int{b}", "sym{b}", "fp8e4m3", "nf4"][kind].replace("{b}", &bits.to_string());
+        let plain: QuantSpec = format!("{kind}-{}", GRANULARITIES[g]).parse().unwrap();
+        let fitted: QuantSpec = format!("{kind}-{}-mse", GRANULARITIES[g]).parse().unwrap();
+        prop_assert_eq!(fitted.to_string().parse::<QuantSpec>().unwrap(), fitted.clone());
+        let sse = |spec: &QuantSpec| {
+            let y = quantize(&x, spec).unwrap().dequantize();
+            x.data().iter().zip(y.data()).map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2)).sum::<f64>()
+        };
+        let (a, b) = (sse(&plain), sse(&fitted));
+        // Each group's error can only fall; the sum of squares is exact up to f64 rounding.
+        prop_assert!(b <= a * (1.0 + 1e-12), "{}: {} > {}", fitted, b, a);
+        let (qa, qb) = (quantize(&x, &plain).unwrap(), quantize(&x, &fitted).unwrap());
+        prop_assert_eq!(qa.memory(), qb.memory(), "same storage");
+    }
 }

@@ -55,6 +55,42 @@ fn granularity_order_on_real_layers() {
 }
 
 #[test]
+fn error_minimizing_value_ranges_beat_min_max_on_real_layers() {
+    // Per-token values at 2, 3 and 4 bits: the searched ranges must lower the values' MSE on
+    // every captured layer, and the attention output error (keys exact) but for one exception.
+    let Some(file) = common::full_capture() else { return };
+    for layer in [0, 9, 29] {
+        let read = |s: &str| file.read(&format!("layer{layer}.{s}")).unwrap();
+        let (q, k, v) = (read("q"), read("k"), read("v"));
+        let tokens = k.shape().tokens;
+        let positions: Vec<usize> = (tokens / 2..tokens).step_by(16).collect();
+        let reference = attention(&q, &k, &v, &positions).unwrap();
+        let attn_err = |v_hat: &Tensor| {
+            compare_attention(&reference, &attention(&q, &k, v_hat, &positions).unwrap())
+                .unwrap()
+                .output_rel_l2
+        };
+        for bits in [2, 3, 4] {
+            let (plain, plain_hat) = mse(&v, &format!("int{bits}-token"));
+            let (fitted, fitted_hat) = mse(&v, &format!("int{bits}-token-mse"));
+            let (a, b) = (attn_err(&plain_hat), attn_err(&fitted_hat));
+            assert!(fitted < plain, "layer {layer}, {bits} bits: V MSE {fitted} vs {plain}");
+            if layer == 0 && bits > 2 {
+                // Layer 0's values have a few channels carrying most of every token's range.
+                // Clipping them shrinks the same channel in every token, an error the
+                // attention sum does not average out, unlike rounding noise: at 3 and 4 bits
+                // that costs as much as the lower MSE gains (0.1427 -> 0.1433 and
+                // 0.0652 -> 0.0661 when measured). Held to "no more than 3% worse", so that a
+                // change either way is noticed.
+                assert!(b < 1.03 * a, "layer 0, {bits} bits: attention {b} vs {a}");
+            } else {
+                assert!(b < a, "layer {layer}, {bits} bits: attention {b} vs {a}");
+            }
+        }
+    }
+}
+
+#[test]
 fn f64_attention_reproduces_the_models_own_output() {
     let Some(file) = common::full_capture() else { return };
     for layer in [0, 9, 29] {
