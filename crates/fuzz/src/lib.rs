@@ -232,7 +232,7 @@ fn run_safetensors(input: &[u8]) -> Outcome {
         .map(|s| KvSpec::parse(s).expect("valid"))
         .collect();
     let (specs, _) = analysis::applicable_specs(&layers, specs);
-    let options = Options { positions: 2, per_head: true, histogram_bins: 4 };
+    let options = Options { positions: 2, per_head: true, histogram_bins: 4, ..Options::default() };
     let report = analysis::analyze("fuzz", &layers, &specs, &options, |_, _| {}).map_err(err)?;
     let _ = report.to_table();
     let k: Vec<Tensor> = layers.iter().map(|l| l.k.clone()).collect();

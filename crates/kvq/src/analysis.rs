@@ -12,7 +12,7 @@ use kvq_quant_core::metrics::{
     AttentionOutputs, attention, compare_attention, compare_attention_grouped, error_stats,
 };
 use kvq_quant_core::synth::normal_tensor;
-use kvq_quant_core::{QuantError, QuantSpec, Shape, Tensor, quantize};
+use kvq_quant_core::{Granularity, QuantError, QuantSpec, Shape, Tensor, quantize};
 use rayon::prelude::*;
 
 /// Why an analysis could not run.
@@ -74,6 +74,24 @@ impl KvSpec {
         }
     }
 
+    /// The specs with whole-sequence per-channel groups (`channel`) made `channel{block}`:
+    /// the paged cache groups a channel over one block of tokens, so that is what `channel`
+    /// means in a cache with blocks of `block` tokens.
+    pub fn for_block(&self, block: usize) -> Self {
+        let f = |s: &QuantSpec| match s.granularity() {
+            Granularity::PerChannel { token_group: None } => QuantSpec::new(
+                s.kind().clone(),
+                s.bits(),
+                Granularity::PerChannel { token_group: Some(block.max(1)) },
+                s.param_dtype(),
+            )
+            .expect("a valid spec with another positive token group")
+            .with_ranges(s.ranges()),
+            _ => s.clone(),
+        };
+        Self { k: f(&self.k), v: f(&self.v) }
+    }
+
     /// `KSPEC/VSPEC`, or one spec when both are the same.
     pub fn name(&self) -> String {
         if self.k == self.v { self.k.to_string() } else { format!("{}/{}", self.k, self.v) }
@@ -81,11 +99,18 @@ impl KvSpec {
 }
 
 /// The default comparison: INT8, INT4 and INT2 per tensor, per head, per-channel keys with
-/// per-token values, and groups of 32; FP8 e4m3 and NF4 per token.
+/// per-token values (INT4 and INT2 also with error-minimizing value ranges), and groups of
+/// 32; FP8 e4m3 and NF4 per token. Per-channel keys group over the cache's block
+/// ([`Options::block_size`]).
 pub fn default_specs() -> Vec<KvSpec> {
     let mut out = Vec::new();
     for bits in [8, 4, 2] {
-        for s in ["tensor", "head", "channel/int{b}-token", "g32"] {
+        let mut forms = vec!["tensor", "head", "channel/int{b}-token"];
+        if bits < 8 {
+            forms.push("channel/int{b}-token-mse");
+        }
+        forms.push("g32");
+        for s in forms {
             let text = format!("int{bits}-{}", s.replace("{b}", &bits.to_string()));
             out.push(KvSpec::parse(&text).expect("built-in specs parse"));
         }
@@ -189,11 +214,16 @@ pub struct Options {
     pub per_head: bool,
     /// Bins of the error histograms kept per row ([`Row::k_hist`]); 0 keeps none.
     pub histogram_bins: usize,
+    /// Tokens per block of the cache being predicted: per-channel specs without a token group
+    /// (`int4-channel`) are analyzed as `channel{block_size}`, as the cache stores them
+    /// ([`KvSpec::for_block`]). The default is the cache's default block,
+    /// [`KvCacheConfig::builder`](crate::KvCacheConfig::builder)'s 32.
+    pub block_size: usize,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { positions: 32, per_head: false, histogram_bins: 0 }
+        Self { positions: 32, per_head: false, histogram_bins: 0, block_size: 32 }
     }
 }
 
@@ -320,9 +350,10 @@ pub fn analyze(
     options: &Options,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Report, AnalyzeError> {
+    let specs: Vec<KvSpec> = specs.iter().map(|s| s.for_block(options.block_size)).collect();
     let mut out = Vec::with_capacity(layers.len());
     for (i, layer) in layers.iter().enumerate() {
-        out.push(analyze_layer(layer, specs, options)?);
+        out.push(analyze_layer(layer, &specs, options)?);
         progress(i + 1, layers.len());
     }
     Ok(Report { source: source.to_string(), layers: out })
@@ -441,15 +472,16 @@ impl Report {
                 layer.positions.first().copied().unwrap_or(0),
                 layer.positions.last().copied().unwrap_or(0),
             );
+            let w = layer.rows.iter().map(|r| r.spec.len()).max().unwrap_or(0).max(26);
             let _ = writeln!(
                 s,
-                "{:<26} {:>6} {:>10} {:>10} {:>9} {:>10} {:>10} {:>7}",
+                "{:<w$} {:>6} {:>10} {:>10} {:>9} {:>10} {:>10} {:>7}",
                 "spec", "bits", "K MSE", "V MSE", "K cos", "attn err", "attn KL", "vs f16"
             );
             for r in &layer.rows {
                 let _ = writeln!(
                     s,
-                    "{:<26} {:>6.3} {:>10.3e} {:>10.3e} {:>9.6} {:>10.3e} {:>10.3e} {:>6.2}x",
+                    "{:<w$} {:>6.3} {:>10.3e} {:>10.3e} {:>9.6} {:>10.3e} {:>10.3e} {:>6.2}x",
                     r.spec,
                     r.bits_per_element,
                     r.k_mse,
@@ -462,7 +494,7 @@ impl Report {
                 for h in &r.heads {
                     let _ = writeln!(
                         s,
-                        "{:<26} {:>6} {:>10.3e} {:>10.3e} {:>9} {:>10.3e} {:>10.3e}",
+                        "{:<w$} {:>6} {:>10.3e} {:>10.3e} {:>9} {:>10.3e} {:>10.3e}",
                         format!("  kv head {}", h.kv_head),
                         "",
                         h.k_mse,
@@ -495,6 +527,10 @@ mod tests {
         for s in ["int4-channel/int4-token", "int8-tensor", "fp8e4m3-token", "nf4-token"] {
             assert_eq!(KvSpec::parse(s).unwrap().name(), s);
         }
-        assert_eq!(default_specs().len(), 14);
+        assert_eq!(default_specs().len(), 16);
+        let whole = KvSpec::parse("int4-channel-mse/int2-channel").unwrap();
+        assert_eq!(whole.for_block(64).name(), "int4-channel64-mse/int2-channel64");
+        let fixed = KvSpec::parse("int4-channel16/int4-token").unwrap();
+        assert_eq!(fixed.for_block(64), fixed);
     }
 }

@@ -109,6 +109,11 @@ enum Command {
         /// Where to write the config (TOML, or JSON for a `.json` name).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Layers of the model the written config is for (default: one past the highest
+        /// dumped layer). Dumped layer `layer<L>` sets layer L; the others take the specs of
+        /// the nearest dumped layer.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+        model_layers: Option<u32>,
         /// Query positions at which attention is compared.
         #[arg(long, default_value_t = Options::default().positions)]
         positions: usize,
@@ -151,6 +156,10 @@ enum Command {
         /// heads that read it).
         #[arg(long)]
         per_head: bool,
+        /// Tokens per cache block: per-channel specs without a size (`int4-channel`) group a
+        /// channel over this many tokens, as the cache does.
+        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+        block_size: u32,
         /// Write SVG figures into this directory: error-histograms.svg (per bit width, K and
         /// V, per layer), bits-vs-error.svg (one line per scheme family) and layer-errors.svg.
         #[arg(long, value_name = "DIR")]
@@ -175,7 +184,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
         Command::Bench { context, steps, specs, integer } => bench(context, steps, &specs, integer),
-        Command::Recommend { file, budget_bits, out, positions, json } => {
+        Command::Recommend { file, budget_bits, out, model_layers, positions, json } => {
             if !(budget_bits.is_finite() && budget_bits > 0.0) {
                 return Err(format!("--budget-bits {budget_bits} is not a positive finite number").into());
             }
@@ -208,9 +217,20 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
             if let Some(out) = out {
-                let config = kvq::recommend::config_for(&layers, &specs)?;
+                let (config, source) =
+                    kvq::recommend::config_for(&layers, &specs, model_layers.map(|n| n as usize))?;
                 config.save(&out)?;
-                eprintln!("kvq: wrote {}", out.display());
+                let filled = source.iter().enumerate().filter(|&(m, &from)| m != from).count();
+                eprintln!(
+                    "kvq: wrote {} ({} layers; {filled} not in the dump take the specs of the nearest dumped layer; \
+                     the bits above count codes and parameters, not the config's f16 residual window \
+                     ({} block of {}) and {} sink tokens)",
+                    out.display(),
+                    config.layers.len(),
+                    config.residual_blocks,
+                    config.block_size,
+                    config.sink_tokens,
+                );
             }
             Ok(())
         }
@@ -219,6 +239,18 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             for path in &files {
                 let tf = TensorFile::open(path)?;
                 let layers = analysis::layers_from_file(&tf)?;
+                // A calibration holds layers 0..n of the model in order: a dump of some layers
+                // only (0, 9 and 29, say) would give model layer 1 the ranges of layer 9.
+                if let Some((i, l)) =
+                    layers.iter().enumerate().find(|(i, l)| kvq::recommend::model_layer(&l.name) != Some(*i))
+                {
+                    return Err(format!(
+                        "{}: holds {} where layer{i} should be; a calibration needs every layer of the model from layer0 on",
+                        path.display(),
+                        l.name
+                    )
+                    .into());
+                }
                 if per_layer.is_empty() {
                     per_layer = layers.iter().map(|_| (Vec::new(), Vec::new())).collect();
                 }
@@ -263,7 +295,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             println!("selected backend: {}", dispatch::selected()?);
             Ok(())
         }
-        Command::Analyze { file, synthetic, specs, positions, per_head, plot, json } => {
+        Command::Analyze { file, synthetic, specs, positions, per_head, block_size, plot, json } => {
             let (source, layers) = if synthetic {
                 ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), vec![analysis::synthetic_layer()])
             } else {
@@ -283,8 +315,12 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     .map(|s| KvSpec::parse(s).map_err(|e| format!("--specs {s:?}: {e}")))
                     .collect::<Result<_, _>>()?
             };
-            let options =
-                Options { positions, per_head, histogram_bins: if plot.is_some() { 80 } else { 0 } };
+            let options = Options {
+                positions,
+                per_head,
+                histogram_bins: if plot.is_some() { 80 } else { 0 },
+                block_size: block_size as usize,
+            };
             let report = analysis::analyze(&source, &layers, &specs, &options, progress("analyzing"))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);

@@ -9,7 +9,7 @@
 //! per 32-token block, exactly as the cache will store them.
 
 use crate::analysis::{AnalyzeError, KvSpec, LayerInput, Options, analyze};
-use crate::cache::{KvCacheConfig, KvqError, LayerSpecs};
+use crate::cache::{KvCacheConfig, KvqError};
 
 /// Tokens per block of the configs `recommend` writes (per-channel groups match it).
 pub const BLOCK_SIZE: usize = 32;
@@ -27,6 +27,10 @@ pub fn default_candidates() -> Vec<KvSpec> {
         "int2-channel32/int4-token",
         "int2-channel32/int2-token",
         "int3-channel32/int3-token",
+        "int4-channel32/int4-token-mse",
+        "int4-channel32/int2-token-mse",
+        "int2-channel32/int2-token-mse",
+        "int3-channel32/int3-token-mse",
         "nf4-token",
         "fp8e4m3-token",
     ]
@@ -77,6 +81,9 @@ pub enum RecommendError {
     /// The budget is not a positive finite number of bits.
     #[error("budget {0} bits per value is not a positive finite number")]
     BadBudget(f64),
+    /// The dump's layers do not map onto the model's.
+    #[error("layers: {0}")]
+    Layers(String),
     /// The chosen specs do not make a valid cache config.
     #[error(transparent)]
     Config(#[from] KvqError),
@@ -156,17 +163,55 @@ pub fn recommend(
     Ok((Recommendation { budget_bits, average_bits, layers: chosen }, specs))
 }
 
-/// A cache config with the chosen specs for a model shaped like `layers`.
+/// The model layer a dumped layer's name (`layer9`) stands for.
+pub fn model_layer(name: &str) -> Option<usize> {
+    name.strip_prefix("layer")?.parse().ok()
+}
+
+/// A cache config with the chosen specs for the model the dump `layers` came from.
+///
+/// Each dumped layer (`layer{L}`, as [`layers_from_file`](crate::analysis::layers_from_file)
+/// names them) sets the specs of model layer `L`; a dump of layers 0, 9 and 29 describes a
+/// model of at least 30 layers, not one of three. The config has `model_layers` layers (by
+/// default one past the highest dumped layer), and every layer the dump does not hold takes
+/// the specs of the nearest dumped layer (the lower one on a tie). The second value gives,
+/// for each model layer, the dumped layer whose specs it took.
 ///
 /// # Errors
-/// [`RecommendError::Config`] when the specs cannot stream.
-pub fn config_for(layers: &[LayerInput], specs: &[KvSpec]) -> Result<KvCacheConfig, RecommendError> {
+/// [`RecommendError::Layers`] for a name that is not `layer{L}`, a repeated layer, or a layer
+/// at or past `model_layers`; [`RecommendError::Config`] when the specs cannot stream.
+pub fn config_for(
+    layers: &[LayerInput],
+    specs: &[KvSpec],
+    model_layers: Option<usize>,
+) -> Result<(KvCacheConfig, Vec<usize>), RecommendError> {
+    let bad = |why: String| RecommendError::Layers(why);
+    let mut ids = Vec::with_capacity(layers.len());
+    for l in layers {
+        let id = model_layer(&l.name).ok_or_else(|| bad(format!("{}: not named layer<L>", l.name)))?;
+        if ids.contains(&id) {
+            return Err(bad(format!("layer {id} appears twice")));
+        }
+        ids.push(id);
+    }
+    let Some(&highest) = ids.iter().max() else { return Err(bad("no layers".into())) };
+    let n = model_layers.unwrap_or(highest + 1);
+    if highest >= n {
+        return Err(bad(format!("the dump holds layer {highest}, the model has {n} layers")));
+    }
+    if specs.len() != ids.len() {
+        return Err(bad(format!("{} specs for {} layers", specs.len(), ids.len())));
+    }
+    let source: Vec<usize> = (0..n)
+        .map(|m| *ids.iter().min_by_key(|&&id| (id.abs_diff(m), id)).expect("at least one layer"))
+        .collect();
     let (k, q) = (layers[0].k.shape(), layers[0].q.shape());
-    let mut b = KvCacheConfig::builder(layers.len(), k.heads, q.heads, k.head_dim).block_size(BLOCK_SIZE);
-    for (l, s) in specs.iter().enumerate() {
-        b = b.layer_specs(l, s.k.clone(), s.v.clone());
+    let mut b = KvCacheConfig::builder(n, k.heads, q.heads, k.head_dim).block_size(BLOCK_SIZE);
+    for (m, &from) in source.iter().enumerate() {
+        let s = &specs[ids.iter().position(|&id| id == from).expect("a dumped layer")];
+        b = b.layer_specs(m, s.k.clone(), s.v.clone());
     }
     let config = b.build()?;
-    debug_assert!(config.layers.iter().zip(specs).all(|(c, s): (&LayerSpecs, _)| c.k == s.k && c.v == s.v));
-    Ok(config)
+    debug_assert_eq!(config.layers.len(), n);
+    Ok((config, source))
 }

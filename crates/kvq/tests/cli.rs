@@ -26,7 +26,9 @@ fn analyze_embedded_sample_structure() {
     for layer in ["layer0", "layer9", "layer29"] {
         assert!(text.contains(&format!("\n{layer}: K/V [3, 256, 64], 9 query heads")), "{text}");
     }
-    assert_eq!(text.lines().filter(|l| l.starts_with("int4-channel/int4-token")).count(), 3);
+    // `channel` groups a channel over the cache's 32-token block, and the name says so.
+    assert_eq!(text.lines().filter(|l| l.starts_with("int4-channel32/int4-token ")).count(), 3);
+    assert_eq!(text.lines().filter(|l| l.starts_with("int2-channel32/int2-token-mse ")).count(), 3);
 }
 
 #[test]
@@ -39,7 +41,7 @@ fn analyze_json_has_every_field() {
     for layer in layers {
         assert_eq!(layer["positions"].as_array().unwrap().len(), 4);
         let rows = layer["rows"].as_array().unwrap();
-        assert_eq!(rows[0]["spec"], "int4-channel/int4-token");
+        assert_eq!(rows[0]["spec"], "int4-channel32/int4-token");
         for key in
             ["bits_per_element", "k_mse", "v_mse", "k_cosine", "attn_rel_err", "attn_kl", "ratio_vs_f16"]
         {
@@ -113,7 +115,7 @@ fn analyze_plot_writes_three_figures() {
     // Families join their bit widths into one line each.
     let lines = read("bits-vs-error.svg");
     assert_eq!(lines.matches("<polyline").count(), 2);
-    assert!(lines.contains(">int-tensor<") && lines.contains(">int-channel/int-token<"));
+    assert!(lines.contains(">int-tensor<") && lines.contains(">int-channel32/int-token<"));
     assert_eq!(lines.matches("<circle").count(), 4);
     // 4 bars per layer and 4 legend swatches, plus the background.
     let bars = read("layer-errors.svg");
@@ -145,8 +147,36 @@ fn errors_are_one_line_with_exit_code_1() {
 
 #[test]
 fn calibrate_writes_a_file_a_cache_accepts() {
-    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/data/sample.safetensors");
+    // The embedded sample holds model layers 0, 9 and 29: a calibration of "3 layers" from it
+    // would hand layer 9's ranges to model layer 1, so it is refused.
+    let embedded = concat!(env!("CARGO_MANIFEST_DIR"), "/data/sample.safetensors");
     let out = std::env::temp_dir().join(format!("kvq-cal-{}.json", std::process::id()));
+    let o = kvq(&["calibrate", embedded, "--out", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("holds layer9 where layer1 should be"));
+    // The same tensors as layers 0, 1 and 2 of a 3-layer model.
+    let file = kvq::quant::io::TensorFile::open(embedded).unwrap();
+    let mut tensors = Vec::new();
+    for (i, l) in [0, 9, 29].iter().enumerate() {
+        for part in ["q", "k", "v"] {
+            let t = file.read(&format!("layer{l}.{part}")).unwrap();
+            let s = t.shape();
+            let bytes: Vec<u8> = t.data().iter().flat_map(|v| v.to_le_bytes()).collect();
+            tensors.push((format!("layer{i}.{part}"), vec![s.heads, s.tokens, s.head_dim], bytes));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, shape, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let dense = std::env::temp_dir().join(format!("kvq-cal-{}.safetensors", std::process::id()));
+    safetensors::serialize_to_file(views, None, &dense).unwrap();
+    let sample = dense.to_str().unwrap();
     let o = kvq(&["calibrate", sample, sample, "--out", out.to_str().unwrap(), "--percentile", "99.5"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let cal: kvq::quant::Calibration = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
@@ -160,6 +190,7 @@ fn calibrate_writes_a_file_a_cache_accepts() {
     std::fs::remove_file(&out).unwrap();
     let bad = kvq(&["calibrate", sample, "--out", "/tmp/x.json", "--percentile", "20"]);
     assert_eq!(bad.status.code(), Some(1));
+    std::fs::remove_file(&dense).unwrap();
 }
 
 #[test]
@@ -182,14 +213,38 @@ fn recommend_respects_the_budget_and_writes_a_loadable_config() {
         assert!(avg <= budget.parse::<f64>().unwrap() + 1e-9, "{avg} over {budget}");
         let layers = v["layers"].as_array().unwrap();
         assert_eq!(layers.len(), 3);
+        // Dumped layers 0, 9 and 29 are those layers of a 30-layer model; the others take the
+        // specs of the nearest dumped layer.
         let config = kvq::cache::KvCacheConfig::load(&out).unwrap();
-        for (c, l) in config.layers.iter().zip(layers) {
-            let spec = l["spec"].as_str().unwrap();
+        assert_eq!(config.layers.len(), 30);
+        for (m, c) in config.layers.iter().enumerate() {
+            // Nearest of 0, 9 and 29; a tie (19) goes to the lower.
+            let from = match m {
+                0..=4 => 0,
+                5..=19 => 1,
+                _ => 2,
+            };
+            let spec = layers[from]["spec"].as_str().unwrap();
             let (k, vv) = spec.split_once('/').unwrap_or((spec, spec));
-            assert_eq!((c.k.to_string().as_str(), c.v.to_string().as_str()), (k, vv));
+            assert_eq!((c.k.to_string().as_str(), c.v.to_string().as_str()), (k, vv), "model layer {m}");
         }
         assert!(kvq::cache::QuantizedKvCache::new(config).is_ok());
     }
+    let short = kvq(&[
+        "recommend",
+        "--budget-bits",
+        "9",
+        "--positions",
+        "8",
+        "--model-layers",
+        "20",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(short.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&short.stderr).contains("the dump holds layer 29, the model has 20 layers")
+    );
     std::fs::remove_file(&out).unwrap();
     let too_small = kvq(&["recommend", "--budget-bits", "1"]);
     assert_eq!(too_small.status.code(), Some(1));

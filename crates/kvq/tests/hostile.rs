@@ -139,7 +139,7 @@ fn the_default_list_applies_to_small_heads() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("skipping built-in spec int8-g32"), "{err}");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("int4-channel/int4-token"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("int4-channel32/int4-token"));
     refused(&["analyze", &file, "--specs", "int4-g32"], "group", 10);
     let out = kvq(&["recommend", &file, "--budget-bits", "6", "--positions", "4"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
