@@ -217,7 +217,7 @@ pub struct Options {
     /// Tokens per block of the cache being predicted: per-channel specs without a token group
     /// (`int4-channel`) are analyzed as `channel{block_size}`, as the cache stores them
     /// ([`KvSpec::for_block`]). The default is the cache's default block,
-    /// [`KvCacheConfig::builder`](crate::KvCacheConfig::builder)'s 32.
+    /// [`KvCacheConfig::builder`](crate::cache::KvCacheConfig::builder)'s 32.
     pub block_size: usize,
 }
 

@@ -112,7 +112,7 @@ pub fn quantize(tensor: &Tensor, spec: &QuantSpec) -> Result<QuantizedTensor> {
 
 /// Quantizes `tensor` with ranges given per group (e.g. from a static calibration), in the
 /// order of [`GroupLayout`]. Values outside their group's range saturate. The ranges are used
-/// as given, whatever the spec's [`RangeRule`](crate::RangeRule).
+/// as given, whatever the spec's [`RangeRule`].
 ///
 /// # Errors
 /// As [`quantize`], and [`QuantError::ShapeMismatch`] when the range vectors do not have one
