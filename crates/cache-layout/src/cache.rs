@@ -251,10 +251,14 @@ impl PagedCache {
     pub fn check_append(&self, seq: SeqId, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
         self.check_token_shape(k, v)?;
         let d = self.config.head_dim;
-        self.validate(seq, layer, 1, |part, h, _| {
+        let row = |part: usize, h: usize, _| {
             let x = if part == 0 { k } else { v };
             &x[h * d..(h + 1) * d]
-        })?;
+        };
+        match self.rotated_rows(seq, layer, 1, &row)? {
+            None => self.validate(seq, layer, 1, row)?,
+            Some(bufs) => self.validate(seq, layer, 1, rotated_view(&bufs, self.config.kv_heads, d, &row))?,
+        }
         let needed = self.blocks_needed(seq, layer, 1)?;
         if needed > self.pool.free_blocks() {
             return Err(CacheError::PoolExhausted { needed, free: self.pool.free_blocks() });
@@ -419,6 +423,53 @@ impl PagedCache {
     }
 
     fn extend_with<'a>(
+        &mut self,
+        seq: SeqId,
+        layer: usize,
+        n: usize,
+        row: impl Fn(usize, usize, usize) -> &'a [f32],
+    ) -> Result<()> {
+        match self.rotated_rows(seq, layer, n, &row)? {
+            None => self.extend_rows(seq, layer, n, row),
+            Some(bufs) => {
+                let (heads, d) = (self.config.kv_heads, self.config.head_dim);
+                self.extend_rows(seq, layer, n, rotated_view(&bufs, heads, d, &row))
+            }
+        }
+    }
+
+    /// For a layout with a rotated (`-rot`) part: the input checked as given (so that a NaN
+    /// is named where the caller put it), then that part's rows rotated, `[t][head]` order.
+    /// `None` when no part rotates.
+    fn rotated_rows<'a>(
+        &self,
+        seq: SeqId,
+        layer: usize,
+        n: usize,
+        row: &impl Fn(usize, usize, usize) -> &'a [f32],
+    ) -> Result<Option<[Option<Vec<f32>>; 2]>> {
+        if !self.parts.iter().any(|p| p.spec.rotated()) {
+            return Ok(None);
+        }
+        self.validate(seq, layer, n, row)?;
+        let (heads, d) = (self.config.kv_heads, self.config.head_dim);
+        let rotate = |i: usize| {
+            self.parts[i].spec.rotated().then(|| {
+                let mut b = Vec::with_capacity(n * heads * d);
+                for t in 0..n {
+                    for h in 0..heads {
+                        b.extend_from_slice(row(i, h, t));
+                    }
+                }
+                kvq_quant_core::rotation::rotate_rows(&mut b, d);
+                b
+            })
+        };
+        Ok(Some([rotate(0), rotate(1)]))
+    }
+
+    /// [`PagedCache::extend_with`] once any rotation is done: checks, then writes.
+    fn extend_rows<'a>(
         &mut self,
         seq: SeqId,
         layer: usize,
@@ -691,6 +742,20 @@ impl WritePlan {
             }
         }
         Self { first_written, have, want: p1.div_ceil(bs).max(have) }
+    }
+}
+
+/// Rows from the rotated buffers of [`PagedCache::rotated_rows`] for the parts that rotate,
+/// from `row` for the others.
+fn rotated_view<'a: 'b, 'b, F: Fn(usize, usize, usize) -> &'a [f32] + 'b>(
+    bufs: &'b [Option<Vec<f32>>; 2],
+    heads: usize,
+    d: usize,
+    row: &'b F,
+) -> impl Fn(usize, usize, usize) -> &'b [f32] + 'b {
+    move |i, h, t| match &bufs[i] {
+        Some(b) => &b[(t * heads + h) * d..(t * heads + h + 1) * d],
+        None => row(i, h, t),
     }
 }
 

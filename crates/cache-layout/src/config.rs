@@ -161,6 +161,26 @@ impl CacheConfig {
         }
 
         for (name, spec) in [("K", &self.k_spec), ("V", &self.v_spec)] {
+            if spec.rotated() {
+                if name == "K" {
+                    return bad(format!(
+                        "K spec {spec}: rotation applies to values (rotated keys would need every query rotated too; not supported)"
+                    ));
+                }
+                if !kvq_quant_core::rotation::rotatable(self.head_dim) {
+                    return bad(format!(
+                        "V spec {spec}: rotation needs a power-of-two head_dim, got {}",
+                        self.head_dim
+                    ));
+                }
+                if self.calibration.is_some()
+                    && !matches!(spec.granularity(), Granularity::PerToken | Granularity::Group(_))
+                {
+                    return bad(format!(
+                        "V spec {spec}: calibrated ranges are ranges of the rows as given; a rotated spec takes its ranges from the data"
+                    ));
+                }
+            }
             if let Kind::Codebook(CodebookSource::LloydMax) = spec.kind() {
                 return bad(format!(
                     "{name} spec {spec}: a streaming cache needs fixed codebook levels (fit them on a calibration set and pass a fixed codebook)"

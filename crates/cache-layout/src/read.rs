@@ -324,7 +324,9 @@ impl PagedCache {
         Ok(Segments { cache: self, ls, part, i, layer, head, next: 0, blocks })
     }
 
-    /// K or V of `(seq, layer, head)` decoded to f32, `tokens × head_dim` (reference path).
+    /// K or V of `(seq, layer, head)` decoded to f32, `tokens × head_dim` (reference path),
+    /// unrotated for a `-rot` spec: the values as appended, up to quantization. (Segments and
+    /// block views give the stored, rotated rows.)
     ///
     /// # Errors
     /// As [`PagedCache::segments`].
@@ -344,6 +346,9 @@ impl PagedCache {
                     }
                 }
             }
+        }
+        if self.parts[self.part_of(part)].spec.rotated() {
+            kvq_quant_core::rotation::unrotate_rows(&mut out, d);
         }
         Ok(out)
     }

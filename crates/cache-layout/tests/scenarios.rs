@@ -1,9 +1,9 @@
 //! Scripted scenarios: block-table snapshots, exhaustion, calibration, memory, real data.
 
-use kvq_cache_layout::{CacheConfig, CacheError, PagedCache, TailDtype};
+use kvq_cache_layout::{CacheConfig, CacheError, PagedCache, SeqId, TailDtype};
 use kvq_quant_core::calibration::Part;
 use kvq_quant_core::io::TensorFile;
-use kvq_quant_core::metrics::{attention, compare_attention};
+use kvq_quant_core::metrics::{AttentionOutputs, attention, compare_attention};
 use kvq_quant_core::{Calibration, QuantSpec, Shape, Tensor, quantize};
 
 fn row(seed: usize, n: usize) -> Vec<f32> {
@@ -88,6 +88,8 @@ fn bad_configs_and_inputs() {
         base.clone().with_specs(spec("lloyd4-token"), spec("int4-token")),
         base.clone().with_specs(spec("int4-channel8"), spec("int4-token")).with_block_size(4),
         base.clone().with_specs(spec("int4-g3"), spec("int4-token")),
+        base.clone().with_specs(spec("int4-token-rot"), spec("int4-token")),
+        CacheConfig::new(1, 2, 12, 4).with_specs(spec("int4-channel"), spec("int4-token-rot")),
         base.clone().with_block_size(0),
         CacheConfig::new(0, 2, 8, 4),
     ] {
@@ -178,29 +180,43 @@ fn real_layer(layer: usize) -> Option<(Tensor, Tensor, Tensor)> {
     Some((read("q")?, read("k")?, read("v")?))
 }
 
+/// The first `tokens` tokens (at most) of real layer `layer`: `(q, k, v)`, and the attention
+/// positions (the last 16) with their exact reference outputs.
+fn real_prefix(layer: usize, tokens: usize) -> ((Tensor, Tensor, Tensor), Vec<usize>, AttentionOutputs) {
+    let (q, k, v) = real_layer(layer).unwrap();
+    let tokens = k.shape().tokens.min(tokens);
+    let (q, k, v) = (q.prefix(tokens).unwrap(), k.prefix(tokens).unwrap(), v.prefix(tokens).unwrap());
+    let positions: Vec<usize> = (tokens - 16..tokens).collect();
+    let reference = attention(&q, &k, &v, &positions).unwrap();
+    ((q, k, v), positions, reference)
+}
+
+/// A cache for `config` with every token of `k` and `v` appended one at a time.
+fn streamed(config: CacheConfig, k: &Tensor, v: &Tensor) -> (PagedCache, SeqId) {
+    let s = k.shape();
+    let mut c = PagedCache::new(config).unwrap();
+    let a = c.create();
+    for t in 0..s.tokens {
+        let gather = |x: &Tensor| (0..s.heads).flat_map(|h| x.row(0, h, t).to_vec()).collect::<Vec<f32>>();
+        c.append(a, 0, &gather(k), &gather(v)).unwrap();
+    }
+    (c, a)
+}
+
 /// Streams real keys and values token by token and compares attention against the offline
 /// per-channel (K) / per-token (V) quantization of the same tokens.
 #[test]
 fn streaming_real_data_matches_offline_quantization() {
-    let (q, k, v) = real_layer(9).unwrap();
+    let ((q, k, v), positions, reference) = real_prefix(9, 512);
     let s = k.shape();
-    let tokens = s.tokens.min(512);
-    let (q, k, v) = (q.prefix(tokens).unwrap(), k.prefix(tokens).unwrap(), v.prefix(tokens).unwrap());
-    let positions: Vec<usize> = (tokens - 16..tokens).collect();
-    let reference = attention(&q, &k, &v, &positions).unwrap();
+    let tokens = s.tokens;
     let mut errors = Vec::new();
     for bs in [16usize, 64] {
         let config = CacheConfig::new(1, s.heads, s.head_dim, s.heads * tokens.div_ceil(bs))
             .with_block_size(bs)
             .with_tail_dtype(TailDtype::F32);
-        let mut c = PagedCache::new(config).unwrap();
-        let a = c.create();
+        let (c, a) = streamed(config, &k, &v);
         let d = s.head_dim;
-        for t in 0..tokens {
-            let gather =
-                |x: &Tensor| (0..s.heads).flat_map(|h| x.row(0, h, t).to_vec()).collect::<Vec<f32>>();
-            c.append(a, 0, &gather(&k), &gather(&v)).unwrap();
-        }
         let collect = |part| {
             let data: Vec<f32> = (0..s.heads).flat_map(|h| c.dequantize(a, 0, h, part).unwrap()).collect();
             Tensor::new(Shape::new(s.heads, tokens, d), data).unwrap()
@@ -231,4 +247,54 @@ fn streaming_real_data_matches_offline_quantization() {
     }
     eprintln!("attention-output relative error, blocks of 16 and 64 tokens: {errors:?}");
     assert!(errors[0] < errors[1], "smaller blocks should fit key ranges better: {errors:?}");
+}
+
+/// Rotated values (`-rot`) stream as the offline quantizer stores them: the cache's values,
+/// decoded and unrotated, equal `quantize(v, spec).dequantize()`, sinks and an f32 residual
+/// tail included (those rows are exact up to the rotation's rounding); and rotation lowers
+/// the attention error of 2-bit values on real data.
+#[test]
+fn rotated_values_stream_as_offline() {
+    let ((q, k, v), positions, reference) = real_prefix(0, 256);
+    let s = k.shape();
+    let (tokens, d) = (s.tokens, s.head_dim);
+    let mut errors = Vec::new();
+    for v_spec in ["int2-token-mse", "int2-token-mse-rot"] {
+        let spec: QuantSpec = v_spec.parse().unwrap();
+        let config = CacheConfig::new(1, s.heads, d, s.heads * tokens)
+            .with_specs("int8-token".parse().unwrap(), spec.clone())
+            .with_block_size(16)
+            .with_sink_tokens(2)
+            .with_tail_dtype(TailDtype::F32);
+        let (c, a) = streamed(config, &k, &v);
+        let v_hat: Vec<f32> = (0..s.heads).flat_map(|h| c.dequantize(a, 0, h, Part::V).unwrap()).collect();
+        let offline = quantize(&v, &spec).unwrap().dequantize();
+        for h in 0..s.heads {
+            for t in 0..tokens {
+                let at = (h * tokens + t) * d;
+                let (got, want) = (
+                    &v_hat[at..at + d],
+                    if t < 2 { &v.data()[at..at + d] } else { &offline.data()[at..at + d] },
+                );
+                for (&g, &w) in got.iter().zip(want) {
+                    assert!(
+                        (g - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                        "{v_spec} head {h} token {t}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+        let v_hat = Tensor::new(v.shape(), v_hat).unwrap();
+        errors.push(
+            compare_attention(&reference, &attention(&q, &k, &v_hat, &positions).unwrap())
+                .unwrap()
+                .output_rel_l2,
+        );
+    }
+    assert!(
+        errors[1] < 0.8 * errors[0],
+        "layer 0, 2-bit values: rotated {} vs plain {}",
+        errors[1],
+        errors[0]
+    );
 }

@@ -16,6 +16,7 @@ use kvq_kernels_simd::{
 };
 use kvq_quant_core::calibration::Part;
 use kvq_quant_core::codebook::NF4_LEVELS;
+use kvq_quant_core::rotation::unrotate_row;
 use kvq_quant_core::{CodebookSource, GroupParams, Kind};
 use rayon::prelude::*;
 
@@ -441,6 +442,7 @@ pub fn decode_attention_batch(
         )));
     }
     let g = query_heads / heads;
+    let rotated = cfg.v_spec.rotated();
     let readers = [PartReader::new(cache, Part::K), PartReader::new(cache, Part::V)];
     // Plan: a task per (sequence, head), several per head for long contexts when the pairs
     // would leave threads idle.
@@ -504,6 +506,10 @@ pub fn decode_attention_batch(
             let inv = 1.0 / st.l[r];
             for (y, &x) in out[o..o + d].iter_mut().zip(&st.o[r * d..(r + 1) * d]) {
                 *y = x * inv;
+            }
+            if rotated {
+                // The cache holds rotated value rows: Σ p·Rv = R·Σ p·v, undone once per row.
+                unrotate_row(&mut out[o..o + d]);
             }
         }
         at += lead.parts;

@@ -71,6 +71,8 @@ fn random_caches_of_every_layout() {
         ("nf4-token", "nf4-token"),
         ("int4-g32", "int3-g16"),
         ("int3-channel", "int5-token"),
+        ("int4-channel", "int2-token-mse-rot"),
+        ("int8-token-mse", "sym4-g16-rot"),
     ];
     for (i, (k, v)) in specs.iter().enumerate() {
         for (kv_heads, group, d) in [(2usize, 3usize, 64usize), (1, 4, 32), (3, 1, 128)] {

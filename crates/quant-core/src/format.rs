@@ -5,7 +5,7 @@
 //! [`QuantSpec::from_str`](std::str::FromStr) and printed by `Display`:
 //!
 //! ```text
-//! spec  := kind [ "-" granularity ] [ "-mse" ] [ "-f32" ]
+//! spec  := kind [ "-" granularity ] [ "-mse" ] [ "-rot" ] [ "-f32" ]
 //! kind  := "int" BITS        affine (asymmetric min/max), 1..=8 bits
 //!        | "sym" BITS        symmetric (absmax, zero point 0), 2..=8 bits
 //!        | "fp8e4m3" | "fp8e5m2"
@@ -16,7 +16,9 @@
 //! The default granularity is `token` and parameters are stored as f16 unless `-f32` is given:
 //! `int4-channel`, `int2-g32`, `fp8e4m3-token`, `int8-tensor-f32`. A group's parameters come
 //! from its minimum and maximum unless `-mse` asks for the range that minimizes the group's
-//! squared error ([`RangeRule::Mse`]): `int2-channel-mse`, `int3-token-mse-f32`.
+//! squared error ([`RangeRule::Mse`]): `int2-channel-mse`, `int3-token-mse-f32`. `-rot`
+//! quantizes each row after a fixed randomized Hadamard rotation
+//! ([`rotation`](crate::rotation)): `int2-token-mse-rot`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -119,6 +121,7 @@ pub struct QuantSpec {
     granularity: Granularity,
     param_dtype: ParamDtype,
     ranges: RangeRule,
+    rotated: bool,
 }
 
 impl QuantSpec {
@@ -155,7 +158,7 @@ impl QuantSpec {
             }
             _ => {}
         }
-        Ok(Self { kind, bits, granularity, param_dtype, ranges: RangeRule::MinMax })
+        Ok(Self { kind, bits, granularity, param_dtype, ranges: RangeRule::MinMax, rotated: false })
     }
 
     /// Affine (asymmetric) spec with f16 parameters.
@@ -188,6 +191,18 @@ impl QuantSpec {
     /// How dynamic ranges are chosen.
     pub fn ranges(&self) -> RangeRule {
         self.ranges
+    }
+
+    /// The same spec quantizing rotated rows (`rotated`) or the rows as they are.
+    pub fn with_rotation(mut self, rotated: bool) -> Self {
+        self.rotated = rotated;
+        self
+    }
+
+    /// Whether each row is rotated ([`rotate_row`](crate::rotation::rotate_row)) before it is
+    /// quantized, and unrotated after decoding. Needs a power-of-two head_dim.
+    pub fn rotated(&self) -> bool {
+        self.rotated
     }
 
     /// The format kind.
@@ -224,6 +239,12 @@ impl QuantSpec {
         if shape.checked_len().is_none_or(|n| n == 0) {
             return Err(QuantError::EmptyTensor(shape));
         }
+        if self.rotated && !crate::rotation::rotatable(shape.head_dim) {
+            return Err(QuantError::InvalidSpec(format!(
+                "{self}: rotation needs a power-of-two head_dim, got {}",
+                shape.head_dim
+            )));
+        }
         if let Granularity::Group(g) = self.granularity
             && (g == 0 || !shape.head_dim.is_multiple_of(g))
         {
@@ -254,6 +275,9 @@ impl fmt::Display for QuantSpec {
         }
         if self.ranges == RangeRule::Mse {
             f.write_str("-mse")?;
+        }
+        if self.rotated {
+            f.write_str("-rot")?;
         }
         if self.param_dtype == ParamDtype::F32 {
             f.write_str("-f32")?;
@@ -288,6 +312,7 @@ impl FromStr for QuantSpec {
         let mut granularity = Granularity::PerToken;
         let mut dtype = ParamDtype::F16;
         let mut ranges = RangeRule::MinMax;
+        let mut rotated = false;
         for part in parts {
             let part = part.to_ascii_lowercase();
             let size = |text: &str| text.parse::<usize>().map_err(|_| bad("expected a size"));
@@ -308,6 +333,10 @@ impl FromStr for QuantSpec {
                     ranges = RangeRule::MinMax;
                     continue;
                 }
+                "rot" => {
+                    rotated = true;
+                    continue;
+                }
                 "tensor" => Granularity::PerTensor,
                 "head" => Granularity::PerHead,
                 "channel" => Granularity::PerChannel { token_group: None },
@@ -323,6 +352,6 @@ impl FromStr for QuantSpec {
                 }
             };
         }
-        Ok(QuantSpec::new(kind, bits, granularity, dtype)?.with_ranges(ranges))
+        Ok(QuantSpec::new(kind, bits, granularity, dtype)?.with_ranges(ranges).with_rotation(rotated))
     }
 }

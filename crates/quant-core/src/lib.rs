@@ -38,6 +38,7 @@ pub mod pack;
 pub mod params;
 pub mod quantize;
 pub mod rope;
+pub mod rotation;
 pub mod rowkernels;
 pub mod synth;
 pub mod tensor;

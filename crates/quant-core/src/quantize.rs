@@ -106,13 +106,28 @@ pub fn quantize(tensor: &Tensor, spec: &QuantSpec) -> Result<QuantizedTensor> {
     let shape = tensor.shape();
     spec.check_shape(shape)?;
     let layout = GroupLayout::new(shape, spec.granularity());
+    let rotated = rotated_copy(tensor, spec)?;
+    let tensor = rotated.as_ref().unwrap_or(tensor);
     let (mins, maxs) = group_ranges(tensor, &layout)?;
     encode_tensor(tensor, spec, &layout, &mins, &maxs, true)
 }
 
+/// The tensor with every row rotated, for a `-rot` spec (after the values are checked finite:
+/// a rotation would turn a NaN into a row of them).
+fn rotated_copy(tensor: &Tensor, spec: &QuantSpec) -> Result<Option<Tensor>> {
+    if !spec.rotated() {
+        return Ok(None);
+    }
+    check_finite(tensor.shape(), tensor.data())?;
+    let mut data = tensor.data().to_vec();
+    crate::rotation::rotate_rows(&mut data, tensor.shape().head_dim);
+    Ok(Some(Tensor::new(tensor.shape(), data)?))
+}
+
 /// Quantizes `tensor` with ranges given per group (e.g. from a static calibration), in the
 /// order of [`GroupLayout`]. Values outside their group's range saturate. The ranges are used
-/// as given, whatever the spec's [`RangeRule`].
+/// as given, whatever the spec's [`RangeRule`]; for a `-rot` spec they are ranges of the
+/// rotated rows.
 ///
 /// # Errors
 /// As [`quantize`], and [`QuantError::ShapeMismatch`] when the range vectors do not have one
@@ -127,6 +142,8 @@ pub fn quantize_with_ranges(
     spec.check_shape(shape)?;
     check_finite(shape, tensor.data())?;
     let layout = GroupLayout::new(shape, spec.granularity());
+    let rotated = rotated_copy(tensor, spec)?;
+    let tensor = rotated.as_ref().unwrap_or(tensor);
     let groups = layout.groups();
     if mins.len() != groups || maxs.len() != groups {
         return Err(QuantError::ShapeMismatch {
@@ -518,7 +535,8 @@ impl QuantizedTensor {
         out
     }
 
-    /// Decodes the whole tensor to f32.
+    /// Decodes the whole tensor to f32 (unrotating the rows of a `-rot` spec; the codes and
+    /// group parameters are those of the rotated rows).
     pub fn dequantize(&self) -> Tensor {
         let d = self.shape.head_dim;
         let codec = self.codec();
@@ -531,6 +549,9 @@ impl QuantizedTensor {
             for (g, (cs, os)) in row_codes.chunks(seg).zip(out.chunks_mut(seg)).enumerate() {
                 codec.decode(cs, self.group_params(first + g), os);
             }
+        }
+        if self.spec.rotated() {
+            crate::rotation::unrotate_rows(&mut data, d);
         }
         Tensor::new(self.shape, data).expect("a quantized tensor decodes to its own shape")
     }

@@ -99,4 +99,28 @@ proptest! {
         let (qa, qb) = (quantize(&x, &plain).unwrap(), quantize(&x, &fitted).unwrap());
         prop_assert_eq!(qa.memory(), qb.memory(), "same storage");
     }
+
+    #[test]
+    fn rotated_rows_keep_the_error_bound_of_their_grid(x in tensor(), bits in 2u8..=8, token in any::<bool>()) {
+        // The rotation is orthonormal: a row's L2 error is that of its rotated row, at most half
+        // a step per element. Head dims that are not powers of two are refused.
+        let g = if token { "token" } else { "g8" };
+        let spec: QuantSpec = format!("int{bits}-{g}-rot").parse().unwrap();
+        let d = x.shape().head_dim;
+        if !d.is_power_of_two() {
+            prop_assert!(matches!(quantize(&x, &spec), Err(kvq_quant_core::QuantError::InvalidSpec(_))));
+            return Ok(());
+        }
+        let q = quantize(&x, &spec).unwrap();
+        let y = q.dequantize();
+        let layout = q.layout();
+        for (r, (a, b)) in x.data().chunks_exact(d).zip(y.data().chunks_exact(d)).enumerate() {
+            let (first, seg) = layout.row_groups(r);
+            let step = (0..d / seg).map(|i| q.group_params(first + i).scale).fold(0.0, f32::max);
+            let err = a.iter().zip(b).map(|(&u, &v)| f64::from(u - v).powi(2)).sum::<f64>().sqrt();
+            let norm = a.iter().map(|&u| f64::from(u).powi(2)).sum::<f64>().sqrt();
+            let bound = 0.5 * f64::from(step) * (d as f64).sqrt() * (1.0 + 1e-4) + 1e-5 * norm;
+            prop_assert!(err <= bound, "{}: row {} error {} over {}", spec, r, err, bound);
+        }
+    }
 }
