@@ -99,7 +99,7 @@ impl KvSpec {
 }
 
 /// The default comparison: INT8, INT4 and INT2 per tensor, per head, per-channel keys with
-/// per-token values (INT4 and INT2 also with error-minimizing value ranges), and groups of
+/// per-token values (INT4 and INT2 also with rotated values in error-minimizing ranges), and groups of
 /// 32; FP8 e4m3 and NF4 per token. Per-channel keys group over the cache's block
 /// ([`Options::block_size`]).
 pub fn default_specs() -> Vec<KvSpec> {
@@ -107,7 +107,7 @@ pub fn default_specs() -> Vec<KvSpec> {
     for bits in [8, 4, 2] {
         let mut forms = vec!["tensor", "head", "channel/int{b}-token"];
         if bits < 8 {
-            forms.push("channel/int{b}-token-mse");
+            forms.push("channel/int{b}-token-mse-rot");
         }
         forms.push("g32");
         for s in forms {

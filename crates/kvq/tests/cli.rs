@@ -28,7 +28,7 @@ fn analyze_embedded_sample_structure() {
     }
     // `channel` groups a channel over the cache's 32-token block, and the name says so.
     assert_eq!(text.lines().filter(|l| l.starts_with("int4-channel32/int4-token ")).count(), 3);
-    assert_eq!(text.lines().filter(|l| l.starts_with("int2-channel32/int2-token-mse ")).count(), 3);
+    assert_eq!(text.lines().filter(|l| l.starts_with("int2-channel32/int2-token-mse-rot ")).count(), 3);
 }
 
 #[test]
