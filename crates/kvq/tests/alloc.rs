@@ -5,7 +5,8 @@
 //! prefill chunk, and a long context split across threads.
 //!
 //! One test in this binary: the counter is global, and a second test running beside it would
-//! allocate into it. The scalar backend, the reference the others are tested against, is
+//! allocate into it (libtest's own notice after 60 seconds is handled by measuring a window
+//! that allocated once more). The scalar backend, the reference the others are tested against, is
 //! plain code that allocates; serving never selects it.
 
 use cap::Cap;
@@ -33,7 +34,7 @@ fn decode_steps_do_not_allocate() {
     let specs = [
         ("int4-channel", "int4-token"),
         ("int8-channel", "int8-token"),
-        ("int2-channel", "int2-token-mse-rot"), // decodes as int2-token; the output is unrotated in place
+        ("int2-channel", "int2-token-rot"), // decodes as int2-token; the output is unrotated in place
         ("int3-channel", "int3-token"),
         ("int4-g32", "int4-g32"),
         ("sym4-token", "sym8-token"),
@@ -80,11 +81,22 @@ fn decode_steps_do_not_allocate() {
                         let before = ALLOCATOR.total_allocated();
                         step().unwrap();
                         let first = ALLOCATOR.total_allocated() - before;
-                        let before = ALLOCATOR.total_allocated();
-                        for _ in 0..3 {
-                            step().unwrap();
-                        }
-                        (first, ALLOCATOR.total_allocated() - before)
+                        // The counter is the process's: libtest's own thread allocates when it
+                        // prints its "running for over 60 seconds" notice, which this test can
+                        // reach under qemu. A step that allocates does so in every window, so
+                        // a window that allocated is measured once more before it counts.
+                        let window = |step: &mut dyn FnMut() -> Result<(), _>| {
+                            let before = ALLOCATOR.total_allocated();
+                            for _ in 0..3 {
+                                step().unwrap();
+                            }
+                            ALLOCATOR.total_allocated() - before
+                        };
+                        let allocated = match window(&mut step) {
+                            0 => 0,
+                            _ => window(&mut step),
+                        };
+                        (first, allocated)
                     });
                     // The counter sees the first step sizing the fresh workspace.
                     assert!(first > 0, "the first step of a new workspace allocates its buffers");
