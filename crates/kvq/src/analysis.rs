@@ -79,14 +79,10 @@ impl KvSpec {
     /// means in a cache with blocks of `block` tokens.
     pub fn for_block(&self, block: usize) -> Self {
         let f = |s: &QuantSpec| match s.granularity() {
-            Granularity::PerChannel { token_group: None } => QuantSpec::new(
-                s.kind().clone(),
-                s.bits(),
-                Granularity::PerChannel { token_group: Some(block.max(1)) },
-                s.param_dtype(),
-            )
-            .expect("a valid spec with another positive token group")
-            .with_ranges(s.ranges()),
+            Granularity::PerChannel { token_group: None } => s
+                .clone()
+                .with_granularity(Granularity::PerChannel { token_group: Some(block.max(1)) })
+                .expect("a positive token group"),
             _ => s.clone(),
         };
         Self { k: f(&self.k), v: f(&self.v) }
@@ -528,8 +524,8 @@ mod tests {
             assert_eq!(KvSpec::parse(s).unwrap().name(), s);
         }
         assert_eq!(default_specs().len(), 16);
-        let whole = KvSpec::parse("int4-channel-mse/int2-channel").unwrap();
-        assert_eq!(whole.for_block(64).name(), "int4-channel64-mse/int2-channel64");
+        let whole = KvSpec::parse("int4-channel-mse/int2-channel-rot").unwrap();
+        assert_eq!(whole.for_block(64).name(), "int4-channel64-mse/int2-channel64-rot");
         let fixed = KvSpec::parse("int4-channel16/int4-token").unwrap();
         assert_eq!(fixed.for_block(64), fixed);
     }

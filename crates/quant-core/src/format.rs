@@ -113,6 +113,16 @@ pub enum RangeRule {
     Mse,
 }
 
+/// Refuses zero group and token-group sizes.
+fn check_granularity(granularity: Granularity) -> Result<()> {
+    match granularity {
+        Granularity::Group(0) | Granularity::PerChannel { token_group: Some(0) } => {
+            Err(QuantError::GroupSize { group: 0, head_dim: 0 })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// A full quantization spec: format kind, bit width, granularity and parameter storage.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantSpec {
@@ -152,13 +162,18 @@ impl QuantSpec {
                 cb.levels().len()
             )));
         }
-        match granularity {
-            Granularity::Group(0) | Granularity::PerChannel { token_group: Some(0) } => {
-                return Err(QuantError::GroupSize { group: 0, head_dim: 0 });
-            }
-            _ => {}
-        }
+        check_granularity(granularity)?;
         Ok(Self { kind, bits, granularity, param_dtype, ranges: RangeRule::MinMax, rotated: false })
+    }
+
+    /// The same spec with another granularity (everything else kept).
+    ///
+    /// # Errors
+    /// [`QuantError::GroupSize`] for a zero group or token-group size.
+    pub fn with_granularity(mut self, granularity: Granularity) -> Result<Self> {
+        check_granularity(granularity)?;
+        self.granularity = granularity;
+        Ok(self)
     }
 
     /// Affine (asymmetric) spec with f16 parameters.
