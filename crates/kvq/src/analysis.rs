@@ -3,10 +3,13 @@
 //!
 //! For every layer and every [`KvSpec`] the keys and values are quantized offline, compared
 //! element-wise with the originals, and attention is recomputed in f64 with the quantized K
-//! and V at a spread of query positions.
+//! and V at a spread of query positions. With [`Options::cache`] they are instead appended
+//! token by token to a [`QuantizedKvCache`] (residual window and sinks included), and each
+//! query sees the keys and values as the cache held them at its position.
 
 use std::fmt::Write as _;
 
+use kvq_quant_core::calibration::Part;
 use kvq_quant_core::io::{TensorFile, TensorFileError};
 use kvq_quant_core::metrics::{
     AttentionOutputs, attention, compare_attention, compare_attention_grouped, error_stats,
@@ -14,6 +17,11 @@ use kvq_quant_core::metrics::{
 use kvq_quant_core::synth::normal_tensor;
 use kvq_quant_core::{Granularity, QuantError, QuantSpec, Shape, Tensor, quantize};
 use rayon::prelude::*;
+
+use crate::cache::{
+    DEFAULT_BLOCK_SIZE, DEFAULT_RESIDUAL_BLOCKS, DEFAULT_SINK_TOKENS, KvCacheConfig, KvqError,
+    QuantizedKvCache,
+};
 
 /// Why an analysis could not run.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +50,16 @@ pub enum AnalyzeError {
         spec: String,
         /// What went wrong.
         source: QuantError,
+    },
+    /// The cache refused a spec or its data ([`Options::cache`]).
+    #[error("{layer}, spec {spec}: {source}")]
+    Cache {
+        /// The layer.
+        layer: String,
+        /// The spec.
+        spec: String,
+        /// What went wrong.
+        source: KvqError,
     },
     /// A spec string could not be parsed.
     #[error(transparent)]
@@ -123,11 +141,44 @@ pub fn applicable_specs(
     layers: &[LayerInput],
     specs: Vec<KvSpec>,
 ) -> (Vec<KvSpec>, Vec<(KvSpec, QuantError)>) {
+    let (kept, skipped) = applicable_with(layers, specs, &Options::default());
+    let skipped = skipped
+        .into_iter()
+        .map(|(s, why)| match why {
+            AnalyzeError::Spec { source, .. } | AnalyzeError::Layer { source, .. } => (s, source),
+            other => (s, QuantError::InvalidArgument(other.to_string())),
+        })
+        .collect();
+    (kept, skipped)
+}
+
+/// Like [`applicable_specs`], for the analysis that `options` asks for: with
+/// [`Options::cache`], a spec the cache cannot hold (per-tensor ranges without a calibration,
+/// a fitted codebook, per-channel groups other than the block) is skipped too, with the
+/// cache's reason.
+pub fn applicable_with(
+    layers: &[LayerInput],
+    specs: Vec<KvSpec>,
+    options: &Options,
+) -> (Vec<KvSpec>, Vec<(KvSpec, AnalyzeError)>) {
     let mut kept = Vec::new();
     let mut skipped = Vec::new();
     for spec in specs {
+        let blocked = spec.for_block(options.block_size);
         let problem = layers.iter().find_map(|l| {
-            spec.k.check_shape(l.k.shape()).and_then(|()| spec.v.check_shape(l.v.shape())).err()
+            let spec_err = |source| AnalyzeError::Spec { layer: l.name.clone(), spec: spec.name(), source };
+            if let Err(e) =
+                blocked.k.check_shape(l.k.shape()).and_then(|()| blocked.v.check_shape(l.v.shape()))
+            {
+                return Some(spec_err(e));
+            }
+            let run = options.cache?;
+            let config = run.config(l, &blocked, options.block_size);
+            config.err().map(|source| AnalyzeError::Cache {
+                layer: l.name.clone(),
+                spec: spec.name(),
+                source,
+            })
         });
         match problem {
             Some(e) => skipped.push((spec, e)),
@@ -213,13 +264,64 @@ pub struct Options {
     /// Tokens per block of the cache being predicted: per-channel specs without a token group
     /// (`int4-channel`) are analyzed as `channel{block_size}`, as the cache stores them
     /// ([`KvSpec::for_block`]). The default is the cache's default block,
-    /// [`KvCacheConfig::builder`](crate::cache::KvCacheConfig::builder)'s 32.
+    /// [`KvCacheConfig::builder`]'s 32.
     pub block_size: usize,
+    /// Run the data through a [`QuantizedKvCache`] with blocks of [`Options::block_size`]
+    /// tokens instead of quantizing whole tensors offline; `None` (the default) quantizes
+    /// offline.
+    pub cache: Option<CacheRun>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { positions: 32, per_head: false, histogram_bins: 0, block_size: 32 }
+        Self {
+            positions: 32,
+            per_head: false,
+            histogram_bins: 0,
+            block_size: DEFAULT_BLOCK_SIZE,
+            cache: None,
+        }
+    }
+}
+
+/// How the analysis runs data through a [`QuantizedKvCache`] ([`Options::cache`]): what
+/// the cache keeps in full precision (f16), which the numbers then include, errors and bits
+/// alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct CacheRun {
+    /// Full-precision blocks kept after the quantized ones (KIVI's residual window), as
+    /// [`KvCacheConfig::residual_blocks`].
+    pub residual_blocks: usize,
+    /// Leading tokens kept in full precision, as [`KvCacheConfig::sink_tokens`].
+    pub sink_tokens: usize,
+}
+
+impl Default for CacheRun {
+    /// The cache's defaults ([`KvCacheConfig::builder`]): one residual block, 4 sinks.
+    fn default() -> Self {
+        Self { residual_blocks: DEFAULT_RESIDUAL_BLOCKS, sink_tokens: DEFAULT_SINK_TOKENS }
+    }
+}
+
+impl CacheRun {
+    /// A one-layer cache config for `layer` under `spec` with room for every batch entry's
+    /// whole sequence.
+    fn config(
+        &self,
+        layer: &LayerInput,
+        spec: &KvSpec,
+        block_size: usize,
+    ) -> Result<KvCacheConfig, KvqError> {
+        let (ks, qs) = (layer.k.shape(), layer.q.shape());
+        // Blocks hold one head's tokens.
+        let per_seq = ks.tokens.div_ceil(block_size.max(1)) + self.residual_blocks + 1;
+        KvCacheConfig::builder(1, ks.heads, qs.heads, ks.head_dim)
+            .specs(spec.k.clone(), spec.v.clone())
+            .block_size(block_size)
+            .residual_blocks(self.residual_blocks)
+            .sink_tokens(self.sink_tokens)
+            .blocks_per_layer(per_seq.saturating_mul(ks.batch).saturating_mul(ks.heads))
+            .build()
     }
 }
 
@@ -329,6 +431,12 @@ pub struct LayerReport {
 pub struct Report {
     /// What was analyzed.
     pub source: String,
+    /// Tokens per cache block ([`Options::block_size`]): the group of `channel` specs.
+    pub block_size: usize,
+    /// How the data went through a cache ([`Options::cache`]); `None` for offline
+    /// quantization.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheRun>,
     /// One entry per layer.
     pub layers: Vec<LayerReport>,
 }
@@ -352,7 +460,12 @@ pub fn analyze(
         out.push(analyze_layer(layer, &specs, options)?);
         progress(i + 1, layers.len());
     }
-    Ok(Report { source: source.to_string(), layers: out })
+    Ok(Report {
+        source: source.to_string(),
+        block_size: options.block_size,
+        cache: options.cache,
+        layers: out,
+    })
 }
 
 fn analyze_layer(
@@ -363,15 +476,10 @@ fn analyze_layer(
     let layer_err = |source| AnalyzeError::Layer { layer: layer.name.clone(), source };
     let positions = query_positions(layer.k.shape().tokens, options.positions);
     let reference = attention(&layer.q, &layer.k, &layer.v, &positions).map_err(layer_err)?;
-    let rows =
-        specs
-            .par_iter()
-            .map(|spec| {
-                analyze_spec(layer, spec, &positions, &reference, options).map_err(|source| {
-                    AnalyzeError::Spec { layer: layer.name.clone(), spec: spec.name(), source }
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+    let rows = specs
+        .par_iter()
+        .map(|spec| analyze_spec(layer, spec, &positions, &reference, options))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(LayerReport {
         layer: layer.name.clone(),
         kv_shape: layer.k.shape(),
@@ -381,38 +489,143 @@ fn analyze_layer(
     })
 }
 
+/// What a spec made of a layer: the keys and values given back (as the quantizer or the
+/// cache holds them once every token is in), the attention at the query positions, and the
+/// memory they took.
+struct Reconstruction {
+    k_hat: Tensor,
+    v_hat: Tensor,
+    approx: AttentionOutputs,
+    bits_per_element: f64,
+    ratio_vs_f16: f64,
+}
+
+fn offline(layer: &LayerInput, spec: &KvSpec, positions: &[usize]) -> Result<Reconstruction, QuantError> {
+    let qk = quantize(&layer.k, &spec.k)?;
+    let qv = quantize(&layer.v, &spec.v)?;
+    let (k_hat, v_hat) = (qk.dequantize(), qv.dequantize());
+    let approx = attention(&layer.q, &k_hat, &v_hat, positions)?;
+    let memory = qk.memory().combine(&qv.memory());
+    Ok(Reconstruction {
+        k_hat,
+        v_hat,
+        approx,
+        bits_per_element: memory.bits_per_element(),
+        ratio_vs_f16: memory.ratio_vs_f16(),
+    })
+}
+
+/// Appends the layer's tokens to a [`QuantizedKvCache`] one batch entry per sequence, and
+/// computes each query position's attention from what the cache holds once that token is in
+/// (its residual window and sinks still full precision). Memory is everything the cache
+/// holds at the end: codes, parameters, full-precision tails and sinks, block tables.
+fn through_cache(
+    layer: &LayerInput,
+    spec: &KvSpec,
+    positions: &[usize],
+    run: &CacheRun,
+    block_size: usize,
+) -> Result<Reconstruction, AnalyzeError> {
+    let cache_err = |source| AnalyzeError::Cache { layer: layer.name.clone(), spec: spec.name(), source };
+    let spec_err = |source| AnalyzeError::Spec { layer: layer.name.clone(), spec: spec.name(), source };
+    let mut cache =
+        QuantizedKvCache::new(run.config(layer, spec, block_size).map_err(cache_err)?).map_err(cache_err)?;
+    let s = layer.k.shape();
+    let seqs: Vec<_> = (0..s.batch).map(|_| cache.create()).collect();
+    let tokens_of = |t: &Tensor, b: usize, from: usize, to: usize| {
+        let mut data = Vec::with_capacity(s.heads * (to - from) * s.head_dim);
+        for h in 0..s.heads {
+            for tok in from..to {
+                data.extend_from_slice(t.row(b, h, tok));
+            }
+        }
+        Tensor::new(Shape::new(s.heads, to - from, s.head_dim), data)
+    };
+    let fill = |cache: &mut QuantizedKvCache, from: usize, to: usize| -> Result<(), AnalyzeError> {
+        if to > from {
+            for (b, &seq) in seqs.iter().enumerate() {
+                let k = tokens_of(&layer.k, b, from, to).map_err(spec_err)?;
+                let v = tokens_of(&layer.v, b, from, to).map_err(spec_err)?;
+                cache.extend(seq, 0, &k, &v).map_err(cache_err)?;
+            }
+        }
+        Ok(())
+    };
+    let mut done = 0;
+    let held = |cache: &QuantizedKvCache, part: Part| -> Result<Tensor, AnalyzeError> {
+        let paged = cache.layer(0).expect("a one-layer cache");
+        let mut data = Vec::new();
+        let mut len = 0;
+        for &seq in &seqs {
+            for h in 0..s.heads {
+                let rows = paged.dequantize(seq, 0, h, part).map_err(|e| cache_err(e.into()))?;
+                len = rows.len() / s.head_dim.max(1);
+                data.extend_from_slice(&rows);
+            }
+        }
+        Tensor::new(Shape::with_batch(s.batch, s.heads, len, s.head_dim), data).map_err(spec_err)
+    };
+    let mut parts = Vec::with_capacity(positions.len());
+    for &p in positions {
+        if p < done {
+            // The cache cannot go back: positions must ascend (query_positions' do).
+            return Err(spec_err(QuantError::InvalidArgument(format!("query position {p} after {done}"))));
+        }
+        fill(&mut cache, done, p + 1)?;
+        done = p + 1;
+        let (k_hat, v_hat) = (held(&cache, Part::K)?, held(&cache, Part::V)?);
+        let q = layer.q.prefix(p + 1).map_err(spec_err)?;
+        parts.push(attention(&q, &k_hat, &v_hat, &[p]).map_err(spec_err)?);
+    }
+    fill(&mut cache, done, s.tokens)?;
+    let (k_hat, v_hat) = (held(&cache, Part::K)?, held(&cache, Part::V)?);
+    let approx = AttentionOutputs::concat(&parts).map_err(spec_err)?;
+    let used = cache.used_bytes() as f64;
+    let values = 2.0 * layer.k.data().len() as f64;
+    Ok(Reconstruction {
+        k_hat,
+        v_hat,
+        approx,
+        bits_per_element: used * 8.0 / values,
+        ratio_vs_f16: values * 2.0 / used,
+    })
+}
+
 fn analyze_spec(
     layer: &LayerInput,
     spec: &KvSpec,
     positions: &[usize],
     reference: &AttentionOutputs,
     options: &Options,
-) -> Result<Row, QuantError> {
-    let qk = quantize(&layer.k, &spec.k)?;
-    let qv = quantize(&layer.v, &spec.v)?;
-    let (k_hat, v_hat) = (qk.dequantize(), qv.dequantize());
-    let ke = error_stats(layer.k.data(), k_hat.data())?;
-    let ve = error_stats(layer.v.data(), v_hat.data())?;
-    let approx = attention(&layer.q, &k_hat, &v_hat, positions)?;
-    let ae = compare_attention(reference, &approx)?;
-    let memory = qk.memory().combine(&qv.memory());
-    let heads =
-        if options.per_head { per_head(layer, &k_hat, &v_hat, reference, &approx)? } else { Vec::new() };
-    let hist = |r: &Tensor, a: &Tensor| {
-        (options.histogram_bins > 0).then(|| Histogram::of_errors(r.data(), a.data(), options.histogram_bins))
+) -> Result<Row, AnalyzeError> {
+    let spec_err = |source| AnalyzeError::Spec { layer: layer.name.clone(), spec: spec.name(), source };
+    let r = match &options.cache {
+        None => offline(layer, spec, positions).map_err(spec_err)?,
+        Some(run) => through_cache(layer, spec, positions, run, options.block_size)?,
+    };
+    let ke = error_stats(layer.k.data(), r.k_hat.data()).map_err(spec_err)?;
+    let ve = error_stats(layer.v.data(), r.v_hat.data()).map_err(spec_err)?;
+    let ae = compare_attention(reference, &r.approx).map_err(spec_err)?;
+    let heads = if options.per_head {
+        per_head(layer, &r.k_hat, &r.v_hat, reference, &r.approx).map_err(spec_err)?
+    } else {
+        Vec::new()
+    };
+    let hist = |x: &Tensor, a: &Tensor| {
+        (options.histogram_bins > 0).then(|| Histogram::of_errors(x.data(), a.data(), options.histogram_bins))
     };
     Ok(Row {
         spec: spec.name(),
-        bits_per_element: memory.bits_per_element(),
+        bits_per_element: r.bits_per_element,
         k_mse: ke.mse,
         v_mse: ve.mse,
         k_cosine: ke.cosine,
         attn_rel_err: ae.output_rel_l2,
         attn_kl: ae.kl_mean,
-        ratio_vs_f16: memory.ratio_vs_f16(),
+        ratio_vs_f16: r.ratio_vs_f16,
         heads,
-        k_hist: hist(&layer.k, &k_hat),
-        v_hist: hist(&layer.v, &v_hat),
+        k_hist: hist(&layer.k, &r.k_hat),
+        v_hist: hist(&layer.v, &r.v_hat),
     })
 }
 
@@ -457,6 +670,14 @@ impl Report {
     pub fn to_table(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "source: {}", self.source);
+        if let Some(run) = self.cache {
+            let block = self.block_size;
+            let _ = writeln!(
+                s,
+                "through QuantizedKvCache: blocks of {block} tokens, {} residual block(s), {} sink token(s) in f16 (counted in bits)",
+                run.residual_blocks, run.sink_tokens
+            );
+        }
         for layer in &self.layers {
             let _ = writeln!(
                 s,
@@ -516,6 +737,81 @@ mod tests {
         assert_eq!(query_positions(10, 100), vec![5, 6, 7, 8, 9]);
         assert_eq!(query_positions(1, 4), vec![0]);
         assert_eq!(query_positions(0, 4), Vec::<usize>::new());
+    }
+
+    fn sample_layer0() -> LayerInput {
+        let file = TensorFile::from_bytes("sample", crate::SAMPLE.to_vec()).unwrap();
+        layers_from_file(&file).unwrap().remove(0)
+    }
+
+    fn one_row(layer: &LayerInput, spec: &str, options: &Options) -> Row {
+        let spec = KvSpec::parse(spec).unwrap();
+        let mut report = analyze("sample", std::slice::from_ref(layer), &[spec], options, |_, _| {}).unwrap();
+        report.layers.remove(0).rows.remove(0)
+    }
+
+    #[test]
+    fn a_cache_holding_every_token_in_f16_is_exact() {
+        // The sample is f16 data, which the cache's f16 sinks hold exactly; their bytes count.
+        let layer = sample_layer0();
+        let run = CacheRun { residual_blocks: 0, sink_tokens: layer.k.shape().tokens };
+        let options = Options { positions: 5, cache: Some(run), ..Options::default() };
+        let row = one_row(&layer, "int2-channel/int2-token", &options);
+        assert_eq!((row.k_mse, row.v_mse, row.attn_rel_err, row.attn_kl), (0.0, 0.0, 0.0, 0.0));
+        assert!(row.bits_per_element >= 16.0 && row.ratio_vs_f16 <= 1.0, "{row:?}");
+    }
+
+    #[test]
+    fn a_cache_without_full_precision_tokens_holds_what_the_quantizer_gives() {
+        // 256 tokens are 8 full blocks: with no residual window and no sinks the cache ends up
+        // holding exactly the offline codes, and the last position (its block just full)
+        // sees them; only the block tables add bytes.
+        let layer = sample_layer0();
+        let offline = Options { positions: 1, ..Options::default() };
+        let cached =
+            Options { cache: Some(CacheRun { residual_blocks: 0, sink_tokens: 0 }), ..offline.clone() };
+        for spec in ["int4-channel/int4-token", "int2-channel-mse/int3-token-mse-rot", "int4-g16"] {
+            let (a, b) = (one_row(&layer, spec, &offline), one_row(&layer, spec, &cached));
+            assert_eq!(
+                (a.k_mse, a.v_mse, a.attn_rel_err, a.attn_kl),
+                (b.k_mse, b.v_mse, b.attn_rel_err, b.attn_kl)
+            );
+            assert!(
+                b.bits_per_element > a.bits_per_element && b.bits_per_element < a.bits_per_element + 0.01
+            );
+        }
+        // With the defaults the sinks and recent tokens are exact: less key error, more bits.
+        let options = Options { positions: 8, cache: Some(CacheRun::default()), ..Options::default() };
+        let (a, b) = (
+            one_row(&layer, "int2-channel/int2-token", &Options { positions: 8, ..offline }),
+            one_row(&layer, "int2-channel/int2-token", &options),
+        );
+        assert!(b.k_mse < a.k_mse && b.bits_per_element > a.bits_per_element + 0.5, "{a:?} {b:?}");
+    }
+
+    #[test]
+    fn specs_the_cache_cannot_hold_are_skipped_with_its_reason() {
+        let layers = [sample_layer0()];
+        let options = Options { cache: Some(CacheRun::default()), ..Options::default() };
+        let (kept, skipped) = applicable_with(&layers, default_specs(), &options);
+        assert_eq!(kept.len() + skipped.len(), default_specs().len());
+        assert!(
+            skipped.iter().all(|(s, e)| {
+                let static_ranges =
+                    s.k.to_string().ends_with("-tensor") || s.k.to_string().ends_with("-head");
+                static_ranges && matches!(e, AnalyzeError::Cache { .. })
+            }),
+            "{skipped:?}"
+        );
+        assert_eq!(skipped.len(), 6);
+        let (all, none) = applicable_with(&layers, default_specs(), &Options::default());
+        assert_eq!((all.len(), none.len()), (default_specs().len(), 0));
+        let spec = KvSpec::parse("int4-tensor").unwrap();
+        let err = analyze("sample", &layers, &[spec], &options, |_, _| {}).unwrap_err();
+        assert!(
+            matches!(err, AnalyzeError::Cache { .. }) && err.to_string().contains("calibration"),
+            "{err}"
+        );
     }
 
     #[test]

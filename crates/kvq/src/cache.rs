@@ -54,6 +54,13 @@ pub enum KvqError {
     },
 }
 
+/// Tokens per block of a [`KvCacheConfig::builder`] config.
+pub const DEFAULT_BLOCK_SIZE: usize = 32;
+/// Full-precision residual blocks of a [`KvCacheConfig::builder`] config.
+pub const DEFAULT_RESIDUAL_BLOCKS: usize = 1;
+/// Full-precision leading (sink) tokens of a [`KvCacheConfig::builder`] config.
+pub const DEFAULT_SINK_TOKENS: usize = 4;
+
 /// The K and V specs of one layer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerSpecs {
@@ -116,9 +123,9 @@ impl KvCacheConfig {
                 kv_heads,
                 query_heads,
                 head_dim,
-                block_size: 32,
-                residual_blocks: 1,
-                sink_tokens: 4,
+                block_size: DEFAULT_BLOCK_SIZE,
+                residual_blocks: DEFAULT_RESIDUAL_BLOCKS,
+                sink_tokens: DEFAULT_SINK_TOKENS,
                 tail_dtype: TailDtype::F16,
                 blocks_per_layer: 1024,
                 layers: vec![LayerSpecs { k, v }; layers],

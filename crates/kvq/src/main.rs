@@ -160,6 +160,21 @@ enum Command {
         /// channel over this many tokens, as the cache does.
         #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
         block_size: u32,
+        /// Append the tokens to a `QuantizedKvCache` (blocks of --block-size tokens) and
+        /// compare each query against what the cache holds at its position, residual window
+        /// and sinks included (their f16 bytes counted in the bits), instead of quantizing
+        /// whole tensors offline. Specs the cache cannot hold are refused (skipped from the
+        /// built-in list, with the reason).
+        #[arg(long)]
+        cache: bool,
+        /// With --cache: full-precision residual blocks after the quantized ones.
+        #[arg(long, requires = "cache", default_value_t = kvq::cache::DEFAULT_RESIDUAL_BLOCKS as u32,
+              value_parser = clap::value_parser!(u32).range(0..=4096))]
+        residual_blocks: u32,
+        /// With --cache: leading tokens kept in full precision (attention sinks).
+        #[arg(long, requires = "cache", default_value_t = kvq::cache::DEFAULT_SINK_TOKENS as u32,
+              value_parser = clap::value_parser!(u32).range(0..=1_048_576))]
+        sinks: u32,
         /// Write SVG figures into this directory: error-histograms.svg (per bit width, K and
         /// V, per layer), bits-vs-error.svg (one line per scheme family) and layer-errors.svg.
         #[arg(long, value_name = "DIR")]
@@ -295,16 +310,38 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             println!("selected backend: {}", dispatch::selected()?);
             Ok(())
         }
-        Command::Analyze { file, synthetic, specs, positions, per_head, block_size, plot, json } => {
+        Command::Analyze {
+            file,
+            synthetic,
+            specs,
+            positions,
+            per_head,
+            block_size,
+            cache,
+            residual_blocks,
+            sinks,
+            plot,
+            json,
+        } => {
             let (source, layers) = if synthetic {
                 ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), vec![analysis::synthetic_layer()])
             } else {
                 let tf = open_input(file.as_deref())?;
                 (tf.label().to_string(), analysis::layers_from_file(&tf)?)
             };
+            let options = Options {
+                positions,
+                per_head,
+                histogram_bins: if plot.is_some() { 80 } else { 0 },
+                block_size: block_size as usize,
+                cache: cache.then_some(analysis::CacheRun {
+                    residual_blocks: residual_blocks as usize,
+                    sink_tokens: sinks as usize,
+                }),
+            };
             let specs = if specs.is_empty() {
                 // The built-in list applies to any model: what cannot apply is skipped, said so.
-                let (kept, skipped) = analysis::applicable_specs(&layers, analysis::default_specs());
+                let (kept, skipped) = analysis::applicable_with(&layers, analysis::default_specs(), &options);
                 for (spec, why) in skipped {
                     eprintln!("kvq: skipping built-in spec {}: {why}", spec.name());
                 }
@@ -314,12 +351,6 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     .iter()
                     .map(|s| KvSpec::parse(s).map_err(|e| format!("--specs {s:?}: {e}")))
                     .collect::<Result<_, _>>()?
-            };
-            let options = Options {
-                positions,
-                per_head,
-                histogram_bins: if plot.is_some() { 80 } else { 0 },
-                block_size: block_size as usize,
             };
             let report = analysis::analyze(&source, &layers, &specs, &options, progress("analyzing"))?;
             if json {

@@ -32,6 +32,35 @@ fn analyze_embedded_sample_structure() {
 }
 
 #[test]
+fn analyze_through_the_cache_counts_its_full_precision_tokens() {
+    let bits = |args: &[&str]| -> Vec<f64> {
+        let out = kvq(args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+        v["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["rows"][0]["bits_per_element"].as_f64().unwrap())
+            .collect()
+    };
+    let spec = ["analyze", "--json", "--positions", "4", "--specs", "int4-channel/int4-token"];
+    let offline = bits(&spec);
+    let cached = bits(&[&spec[..], &["--cache"]].concat());
+    let more_sinks = bits(&[&spec[..], &["--cache", "--sinks", "64", "--residual-blocks", "2"]].concat());
+    for ((a, b), c) in offline.iter().zip(&cached).zip(&more_sinks) {
+        // 256 tokens: 4 sinks and a 32..63-token window in f16 add about 2 bits; more, more.
+        assert!(a + 1.0 < *b && b + 2.0 < *c, "{offline:?} {cached:?} {more_sinks:?}");
+    }
+    // The built-in list drops what the cache cannot stream, and says why on stderr.
+    let out = kvq(&["analyze", "--cache", "--positions", "2"]);
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("skipping built-in spec int4-tensor") && err.contains("calibration"), "{err}");
+    assert!(!stdout(&out).contains("int4-tensor") && stdout(&out).contains("int4-channel32/int4-token "));
+}
+
+#[test]
 fn analyze_json_has_every_field() {
     let out = kvq(&["analyze", "--json", "--specs", "int4-channel/int4-token,nf4-token", "--positions", "4"]);
     assert!(out.status.success());
@@ -135,6 +164,8 @@ fn errors_are_one_line_with_exit_code_1() {
         (vec!["analyze", "--specs", "int9-token"], "int9"),
         (vec!["analyze", "--specs", "int4-g48"], "group size 48"),
         (vec!["analyze", "Cargo.toml"], "not a valid safetensors file"),
+        (vec!["analyze", "--cache", "--specs", "int4-tensor"], "give a calibration"),
+        (vec!["analyze", "--cache", "--specs", "int4-channel64", "--block-size", "32"], "channel32"),
     ] {
         let out = kvq(&args);
         assert_eq!(out.status.code(), Some(1), "{args:?}");
@@ -143,6 +174,7 @@ fn errors_are_one_line_with_exit_code_1() {
         assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     }
     assert_eq!(kvq(&["analyze", "--bogus"]).status.code(), Some(2));
+    assert_eq!(kvq(&["analyze", "--sinks", "2"]).status.code(), Some(2), "--sinks needs --cache");
 }
 
 #[test]

@@ -118,6 +118,44 @@ impl AttentionOutputs {
         let i = ((batch * self.positions.len() + pos_index) * self.query_heads + head) * self.head_dim;
         &self.outputs[i..i + self.head_dim]
     }
+
+    /// The attention of `parts`, one after another, as if computed in one call at all their
+    /// positions: how a streaming cache is compared, where the keys and values that a query
+    /// sees depend on how far the cache had got (each part computed against the cache as it
+    /// stood at its positions).
+    ///
+    /// # Errors
+    /// [`QuantError::InvalidArgument`] for no parts; [`QuantError::ShapeMismatch`] when the
+    /// parts differ in batch, query heads or head_dim.
+    pub fn concat(parts: &[AttentionOutputs]) -> Result<AttentionOutputs> {
+        let first =
+            parts.first().ok_or_else(|| QuantError::InvalidArgument("no attention to join".into()))?;
+        let (batch, heads, d) = (first.batch, first.query_heads, first.head_dim);
+        if let Some(p) = parts.iter().find(|p| (p.batch, p.query_heads, p.head_dim) != (batch, heads, d)) {
+            return Err(QuantError::ShapeMismatch {
+                expected: format!("batch {batch}, {heads} query heads, head_dim {d}"),
+                got: format!("batch {}, {} query heads, head_dim {}", p.batch, p.query_heads, p.head_dim),
+            });
+        }
+        let mut out = AttentionOutputs {
+            positions: parts.iter().flat_map(|p| p.positions.iter().copied()).collect(),
+            batch,
+            query_heads: heads,
+            head_dim: d,
+            outputs: Vec::with_capacity(parts.iter().map(|p| p.outputs.len()).sum()),
+            probs: Vec::with_capacity(parts.iter().map(|p| p.probs.len()).sum()),
+        };
+        // Layout `[batch, position, head, ...]`: batch entries are outermost, so each part
+        // contributes one run of rows per batch entry.
+        for b in 0..batch {
+            for p in parts {
+                let rows = p.positions.len() * heads;
+                out.outputs.extend_from_slice(&p.outputs[b * rows * d..(b + 1) * rows * d]);
+                out.probs.extend(p.probs[b * rows..(b + 1) * rows].iter().cloned());
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// Causal softmax attention of `q` against `k`/`v` at `positions`.
@@ -351,6 +389,36 @@ mod tests {
         assert_eq!(compare_attention_grouped(&r, &a, 1).unwrap().len(), 4);
         assert!(compare_attention_grouped(&r, &a, 3).is_err());
         assert!(compare_attention_grouped(&r, &a, 0).is_err());
+    }
+
+    #[test]
+    fn joined_parts_equal_one_call() {
+        // Batch 2, so that the join must interleave the parts per batch entry; each part is
+        // computed on the prefix a streaming cache would hold at its position.
+        let q = crate::synth::normal_tensor(Shape::with_batch(2, 4, 7, 4), 1);
+        let k = crate::synth::normal_tensor(Shape::with_batch(2, 2, 7, 4), 2);
+        let v = crate::synth::normal_tensor(Shape::with_batch(2, 2, 7, 4), 3);
+        let whole = attention(&q, &k, &v, &[2, 4, 6]).unwrap();
+        let parts: Vec<_> = [2usize, 4, 6]
+            .iter()
+            .map(|&p| {
+                let at = |t: &Tensor| t.prefix(p + 1).unwrap();
+                attention(&at(&q), &at(&k), &at(&v), &[p]).unwrap()
+            })
+            .collect();
+        assert_eq!(AttentionOutputs::concat(&parts).unwrap(), whole);
+        assert!(AttentionOutputs::concat(&[]).is_err());
+        let other = attention(&q.prefix(3).unwrap(), &k.prefix(3).unwrap(), &v.prefix(3).unwrap(), &[2]);
+        let one_batch = |t: &Tensor| {
+            let s = t.shape();
+            Tensor::new(Shape::new(s.heads, s.tokens, s.head_dim), t.data()[..t.data().len() / 2].to_vec())
+                .unwrap()
+        };
+        let single = attention(&one_batch(&q), &one_batch(&k), &one_batch(&v), &[2]).unwrap();
+        assert!(matches!(
+            AttentionOutputs::concat(&[other.unwrap(), single]),
+            Err(QuantError::ShapeMismatch { .. })
+        ));
     }
 
     #[test]
