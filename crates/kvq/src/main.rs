@@ -117,6 +117,9 @@ enum Command {
         /// Query positions at which attention is compared.
         #[arg(long, default_value_t = Options::default().positions)]
         positions: usize,
+        /// Measure through the cache (and write its window and sinks into the config).
+        #[command(flatten)]
+        cache: CacheArgs,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -160,21 +163,8 @@ enum Command {
         /// channel over this many tokens, as the cache does.
         #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
         block_size: u32,
-        /// Append the tokens to a `QuantizedKvCache` (blocks of --block-size tokens) and
-        /// compare each query against what the cache holds at its position, residual window
-        /// and sinks included (their f16 bytes counted in the bits), instead of quantizing
-        /// whole tensors offline. Specs the cache cannot hold are refused (skipped from the
-        /// built-in list, with the reason).
-        #[arg(long)]
-        cache: bool,
-        /// With --cache: full-precision residual blocks after the quantized ones.
-        #[arg(long, requires = "cache", default_value_t = kvq::cache::DEFAULT_RESIDUAL_BLOCKS as u32,
-              value_parser = clap::value_parser!(u32).range(0..=4096))]
-        residual_blocks: u32,
-        /// With --cache: leading tokens kept in full precision (attention sinks).
-        #[arg(long, requires = "cache", default_value_t = kvq::cache::DEFAULT_SINK_TOKENS as u32,
-              value_parser = clap::value_parser!(u32).range(0..=1_048_576))]
-        sinks: u32,
+        #[command(flatten)]
+        cache: CacheArgs,
         /// Write SVG figures into this directory: error-histograms.svg (per bit width, K and
         /// V, per layer), bits-vs-error.svg (one line per scheme family) and layer-errors.svg.
         #[arg(long, value_name = "DIR")]
@@ -183,6 +173,35 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Running the data through the cache instead of quantizing offline (`analyze`, `recommend`).
+#[derive(clap::Args, Debug)]
+struct CacheArgs {
+    /// Append the tokens to a `QuantizedKvCache` and compare each query against what the
+    /// cache holds at its position, residual window and sinks included (their f16 bytes
+    /// counted in the bits, at the file's length), instead of quantizing whole tensors
+    /// offline. Specs the cache cannot hold are refused (skipped from built-in lists, with
+    /// the reason).
+    #[arg(long)]
+    cache: bool,
+    /// With --cache: full-precision residual blocks after the quantized ones.
+    #[arg(long, requires = "cache", default_value_t = kvq::cache::DEFAULT_RESIDUAL_BLOCKS as u32,
+          value_parser = clap::value_parser!(u32).range(0..=4096))]
+    residual_blocks: u32,
+    /// With --cache: leading tokens kept in full precision (attention sinks).
+    #[arg(long, requires = "cache", default_value_t = kvq::cache::DEFAULT_SINK_TOKENS as u32,
+          value_parser = clap::value_parser!(u32).range(0..=1_048_576))]
+    sinks: u32,
+}
+
+impl CacheArgs {
+    fn run(&self) -> Option<analysis::CacheRun> {
+        self.cache.then_some(analysis::CacheRun {
+            residual_blocks: self.residual_blocks as usize,
+            sink_tokens: self.sinks as usize,
+        })
+    }
 }
 
 fn main() -> ExitCode {
@@ -199,26 +218,27 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
         Command::Bench { context, steps, specs, integer } => bench(context, steps, &specs, integer),
-        Command::Recommend { file, budget_bits, out, model_layers, positions, json } => {
+        Command::Recommend { file, budget_bits, out, model_layers, positions, cache, json } => {
             if !(budget_bits.is_finite() && budget_bits > 0.0) {
                 return Err(format!("--budget-bits {budget_bits} is not a positive finite number").into());
             }
             let tf = open_input(file.as_deref())?;
             let layers = analysis::layers_from_file(&tf)?;
+            let options = Options {
+                positions,
+                block_size: kvq::recommend::BLOCK_SIZE,
+                cache: cache.run(),
+                ..Options::default()
+            };
             let (candidates, skipped) =
-                analysis::applicable_specs(&layers, kvq::recommend::default_candidates());
+                analysis::applicable_with(&layers, kvq::recommend::default_candidates(), &options);
             for (spec, why) in skipped {
                 eprintln!("kvq: skipping candidate {}: {why}", spec.name());
             }
-            let (rec, specs) = kvq::recommend::recommend(
-                &layers,
-                &candidates,
-                budget_bits,
-                &Options { positions, ..Options::default() },
-                |done, all| {
+            let (rec, specs) =
+                kvq::recommend::recommend(&layers, &candidates, budget_bits, &options, |done, all| {
                     eprintln!("kvq: measured {done}/{all} layers");
-                },
-            )?;
+                })?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rec)?);
             } else {
@@ -232,14 +252,19 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
             if let Some(out) = out {
+                let run = options.cache.unwrap_or_default();
                 let (config, source) =
-                    kvq::recommend::config_for(&layers, &specs, model_layers.map(|n| n as usize))?;
+                    kvq::recommend::config_with(&layers, &specs, model_layers.map(|n| n as usize), run)?;
                 config.save(&out)?;
                 let filled = source.iter().enumerate().filter(|&(m, &from)| m != from).count();
+                let counted = if options.cache.is_some() {
+                    format!("the bits above count them at the dump's {} tokens", layers[0].k.shape().tokens)
+                } else {
+                    "the bits above count codes and parameters, not those (measure with --cache)".to_string()
+                };
                 eprintln!(
                     "kvq: wrote {} ({} layers; {filled} not in the dump take the specs of the nearest dumped layer; \
-                     the bits above count codes and parameters, not the config's f16 residual window \
-                     ({} block of {}) and {} sink tokens)",
+                     f16 residual window of {} block(s) of {} and {} sink tokens: {counted})",
                     out.display(),
                     config.layers.len(),
                     config.residual_blocks,
@@ -310,19 +335,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             println!("selected backend: {}", dispatch::selected()?);
             Ok(())
         }
-        Command::Analyze {
-            file,
-            synthetic,
-            specs,
-            positions,
-            per_head,
-            block_size,
-            cache,
-            residual_blocks,
-            sinks,
-            plot,
-            json,
-        } => {
+        Command::Analyze { file, synthetic, specs, positions, per_head, block_size, cache, plot, json } => {
             let (source, layers) = if synthetic {
                 ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), vec![analysis::synthetic_layer()])
             } else {
@@ -334,10 +347,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 per_head,
                 histogram_bins: if plot.is_some() { 80 } else { 0 },
                 block_size: block_size as usize,
-                cache: cache.then_some(analysis::CacheRun {
-                    residual_blocks: residual_blocks as usize,
-                    sink_tokens: sinks as usize,
-                }),
+                cache: cache.run(),
             };
             let specs = if specs.is_empty() {
                 // The built-in list applies to any model: what cannot apply is skipped, said so.

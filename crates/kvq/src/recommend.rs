@@ -6,9 +6,11 @@
 //! each layer's cheapest candidate and repeatedly takes the upgrade with the largest error
 //! reduction per extra bit that still fits the budget (a greedy multiple-choice knapsack).
 //! Candidates stream in a paged cache with blocks of 32 tokens: per-channel keys are grouped
-//! per 32-token block, exactly as the cache will store them.
+//! per 32-token block, exactly as the cache will store them. With [`Options::cache`] the
+//! candidates are measured through the cache itself, so the bits include its f16 residual
+//! window and sinks (write the config with [`config_with`] and the same [`CacheRun`]).
 
-use crate::analysis::{AnalyzeError, KvSpec, LayerInput, Options, analyze};
+use crate::analysis::{AnalyzeError, CacheRun, KvSpec, LayerInput, Options, analyze};
 use crate::cache::{KvCacheConfig, KvqError};
 
 /// Tokens per block of the configs `recommend` writes (per-channel groups match it).
@@ -185,6 +187,20 @@ pub fn config_for(
     specs: &[KvSpec],
     model_layers: Option<usize>,
 ) -> Result<(KvCacheConfig, Vec<usize>), RecommendError> {
+    config_with(layers, specs, model_layers, CacheRun::default())
+}
+
+/// Like [`config_for`], with the residual window and sinks of `run`: the config that a
+/// recommendation measured with [`Options::cache`] set to `run` was measured on.
+///
+/// # Errors
+/// As [`config_for`].
+pub fn config_with(
+    layers: &[LayerInput],
+    specs: &[KvSpec],
+    model_layers: Option<usize>,
+    run: CacheRun,
+) -> Result<(KvCacheConfig, Vec<usize>), RecommendError> {
     let bad = |why: String| RecommendError::Layers(why);
     let mut ids = Vec::with_capacity(layers.len());
     for l in layers {
@@ -206,7 +222,10 @@ pub fn config_for(
         .map(|m| *ids.iter().min_by_key(|&&id| (id.abs_diff(m), id)).expect("at least one layer"))
         .collect();
     let (k, q) = (layers[0].k.shape(), layers[0].q.shape());
-    let mut b = KvCacheConfig::builder(n, k.heads, q.heads, k.head_dim).block_size(BLOCK_SIZE);
+    let mut b = KvCacheConfig::builder(n, k.heads, q.heads, k.head_dim)
+        .block_size(BLOCK_SIZE)
+        .residual_blocks(run.residual_blocks)
+        .sink_tokens(run.sink_tokens);
     for (m, &from) in source.iter().enumerate() {
         let s = &specs[ids.iter().position(|&id| id == from).expect("a dumped layer")];
         b = b.layer_specs(m, s.k.clone(), s.v.clone());

@@ -284,6 +284,44 @@ fn recommend_respects_the_budget_and_writes_a_loadable_config() {
 }
 
 #[test]
+fn recommend_through_the_cache_counts_and_writes_its_window_and_sinks() {
+    let out = std::env::temp_dir().join(format!("kvq-rec-cache-{}.toml", std::process::id()));
+    let run = |extra: &[&str]| {
+        let args = [
+            &["recommend", "--budget-bits", "9", "--json", "--positions", "4", "--out"][..],
+            &[out.to_str().unwrap()],
+            extra,
+        ]
+        .concat();
+        let o = kvq(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        let config = kvq::cache::KvCacheConfig::load(&out).unwrap();
+        (
+            v["layers"][0]["spec"].as_str().unwrap().to_string(),
+            v["layers"][0]["bits"].as_f64().unwrap(),
+            config,
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let (_, _, config, said) = run(&[]);
+    assert!(said.contains("not those (measure with --cache)"), "{said}");
+    assert_eq!((config.residual_blocks, config.sink_tokens), (1, 4));
+    let (cached_spec, cached_bits, config, said) =
+        run(&["--cache", "--residual-blocks", "2", "--sinks", "8"]);
+    assert!(said.contains("count them at the dump's 256 tokens"), "{said}");
+    assert_eq!((config.residual_blocks, config.sink_tokens), (2, 8));
+    // The chosen spec's bits include at least its 8 f16 sinks out of 256 tokens (and the
+    // window, for per-channel specs; the whole last block the pool handed out).
+    let o = kvq(&["analyze", "--json", "--positions", "4", "--specs", &cached_spec]);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let offline_bits = v["layers"][0]["rows"][0]["bits_per_element"].as_f64().unwrap();
+    let sinks = 8.0 * (16.0 - offline_bits) / 256.0;
+    assert!(cached_bits > offline_bits + sinks, "{cached_spec}: {offline_bits} {cached_bits}");
+    std::fs::remove_file(&out).unwrap();
+}
+
+#[test]
 fn bench_prints_one_row_per_spec_and_the_baseline() {
     let o =
         kvq(&["bench", "--context", "64", "--steps", "1", "--specs", "int4-channel/int4-token,int8-token"]);
