@@ -156,6 +156,7 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
             "int4-channel",
             "int2-channel",
             "fp8e4m3-token",
+            "int4-g32",
         ]
     } else {
         &["int8-token", "int4-token", "int8-channel", "int4-channel"]
@@ -171,6 +172,8 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
         let levels = if spec.starts_with("fp8") { Levels::Table(&table) } else { Levels::Affine };
         let params = if spec.contains("channel") {
             Params::PerChannel { scale: &scale, offset: offset.as_deref() }
+        } else if let kvq_quant_core::Granularity::Group(group) = parsed.granularity() {
+            Params::PerGroup { group, scale: &scale, offset: offset.as_deref() }
         } else {
             Params::PerRow { scale: &scale, offset: offset.as_deref() }
         };
@@ -193,6 +196,10 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
                 Params::PerChannel { .. } => params,
                 Params::PerRow { scale, offset } => {
                     Params::PerRow { scale: &scale[..check], offset: offset.map(|o| &o[..check]) }
+                }
+                Params::PerGroup { group, scale, offset } => {
+                    let n = check * (d / group);
+                    Params::PerGroup { group, scale: &scale[..n], offset: offset.map(|o| &o[..n]) }
                 }
             },
         )

@@ -8,8 +8,11 @@
 //!
 //! Covered: affine levels, and table levels (FP8, codebooks: the 8 levels of 8 codes come from
 //! one `vgatherdps`), 2-, 4- and 8-bit codes, rows whose length is a multiple of the chunk (64,
-//! 32, 16 codes), per-row and per-channel parameters. Anything else (symmetric levels, other
-//! widths) runs the `wide` kernels. Each public function checks the CPU itself, so it is safe to call anywhere.
+//! 32, 16 codes), per-row and per-channel parameters, and per-group parameters (`gN`) in
+//! groups of a multiple of 16: those decode each run of 16 codes to values in registers with
+//! their group's scale and offset (one FMA per 8 values, shared by the query group) before
+//! the dot or the accumulation. Anything else (symmetric levels, other widths, groups of 8)
+//! runs the `wide` kernels, and [`crate::implementation_for`] says so. Each public function checks the CPU itself, so it is safe to call anywhere.
 //!
 //! # Platform-specific behavior
 //! FMA rounds once per multiply-add and sums run in 8 lanes: results differ from the scalar
@@ -29,10 +32,22 @@ fn supported(b: &QuantBlock<'_>) -> bool {
         2 => 64,
         _ => return false,
     };
+    // A per-group block decodes 16 consecutive codes at a time with one scale: its groups
+    // must hold whole runs of 16.
+    let groups_ok = match b.params {
+        Params::PerGroup { group, .. } => group.is_multiple_of(16),
+        _ => true,
+    };
     matches!(b.levels, Levels::Affine | Levels::Table(_))
         && b.dim.is_multiple_of(chunk)
         && b.dim > 0
+        && groups_ok
         && cpu_ok()
+}
+
+/// Whether these kernels run for `b` on this CPU (else the `wide` ones do).
+pub fn float_supported(b: &QuantBlock<'_>) -> bool {
+    supported(b)
 }
 
 fn cpu_ok() -> bool {
@@ -186,6 +201,118 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f
     }
 }
 
+/// The scale and offset of group `g` as two broadcast vectors (offset 0 without offsets).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn group_params(scale: &[f32], offset: Option<&[f32]>, g: usize) -> (__m256, __m256) {
+    (_mm256_set1_ps(scale[g]), _mm256_set1_ps(offset.map_or(0.0, |o| o[g])))
+}
+
+/// [`group_dots`] for a per-group block: each run of 16 codes is decoded to values in
+/// registers with its group's scale and offset (one FMA per 8), then multiplied by every
+/// query row; `emit(i, r, score)` receives finished scores.
+///
+/// # Safety
+/// As [`group_dots`], and `b.params` is `PerGroup` with a group that is a multiple of 16.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_dots_grouped<const BITS: u8, const NQ: usize>(
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    mut emit: impl FnMut(usize, usize, f32),
+) {
+    let Params::PerGroup { group, scale, offset } = b.params else { return };
+    let per_chunk = 128 / BITS as usize;
+    let (d, table) = (b.dim, table_of(b));
+    let per_row = d / group;
+    for r in 0..b.rows {
+        let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+        for (ci, c) in b.row(r).chunks_exact(16).enumerate() {
+            // SAFETY: `c` is exactly 16 bytes.
+            let chunk = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
+            for k in 0..per_chunk / 16 {
+                let at = ci * per_chunk + 16 * k;
+                // SAFETY: AVX2 is enabled by this function's target features; a table has
+                // 2^BITS entries; `at / group < per_row`, so the group index is in range.
+                let (x0, x1) = unsafe {
+                    let (lo, hi) = codes_f32(chunk, BITS, k as i32, table);
+                    let (sv, ov) = group_params(scale, offset, r * per_row + at / group);
+                    (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
+                };
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: at + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
+                    let (q0, q1) = unsafe {
+                        let p = q.as_ptr().add(i * d + at);
+                        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+                    };
+                    a[0] = _mm256_fmadd_ps(x0, q0, a[0]);
+                    a[1] = _mm256_fmadd_ps(x1, q1, a[1]);
+                }
+            }
+        }
+        let mut lanes = [_mm256_setzero_ps(); 4];
+        for (l, a) in lanes.iter_mut().zip(&acc) {
+            *l = _mm256_add_ps(a[0], a[1]);
+        }
+        let mut sums = [0f32; 4];
+        // SAFETY: AVX2 is enabled; `sums` holds 4 floats.
+        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(lanes[0], lanes[1], lanes[2], lanes[3])) };
+        for (i, &s) in sums.iter().enumerate().take(NQ) {
+            emit(i, r, s);
+        }
+    }
+}
+
+/// [`group_axpy`] for a per-group block: `sums[i·dim + d] = Σ_r w[i·rows + r] · x̂[r][d]`,
+/// each run of 16 codes decoded to values in registers with its group's parameters.
+///
+/// # Safety
+/// As [`group_axpy`], and `b.params` is `PerGroup` with a group that is a multiple of 16.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
+    b: &QuantBlock<'_>,
+    w: &[f32],
+    sums: &mut [f32],
+) {
+    let Params::PerGroup { group, scale, offset } = b.params else { return };
+    let per_chunk = 128 / BITS as usize;
+    let (rows, table) = (b.rows, table_of(b));
+    let per_row = b.dim / group;
+    for ci in 0..b.row_bytes / 16 {
+        for k in 0..per_chunk / 16 {
+            let d0 = ci * per_chunk + 16 * k;
+            let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+            for r in 0..rows {
+                // SAFETY: chunk `ci` lies within row `r` (row_bytes is a multiple of 16 for
+                // supported blocks); AVX2 is enabled; a table has 2^BITS entries; the group
+                // index `r · per_row + d0 / group` is in range.
+                let (x0, x1) = unsafe {
+                    let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
+                    let (lo, hi) = codes_f32(chunk, BITS, k as i32, table);
+                    let (sv, ov) = group_params(scale, offset, r * per_row + d0 / group);
+                    (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
+                };
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: i·rows + r < w.len().
+                    let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + r)) };
+                    a[0] = _mm256_fmadd_ps(x0, wv, a[0]);
+                    a[1] = _mm256_fmadd_ps(x1, wv, a[1]);
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                // SAFETY: d0 + 16 <= dim, so the 16 floats lie within row i of `sums`.
+                unsafe {
+                    let p = sums.as_mut_ptr().add(i * b.dim + d0);
+                    _mm256_storeu_ps(p, a[0]);
+                    _mm256_storeu_ps(p.add(8), a[1]);
+                }
+            }
+        }
+    }
+}
+
 /// Runs `f(first query, queries in this group)` over the query rows in groups of up to 4.
 fn in_groups_of_4(n_q: usize, mut f: impl FnMut(usize, usize)) {
     let mut i = 0;
@@ -241,6 +368,11 @@ fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &
                 unsafe { by_bits_and_group!(group_dots, b.bits, n, (b, &qw[i0 * d..(i0 + n) * d], emit)) }
             });
         }
+        Params::PerGroup { .. } => in_groups_of_4(n_q, |i0, n| {
+            let emit = |i: usize, r: usize, dot: f32| out[(i0 + i) * rows + r] = dot;
+            // SAFETY: callers checked `supported(b)` (groups of a multiple of 16).
+            unsafe { by_bits_and_group!(group_dots_grouped, b.bits, n, (b, &q[i0 * d..(i0 + n) * d], emit)) }
+        }),
     }
 }
 
@@ -296,6 +428,16 @@ unsafe fn axpy_group_with(
                     let o = &mut out[(i0 + i) * d..(i0 + i + 1) * d];
                     for (c, (o, &x)) in o.iter_mut().zip(&sums[i * d..(i + 1) * d]).enumerate() {
                         *o += x * scale[c] + offset.map_or(0.0, |f| f[c]) * psum;
+                    }
+                }
+            }
+            // o_i += Σ_r p_ir · x̂_r, the rows decoded with their groups' parameters.
+            Params::PerGroup { .. } => {
+                // SAFETY: callers checked `supported(b)` (groups of a multiple of 16).
+                unsafe { by_bits_and_group!(group_axpy_grouped, b.bits, n, (b, pg, sums)) }
+                for (i, o) in out[i0 * d..(i0 + n) * d].chunks_exact_mut(d).enumerate() {
+                    for (o, &x) in o.iter_mut().zip(&sums[i * d..(i + 1) * d]) {
+                        *o += x;
                     }
                 }
             }
@@ -615,7 +757,7 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
         8 => b.dim.is_multiple_of(16),
         _ => false,
     };
-    ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && cpu_ok()
+    ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && crate::scalar::integer_params(b) && cpu_ok()
 }
 
 /// Scores through the integer path: the query (per-channel: the query times the scales) is

@@ -34,7 +34,7 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
         8 => b.dim.is_multiple_of(64),
         _ => false,
     };
-    ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && cpu_ok()
+    ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && crate::scalar::integer_params(b) && cpu_ok()
 }
 
 struct Vnni;
@@ -209,7 +209,7 @@ pub fn axpy_int_supported(b: &QuantBlock<'_>) -> bool {
         8 => b.dim.is_multiple_of(64),
         _ => false,
     };
-    ok_dim && matches!(b.levels, Levels::Affine) && cpu_ok()
+    ok_dim && matches!(b.levels, Levels::Affine) && crate::scalar::integer_params(b) && cpu_ok()
 }
 
 struct VnniAxpy;

@@ -33,6 +33,29 @@ pub enum Params<'a> {
         /// `dim` offsets, or `None`.
         offset: Option<&'a [f32]>,
     },
+    /// One scale (and offset) per `group` consecutive values of a row (`gN` specs): row `r`'s
+    /// values `g · group .. (g + 1) · group` share entry `r · dim / group + g`.
+    PerGroup {
+        /// Values per group; divides `dim`.
+        group: usize,
+        /// `rows · dim / group` scales, row-major.
+        scale: &'a [f32],
+        /// As many offsets, or `None`.
+        offset: Option<&'a [f32]>,
+    },
+}
+
+impl Params<'_> {
+    /// The scale and offset of value `k` of row `r`.
+    #[inline]
+    pub(crate) fn at(&self, r: usize, k: usize, dim: usize) -> (f32, f32) {
+        let (i, scale, offset) = match *self {
+            Params::PerRow { scale, offset } => (r, scale, offset),
+            Params::PerChannel { scale, offset } => (k, scale, offset),
+            Params::PerGroup { group, scale, offset } => (r * (dim / group) + k / group, scale, offset),
+        };
+        (scale[i], offset.map_or(0.0, |o| o[i]))
+    }
 }
 
 /// A block of `rows` packed rows of `dim` codes of `bits` bits (quant-core's bit-plane
@@ -84,6 +107,12 @@ impl<'a> QuantBlock<'a> {
         let (want, scale, offset) = match params {
             Params::PerRow { scale, offset } => (rows, scale, offset),
             Params::PerChannel { scale, offset } => (dim, scale, offset),
+            Params::PerGroup { group, scale, offset } => {
+                if group == 0 || !dim.is_multiple_of(group) {
+                    return bad(format!("a group of {group} values does not divide rows of {dim}"));
+                }
+                (rows * (dim / group), scale, offset)
+            }
         };
         if scale.len() != want || offset.is_some_and(|o| o.len() != want) {
             return bad(format!("parameters for {want} groups, got {} scales", scale.len()));
@@ -108,6 +137,11 @@ impl<'a> QuantBlock<'a> {
         let params = match self.params {
             Params::PerRow { scale, offset } => {
                 Params::PerRow { scale: &scale[r.clone()], offset: offset.map(|o| &o[r.clone()]) }
+            }
+            Params::PerGroup { group, scale, offset } => {
+                let per_row = self.dim / group;
+                let at = r.start * per_row..r.end * per_row;
+                Params::PerGroup { group, scale: &scale[at.clone()], offset: offset.map(|o| &o[at]) }
             }
             channel => channel,
         };

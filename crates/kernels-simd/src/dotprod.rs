@@ -25,7 +25,7 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
         8 => b.dim.is_multiple_of(16),
         _ => false,
     };
-    ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && cpu_ok()
+    ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && crate::scalar::integer_params(b) && cpu_ok()
 }
 
 /// `acc += sdot(a, b)`.

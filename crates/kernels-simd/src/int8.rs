@@ -129,6 +129,7 @@ impl Prepared {
                     self.scale[i] = K::round_query(qi, &mut self.q8);
                     self.add[i] = K::sum(qi);
                 }
+                Params::PerGroup { .. } => unreachable!("the integer paths refuse per-group blocks"),
                 Params::PerChannel { scale, offset } => {
                     self.qw.clear();
                     self.qw.extend(qi.iter().zip(scale).map(|(x, s)| x * s));
@@ -169,6 +170,7 @@ impl Prepared {
                         *o = s * qs * dot as f32;
                     }
                 }
+                Params::PerGroup { .. } => unreachable!("the integer paths refuse per-group blocks"),
                 Params::PerChannel { .. } => {
                     for (o, &dot) in o.iter_mut().zip(dots) {
                         *o = qs * dot as f32 + add;

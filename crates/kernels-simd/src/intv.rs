@@ -79,6 +79,7 @@ pub(crate) fn axpy_by_block<K: IntAxpyKernel>(
                         wf.extend(pi.iter().zip(&s[at.clone()]).map(|(p, s)| p * s));
                         add[i] = offset.map_or(0.0, |o| dot_lanes(pi, &o[at.clone()]));
                     }
+                    Params::PerGroup { .. } => unreachable!("the integer paths refuse per-group blocks"),
                     Params::PerChannel { .. } => {
                         wf.extend_from_slice(pi);
                         add[i] = sum_lanes(pi);
@@ -93,6 +94,7 @@ pub(crate) fn axpy_by_block<K: IntAxpyKernel>(
                 let (sw, add, a) = (scale[i], add[i], &acc[i * d..(i + 1) * d]);
                 let o = &mut out[(i0 + i) * d..(i0 + i + 1) * d];
                 match b.params {
+                    Params::PerGroup { .. } => unreachable!("the integer paths refuse per-group blocks"),
                     Params::PerRow { .. } => {
                         for (o, &a) in o.iter_mut().zip(a) {
                             *o += sw * a as f32 + add;

@@ -159,6 +159,27 @@ fn axpb(o: &mut [f32], a: f32, x: &[f32], c: f32) {
     }
 }
 
+/// Row `r` of a per-group block from its levels, in place: `x = level · scale_g + offset_g`
+/// (unfused, as the reference rounds it: dequantize is bit-exact).
+#[inline]
+fn apply_groups(x: &mut [f32], r: usize, group: usize, scale: &[f32], offset: Option<&[f32]>) {
+    let per_row = x.len() / group;
+    let at = r * per_row..(r + 1) * per_row;
+    match offset {
+        Some(o) => {
+            for ((xs, &s), &f) in x.chunks_exact_mut(group).zip(&scale[at.clone()]).zip(&o[at]) {
+                xs.iter_mut().for_each(|v| *v = *v * s + f);
+            }
+        }
+        None => {
+            for (xs, &s) in x.chunks_exact_mut(group).zip(&scale[at]) {
+                // `+ 0.0` as the reference computes it: a zero scale gives +0, not −0.
+                xs.iter_mut().for_each(|v| *v = *v * s + 0.0);
+            }
+        }
+    }
+}
+
 /// Per-channel scores: the scales folded into each query row (`q'_d = q_d · scale_d`) and
 /// the offsets into one constant per row (`Σ q_d · offset_d`), once per block.
 pub(crate) fn fold_channels(
@@ -213,6 +234,7 @@ fn dequantize_in(b: &QuantBlock<'_>, out: &mut [f32], codes: &mut Vec<u8>) {
                     *v = *v * scale[i] + offset.map_or(0.0, |x| x[i]);
                 }
             }
+            Params::PerGroup { group, scale, offset } => apply_groups(o, r, group, scale, offset),
         }
     }
 }
@@ -245,6 +267,17 @@ pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f3
                 unpack_levels(b, r, levels, codes);
                 for i in 0..n_q {
                     out[i * b.rows + r] = dot(&qw[i * d..(i + 1) * d], levels) + cst[i];
+                }
+            }
+        }
+        // Several scales per row: the row is decoded once (shared by the query group), then
+        // dotted with each query.
+        Params::PerGroup { group, scale, offset } => {
+            for r in 0..b.rows {
+                unpack_levels(b, r, levels, codes);
+                apply_groups(levels, r, group, scale, offset);
+                for i in 0..n_q {
+                    out[i * b.rows + r] = dot(&q[i * d..(i + 1) * d], levels);
                 }
             }
         }
@@ -286,6 +319,15 @@ pub(crate) fn axpy_in(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]
                 let o = &mut out[i * d..(i + 1) * d];
                 for (k, (ov, &a)) in o.iter_mut().zip(&acc[i * d..(i + 1) * d]).enumerate() {
                     *ov += a * scale[k] + offset.map_or(0.0, |x| x[k]) * psum;
+                }
+            }
+        }
+        Params::PerGroup { group, scale, offset } => {
+            for r in 0..b.rows {
+                unpack_levels(b, r, levels, codes);
+                apply_groups(levels, r, group, scale, offset);
+                for i in 0..n_q {
+                    axpb(&mut out[i * d..(i + 1) * d], p[i * b.rows + r], levels, 0.0);
                 }
             }
         }

@@ -5,15 +5,18 @@ use kvq_quant_core::pack::unpack_row;
 
 use crate::block::{Params, QuantBlock};
 
+/// Whether the integer paths take `b`'s parameters (per row or per channel; a per-group block
+/// has several scales per row, which one integer dot per row cannot carry).
+pub(crate) fn integer_params(b: &QuantBlock<'_>) -> bool {
+    !matches!(b.params, Params::PerGroup { .. })
+}
+
 /// Decodes row `r` into `out` (`dim` values) exactly as quant-core's codec does.
 pub fn decode_row(b: &QuantBlock<'_>, r: usize, out: &mut [f32]) {
     let mut codes = vec![0u8; b.dim];
     unpack_row(b.row(r), b.bits, &mut codes).expect("QuantBlock::new checked the lengths");
     for (d, (o, &c)) in out.iter_mut().zip(&codes).enumerate() {
-        let (scale, offset) = match b.params {
-            Params::PerRow { scale, offset } => (scale[r], offset.map_or(0.0, |o| o[r])),
-            Params::PerChannel { scale, offset } => (scale[d], offset.map_or(0.0, |o| o[d])),
-        };
+        let (scale, offset) = b.params.at(r, d, b.dim);
         *o = b.level(c) * scale + offset;
     }
 }
@@ -59,9 +62,10 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
 /// The integer score path's reference: each query row (per-channel: times the scales) rounded
 /// to int8 as every integer kernel rounds it, plain integer dots with the codes, and the shared
 /// float epilogue. Every integer kernel equals it bit for bit. Returns `false`, computing
-/// nothing, for levels that are not the codes themselves (symmetric, table).
+/// nothing, for levels that are not the codes themselves (symmetric, table) and for per-group
+/// parameters.
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
-    if !matches!(b.levels, crate::block::Levels::Affine) {
+    if !matches!(b.levels, crate::block::Levels::Affine) || !integer_params(b) {
         return false;
     }
     let mut scratch = crate::int8::Scratch::default();
@@ -72,9 +76,10 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
 /// The integer value path's reference: weights rounded to i16 per block as every integer value
 /// kernel rounds them, exact integer sums with the codes, and the shared float epilogue (see
 /// `kvq_kernels_simd::avx512::axpy_int`). Every integer value kernel equals it bit for bit.
-/// Returns `false`, computing nothing, for levels that are not the codes themselves.
+/// Returns `false`, computing nothing, for levels that are not the codes themselves and for
+/// per-group parameters.
 pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> bool {
-    if !matches!(b.levels, crate::block::Levels::Affine) {
+    if !matches!(b.levels, crate::block::Levels::Affine) || !integer_params(b) {
         return false;
     }
     let mut scratch = crate::intv::Scratch::default();

@@ -35,11 +35,21 @@ struct Case {
     offset: Vec<f32>,
     levels_kind: u8,
     per_channel: bool,
+    /// Per-group parameters (`gN`), groups of this many values of a row; `per_channel` is
+    /// then false.
+    group: Option<usize>,
     with_offset: bool,
 }
 
 impl Case {
+    /// A case with per-row or per-channel parameters (what the integer paths take).
     fn random(rng: &mut Rng, rows: usize, dim: usize, bits: u8, special: u8) -> Self {
+        Self::random_with(rng, rows, dim, bits, special, false)
+    }
+
+    /// A case whose parameters may also be per group (`with_groups`), in groups of any of 1,
+    /// 2, 8, 16, 32 and 64 values that divides the row.
+    fn random_with(rng: &mut Rng, rows: usize, dim: usize, bits: u8, special: u8, with_groups: bool) -> Self {
         let max = (1u16 << bits) - 1;
         let mut raw: Vec<u8> = (0..rows * dim).map(|_| rng.below(u64::from(max) + 1) as u8).collect();
         match special {
@@ -51,8 +61,15 @@ impl Case {
         for r in raw.chunks(dim) {
             codes.extend(pack(r, bits).unwrap());
         }
-        let per_channel = rng.below(2) == 0;
-        let groups = if per_channel { dim } else { rows };
+        let sizes: Vec<usize> =
+            [1, 2, 8, 16, 32, 64].into_iter().filter(|g| dim.is_multiple_of(*g)).collect();
+        let group = (with_groups && rng.below(3) == 0).then(|| sizes[rng.below(sizes.len() as u64) as usize]);
+        let per_channel = group.is_none() && rng.below(2) == 0;
+        let groups = match group {
+            Some(g) => rows * (dim / g),
+            None if per_channel => dim,
+            None => rows,
+        };
         let magnitude = match special {
             3 => 1e-30,
             4 => 1e20,
@@ -74,6 +91,7 @@ impl Case {
             offset,
             levels_kind: rng.below(3) as u8,
             per_channel,
+            group,
             with_offset: rng.below(4) != 0,
         }
     }
@@ -85,16 +103,25 @@ impl Case {
             _ => Levels::Table(&self.table),
         };
         let offset = self.with_offset.then_some(self.offset.as_slice());
-        let params = if self.per_channel {
-            Params::PerChannel { scale: &self.scale, offset }
-        } else {
-            Params::PerRow { scale: &self.scale, offset }
+        let params = match self.group {
+            Some(group) => Params::PerGroup { group, scale: &self.scale, offset },
+            None if self.per_channel => Params::PerChannel { scale: &self.scale, offset },
+            None => Params::PerRow { scale: &self.scale, offset },
         };
         QuantBlock::new(&self.codes, self.rows, self.dim, self.bits, levels, params).unwrap()
     }
 }
 
 impl Case {
+    /// The index of the scale and offset of value `k` of row `r`.
+    fn param(&self, r: usize, k: usize) -> usize {
+        match self.group {
+            Some(g) => r * (self.dim / g) + k / g,
+            None if self.per_channel => k,
+            None => r,
+        }
+    }
+
     /// The value at `(r, k)` decoded the obvious way, in f64: level of the code times the
     /// group's scale, plus its offset; and the magnitude of those two terms.
     fn naive(&self, r: usize, k: usize) -> (f64, f64) {
@@ -104,7 +131,7 @@ impl Case {
             1 => f64::from(code) - f64::from(1u32 << (self.bits - 1)),
             _ => f64::from(self.table[usize::from(code)]),
         };
-        let g = if self.per_channel { k } else { r };
+        let g = self.param(r, k);
         let offset = if self.with_offset { f64::from(self.offset[g]) } else { 0.0 };
         let term = level * f64::from(self.scale[g]);
         (term + offset, term.abs() + offset.abs())
@@ -117,15 +144,8 @@ fn magnitudes_scores(case: &Case, b: &QuantBlock<'_>, q: &[f32], n_q: usize) -> 
     let mut x = vec![0f32; b.rows() * b.dim()];
     scalar::dequantize(b, &mut x);
     let d = b.dim();
-    let offset = |r: usize, k: usize| -> f32 {
-        if !case.with_offset {
-            0.0
-        } else if case.per_channel {
-            case.offset[k]
-        } else {
-            case.offset[r]
-        }
-    };
+    let offset =
+        |r: usize, k: usize| -> f32 { if case.with_offset { case.offset[case.param(r, k)] } else { 0.0 } };
     let mut out = Vec::new();
     for i in 0..n_q {
         for r in 0..b.rows() {
@@ -159,10 +179,10 @@ fn for_each_case(seed: u64, mut f: impl FnMut(&mut Rng, &Case, &str)) {
         for &dim in DIMS {
             for &rows in ROWS {
                 let special = rng.below(8) as u8;
-                let case = Case::random(&mut rng, rows, dim, bits, special);
+                let case = Case::random_with(&mut rng, rows, dim, bits, special, true);
                 let what = format!(
-                    "bits {bits} dim {dim} rows {rows} special {special} kind {} per-channel {}",
-                    case.levels_kind, case.per_channel
+                    "bits {bits} dim {dim} rows {rows} special {special} kind {} per-channel {} group {:?}",
+                    case.levels_kind, case.per_channel, case.group
                 );
                 f(&mut rng, &case, &what);
             }
@@ -204,11 +224,7 @@ fn check_backend(backend: Backend) {
                             .map(|r| {
                                 // Kernels factor x = L·s + o into its two terms, so the
                                 // magnitude is that of both, not of their sum.
-                                let off = match (case.with_offset, case.per_channel) {
-                                    (false, _) => 0.0,
-                                    (true, true) => case.offset[d],
-                                    (true, false) => case.offset[r],
-                                };
+                                let off = if case.with_offset { case.offset[case.param(r, d)] } else { 0.0 };
                                 let pr = f64::from(p[i * rows + r].abs());
                                 pr * (f64::from((x[r * dim + d] - off).abs()) + f64::from(off.abs()))
                             })
@@ -616,4 +632,30 @@ fn nan_inputs_reach_the_integer_results() {
     let mut o = vec![0f32; 64];
     assert!(scalar::axpy_int(&b, &[0.5, f32::NAN, 0.5], 1, &mut o));
     assert!(o.iter().all(|x| x.is_nan()));
+}
+
+/// `implementation_for` names the code that runs for a block: the AVX2 kernels for groups of
+/// a multiple of 16, the `wide` ones for groups of 8 (and symmetric levels).
+#[test]
+fn implementation_for_names_the_kernel_of_each_layout() {
+    use kvq_kernels_simd::{implementation, implementation_for};
+    let codes = vec![0u8; 4 * 32];
+    let scale = [1.0f32; 8];
+    let block = |group: usize, levels| {
+        let params = Params::PerGroup { group, scale: &scale[..64 / group], offset: None };
+        QuantBlock::new(&codes, 1, 64, 4, levels, params).unwrap()
+    };
+    for backend in available() {
+        let want_fast = implementation(backend);
+        assert_eq!(implementation_for(backend, &block(32, Levels::Affine)), want_fast, "{backend}");
+        assert_eq!(implementation_for(backend, &block(16, Levels::Affine)), want_fast, "{backend}");
+        let fallback = if want_fast == Backend::Avx2 { Backend::Wide } else { want_fast };
+        assert_eq!(implementation_for(backend, &block(8, Levels::Affine)), fallback, "{backend}");
+        let sym = Levels::Symmetric { zero: 8.0 };
+        assert_eq!(implementation_for(backend, &block(32, sym)), fallback, "{backend}");
+    }
+    let bad = Params::PerGroup { group: 24, scale: &scale[..2], offset: None };
+    assert!(QuantBlock::new(&codes, 1, 64, 4, Levels::Affine, bad).is_err());
+    let short = Params::PerGroup { group: 16, scale: &scale[..3], offset: None };
+    assert!(QuantBlock::new(&codes, 1, 64, 4, Levels::Affine, short).is_err());
 }

@@ -151,14 +151,14 @@ impl PartReader {
     }
 }
 
-/// Parameters of a block view widened to f32, and the kernel block over them; `None` for
-/// layouts the kernels do not take (groups smaller than a row), which decode row by row.
+/// Parameters of a block view widened to f32, and the kernel block over them: every layout of
+/// the cache (per row, per channel, per group of a row, static) has fused kernels.
 fn with_block<R>(
     view: &BlockView<'_>,
     reader: &PartReader,
     bufs: &mut (Vec<f32>, Vec<f32>),
     f: impl FnOnce(&QuantBlock<'_>) -> Result<R, KernelError>,
-) -> Result<Option<R>, KernelError> {
+) -> Result<R, KernelError> {
     let layout = view.layout;
     let d = layout.head_dim();
     let rows = view.tokens;
@@ -174,32 +174,40 @@ fn with_block<R>(
             offset.push(p.offset);
         }
     };
-    let per_channel = match layout.mode() {
-        Mode::Row { seg } if seg == d => {
+    // Where the parameters apply: per row, per channel, or per group of `seg` values of a row.
+    enum Place {
+        Row,
+        Channel,
+        Group(usize),
+    }
+    let place = match layout.mode() {
+        Mode::Row { seg } => {
             view.params_f32(scale, offset);
-            false
+            if seg == d { Place::Row } else { Place::Group(seg) }
         }
-        Mode::Row { .. } => return Ok(None),
         Mode::Channel => {
             view.params_f32(scale, offset);
-            true
+            Place::Channel
         }
         Mode::Static { seg: 1 } => {
             collect(d, &|c| view.statics[c]);
-            true
+            Place::Channel
         }
         Mode::Static { .. } => {
             collect(rows, &|_| view.statics[0]);
-            false
+            Place::Row
         }
     };
     let (scale, offset) = (&*scale, &*offset);
     let offset = has_offset.then_some(offset.as_slice());
-    let params =
-        if per_channel { Params::PerChannel { scale, offset } } else { Params::PerRow { scale, offset } };
+    let params = match place {
+        Place::Row => Params::PerRow { scale, offset },
+        Place::Channel => Params::PerChannel { scale, offset },
+        Place::Group(group) => Params::PerGroup { group, scale, offset },
+    };
     let codes = &view.region[..rows * layout.row_bytes()];
     let block = QuantBlock::new(codes, rows, d, layout.spec().bits(), reader.levels(), params)?;
-    f(&block).map(Some)
+    f(&block)
 }
 
 /// How scores against quantized keys are computed.
@@ -374,9 +382,7 @@ struct Task {
     st: Partial,
     bufs: (Vec<f32>, Vec<f32>),
     s: Vec<f32>,
-    row: Vec<f32>,
     full: Vec<f32>,
-    codes: Vec<u8>,
     kernel: kvq_kernels_simd::Scratch,
 }
 
@@ -556,14 +562,8 @@ impl Task {
         let per = if self.parts > 1 { units.clone().count().div_ceil(self.parts) } else { usize::MAX };
         let mine = units.skip(self.part.saturating_mul(per)).take(per);
         self.st.reset(rows, d);
-        let mut scratch = Scratch {
-            bufs: &mut self.bufs,
-            s: &mut self.s,
-            row: &mut self.row,
-            full: &mut self.full,
-            codes: &mut self.codes,
-            kernel: &mut self.kernel,
-        };
+        let mut scratch =
+            Scratch { bufs: &mut self.bufs, s: &mut self.s, full: &mut self.full, kernel: &mut self.kernel };
         attend(backend, options, readers, mine, &self.q, rows, d, &self.spans, &mut self.st, &mut scratch)
     }
 }
@@ -572,9 +572,7 @@ impl Task {
 struct Scratch<'w> {
     bufs: &'w mut (Vec<f32>, Vec<f32>),
     s: &'w mut Vec<f32>,
-    row: &'w mut Vec<f32>,
     full: &'w mut Vec<f32>,
-    codes: &'w mut Vec<u8>,
     kernel: &'w mut kvq_kernels_simd::Scratch,
 }
 
@@ -725,8 +723,7 @@ fn attend<'a>(
     let latest_start = spans.iter().map(|s| s.0).max().unwrap_or(0);
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
-    let Scratch { bufs, s, row, full, codes, kernel } = w;
-    row.resize(d, 0.0);
+    let Scratch { bufs, s, full, kernel } = w;
     let mut units = units.peekable();
     while let Some(Unit { start: a, end: b, k, v }) = units.next() {
         // Start loading the next unit's blocks while this one computes: block regions are
@@ -754,19 +751,10 @@ fn attend<'a>(
                 }
             }
             Run::Block(view) => {
-                let done = with_block(&view, &readers[0], bufs, |blk| match path {
+                with_block(&view, &readers[0], bufs, |blk| match path {
                     ScorePath::Float => scores_in(backend, kernel, blk, qs, g, s),
                     ScorePath::Int8 => scores_int8_in(backend, kernel, blk, qs, g, s).map(|_| ()),
                 })?;
-                if done.is_none() {
-                    for t in 0..n {
-                        view.decode_row_with(t, row, codes);
-                        for i in 0..g {
-                            s[i * n + t] =
-                                qs[i * d..(i + 1) * d].iter().zip(row.iter()).map(|(p, q)| p * q).sum();
-                        }
-                    }
-                }
             }
         }
         if let Some(cap) = options.softcap {
@@ -812,21 +800,10 @@ fn attend<'a>(
                 }
             }
             Run::Block(view) => {
-                let done = with_block(&view, &readers[1], bufs, |blk| match path {
+                with_block(&view, &readers[1], bufs, |blk| match path {
                     ScorePath::Float => axpy_in(backend, kernel, blk, s, g, &mut st.o),
                     ScorePath::Int8 => axpy_int_in(backend, kernel, blk, s, g, &mut st.o).map(|_| ()),
                 })?;
-                if done.is_none() {
-                    for t in 0..n {
-                        view.decode_row_with(t, row, codes);
-                        for i in 0..g {
-                            let w = s[i * n + t];
-                            for (o, &vv) in st.o[i * d..(i + 1) * d].iter_mut().zip(row.iter()) {
-                                *o += w * vv;
-                            }
-                        }
-                    }
-                }
             }
         }
     }
