@@ -6,13 +6,14 @@
 //! all rows into four queries' accumulators held in registers, so the output is read and
 //! written once per block instead of once per row.
 //!
-//! Covered: affine levels, and table levels (FP8, codebooks: the 8 levels of 8 codes come from
+//! Covered: affine and symmetric levels, and table levels (FP8, codebooks: the 8 levels of 8 codes come from
 //! one `vgatherdps`), 2-, 4- and 8-bit codes, rows whose length is a multiple of the chunk (64,
-//! 32, 16 codes), per-row and per-channel parameters, and per-group parameters (`gN`) in
+//! 32, 16 codes), symmetric levels (the zero point folded into the offsets), per-row and
+//! per-channel parameters, and per-group parameters (`gN`) in
 //! groups of a multiple of 16: those decode each run of 16 codes to values in registers with
 //! their group's scale and offset (one FMA per 8 values, shared by the query group) before
-//! the dot or the accumulation. Anything else (symmetric levels, other widths, groups of 8)
-//! runs the `wide` kernels, and [`crate::implementation_for`] says so. Each public function checks the CPU itself, so it is safe to call anywhere.
+//! the dot or the accumulation. Anything else (other widths, groups of 8) runs the `wide`
+//! kernels, and [`crate::implementation_for`] says so. Each public function checks the CPU itself, so it is safe to call anywhere.
 //!
 //! # Platform-specific behavior
 //! FMA rounds once per multiply-add and sums run in 8 lanes: results differ from the scalar
@@ -38,7 +39,8 @@ fn supported(b: &QuantBlock<'_>) -> bool {
         Params::PerGroup { group, .. } => group.is_multiple_of(16),
         _ => true,
     };
-    matches!(b.levels, Levels::Affine | Levels::Table(_))
+    // Symmetric levels are the codes minus a zero point, which folds into the offsets.
+    matches!(b.levels, Levels::Affine | Levels::Symmetric { .. } | Levels::Table(_))
         && b.dim.is_multiple_of(chunk)
         && b.dim > 0
         && groups_ok
@@ -54,7 +56,16 @@ fn cpu_ok() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
-/// The levels of a block for [`codes_f32`]: null for affine blocks (the level is the code),
+/// The zero point the kernels subtract from codes: symmetric levels are `code − zero`, which
+/// the kernels fold into the offsets (`(c − z) · s + o = c · s + (o − z · s)`); 0 otherwise.
+fn zero_of(b: &QuantBlock<'_>) -> f32 {
+    match b.levels {
+        Levels::Symmetric { zero } => zero,
+        _ => 0.0,
+    }
+}
+
+/// The levels of a block for [`codes_f32`]: null for affine and symmetric blocks (the level is the code),
 /// else the block's table of `2^bits` levels (FP8, codebooks).
 fn table_of(b: &QuantBlock<'_>) -> *const f32 {
     match b.levels {
@@ -201,14 +212,16 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f
     }
 }
 
-/// The scale and offset of group `g` as two broadcast vectors (offset 0 without offsets).
+/// The scale and offset of group `g` as two broadcast vectors (offset 0 without offsets), the
+/// zero point `zero` of symmetric codes folded into the offset.
 ///
 /// # Safety
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn group_params(scale: &[f32], offset: Option<&[f32]>, g: usize) -> (__m256, __m256) {
-    (_mm256_set1_ps(scale[g]), _mm256_set1_ps(offset.map_or(0.0, |o| o[g])))
+unsafe fn group_params(scale: &[f32], offset: Option<&[f32]>, g: usize, zero: f32) -> (__m256, __m256) {
+    let s = scale[g];
+    (_mm256_set1_ps(s), _mm256_set1_ps(offset.map_or(0.0, |o| o[g]) - zero * s))
 }
 
 /// [`group_dots`] for a per-group block: each run of 16 codes is decoded to values in
@@ -225,7 +238,7 @@ unsafe fn group_dots_grouped<const BITS: u8, const NQ: usize>(
 ) {
     let Params::PerGroup { group, scale, offset } = b.params else { return };
     let per_chunk = 128 / BITS as usize;
-    let (d, table) = (b.dim, table_of(b));
+    let (d, table, zero) = (b.dim, table_of(b), zero_of(b));
     let per_row = d / group;
     for r in 0..b.rows {
         let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
@@ -238,7 +251,7 @@ unsafe fn group_dots_grouped<const BITS: u8, const NQ: usize>(
                 // 2^BITS entries; `at / group < per_row`, so the group index is in range.
                 let (x0, x1) = unsafe {
                     let (lo, hi) = codes_f32(chunk, BITS, k as i32, table);
-                    let (sv, ov) = group_params(scale, offset, r * per_row + at / group);
+                    let (sv, ov) = group_params(scale, offset, r * per_row + at / group, zero);
                     (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
                 };
                 for (i, a) in acc.iter_mut().enumerate() {
@@ -278,7 +291,7 @@ unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
 ) {
     let Params::PerGroup { group, scale, offset } = b.params else { return };
     let per_chunk = 128 / BITS as usize;
-    let (rows, table) = (b.rows, table_of(b));
+    let (rows, table, zero) = (b.rows, table_of(b), zero_of(b));
     let per_row = b.dim / group;
     for ci in 0..b.row_bytes / 16 {
         for k in 0..per_chunk / 16 {
@@ -291,7 +304,7 @@ unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
                 let (x0, x1) = unsafe {
                     let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
                     let (lo, hi) = codes_f32(chunk, BITS, k as i32, table);
-                    let (sv, ov) = group_params(scale, offset, r * per_row + d0 / group);
+                    let (sv, ov) = group_params(scale, offset, r * per_row + d0 / group, zero);
                     (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
                 };
                 for (i, a) in acc.iter_mut().enumerate() {
@@ -345,7 +358,7 @@ macro_rules! by_bits_and_group {
 
 /// Scores of every query row, up to 4 at a time: see [`scores`].
 fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &mut portable::Scratch) {
-    let (d, rows) = (b.dim, b.rows);
+    let (d, rows, zero) = (b.dim, b.rows, zero_of(b));
     match b.params {
         Params::PerRow { scale, offset } => in_groups_of_4(n_q, |i0, n| {
             let qg = &q[i0 * d..(i0 + n) * d];
@@ -353,14 +366,22 @@ fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &
             for (s, qi) in qsum.iter_mut().zip(qg.chunks_exact(d)) {
                 *s = qi.iter().sum();
             }
+            // s · Σ q (c − z) + o · Σ q = s · Σ q c + (o − z · s) · Σ q.
             let emit = |i: usize, r: usize, dot: f32| {
-                out[(i0 + i) * rows + r] = scale[r] * dot + offset.map_or(0.0, |o| o[r]) * qsum[i];
+                let off = offset.map_or(0.0, |o| o[r]) - zero * scale[r];
+                out[(i0 + i) * rows + r] = scale[r] * dot + off * qsum[i];
             };
             // SAFETY: callers checked `supported(b)`; `qg` holds n query rows.
             unsafe { by_bits_and_group!(group_dots, b.bits, n, (b, qg, emit)) }
         }),
         Params::PerChannel { scale, offset } => {
             portable::fold_channels(q, n_q, scale, offset, &mut w.qw, &mut w.cst);
+            if zero != 0.0 {
+                // Σ_c q_c s_c (c − z) = Σ_c q'_c c − z · Σ_c q'_c.
+                for (c, qi) in w.cst.iter_mut().zip(w.qw.chunks_exact(d)) {
+                    *c -= zero * portable::sum_lanes(qi);
+                }
+            }
             let (qw, cst) = (&w.qw, &w.cst);
             in_groups_of_4(n_q, |i0, n| {
                 let emit = |i: usize, r: usize, dot: f32| out[(i0 + i) * rows + r] = dot + cst[i0 + i];
@@ -391,7 +412,7 @@ unsafe fn axpy_group_with(
     sums: &mut Vec<f32>,
     w: &mut Vec<f32>,
 ) {
-    let (d, rows) = (b.dim, b.rows);
+    let (d, rows, zero) = (b.dim, b.rows, zero_of(b));
     sums.resize(4 * d, 0.0);
     w.resize(4 * rows, 0.0);
     // A loop rather than `in_groups_of_4`: the body stays in this function's AVX2 code.
@@ -411,7 +432,11 @@ unsafe fn axpy_group_with(
                 // `sums` 4 · dim floats.
                 unsafe { by_bits_and_group!(group_axpy, b.bits, n, (b, w, sums)) }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
-                    let bias: f32 = offset.map_or(0.0, |o| portable::dot_lanes(pi, o));
+                    // Σ_r p_r (o_r − z · s_r), the weights w = p · s already at hand.
+                    let mut bias: f32 = offset.map_or(0.0, |o| portable::dot_lanes(pi, o));
+                    if zero != 0.0 {
+                        bias -= zero * portable::sum_lanes(&w[i * rows..(i + 1) * rows]);
+                    }
                     for (o, &x) in
                         out[(i0 + i) * d..(i0 + i + 1) * d].iter_mut().zip(&sums[i * d..(i + 1) * d])
                     {
@@ -427,7 +452,7 @@ unsafe fn axpy_group_with(
                     let psum: f32 = portable::sum_lanes(pi);
                     let o = &mut out[(i0 + i) * d..(i0 + i + 1) * d];
                     for (c, (o, &x)) in o.iter_mut().zip(&sums[i * d..(i + 1) * d]).enumerate() {
-                        *o += x * scale[c] + offset.map_or(0.0, |f| f[c]) * psum;
+                        *o += x * scale[c] + (offset.map_or(0.0, |f| f[c]) - zero * scale[c]) * psum;
                     }
                 }
             }

@@ -8,8 +8,8 @@
 //! This crate is the only one of the workspace allowed `unsafe` (the `std::arch` paths);
 //! every `unsafe` block carries a `// SAFETY:` comment. **Status:** the scalar and `wide`
 //! backends cover affine, symmetric and table (FP8, codebook) levels with per-row,
-//! per-channel or per-group (`gN`) parameters; the AVX2+FMA backend covers affine and table
-//! 2-, 4- and 8-bit blocks for scores and axpy (per-group ones in groups of a multiple of 16),
+//! per-channel or per-group (`gN`) parameters; the AVX2+FMA backend covers affine, symmetric
+//! and table 2-, 4- and 8-bit blocks for scores and axpy (per-group ones in groups of a multiple of 16),
 //! and [`implementation_for`] names the code that runs for a given block. The integer score path ([`scores_int8_with`]) has AVX2, AVX-512 VNNI and
 //! aarch64 dotprod kernels, all equal to [`scalar::scores_int8`] bit for bit. The `avx512`
 //! backend's float kernels are the AVX2 ones: [`implementation`] says which code actually
@@ -119,9 +119,9 @@ pub fn implementation(backend: Backend) -> Backend {
 }
 
 /// The code that runs the float kernels of `backend` for the block `b`: [`implementation`],
-/// except that where the AVX2 kernels do not cover a block's layout (symmetric levels, code
-/// widths other than 2, 4 and 8, rows not a multiple of the chunk, per-group parameters in
-/// groups not a multiple of 16) the `wide` ones run, and this says so.
+/// except that where the AVX2 kernels do not cover a block's layout (code widths other than
+/// 2, 4 and 8, rows not a multiple of the chunk, per-group parameters in groups not a multiple
+/// of 16) the `wide` ones run, and this says so.
 pub fn implementation_for(backend: Backend, b: &QuantBlock<'_>) -> Backend {
     match implementation(backend) {
         #[cfg(target_arch = "x86_64")]

@@ -635,16 +635,17 @@ fn nan_inputs_reach_the_integer_results() {
 }
 
 /// `implementation_for` names the code that runs for a block: the AVX2 kernels for groups of
-/// a multiple of 16, the `wide` ones for groups of 8 (and symmetric levels).
+/// a multiple of 16 and symmetric levels, the `wide` ones for groups of 8 and 3-bit codes.
 #[test]
 fn implementation_for_names_the_kernel_of_each_layout() {
     use kvq_kernels_simd::{implementation, implementation_for};
     let codes = vec![0u8; 4 * 32];
     let scale = [1.0f32; 8];
-    let block = |group: usize, levels| {
+    let block_of = |bits: u8, group: usize, levels| {
         let params = Params::PerGroup { group, scale: &scale[..64 / group], offset: None };
-        QuantBlock::new(&codes, 1, 64, 4, levels, params).unwrap()
+        QuantBlock::new(&codes, 1, 64, bits, levels, params).unwrap()
     };
+    let block = |group, levels| block_of(4, group, levels);
     for backend in available() {
         let want_fast = implementation(backend);
         assert_eq!(implementation_for(backend, &block(32, Levels::Affine)), want_fast, "{backend}");
@@ -652,7 +653,8 @@ fn implementation_for_names_the_kernel_of_each_layout() {
         let fallback = if want_fast == Backend::Avx2 { Backend::Wide } else { want_fast };
         assert_eq!(implementation_for(backend, &block(8, Levels::Affine)), fallback, "{backend}");
         let sym = Levels::Symmetric { zero: 8.0 };
-        assert_eq!(implementation_for(backend, &block(32, sym)), fallback, "{backend}");
+        assert_eq!(implementation_for(backend, &block(32, sym)), want_fast, "{backend}");
+        assert_eq!(implementation_for(backend, &block_of(3, 32, Levels::Affine)), fallback, "{backend}");
     }
     let bad = Params::PerGroup { group: 24, scale: &scale[..2], offset: None };
     assert!(QuantBlock::new(&codes, 1, 64, 4, Levels::Affine, bad).is_err());
