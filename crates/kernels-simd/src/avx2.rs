@@ -8,7 +8,8 @@
 //!
 //! Covered: affine and symmetric levels, and table levels (FP8, codebooks: the 8 levels of 8 codes come from
 //! one `vgatherdps`), 2-, 4- and 8-bit codes, rows whose length is a multiple of the chunk (64,
-//! 32, 16 codes), symmetric levels (the zero point folded into the offsets), per-row and
+//! 32, 16 codes), and 3-bit codes in rows of a multiple of 64 (both bit planes read per 16
+//! codes), symmetric levels (the zero point folded into the offsets), per-row and
 //! per-channel parameters, and per-group parameters (`gN`) in
 //! groups of a multiple of 16: those decode each run of 16 codes to values in registers with
 //! their group's scale and offset (one FMA per 8 values, shared by the query group) before
@@ -30,7 +31,7 @@ fn supported(b: &QuantBlock<'_>) -> bool {
     let chunk = match b.bits {
         8 => 16,
         4 => 32,
-        2 => 64,
+        2 | 3 => 64,
         _ => return false,
     };
     // A per-group block decodes 16 consecutive codes at a time with one scale: its groups
@@ -56,12 +57,13 @@ fn cpu_ok() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
-/// The zero point the kernels subtract from codes: symmetric levels are `code − zero`, which
-/// the kernels fold into the offsets (`(c − z) · s + o = c · s + (o − z · s)`); 0 otherwise.
-fn zero_of(b: &QuantBlock<'_>) -> f32 {
+/// The zero point the kernels subtract from codes, in integers before the conversion to float
+/// (exact, and no cancellation against the offsets): symmetric levels are `code − zero`;
+/// 0 for affine and table levels.
+fn zero_of(b: &QuantBlock<'_>) -> i32 {
     match b.levels {
-        Levels::Symmetric { zero } => zero,
-        _ => 0.0,
+        Levels::Symmetric { zero } => zero as i32,
+        _ => 0,
     }
 }
 
@@ -82,7 +84,7 @@ fn table_of(b: &QuantBlock<'_>) -> *const f32 {
 /// The CPU must support AVX2; a non-null `table` holds `2^bits` floats.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, table: *const f32) -> (__m256, __m256) {
+unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, table: *const f32, zero: __m256i) -> (__m256, __m256) {
     let v = match bits {
         8 => chunk,
         4 => {
@@ -100,12 +102,148 @@ unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, table: *const f32) -> (__m
             _mm_and_si128(s, m)
         }
     };
+    // SAFETY: AVX2 is enabled; the codes are below 2^bits, the table's length.
+    unsafe { widen_codes(v, table, zero) }
+}
+
+/// 16 codes (one per byte) as two vectors of 8 floats: the codes minus `zero` (every lane the
+/// symmetric zero point, or 0), or their levels gathered from a non-null `table`.
+///
+/// # Safety
+/// The CPU must support AVX2; a non-null `table` holds more entries than the largest code.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn widen_codes(v: __m128i, table: *const f32, zero: __m256i) -> (__m256, __m256) {
     let (lo, hi) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
     if table.is_null() {
-        (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi))
+        (_mm256_cvtepi32_ps(_mm256_sub_epi32(lo, zero)), _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, zero)))
     } else {
-        // SAFETY: every index is a `bits`-wide code, below 2^bits, the table's length.
+        // SAFETY: every index is a code, below the table's length.
         unsafe { (_mm256_i32gather_ps::<4>(table, lo), _mm256_i32gather_ps::<4>(table, hi)) }
+    }
+}
+
+/// Codes `16t .. 16t + 16` of a 3-bit row of `d` codes (`d` a multiple of 64), one per byte.
+/// A 3-bit row is a 2-bit plane (`d / 4` bytes, chunks of 64 codes in 16 bytes) followed by a
+/// 1-bit plane (chunks of 128 codes in 16 bytes, byte `j` bit `k` holding code `j + 16k`; a
+/// last chunk of 64 codes takes 8 bytes, byte `j` bit `k` holding code `j + 8k`).
+///
+/// # Safety
+/// The CPU must support AVX2; `row` points at a packed 3-bit row of `d` codes; `16t < d`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m128i {
+    let i = 16 * t;
+    let shift = |n: usize| _mm_cvtsi32_si128(n as i32);
+    // SAFETY: chunk i / 64 of the 2-bit plane lies within its d / 4 bytes (d % 64 == 0); the
+    // 1-bit plane starts after it, and a full chunk's 16 bytes or a last chunk's 8 bytes lie
+    // within the row's 3d / 8 bytes.
+    unsafe {
+        let low = _mm_loadu_si128(row.add(16 * (i / 64)).cast());
+        let low = _mm_and_si128(_mm_srl_epi16(low, shift(2 * ((i % 64) / 16))), _mm_set1_epi8(3));
+        let plane = row.add(d / 4);
+        let (c, j) = (i / 128, i % 128);
+        let high = if d - 128 * c >= 128 {
+            _mm_srl_epi16(_mm_loadu_si128(plane.add(16 * c).cast()), shift(j / 16))
+        } else {
+            let x = _mm_loadl_epi64(plane.add(16 * c).cast());
+            _mm_unpacklo_epi64(_mm_srl_epi16(x, shift(j / 8)), _mm_srl_epi16(x, shift(j / 8 + 1)))
+        };
+        _mm_or_si128(low, _mm_slli_epi16(_mm_and_si128(high, _mm_set1_epi8(1)), 2))
+    }
+}
+
+/// [`group_dots`] and [`group_dots_grouped`] for 3-bit rows: 16 codes at a time from both
+/// planes ([`codes3`]), decoded with their group's parameters when the block is per group.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == 3`; `q.len() == NQ · b.dim`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], mut emit: impl FnMut(usize, usize, f32)) {
+    let (d, table, zero) = (b.dim, table_of(b), _mm256_set1_epi32(zero_of(b)));
+    let grouped = match b.params {
+        Params::PerGroup { group, scale, offset } => Some((group, scale, offset)),
+        _ => None,
+    };
+    for r in 0..b.rows {
+        let row = b.row(r).as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+        for t in 0..d / 16 {
+            // SAFETY: AVX2 is enabled; the row is a packed 3-bit row of d codes; a table has 8
+            // entries; the group index is in range.
+            let (x0, x1) = unsafe {
+                let (lo, hi) = widen_codes(codes3(row, d, t), table, zero);
+                match grouped {
+                    Some((group, scale, offset)) => {
+                        let (sv, ov) = group_params(scale, offset, r * (d / group) + 16 * t / group);
+                        (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
+                    }
+                    None => (lo, hi),
+                }
+            };
+            for (i, a) in acc.iter_mut().enumerate() {
+                // SAFETY: 16t + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
+                let (q0, q1) = unsafe {
+                    let p = q.as_ptr().add(i * d + 16 * t);
+                    (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+                };
+                a[0] = _mm256_fmadd_ps(x0, q0, a[0]);
+                a[1] = _mm256_fmadd_ps(x1, q1, a[1]);
+            }
+        }
+        let mut lanes = [_mm256_setzero_ps(); 4];
+        for (l, a) in lanes.iter_mut().zip(&acc) {
+            *l = _mm256_add_ps(a[0], a[1]);
+        }
+        let mut sums = [0f32; 4];
+        // SAFETY: AVX2 is enabled; `sums` holds 4 floats.
+        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(lanes[0], lanes[1], lanes[2], lanes[3])) };
+        for (i, &s) in sums.iter().enumerate().take(NQ) {
+            emit(i, r, s);
+        }
+    }
+}
+
+/// [`group_axpy`] and [`group_axpy_grouped`] for 3-bit rows, as [`dots3`].
+///
+/// # Safety
+/// As [`group_axpy`], with `b.bits == 3`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy3<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
+    let (d, rows, table, zero) = (b.dim, b.rows, table_of(b), _mm256_set1_epi32(zero_of(b)));
+    let grouped = match b.params {
+        Params::PerGroup { group, scale, offset } => Some((group, scale, offset)),
+        _ => None,
+    };
+    for t in 0..d / 16 {
+        let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+        for r in 0..rows {
+            // SAFETY: as in `dots3`.
+            let (x0, x1) = unsafe {
+                let (lo, hi) = widen_codes(codes3(b.row(r).as_ptr(), d, t), table, zero);
+                match grouped {
+                    Some((group, scale, offset)) => {
+                        let (sv, ov) = group_params(scale, offset, r * (d / group) + 16 * t / group);
+                        (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
+                    }
+                    None => (lo, hi),
+                }
+            };
+            for (i, a) in acc.iter_mut().enumerate() {
+                // SAFETY: i·rows + r < w.len().
+                let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + r)) };
+                a[0] = _mm256_fmadd_ps(x0, wv, a[0]);
+                a[1] = _mm256_fmadd_ps(x1, wv, a[1]);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            // SAFETY: 16t + 16 <= dim, so the 16 floats lie within row i of `sums`.
+            unsafe {
+                let p = sums.as_mut_ptr().add(i * d + 16 * t);
+                _mm256_storeu_ps(p, a[0]);
+                _mm256_storeu_ps(p.add(8), a[1]);
+            }
+        }
     }
 }
 
@@ -134,7 +272,7 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
     mut emit: impl FnMut(usize, usize, f32),
 ) {
     let per_chunk = 128 / BITS as usize;
-    let (d, table) = (b.dim, table_of(b));
+    let (d, table, zero) = (b.dim, table_of(b), _mm256_set1_epi32(zero_of(b)));
     for r in 0..b.rows {
         let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
         for (ci, c) in b.row(r).chunks_exact(16).enumerate() {
@@ -143,7 +281,7 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
             for k in 0..per_chunk / 16 {
                 // SAFETY: AVX2 is enabled by this function's target features; a table has
                 // 2^BITS entries (`QuantBlock::new` checked).
-                let (lo, hi) = unsafe { codes_f32(chunk, BITS, k as i32, table) };
+                let (lo, hi) = unsafe { codes_f32(chunk, BITS, k as i32, table, zero) };
                 let at = ci * per_chunk + 16 * k;
                 for (i, a) in acc.iter_mut().enumerate() {
                     // SAFETY: at + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
@@ -181,7 +319,7 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
     let per_chunk = 128 / BITS as usize;
-    let (rows, table) = (b.rows, table_of(b));
+    let (rows, table, zero) = (b.rows, table_of(b), _mm256_set1_epi32(zero_of(b)));
     for ci in 0..b.row_bytes / 16 {
         for k in 0..per_chunk / 16 {
             let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
@@ -190,7 +328,7 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f
                 // supported blocks); AVX2 is enabled; a table has 2^BITS entries.
                 let (lo, hi) = unsafe {
                     let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
-                    codes_f32(chunk, BITS, k as i32, table)
+                    codes_f32(chunk, BITS, k as i32, table, zero)
                 };
                 for (i, a) in acc.iter_mut().enumerate() {
                     // SAFETY: i·rows + r < w.len().
@@ -212,16 +350,14 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f
     }
 }
 
-/// The scale and offset of group `g` as two broadcast vectors (offset 0 without offsets), the
-/// zero point `zero` of symmetric codes folded into the offset.
+/// The scale and offset of group `g` as two broadcast vectors (offset 0 without offsets).
 ///
 /// # Safety
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn group_params(scale: &[f32], offset: Option<&[f32]>, g: usize, zero: f32) -> (__m256, __m256) {
-    let s = scale[g];
-    (_mm256_set1_ps(s), _mm256_set1_ps(offset.map_or(0.0, |o| o[g]) - zero * s))
+unsafe fn group_params(scale: &[f32], offset: Option<&[f32]>, g: usize) -> (__m256, __m256) {
+    (_mm256_set1_ps(scale[g]), _mm256_set1_ps(offset.map_or(0.0, |o| o[g])))
 }
 
 /// [`group_dots`] for a per-group block: each run of 16 codes is decoded to values in
@@ -238,7 +374,7 @@ unsafe fn group_dots_grouped<const BITS: u8, const NQ: usize>(
 ) {
     let Params::PerGroup { group, scale, offset } = b.params else { return };
     let per_chunk = 128 / BITS as usize;
-    let (d, table, zero) = (b.dim, table_of(b), zero_of(b));
+    let (d, table, zero) = (b.dim, table_of(b), _mm256_set1_epi32(zero_of(b)));
     let per_row = d / group;
     for r in 0..b.rows {
         let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
@@ -250,8 +386,8 @@ unsafe fn group_dots_grouped<const BITS: u8, const NQ: usize>(
                 // SAFETY: AVX2 is enabled by this function's target features; a table has
                 // 2^BITS entries; `at / group < per_row`, so the group index is in range.
                 let (x0, x1) = unsafe {
-                    let (lo, hi) = codes_f32(chunk, BITS, k as i32, table);
-                    let (sv, ov) = group_params(scale, offset, r * per_row + at / group, zero);
+                    let (lo, hi) = codes_f32(chunk, BITS, k as i32, table, zero);
+                    let (sv, ov) = group_params(scale, offset, r * per_row + at / group);
                     (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
                 };
                 for (i, a) in acc.iter_mut().enumerate() {
@@ -291,7 +427,7 @@ unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
 ) {
     let Params::PerGroup { group, scale, offset } = b.params else { return };
     let per_chunk = 128 / BITS as usize;
-    let (rows, table, zero) = (b.rows, table_of(b), zero_of(b));
+    let (rows, table, zero) = (b.rows, table_of(b), _mm256_set1_epi32(zero_of(b)));
     let per_row = b.dim / group;
     for ci in 0..b.row_bytes / 16 {
         for k in 0..per_chunk / 16 {
@@ -303,8 +439,8 @@ unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
                 // index `r · per_row + d0 / group` is in range.
                 let (x0, x1) = unsafe {
                     let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
-                    let (lo, hi) = codes_f32(chunk, BITS, k as i32, table);
-                    let (sv, ov) = group_params(scale, offset, r * per_row + d0 / group, zero);
+                    let (lo, hi) = codes_f32(chunk, BITS, k as i32, table, zero);
+                    let (sv, ov) = group_params(scale, offset, r * per_row + d0 / group);
                     (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
                 };
                 for (i, a) in acc.iter_mut().enumerate() {
@@ -356,9 +492,25 @@ macro_rules! by_bits_and_group {
     };
 }
 
+/// Dispatches on the bit width as [`by_bits_and_group`], 3-bit blocks to `$three::<NQ>`.
+macro_rules! by_width {
+    ($f:ident, $three:ident, $bits:expr, $nq:expr, ($($arg:expr),*)) => {
+        if $bits == 3 {
+            match $nq {
+                1 => $three::<1>($($arg),*),
+                2 => $three::<2>($($arg),*),
+                3 => $three::<3>($($arg),*),
+                _ => $three::<4>($($arg),*),
+            }
+        } else {
+            by_bits_and_group!($f, $bits, $nq, ($($arg),*))
+        }
+    };
+}
+
 /// Scores of every query row, up to 4 at a time: see [`scores`].
 fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &mut portable::Scratch) {
-    let (d, rows, zero) = (b.dim, b.rows, zero_of(b));
+    let (d, rows) = (b.dim, b.rows);
     match b.params {
         Params::PerRow { scale, offset } => in_groups_of_4(n_q, |i0, n| {
             let qg = &q[i0 * d..(i0 + n) * d];
@@ -366,33 +518,25 @@ fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &
             for (s, qi) in qsum.iter_mut().zip(qg.chunks_exact(d)) {
                 *s = qi.iter().sum();
             }
-            // s · Σ q (c − z) + o · Σ q = s · Σ q c + (o − z · s) · Σ q.
             let emit = |i: usize, r: usize, dot: f32| {
-                let off = offset.map_or(0.0, |o| o[r]) - zero * scale[r];
-                out[(i0 + i) * rows + r] = scale[r] * dot + off * qsum[i];
+                out[(i0 + i) * rows + r] = scale[r] * dot + offset.map_or(0.0, |o| o[r]) * qsum[i];
             };
             // SAFETY: callers checked `supported(b)`; `qg` holds n query rows.
-            unsafe { by_bits_and_group!(group_dots, b.bits, n, (b, qg, emit)) }
+            unsafe { by_width!(group_dots, dots3, b.bits, n, (b, qg, emit)) }
         }),
         Params::PerChannel { scale, offset } => {
             portable::fold_channels(q, n_q, scale, offset, &mut w.qw, &mut w.cst);
-            if zero != 0.0 {
-                // Σ_c q_c s_c (c − z) = Σ_c q'_c c − z · Σ_c q'_c.
-                for (c, qi) in w.cst.iter_mut().zip(w.qw.chunks_exact(d)) {
-                    *c -= zero * portable::sum_lanes(qi);
-                }
-            }
             let (qw, cst) = (&w.qw, &w.cst);
             in_groups_of_4(n_q, |i0, n| {
                 let emit = |i: usize, r: usize, dot: f32| out[(i0 + i) * rows + r] = dot + cst[i0 + i];
                 // SAFETY: as above.
-                unsafe { by_bits_and_group!(group_dots, b.bits, n, (b, &qw[i0 * d..(i0 + n) * d], emit)) }
+                unsafe { by_width!(group_dots, dots3, b.bits, n, (b, &qw[i0 * d..(i0 + n) * d], emit)) }
             });
         }
         Params::PerGroup { .. } => in_groups_of_4(n_q, |i0, n| {
             let emit = |i: usize, r: usize, dot: f32| out[(i0 + i) * rows + r] = dot;
             // SAFETY: callers checked `supported(b)` (groups of a multiple of 16).
-            unsafe { by_bits_and_group!(group_dots_grouped, b.bits, n, (b, &q[i0 * d..(i0 + n) * d], emit)) }
+            unsafe { by_width!(group_dots_grouped, dots3, b.bits, n, (b, &q[i0 * d..(i0 + n) * d], emit)) }
         }),
     }
 }
@@ -412,7 +556,7 @@ unsafe fn axpy_group_with(
     sums: &mut Vec<f32>,
     w: &mut Vec<f32>,
 ) {
-    let (d, rows, zero) = (b.dim, b.rows, zero_of(b));
+    let (d, rows) = (b.dim, b.rows);
     sums.resize(4 * d, 0.0);
     w.resize(4 * rows, 0.0);
     // A loop rather than `in_groups_of_4`: the body stays in this function's AVX2 code.
@@ -430,13 +574,9 @@ unsafe fn axpy_group_with(
                 }
                 // SAFETY: callers checked `supported(b)`; `w` holds n · rows weights and
                 // `sums` 4 · dim floats.
-                unsafe { by_bits_and_group!(group_axpy, b.bits, n, (b, w, sums)) }
+                unsafe { by_width!(group_axpy, axpy3, b.bits, n, (b, w, sums)) }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
-                    // Σ_r p_r (o_r − z · s_r), the weights w = p · s already at hand.
-                    let mut bias: f32 = offset.map_or(0.0, |o| portable::dot_lanes(pi, o));
-                    if zero != 0.0 {
-                        bias -= zero * portable::sum_lanes(&w[i * rows..(i + 1) * rows]);
-                    }
+                    let bias: f32 = offset.map_or(0.0, |o| portable::dot_lanes(pi, o));
                     for (o, &x) in
                         out[(i0 + i) * d..(i0 + i + 1) * d].iter_mut().zip(&sums[i * d..(i + 1) * d])
                     {
@@ -447,19 +587,19 @@ unsafe fn axpy_group_with(
             // o_i[c] += scale[c] · Σ_r p_ir · code_r[c] + offset[c] · Σ_r p_ir.
             Params::PerChannel { scale, offset } => {
                 // SAFETY: as above, with the probabilities themselves as weights.
-                unsafe { by_bits_and_group!(group_axpy, b.bits, n, (b, pg, sums)) }
+                unsafe { by_width!(group_axpy, axpy3, b.bits, n, (b, pg, sums)) }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
                     let psum: f32 = portable::sum_lanes(pi);
                     let o = &mut out[(i0 + i) * d..(i0 + i + 1) * d];
                     for (c, (o, &x)) in o.iter_mut().zip(&sums[i * d..(i + 1) * d]).enumerate() {
-                        *o += x * scale[c] + (offset.map_or(0.0, |f| f[c]) - zero * scale[c]) * psum;
+                        *o += x * scale[c] + offset.map_or(0.0, |f| f[c]) * psum;
                     }
                 }
             }
             // o_i += Σ_r p_ir · x̂_r, the rows decoded with their groups' parameters.
             Params::PerGroup { .. } => {
                 // SAFETY: callers checked `supported(b)` (groups of a multiple of 16).
-                unsafe { by_bits_and_group!(group_axpy_grouped, b.bits, n, (b, pg, sums)) }
+                unsafe { by_width!(group_axpy_grouped, axpy3, b.bits, n, (b, pg, sums)) }
                 for (i, o) in out[i0 * d..(i0 + n) * d].chunks_exact_mut(d).enumerate() {
                     for (o, &x) in o.iter_mut().zip(&sums[i * d..(i + 1) * d]) {
                         *o += x;

@@ -9,7 +9,7 @@
 //! every `unsafe` block carries a `// SAFETY:` comment. **Status:** the scalar and `wide`
 //! backends cover affine, symmetric and table (FP8, codebook) levels with per-row,
 //! per-channel or per-group (`gN`) parameters; the AVX2+FMA backend covers affine, symmetric
-//! and table 2-, 4- and 8-bit blocks for scores and axpy (per-group ones in groups of a multiple of 16),
+//! and table 2-, 3-, 4- and 8-bit blocks for scores and axpy (per-group ones in groups of a multiple of 16),
 //! and [`implementation_for`] names the code that runs for a given block. The integer score path ([`scores_int8_with`]) has AVX2, AVX-512 VNNI and
 //! aarch64 dotprod kernels, all equal to [`scalar::scores_int8`] bit for bit. The `avx512`
 //! backend's float kernels are the AVX2 ones: [`implementation`] says which code actually
@@ -120,7 +120,7 @@ pub fn implementation(backend: Backend) -> Backend {
 
 /// The code that runs the float kernels of `backend` for the block `b`: [`implementation`],
 /// except that where the AVX2 kernels do not cover a block's layout (code widths other than
-/// 2, 4 and 8, rows not a multiple of the chunk, per-group parameters in groups not a multiple
+/// 2, 3, 4 and 8, rows not a multiple of the chunk (64 codes for 2 and 3 bits), per-group parameters in groups not a multiple
 /// of 16) the `wide` ones run, and this says so.
 pub fn implementation_for(backend: Backend, b: &QuantBlock<'_>) -> Backend {
     match implementation(backend) {

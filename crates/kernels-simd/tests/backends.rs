@@ -14,7 +14,7 @@ use kvq_quant_core::pack::{pack, packed_len};
 use kvq_quant_core::synth::Rng;
 
 #[cfg(not(miri))]
-const DIMS: &[usize] = &[1, 7, 8, 16, 24, 31, 32, 48, 64, 72, 128, 136];
+const DIMS: &[usize] = &[1, 7, 8, 16, 24, 31, 32, 48, 64, 72, 128, 136, 192];
 #[cfg(not(miri))]
 const ROWS: &[usize] = &[1, 3, 16, 33, 130];
 // An interpreter runs these a thousand times slower: a tail, a full vector and one past it.
@@ -635,7 +635,8 @@ fn nan_inputs_reach_the_integer_results() {
 }
 
 /// `implementation_for` names the code that runs for a block: the AVX2 kernels for groups of
-/// a multiple of 16 and symmetric levels, the `wide` ones for groups of 8 and 3-bit codes.
+/// a multiple of 16, symmetric levels and 3-bit codes, the `wide` ones for groups of 8 and
+/// 5-bit codes.
 #[test]
 fn implementation_for_names_the_kernel_of_each_layout() {
     use kvq_kernels_simd::{implementation, implementation_for};
@@ -654,7 +655,8 @@ fn implementation_for_names_the_kernel_of_each_layout() {
         assert_eq!(implementation_for(backend, &block(8, Levels::Affine)), fallback, "{backend}");
         let sym = Levels::Symmetric { zero: 8.0 };
         assert_eq!(implementation_for(backend, &block(32, sym)), want_fast, "{backend}");
-        assert_eq!(implementation_for(backend, &block_of(3, 32, Levels::Affine)), fallback, "{backend}");
+        assert_eq!(implementation_for(backend, &block_of(3, 32, Levels::Affine)), want_fast, "{backend}");
+        assert_eq!(implementation_for(backend, &block_of(5, 32, Levels::Affine)), fallback, "{backend}");
     }
     let bad = Params::PerGroup { group: 24, scale: &scale[..2], offset: None };
     assert!(QuantBlock::new(&codes, 1, 64, 4, Levels::Affine, bad).is_err());
