@@ -656,6 +656,103 @@ pub(crate) fn axpy_in(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]
     }
 }
 
+/// `Σ a · b` over `n` floats with FMA in 16 lanes, then the lanes, then a scalar tail.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `a` and `b` hold `n` floats.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn fma_dot(a: *const f32, b: *const f32, n: usize) -> f32 {
+    let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut c = 0;
+    // SAFETY: every load reads floats c .. c + 16 (or + 8) < n of both slices.
+    unsafe {
+        while c + 16 <= n {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(c)), _mm256_loadu_ps(b.add(c)), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(c + 8)), _mm256_loadu_ps(b.add(c + 8)), s1);
+            c += 16;
+        }
+        if c + 8 <= n {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(c)), _mm256_loadu_ps(b.add(c)), s0);
+            c += 8;
+        }
+    }
+    let s = _mm256_add_ps(s0, s1);
+    let h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    let mut sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+    while c < n {
+        // SAFETY: c < n.
+        sum += unsafe { *a.add(c) * *b.add(c) };
+        c += 1;
+    }
+    sum
+}
+
+/// Scores against full-precision rows: see [`crate::scalar::dense_scores`].
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; the slices have the lengths the caller checked.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dense_scores_fma(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+    for r in 0..rows {
+        for i in 0..n_q {
+            // SAFETY: row r of x and query row i of q each hold dim floats.
+            out[i * rows + r] = unsafe { fma_dot(x.as_ptr().add(r * dim), q.as_ptr().add(i * dim), dim) };
+        }
+    }
+}
+
+/// Values from full-precision rows: see [`crate::scalar::dense_axpy`].
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; the slices have the lengths the caller checked.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dense_axpy_fma(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+    for i in 0..n_q {
+        let o = &mut out[i * dim..(i + 1) * dim];
+        for r in 0..rows {
+            let (w, xr) = (p[i * rows + r], &x[r * dim..(r + 1) * dim]);
+            let wv = _mm256_set1_ps(w);
+            let mut c = 0;
+            while c + 8 <= dim {
+                // SAFETY: floats c .. c + 8 lie within `o` and `xr` (both dim long).
+                unsafe {
+                    let po = o.as_mut_ptr().add(c);
+                    _mm256_storeu_ps(
+                        po,
+                        _mm256_fmadd_ps(_mm256_loadu_ps(xr.as_ptr().add(c)), wv, _mm256_loadu_ps(po)),
+                    );
+                }
+                c += 8;
+            }
+            for (ov, &xv) in o[c..].iter_mut().zip(&xr[c..]) {
+                *ov += w * xv;
+            }
+        }
+    }
+}
+
+/// [`dense_scores_fma`] when the CPU has AVX2 and FMA, else the `wide` kernel.
+pub(crate) fn dense_scores(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+    if cpu_ok() {
+        // SAFETY: cpu_ok() checked AVX2 and FMA; lib.rs checked the lengths.
+        unsafe { dense_scores_fma(x, rows, dim, q, n_q, out) }
+    } else {
+        portable::dense_scores(x, rows, dim, q, n_q, out)
+    }
+}
+
+/// [`dense_axpy_fma`] when the CPU has AVX2 and FMA, else the `wide` kernel.
+pub(crate) fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+    if cpu_ok() {
+        // SAFETY: as above.
+        unsafe { dense_axpy_fma(x, rows, dim, p, n_q, out) }
+    } else {
+        portable::dense_axpy(x, rows, dim, p, n_q, out)
+    }
+}
+
 /// The AVX2 integer kernel: 4-bit codes meet the int8 query in `vpmaddubsw` (u8 × i8, pairs
 /// summed), 8-bit codes are widened to i16 and meet an i16 query in `vpmaddwd`.
 pub(crate) struct Avx2Int;

@@ -266,6 +266,79 @@ pub fn axpy_in(
     Ok(())
 }
 
+fn check_dense(
+    x: &[f32],
+    rows: usize,
+    dim: usize,
+    w: &[f32],
+    n_q: usize,
+    out: usize,
+    scores: bool,
+) -> Result<(), KernelError> {
+    let want = |a: usize, b: usize| a.checked_mul(b);
+    let (w_len, out_len) =
+        if scores { (want(n_q, dim), want(n_q, rows)) } else { (want(n_q, rows), want(n_q, dim)) };
+    check(want(rows, dim) == Some(x.len()) && w_len == Some(w.len()) && out_len == Some(out), || {
+        format!(
+            "{rows} full-precision rows of {dim}: {} values, {n_q} query rows of {} values, {out} outputs",
+            x.len(),
+            w.len()
+        )
+    })
+}
+
+/// Scores of `n_q` query rows against `rows` full-precision rows `x` (`rows × dim`, the
+/// cache's f32 or widened f16 tails and sinks): `out[i · rows + r] = q_i · x_r`, with the FMA
+/// kernel on AVX2 backends, 16 `wide` lanes (SSE2/NEON) otherwise, the f64 reference on
+/// [`Backend::Scalar`].
+///
+/// # Errors
+/// [`KernelError::Shape`] when `x` is not `rows × dim`, `q` not `n_q × dim` or `out` not
+/// `n_q × rows` long.
+pub fn dense_scores_with(
+    backend: Backend,
+    x: &[f32],
+    rows: usize,
+    dim: usize,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_dense(x, rows, dim, q, n_q, out.len(), true)?;
+    match implementation(backend) {
+        Backend::Scalar => scalar::dense_scores(x, rows, dim, q, n_q, out),
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => avx2::dense_scores(x, rows, dim, q, n_q, out),
+        _ => portable::dense_scores(x, rows, dim, q, n_q, out),
+    }
+    Ok(())
+}
+
+/// `out[i · dim + d] += Σ_r p[i · rows + r] · x[r · dim + d]` over full-precision rows, with the
+/// kernels of [`dense_scores_with`].
+///
+/// # Errors
+/// [`KernelError::Shape`] when `x` is not `rows × dim`, `p` not `n_q × rows` or `out` not
+/// `n_q × dim` long.
+pub fn dense_axpy_with(
+    backend: Backend,
+    x: &[f32],
+    rows: usize,
+    dim: usize,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_dense(x, rows, dim, p, n_q, out.len(), false)?;
+    match implementation(backend) {
+        Backend::Scalar => scalar::dense_axpy(x, rows, dim, p, n_q, out),
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => avx2::dense_axpy(x, rows, dim, p, n_q, out),
+        _ => portable::dense_axpy(x, rows, dim, p, n_q, out),
+    }
+    Ok(())
+}
+
 /// Scores through the integer path where the backend has one (AVX2: affine 4-bit rows of a
 /// multiple of 64 codes, 8-bit rows of a multiple of 16; AVX-512 with VNNI: 4-bit rows of a
 /// multiple of 128, 8-bit of 64, else its AVX2 kernel; dotprod: 4-bit rows of a multiple of

@@ -333,3 +333,23 @@ pub(crate) fn axpy_in(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]
         }
     }
 }
+
+/// See [`crate::scalar::dense_scores`]: each row dotted with every query in 16 lanes.
+pub fn dense_scores(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+    for r in 0..rows {
+        let xr = &x[r * dim..(r + 1) * dim];
+        for i in 0..n_q {
+            out[i * rows + r] = dot(&q[i * dim..(i + 1) * dim], xr);
+        }
+    }
+}
+
+/// See [`crate::scalar::dense_axpy`]: each row added into every query's output, 8 lanes.
+pub fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+    for r in 0..rows {
+        let xr = &x[r * dim..(r + 1) * dim];
+        for i in 0..n_q {
+            axpb(&mut out[i * dim..(i + 1) * dim], p[i * rows + r], xr, 0.0);
+        }
+    }
+}

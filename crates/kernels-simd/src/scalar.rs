@@ -86,3 +86,27 @@ pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> b
     crate::intv::axpy_by_block::<crate::intv::Reference>(b, p, n_q, out, &mut scratch);
     true
 }
+
+/// Scores against full-precision rows (the cache's f32 tails and sinks):
+/// `out[i · rows + r] = Σ_d q[i · dim + d] · x[r · dim + d]`, summed in f64.
+pub fn dense_scores(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+    for r in 0..rows {
+        let xr = &x[r * dim..(r + 1) * dim];
+        for i in 0..n_q {
+            let qi = &q[i * dim..(i + 1) * dim];
+            out[i * rows + r] =
+                qi.iter().zip(xr).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>() as f32;
+        }
+    }
+}
+
+/// Values from full-precision rows: `out[i · dim + d] += Σ_r p[i · rows + r] · x[r · dim + d]`,
+/// summed in f64.
+pub fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+    for i in 0..n_q {
+        for (d, o) in out[i * dim..(i + 1) * dim].iter_mut().enumerate() {
+            let sum: f64 = (0..rows).map(|r| f64::from(p[i * rows + r]) * f64::from(x[r * dim + d])).sum();
+            *o = (f64::from(*o) + sum) as f32;
+        }
+    }
+}

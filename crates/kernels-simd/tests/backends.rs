@@ -663,3 +663,52 @@ fn implementation_for_names_the_kernel_of_each_layout() {
     let short = Params::PerGroup { group: 16, scale: &scale[..3], offset: None };
     assert!(QuantBlock::new(&codes, 1, 64, 4, Levels::Affine, short).is_err());
 }
+
+/// The full-precision row kernels (tails and sinks) against the f64 reference on every
+/// backend, every row length and count, with special values (zeros, huge and tiny rows).
+#[test]
+fn dense_kernels_match_the_reference() {
+    use kvq_kernels_simd::{dense_axpy_with, dense_scores_with};
+    let mut rng = Rng::new(0xde45e);
+    for backend in available() {
+        for &dim in DIMS {
+            for &rows in ROWS {
+                let magnitude = [1.0f32, 1e-30, 1e20, 0.0][rng.below(4) as usize];
+                let x: Vec<f32> = (0..rows * dim).map(|_| rng.normal() as f32 * magnitude).collect();
+                for n_q in [1usize, 3, 4, 5] {
+                    let what = format!("{backend} dim {dim} rows {rows} n_q {n_q} magnitude {magnitude}");
+                    let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+                    let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
+                    dense_scores_with(backend, &x, rows, dim, &q, n_q, &mut got).unwrap();
+                    scalar::dense_scores(&x, rows, dim, &q, n_q, &mut want);
+                    let mags: Vec<f64> = (0..n_q * rows)
+                        .map(|k| {
+                            let (i, r) = (k / rows, k % rows);
+                            (0..dim).map(|d| f64::from((q[i * dim + d] * x[r * dim + d]).abs())).sum()
+                        })
+                        .collect();
+                    close(&format!("{what}: scores"), &got, &want, &mags);
+                    let p: Vec<f32> = (0..n_q * rows).map(|_| rng.uniform() as f32).collect();
+                    let start: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+                    let (mut got, mut want) = (start.clone(), start.clone());
+                    dense_axpy_with(backend, &x, rows, dim, &p, n_q, &mut got).unwrap();
+                    scalar::dense_axpy(&x, rows, dim, &p, n_q, &mut want);
+                    let mags: Vec<f64> = (0..n_q * dim)
+                        .map(|k| {
+                            let (i, d) = (k / dim, k % dim);
+                            f64::from(start[k].abs())
+                                + (0..rows)
+                                    .map(|r| f64::from((p[i * rows + r] * x[r * dim + d]).abs()))
+                                    .sum::<f64>()
+                        })
+                        .collect();
+                    close(&format!("{what}: axpy"), &got, &want, &mags);
+                }
+            }
+        }
+        let mut out = [0f32; 2];
+        assert!(dense_scores_with(backend, &[0.0; 7], 2, 4, &[0.0; 4], 1, &mut out).is_err());
+        assert!(dense_axpy_with(backend, &[0.0; 8], 2, 4, &[0.0; 3], 1, &mut [0.0; 4]).is_err());
+        assert!(dense_scores_with(backend, &[], usize::MAX, 2, &[0.0; 2], 1, &mut out).is_err());
+    }
+}

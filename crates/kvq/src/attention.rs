@@ -9,10 +9,10 @@
 //! rayon; when a long context has fewer KV heads than threads, one head's blocks are split
 //! across threads and the partial results merged by log-sum-exp (flash-decoding).
 
-use half::f16;
 use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, Segment, SeqId, TailBuf};
 use kvq_kernels_simd::{
-    Backend, KernelError, Levels, Params, QuantBlock, axpy_in, axpy_int_in, scores_in, scores_int8_in,
+    Backend, KernelError, Levels, Params, QuantBlock, axpy_in, axpy_int_in, dense_axpy_with,
+    dense_scores_with, scores_in, scores_int8_in,
 };
 use kvq_quant_core::calibration::Part;
 use kvq_quant_core::codebook::NF4_LEVELS;
@@ -596,8 +596,10 @@ impl<'a> Run<'a> {
         match rows {
             TailBuf::F32(v) => &v[offset..offset + n],
             TailBuf::F16(v) => {
-                buf.clear();
-                buf.extend(v[offset..offset + n].iter().map(|h: &f16| h.to_f32()));
+                use half::slice::HalfFloatSliceExt;
+                // half widens slices with F16C (NEON on aarch64) where the CPU has it.
+                buf.resize(n, 0.0);
+                v[offset..offset + n].convert_to_f32_slice(buf);
                 buf
             }
         }
@@ -740,15 +742,7 @@ fn attend<'a>(
         match k {
             Run::Full { rows, offset } => {
                 let x = Run::full(rows, offset, n * d, full);
-                for i in 0..g {
-                    for t in 0..n {
-                        s[i * n + t] = qs[i * d..(i + 1) * d]
-                            .iter()
-                            .zip(&x[t * d..(t + 1) * d])
-                            .map(|(p, q)| p * q)
-                            .sum();
-                    }
-                }
+                dense_scores_with(backend, x, n, d, qs, g, s)?;
             }
             Run::Block(view) => {
                 with_block(&view, &readers[0], bufs, |blk| match path {
@@ -790,14 +784,7 @@ fn attend<'a>(
         match v {
             Run::Full { rows, offset } => {
                 let x = Run::full(rows, offset, n * d, full);
-                for i in 0..g {
-                    for t in 0..n {
-                        let w = s[i * n + t];
-                        for (o, &vv) in st.o[i * d..(i + 1) * d].iter_mut().zip(&x[t * d..(t + 1) * d]) {
-                            *o += w * vv;
-                        }
-                    }
-                }
+                dense_axpy_with(backend, x, n, d, s, g, &mut st.o)?;
             }
             Run::Block(view) => {
                 with_block(&view, &readers[1], bufs, |blk| match path {

@@ -97,6 +97,13 @@ enum Command {
         /// CPU has AVX-512 VNNI), one more row per spec.
         #[arg(long)]
         integer: bool,
+        /// Full-precision (f16) residual blocks of each cache after its quantized ones, as a
+        /// serving config keeps (0: every token quantized, the kernels alone).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
+        residual_blocks: u32,
+        /// Leading tokens of each cache kept in full precision (f16).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=4096))]
+        sinks: u32,
     },
     /// Choose per-layer K and V specs that minimize attention error under an average bit
     /// budget (metadata counted), and write a cache config.
@@ -217,7 +224,9 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
-        Command::Bench { context, steps, specs, integer } => bench(context, steps, &specs, integer),
+        Command::Bench { context, steps, specs, integer, residual_blocks, sinks } => {
+            bench(context, steps, &specs, integer, (residual_blocks as usize, sinks as usize))
+        }
         Command::Recommend { file, budget_bits, out, model_layers, positions, cache, json } => {
             if !(budget_bits.is_finite() && budget_bits > 0.0) {
                 return Err(format!("--budget-bits {budget_bits} is not a positive finite number").into());
@@ -388,6 +397,7 @@ fn bench(
     steps: usize,
     specs: &[String],
     integer: bool,
+    (residual_blocks, sinks): (usize, usize),
 ) -> Result<(), Box<dyn std::error::Error>> {
     use kvq::attention::{ScorePath, decode_attention_path};
     use kvq::layout::{CacheConfig, PagedCache};
@@ -490,6 +500,8 @@ fn bench(
         let config = CacheConfig::new(1, kv_heads, d, kv_heads * context.div_ceil(32))
             .with_specs(spec.k.clone(), spec.v.clone())
             .with_block_size(32)
+            .with_residual_blocks(residual_blocks)
+            .with_sink_tokens(sinks)
             .with_row_kernels(kvq::kernels::row_kernels()?);
         let mut cache = PagedCache::new(config)?;
         // As QuantizedKvCache does: 2 MiB pages for the pool where the system allows it.

@@ -349,4 +349,19 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
     );
     assert_eq!(kvq(&["bench", "--steps", "0"]).status.code(), Some(1));
     assert_eq!(kvq(&["bench", "--specs", "int4-head"]).status.code(), Some(1));
+    // Full-precision sinks and a residual window are held (and read) in f16: more MiB.
+    let mib = |extra: &[&str]| -> f64 {
+        let args = [
+            &["bench", "--context", "4096", "--steps", "1", "--specs", "int4-channel/int4-token"][..],
+            extra,
+        ]
+        .concat();
+        let o = kvq(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = stdout(&o);
+        let row = text.lines().find(|l| l.starts_with("int4-channel/int4-token")).unwrap().to_string();
+        row.split_whitespace().nth(2).unwrap().parse().unwrap()
+    };
+    let (plain, tails) = (mib(&[]), mib(&["--residual-blocks", "1", "--sinks", "4"]));
+    assert!(tails > plain, "{plain} MiB without tails, {tails} with");
 }
