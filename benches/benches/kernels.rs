@@ -156,6 +156,7 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
             "int4-channel",
             "int2-channel",
             "fp8e4m3-token",
+            "nf4-token",
             "int4-g32",
         ]
     } else {
@@ -169,7 +170,13 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
         let scale = place(dram, &qt.scales().to_f32());
         let offset = qt.offsets().map(|o| place(dram, &o.to_f32()));
         let codes = place(dram, qt.codes());
-        let levels = if spec.starts_with("fp8") { Levels::Table(&table) } else { Levels::Affine };
+        let levels = if spec.starts_with("fp8") {
+            Levels::Table(&table)
+        } else if spec.starts_with("nf4") {
+            Levels::Table(&kvq_quant_core::codebook::NF4_LEVELS)
+        } else {
+            Levels::Affine
+        };
         let params = if spec.contains("channel") {
             Params::PerChannel { scale: &scale, offset: offset.as_deref() }
         } else if let kvq_quant_core::Granularity::Group(group) = parsed.granularity() {

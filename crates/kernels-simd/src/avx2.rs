@@ -6,11 +6,12 @@
 //! all rows into four queries' accumulators held in registers, so the output is read and
 //! written once per block instead of once per row.
 //!
-//! Covered: affine and symmetric levels, and table levels (FP8, codebooks: the 8 levels of 8 codes come from
+//! Covered: affine and symmetric levels, and table levels (codebooks of up to 16 levels held in
+//! two registers and looked up with `vpermps`; FP8's 256: the 8 levels of 8 codes come from
 //! one `vgatherdps`), 2-, 4- and 8-bit codes, rows whose length is a multiple of the chunk (64,
 //! 32, 16 codes), and 3-bit codes in rows of a multiple of 64 (both bit planes read per 16
-//! codes), symmetric levels (the zero point folded into the offsets), per-row and
-//! per-channel parameters, and per-group parameters (`gN`) in
+//! codes); symmetric levels subtract the zero point from the codes in i32 before the
+//! conversion (exact). Per-row and per-channel parameters, and per-group parameters (`gN`) in
 //! groups of a multiple of 16: those decode each run of 16 codes to values in registers with
 //! their group's scale and offset (one FMA per 8 values, shared by the query group) before
 //! the dot or the accumulation. Anything else (other widths, groups of 8) runs the `wide`
@@ -67,24 +68,99 @@ fn zero_of(b: &QuantBlock<'_>) -> i32 {
     }
 }
 
-/// The levels of a block for [`codes_f32`]: null for affine and symmetric blocks (the level is the code),
-/// else the block's table of `2^bits` levels (FP8, codebooks).
-fn table_of(b: &QuantBlock<'_>) -> *const f32 {
-    match b.levels {
-        Levels::Table(t) => t.as_ptr(),
-        _ => std::ptr::null(),
+/// How [`widen_codes`] turns codes into levels: the codes themselves (minus a zero point),
+/// or a table of levels held in registers (up to 16 entries, looked up with `vpermps`) or in
+/// memory (FP8's 256, gathered with `vgatherdps`).
+#[derive(Clone, Copy)]
+struct Lut {
+    kind: LutKind,
+    /// Entries 0..8 and 8..16 of a small table.
+    lo: __m256,
+    hi: __m256,
+    /// A large table, for gathers.
+    table: *const f32,
+    /// The symmetric zero point in every lane, or 0.
+    zero: __m256i,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LutKind {
+    Codes,
+    /// The codes minus the zero point.
+    Shifted,
+    Permute8,
+    Permute16,
+    Gather,
+}
+
+/// The [`Lut`] of a block.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
+    let mut lut = Lut {
+        kind: if zero_of(b) != 0 { LutKind::Shifted } else { LutKind::Codes },
+        lo: _mm256_setzero_ps(),
+        hi: _mm256_setzero_ps(),
+        table: std::ptr::null(),
+        zero: _mm256_set1_epi32(zero_of(b)),
+    };
+    if let Levels::Table(t) = b.levels {
+        if t.len() <= 16 {
+            let mut small = [0f32; 16];
+            small[..t.len()].copy_from_slice(t);
+            // SAFETY: `small` holds 16 floats.
+            unsafe {
+                lut.lo = _mm256_loadu_ps(small.as_ptr());
+                lut.hi = _mm256_loadu_ps(small.as_ptr().add(8));
+            }
+            lut.kind = if t.len() <= 8 { LutKind::Permute8 } else { LutKind::Permute16 };
+        } else {
+            lut.table = t.as_ptr();
+            lut.kind = LutKind::Gather;
+        }
+    }
+    lut
+}
+
+/// Levels of 8 codes (as i32 lanes) from a [`Lut`].
+///
+/// # Safety
+/// The CPU must support AVX2; every code is below the table's length (`QuantBlock::new`
+/// checked that a table has `2^bits` entries).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn levels8(idx: __m256i, lut: &Lut) -> __m256 {
+    match lut.kind {
+        LutKind::Codes => _mm256_cvtepi32_ps(idx),
+        LutKind::Shifted => _mm256_cvtepi32_ps(_mm256_sub_epi32(idx, lut.zero)),
+        LutKind::Permute8 => _mm256_permutevar8x32_ps(lut.lo, idx),
+        LutKind::Permute16 => {
+            // vpermps reads the low 3 bits of each index; bit 3, moved to the sign bit, picks
+            // the upper half.
+            let pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+            _mm256_blendv_ps(
+                _mm256_permutevar8x32_ps(lut.lo, idx),
+                _mm256_permutevar8x32_ps(lut.hi, idx),
+                pick,
+            )
+        }
+        // SAFETY: every index is a code, below the table's length.
+        LutKind::Gather => unsafe { _mm256_i32gather_ps::<4>(lut.table, idx) },
     }
 }
 
-/// The 16 codes of bit-group `k` of a 16-byte chunk of a `bits`-wide plane, as two vectors of
-/// 8 floats (codes `16k .. 16k + 8` and `16k + 8 .. 16k + 16` of the chunk): the codes
-/// themselves, or with a `table`, their levels gathered from it (`vgatherdps`).
+/// The levels of the 16 codes of bit-group `k` of a 16-byte chunk of a `bits`-wide plane, as
+/// two vectors of 8 floats (codes `16k .. 16k + 8` and `16k + 8 .. 16k + 16` of the chunk),
+/// through the block's [`Lut`].
 ///
 /// # Safety
-/// The CPU must support AVX2; a non-null `table` holds `2^bits` floats.
+/// The CPU must support AVX2; `lut` is the block's.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, table: *const f32, zero: __m256i) -> (__m256, __m256) {
+unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, lut: &Lut) -> (__m256, __m256) {
     let v = match bits {
         8 => chunk,
         4 => {
@@ -103,24 +179,19 @@ unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, table: *const f32, zero: _
         }
     };
     // SAFETY: AVX2 is enabled; the codes are below 2^bits, the table's length.
-    unsafe { widen_codes(v, table, zero) }
+    unsafe { widen_codes(v, lut) }
 }
 
-/// 16 codes (one per byte) as two vectors of 8 floats: the codes minus `zero` (every lane the
-/// symmetric zero point, or 0), or their levels gathered from a non-null `table`.
+/// The levels of 16 codes (one per byte) as two vectors of 8 floats, through `lut`.
 ///
 /// # Safety
-/// The CPU must support AVX2; a non-null `table` holds more entries than the largest code.
+/// The CPU must support AVX2; every code is below the length of `lut`'s table.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn widen_codes(v: __m128i, table: *const f32, zero: __m256i) -> (__m256, __m256) {
+unsafe fn widen_codes(v: __m128i, lut: &Lut) -> (__m256, __m256) {
     let (lo, hi) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
-    if table.is_null() {
-        (_mm256_cvtepi32_ps(_mm256_sub_epi32(lo, zero)), _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, zero)))
-    } else {
-        // SAFETY: every index is a code, below the table's length.
-        unsafe { (_mm256_i32gather_ps::<4>(table, lo), _mm256_i32gather_ps::<4>(table, hi)) }
-    }
+    // SAFETY: as this function's.
+    unsafe { (levels8(lo, lut), levels8(hi, lut)) }
 }
 
 /// Codes `16t .. 16t + 16` of a 3-bit row of `d` codes (`d` a multiple of 64), one per byte.
@@ -160,7 +231,8 @@ unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m128i {
 /// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == 3`; `q.len() == NQ · b.dim`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], mut emit: impl FnMut(usize, usize, f32)) {
-    let (d, table, zero) = (b.dim, table_of(b), _mm256_set1_epi32(zero_of(b)));
+    // SAFETY: AVX2 is enabled by this function's target features.
+    let (d, lut) = (b.dim, unsafe { lut_of(b) });
     let grouped = match b.params {
         Params::PerGroup { group, scale, offset } => Some((group, scale, offset)),
         _ => None,
@@ -172,7 +244,7 @@ unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], mut emit: impl F
             // SAFETY: AVX2 is enabled; the row is a packed 3-bit row of d codes; a table has 8
             // entries; the group index is in range.
             let (x0, x1) = unsafe {
-                let (lo, hi) = widen_codes(codes3(row, d, t), table, zero);
+                let (lo, hi) = widen_codes(codes3(row, d, t), &lut);
                 match grouped {
                     Some((group, scale, offset)) => {
                         let (sv, ov) = group_params(scale, offset, r * (d / group) + 16 * t / group);
@@ -191,16 +263,8 @@ unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], mut emit: impl F
                 a[1] = _mm256_fmadd_ps(x1, q1, a[1]);
             }
         }
-        let mut lanes = [_mm256_setzero_ps(); 4];
-        for (l, a) in lanes.iter_mut().zip(&acc) {
-            *l = _mm256_add_ps(a[0], a[1]);
-        }
-        let mut sums = [0f32; 4];
-        // SAFETY: AVX2 is enabled; `sums` holds 4 floats.
-        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(lanes[0], lanes[1], lanes[2], lanes[3])) };
-        for (i, &s) in sums.iter().enumerate().take(NQ) {
-            emit(i, r, s);
-        }
+        // SAFETY: AVX2 is enabled by this function's target features.
+        unsafe { emit_sums(&acc, r, &mut emit) };
     }
 }
 
@@ -210,7 +274,8 @@ unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], mut emit: impl F
 /// As [`group_axpy`], with `b.bits == 3`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn axpy3<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
-    let (d, rows, table, zero) = (b.dim, b.rows, table_of(b), _mm256_set1_epi32(zero_of(b)));
+    // SAFETY: AVX2 is enabled by this function's target features.
+    let (d, rows, lut) = (b.dim, b.rows, unsafe { lut_of(b) });
     let grouped = match b.params {
         Params::PerGroup { group, scale, offset } => Some((group, scale, offset)),
         _ => None,
@@ -220,7 +285,7 @@ unsafe fn axpy3<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]
         for r in 0..rows {
             // SAFETY: as in `dots3`.
             let (x0, x1) = unsafe {
-                let (lo, hi) = widen_codes(codes3(b.row(r).as_ptr(), d, t), table, zero);
+                let (lo, hi) = widen_codes(codes3(b.row(r).as_ptr(), d, t), &lut);
                 match grouped {
                     Some((group, scale, offset)) => {
                         let (sv, ov) = group_params(scale, offset, r * (d / group) + 16 * t / group);
@@ -247,6 +312,31 @@ unsafe fn axpy3<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]
     }
 }
 
+/// Reduces each query row's two accumulators of row `r` and hands the sums to `emit`. (No
+/// closures in the kernels: a closure does not inherit the target features, and intrinsics
+/// in one compile to out-of-line calls.)
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn emit_sums<const NQ: usize>(
+    acc: &[[__m256; 2]; NQ],
+    r: usize,
+    emit: &mut impl FnMut(usize, usize, f32),
+) {
+    let mut lanes = [_mm256_setzero_ps(); 4];
+    for (l, a) in lanes.iter_mut().zip(acc) {
+        *l = _mm256_add_ps(a[0], a[1]);
+    }
+    let mut sums = [0f32; 4];
+    // SAFETY: AVX2 is enabled; `sums` holds 4 floats.
+    unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(lanes[0], lanes[1], lanes[2], lanes[3])) };
+    for (i, &s) in sums.iter().enumerate().take(NQ) {
+        emit(i, r, s);
+    }
+}
+
 /// Horizontal sums of up to 4 accumulators at once: lane `i` of the result is the sum of
 /// `acc[i]` (3 `hadd`s and one add for 4 sums, instead of 4 separate reductions).
 ///
@@ -269,10 +359,50 @@ unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
 unsafe fn group_dots<const BITS: u8, const NQ: usize>(
     b: &QuantBlock<'_>,
     q: &[f32],
+    emit: impl FnMut(usize, usize, f32),
+) {
+    // SAFETY: as this function's.
+    unsafe { dots_by_chunk::<BITS, NQ, false>(b, q, emit) }
+}
+
+/// [`group_dots`] for a per-group block: each run of 16 codes is decoded to values in
+/// registers with its group's scale and offset (one FMA per 8, shared by the query rows)
+/// before the dots; `emit(i, r, score)` receives finished scores.
+///
+/// # Safety
+/// As [`group_dots`], and `b.params` is `PerGroup` with a group that is a multiple of 16.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_dots_grouped<const BITS: u8, const NQ: usize>(
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    emit: impl FnMut(usize, usize, f32),
+) {
+    // SAFETY: as this function's.
+    unsafe { dots_by_chunk::<BITS, NQ, true>(b, q, emit) }
+}
+
+/// The group of a per-group block's parameters (`(1, [], None)` for other blocks, unused).
+fn grouping<'a>(b: &QuantBlock<'a>) -> (usize, &'a [f32], Option<&'a [f32]>) {
+    match b.params {
+        Params::PerGroup { group, scale, offset } => (group, scale, offset),
+        _ => (1, &[], None),
+    }
+}
+
+/// The body of [`group_dots`] (`GROUPED = false`) and [`group_dots_grouped`].
+///
+/// # Safety
+/// As theirs.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
+    b: &QuantBlock<'_>,
+    q: &[f32],
     mut emit: impl FnMut(usize, usize, f32),
 ) {
     let per_chunk = 128 / BITS as usize;
-    let (d, table, zero) = (b.dim, table_of(b), _mm256_set1_epi32(zero_of(b)));
+    // SAFETY: AVX2 is enabled by this function's target features.
+    let (d, lut) = (b.dim, unsafe { lut_of(b) });
+    let (group, scale, offset) = grouping(b);
     for r in 0..b.rows {
         let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
         for (ci, c) in b.row(r).chunks_exact(16).enumerate() {
@@ -281,8 +411,14 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
             for k in 0..per_chunk / 16 {
                 // SAFETY: AVX2 is enabled by this function's target features; a table has
                 // 2^BITS entries (`QuantBlock::new` checked).
-                let (lo, hi) = unsafe { codes_f32(chunk, BITS, k as i32, table, zero) };
+                let (mut lo, mut hi) = unsafe { codes_f32(chunk, BITS, k as i32, &lut) };
                 let at = ci * per_chunk + 16 * k;
+                if GROUPED {
+                    // SAFETY: AVX2 is enabled; `at / group < d / group`, so the group index
+                    // is in range.
+                    let (sv, ov) = unsafe { group_params(scale, offset, r * (d / group) + at / group) };
+                    (lo, hi) = (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov));
+                }
                 for (i, a) in acc.iter_mut().enumerate() {
                     // SAFETY: at + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
                     let (q0, q1) = unsafe {
@@ -294,18 +430,8 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
                 }
             }
         }
-        // No closures here: a closure does not inherit the target features, and intrinsics in
-        // one compile to out-of-line calls.
-        let mut lanes = [_mm256_setzero_ps(); 4];
-        for (l, a) in lanes.iter_mut().zip(&acc) {
-            *l = _mm256_add_ps(a[0], a[1]);
-        }
-        let mut sums = [0f32; 4];
-        // SAFETY: AVX2 is enabled; `sums` holds 4 floats.
-        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(lanes[0], lanes[1], lanes[2], lanes[3])) };
-        for (i, &s) in sums.iter().enumerate().take(NQ) {
-            emit(i, r, s);
-        }
+        // SAFETY: AVX2 is enabled by this function's target features.
+        unsafe { emit_sums(&acc, r, &mut emit) };
     }
 }
 
@@ -318,18 +444,56 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
 /// `sums.len() >= NQ · b.dim`.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
+    // SAFETY: as this function's.
+    unsafe { axpy_by_chunk::<BITS, NQ, false>(b, w, sums) }
+}
+
+/// [`group_axpy`] for a per-group block: `sums[i·dim + d] = Σ_r w[i·rows + r] · x̂[r][d]`,
+/// each run of 16 codes decoded to values in registers with its group's parameters.
+///
+/// # Safety
+/// As [`group_axpy`], and `b.params` is `PerGroup` with a group that is a multiple of 16.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
+    b: &QuantBlock<'_>,
+    w: &[f32],
+    sums: &mut [f32],
+) {
+    // SAFETY: as this function's.
+    unsafe { axpy_by_chunk::<BITS, NQ, true>(b, w, sums) }
+}
+
+/// The body of [`group_axpy`] (`GROUPED = false`) and [`group_axpy_grouped`].
+///
+/// # Safety
+/// As theirs.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
+    b: &QuantBlock<'_>,
+    w: &[f32],
+    sums: &mut [f32],
+) {
     let per_chunk = 128 / BITS as usize;
-    let (rows, table, zero) = (b.rows, table_of(b), _mm256_set1_epi32(zero_of(b)));
+    // SAFETY: AVX2 is enabled by this function's target features.
+    let (rows, lut) = (b.rows, unsafe { lut_of(b) });
+    let (group, scale, offset) = grouping(b);
+    let per_row = b.dim / group;
     for ci in 0..b.row_bytes / 16 {
         for k in 0..per_chunk / 16 {
             let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
             for r in 0..rows {
                 // SAFETY: chunk `ci` lies within row `r` (row_bytes is a multiple of 16 for
                 // supported blocks); AVX2 is enabled; a table has 2^BITS entries.
-                let (lo, hi) = unsafe {
+                let (mut lo, mut hi) = unsafe {
                     let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
-                    codes_f32(chunk, BITS, k as i32, table, zero)
+                    codes_f32(chunk, BITS, k as i32, &lut)
                 };
+                if GROUPED {
+                    let g = r * per_row + (ci * per_chunk + 16 * k) / group;
+                    // SAFETY: AVX2 is enabled; the group index is in range.
+                    let (sv, ov) = unsafe { group_params(scale, offset, g) };
+                    (lo, hi) = (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov));
+                }
                 for (i, a) in acc.iter_mut().enumerate() {
                     // SAFETY: i·rows + r < w.len().
                     let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + r)) };
@@ -358,108 +522,6 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f
 #[inline]
 unsafe fn group_params(scale: &[f32], offset: Option<&[f32]>, g: usize) -> (__m256, __m256) {
     (_mm256_set1_ps(scale[g]), _mm256_set1_ps(offset.map_or(0.0, |o| o[g])))
-}
-
-/// [`group_dots`] for a per-group block: each run of 16 codes is decoded to values in
-/// registers with its group's scale and offset (one FMA per 8), then multiplied by every
-/// query row; `emit(i, r, score)` receives finished scores.
-///
-/// # Safety
-/// As [`group_dots`], and `b.params` is `PerGroup` with a group that is a multiple of 16.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn group_dots_grouped<const BITS: u8, const NQ: usize>(
-    b: &QuantBlock<'_>,
-    q: &[f32],
-    mut emit: impl FnMut(usize, usize, f32),
-) {
-    let Params::PerGroup { group, scale, offset } = b.params else { return };
-    let per_chunk = 128 / BITS as usize;
-    let (d, table, zero) = (b.dim, table_of(b), _mm256_set1_epi32(zero_of(b)));
-    let per_row = d / group;
-    for r in 0..b.rows {
-        let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
-        for (ci, c) in b.row(r).chunks_exact(16).enumerate() {
-            // SAFETY: `c` is exactly 16 bytes.
-            let chunk = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
-            for k in 0..per_chunk / 16 {
-                let at = ci * per_chunk + 16 * k;
-                // SAFETY: AVX2 is enabled by this function's target features; a table has
-                // 2^BITS entries; `at / group < per_row`, so the group index is in range.
-                let (x0, x1) = unsafe {
-                    let (lo, hi) = codes_f32(chunk, BITS, k as i32, table, zero);
-                    let (sv, ov) = group_params(scale, offset, r * per_row + at / group);
-                    (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
-                };
-                for (i, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: at + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
-                    let (q0, q1) = unsafe {
-                        let p = q.as_ptr().add(i * d + at);
-                        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
-                    };
-                    a[0] = _mm256_fmadd_ps(x0, q0, a[0]);
-                    a[1] = _mm256_fmadd_ps(x1, q1, a[1]);
-                }
-            }
-        }
-        let mut lanes = [_mm256_setzero_ps(); 4];
-        for (l, a) in lanes.iter_mut().zip(&acc) {
-            *l = _mm256_add_ps(a[0], a[1]);
-        }
-        let mut sums = [0f32; 4];
-        // SAFETY: AVX2 is enabled; `sums` holds 4 floats.
-        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(lanes[0], lanes[1], lanes[2], lanes[3])) };
-        for (i, &s) in sums.iter().enumerate().take(NQ) {
-            emit(i, r, s);
-        }
-    }
-}
-
-/// [`group_axpy`] for a per-group block: `sums[i·dim + d] = Σ_r w[i·rows + r] · x̂[r][d]`,
-/// each run of 16 codes decoded to values in registers with its group's parameters.
-///
-/// # Safety
-/// As [`group_axpy`], and `b.params` is `PerGroup` with a group that is a multiple of 16.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
-    b: &QuantBlock<'_>,
-    w: &[f32],
-    sums: &mut [f32],
-) {
-    let Params::PerGroup { group, scale, offset } = b.params else { return };
-    let per_chunk = 128 / BITS as usize;
-    let (rows, table, zero) = (b.rows, table_of(b), _mm256_set1_epi32(zero_of(b)));
-    let per_row = b.dim / group;
-    for ci in 0..b.row_bytes / 16 {
-        for k in 0..per_chunk / 16 {
-            let d0 = ci * per_chunk + 16 * k;
-            let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
-            for r in 0..rows {
-                // SAFETY: chunk `ci` lies within row `r` (row_bytes is a multiple of 16 for
-                // supported blocks); AVX2 is enabled; a table has 2^BITS entries; the group
-                // index `r · per_row + d0 / group` is in range.
-                let (x0, x1) = unsafe {
-                    let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
-                    let (lo, hi) = codes_f32(chunk, BITS, k as i32, table, zero);
-                    let (sv, ov) = group_params(scale, offset, r * per_row + d0 / group);
-                    (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
-                };
-                for (i, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: i·rows + r < w.len().
-                    let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + r)) };
-                    a[0] = _mm256_fmadd_ps(x0, wv, a[0]);
-                    a[1] = _mm256_fmadd_ps(x1, wv, a[1]);
-                }
-            }
-            for (i, a) in acc.iter().enumerate() {
-                // SAFETY: d0 + 16 <= dim, so the 16 floats lie within row i of `sums`.
-                unsafe {
-                    let p = sums.as_mut_ptr().add(i * b.dim + d0);
-                    _mm256_storeu_ps(p, a[0]);
-                    _mm256_storeu_ps(p.add(8), a[1]);
-                }
-            }
-        }
-    }
 }
 
 /// Runs `f(first query, queries in this group)` over the query rows in groups of up to 4.
