@@ -224,6 +224,28 @@ unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m128i {
     }
 }
 
+/// Values `16t .. 16t + 16` of 3-bit row `r` of `b`: the levels through `lut`, with the
+/// group's scale and offset applied for a per-group block (other blocks apply theirs later).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == 3`; `lut` is `b`'s;
+/// `r < b.rows`, `16t < b.dim`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn values3(b: &QuantBlock<'_>, lut: &Lut, r: usize, t: usize) -> (__m256, __m256) {
+    let d = b.dim;
+    // SAFETY: row r is a packed 3-bit row of d codes; a table has 8 entries.
+    let (lo, hi) = unsafe { widen_codes(codes3(b.row(r).as_ptr(), d, t), lut) };
+    match b.params {
+        Params::PerGroup { group, scale, offset } => {
+            // SAFETY: AVX2 is enabled; 16t / group < d / group, so the group index is in range.
+            let (sv, ov) = unsafe { group_params(scale, offset, r * (d / group) + 16 * t / group) };
+            (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
+        }
+        _ => (lo, hi),
+    }
+}
+
 /// [`group_dots`] and [`group_dots_grouped`] for 3-bit rows: 16 codes at a time from both
 /// planes ([`codes3`]), decoded with their group's parameters when the block is per group.
 ///
@@ -233,26 +255,11 @@ unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m128i {
 unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], mut emit: impl FnMut(usize, usize, f32)) {
     // SAFETY: AVX2 is enabled by this function's target features.
     let (d, lut) = (b.dim, unsafe { lut_of(b) });
-    let grouped = match b.params {
-        Params::PerGroup { group, scale, offset } => Some((group, scale, offset)),
-        _ => None,
-    };
     for r in 0..b.rows {
-        let row = b.row(r).as_ptr();
         let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
         for t in 0..d / 16 {
-            // SAFETY: AVX2 is enabled; the row is a packed 3-bit row of d codes; a table has 8
-            // entries; the group index is in range.
-            let (x0, x1) = unsafe {
-                let (lo, hi) = widen_codes(codes3(row, d, t), &lut);
-                match grouped {
-                    Some((group, scale, offset)) => {
-                        let (sv, ov) = group_params(scale, offset, r * (d / group) + 16 * t / group);
-                        (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
-                    }
-                    None => (lo, hi),
-                }
-            };
+            // SAFETY: as this function's; 16t < d.
+            let (x0, x1) = unsafe { values3(b, &lut, r, t) };
             for (i, a) in acc.iter_mut().enumerate() {
                 // SAFETY: 16t + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
                 let (q0, q1) = unsafe {
@@ -276,24 +283,11 @@ unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], mut emit: impl F
 unsafe fn axpy3<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
     // SAFETY: AVX2 is enabled by this function's target features.
     let (d, rows, lut) = (b.dim, b.rows, unsafe { lut_of(b) });
-    let grouped = match b.params {
-        Params::PerGroup { group, scale, offset } => Some((group, scale, offset)),
-        _ => None,
-    };
     for t in 0..d / 16 {
         let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
         for r in 0..rows {
-            // SAFETY: as in `dots3`.
-            let (x0, x1) = unsafe {
-                let (lo, hi) = widen_codes(codes3(b.row(r).as_ptr(), d, t), &lut);
-                match grouped {
-                    Some((group, scale, offset)) => {
-                        let (sv, ov) = group_params(scale, offset, r * (d / group) + 16 * t / group);
-                        (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
-                    }
-                    None => (lo, hi),
-                }
-            };
+            // SAFETY: as this function's; 16t < d.
+            let (x0, x1) = unsafe { values3(b, &lut, r, t) };
             for (i, a) in acc.iter_mut().enumerate() {
                 // SAFETY: i·rows + r < w.len().
                 let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + r)) };
