@@ -2,12 +2,13 @@
 //! `cross`, Debian packages it installs itself).
 //!
 //! - `ci`: formatting, clippy with warnings denied, the tests, and the docs with warnings denied.
-//! - `test --level baseline|v3|native|scalar`: the test suite built with the matching
-//!   RUSTFLAGS (none; `-C target-cpu=x86-64-v3`; `-C target-cpu=native`) or with the scalar
-//!   kernels forced; prints `rustc --print cfg` and the backend chosen first.
-//! - `cross`: builds for aarch64-unknown-linux-gnu with Debian's toolchain and runs the tests
-//!   under qemu-user with `-cpu max` (dotprod), then the kernels' tests again with
-//!   `-cpu cortex-a72` (no dotprod).
+//! - `test --level baseline|v3|native|scalar`: the test executables (not the doc tests, which
+//!   `ci` runs) built with the matching RUSTFLAGS (none; `-C target-cpu=x86-64-v3`;
+//!   `-C target-cpu=native`) or with the scalar kernels forced; prints `rustc --print cfg` and
+//!   the backend chosen first. baseline and scalar reuse the build of `cargo test --workspace`.
+//! - `cross`: builds the tests for aarch64-unknown-linux-gnu with Debian's toolchain and runs
+//!   them under qemu-user with `-cpu max` (dotprod), all but the CLI's, then the kernels' tests
+//!   again with `-cpu cortex-a72` (no dotprod), from the same build.
 //! - `bench [--quick] [--native] [FILTER]`: the criterion benches and, in the same run,
 //!   candle-core's baselines from `benches/candle` (a package outside the workspace, so that
 //!   ordinary builds never compile candle), summarized in `target/kvq-bench.{md,json}`. With
@@ -98,8 +99,10 @@ fn tally(passed: u64, failed: u64) -> Result<(), String> {
     Ok(())
 }
 
-/// Runs a `cargo test`-like command, echoing its output, and counts the tests it reports.
-fn run_tests(cmd: &mut Command, label: &str) -> Result<(), String> {
+/// Runs a `cargo test`-like command or a test executable, echoing its output, and counts the
+/// tests it reports: `(passed, failed)`. A build failure or a crash counts as one failure so that
+/// the tally cannot hide it.
+fn count_tests(cmd: &mut Command) -> Result<(u64, u64), String> {
     eprintln!("xtask: running {cmd:?}");
     let mut child = cmd.stdout(Stdio::piped()).spawn().map_err(|e| format!("{cmd:?}: {e}"))?;
     let (mut passed, mut failed) = (0u64, 0u64);
@@ -120,12 +123,98 @@ fn run_tests(cmd: &mut Command, label: &str) -> Result<(), String> {
     }
     let status = child.wait().map_err(|e| e.to_string())?;
     if !status.success() && failed == 0 {
-        // A build failure or a crash counts as one failure so that the tally cannot hide it.
         failed = 1;
     }
+    Ok((passed, failed))
+}
+
+/// Prints and tallies the counts of one labelled test run.
+fn report_tests(label: &str, passed: u64, failed: u64) -> Result<(), String> {
     println!("xtask {label}: {passed} passed, {failed} failed");
     tally(passed, failed)?;
-    if status.success() { Ok(()) } else { Err(format!("{label}: tests failed ({status})")) }
+    if failed == 0 { Ok(()) } else { Err(format!("{label}: {failed} test(s) failed")) }
+}
+
+/// Runs a `cargo test`-like command, echoing its output, and counts the tests it reports.
+fn run_tests(cmd: &mut Command, label: &str) -> Result<(), String> {
+    let (passed, failed) = count_tests(cmd)?;
+    report_tests(label, passed, failed)
+}
+
+/// One executable that a `cargo test --no-run` build produced.
+struct Artifact {
+    package: String,
+    target: String,
+    /// A test harness (`true`), or a plain binary built for the integration tests (`false`).
+    harness: bool,
+    exe: PathBuf,
+    /// The package's directory, where `cargo test` runs its tests.
+    dir: PathBuf,
+}
+
+/// Builds what the `cargo test ...` command `cmd` would run, without running it, and lists the
+/// executables. The stages of `.ci/run` run the executables of one build under different
+/// settings: a selection of packages other than the first build's would make cargo unify
+/// features differently and build every shared dependency again.
+fn build_tests(cmd: &mut Command) -> Result<Vec<Artifact>, String> {
+    cmd.args(["--no-run", "--message-format=json-render-diagnostics"]).stderr(Stdio::inherit());
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{cmd:?} failed with {}", out.status));
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        if msg["reason"] != "compiler-artifact" {
+            continue;
+        }
+        let (Some(exe), Some(manifest)) = (msg["executable"].as_str(), msg["manifest_path"].as_str()) else {
+            continue;
+        };
+        let dir = Path::new(manifest).parent().map(Path::to_path_buf).unwrap_or_default();
+        found.push(Artifact {
+            package: package_name(msg["package_id"].as_str().unwrap_or_default(), &dir),
+            target: msg["target"]["name"].as_str().unwrap_or_default().to_string(),
+            harness: msg["profile"]["test"].as_bool().unwrap_or(false),
+            exe: PathBuf::from(exe),
+            dir,
+        });
+    }
+    Ok(found)
+}
+
+/// The package name in a cargo package id: `path+file:///…/candle#kvq-candle@0.1.0` names it,
+/// `path+file:///…/kvq#0.1.0` leaves it to the directory.
+fn package_name(id: &str, dir: &Path) -> String {
+    match id.rsplit_once('#') {
+        Some((_, tail)) if tail.contains('@') => tail.split('@').next().unwrap_or_default().to_string(),
+        _ => dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+    }
+}
+
+/// Runs the test harnesses among `artifacts` that `keep` selects, each as `cargo test` would (in
+/// its package's directory), through `wrap` (an emulator, extra environment), and reports the
+/// total under `label`. Doc tests are not among them: `cargo xtask ci` runs those.
+fn run_harnesses(
+    artifacts: &[Artifact],
+    keep: impl Fn(&Artifact) -> bool,
+    wrap: impl Fn(&Path) -> Command,
+    label: &str,
+) -> Result<(), String> {
+    let (mut passed, mut failed) = (0, 0);
+    for a in artifacts.iter().filter(|a| a.harness && keep(a)) {
+        println!("xtask: {} / {}", a.package, a.target);
+        let mut cmd = wrap(&a.exe);
+        cmd.current_dir(&a.dir).env("CARGO_MANIFEST_DIR", &a.dir);
+        let (p, f) = count_tests(&mut cmd)?;
+        passed += p;
+        failed += f;
+    }
+    if passed + failed == 0 {
+        return Err(format!("{label}: no tests were selected"));
+    }
+    report_tests(label, passed, failed)
 }
 
 fn ci() -> Result<(), String> {
@@ -180,16 +269,38 @@ fn test_level(args: &[String]) -> Result<(), String> {
         "xtask: level {level}: RUSTFLAGS={flags:?}; rustc --print cfg target features: {}",
         features.join(" ")
     );
-    let mut info = cargo();
-    info.args(["run", "--quiet", "-p", "kvq", "--", "info"]);
+    // The default build (baseline, scalar) reuses the executables of `cargo xtask ci`'s
+    // `cargo test --workspace`; a level with its own flags builds into its own directory and
+    // leaves out the packages it does not run.
+    let mut build = cargo();
+    build.arg("test");
+    if target_dir.is_some() {
+        build.args(["--workspace", "--exclude", "kvq-candle", "--exclude", "kvq-fuzz"]);
+    } else {
+        build.arg("--workspace");
+    }
+    configure(&mut build);
+    let artifacts = build_tests(&mut build)?;
+    let kvq = artifacts
+        .iter()
+        .find(|a| a.package == "kvq" && a.target == "kvq" && !a.harness)
+        .ok_or("the test build made no kvq binary")?;
+    let mut info = Command::new(&kvq.exe);
+    info.arg("info");
     configure(&mut info);
     run(&mut info)?;
-    let mut test = cargo();
     // kvq-candle (candle and a model on top of kvq's kernels) is tested once, by `ci`: its
     // arithmetic is candle's, and the kernels it calls are tested at every level here.
-    test.args(["test", "--workspace", "--exclude", "kvq-candle", "--exclude", "kvq-fuzz"]);
-    configure(&mut test);
-    run_tests(&mut test, &format!("tests at level {level}"))
+    run_harnesses(
+        &artifacts,
+        |a| a.package != "kvq-candle" && a.package != "kvq-fuzz",
+        |exe| {
+            let mut cmd = Command::new(exe);
+            configure(&mut cmd);
+            cmd
+        },
+        &format!("tests at level {level}"),
+    )
 }
 
 const CROSS_TARGET: &str = "aarch64-unknown-linux-gnu";
@@ -238,42 +349,54 @@ fn cross() -> Result<(), String> {
         install_cross_tools()?;
     }
     let cross_cargo = std::env::var("XTASK_CROSS_CARGO").unwrap_or_else(|_| "/usr/bin/cargo".into());
-    let configure = |cpu: &str, dotprod: bool| {
-        let mut cmd = Command::new(&cross_cargo);
-        cmd.current_dir(root());
-        clean_flags(&mut cmd);
-        cmd.env_remove("RUSTUP_TOOLCHAIN")
-            .env_remove("CARGO_BUILD_TARGET")
-            .env("RUSTC", std::env::var("XTASK_CROSS_RUSTC").unwrap_or_else(|_| "/usr/bin/rustc".into()))
-            .env(
-                "RUSTDOC",
-                std::env::var("XTASK_CROSS_RUSTDOC").unwrap_or_else(|_| "/usr/bin/rustdoc".into()),
-            )
-            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", "aarch64-linux-gnu-gcc")
-            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", format!("qemu-aarch64 -cpu {cpu}"))
-            // Tests that spawn the kvq binary run it through the same emulator.
-            .env("KVQ_TEST_RUNNER", format!("qemu-aarch64 -cpu {cpu}"))
-            .env("EXPECT_ARCH", "aarch64")
-            .env("EXPECT_DOTPROD", if dotprod { "1" } else { "0" })
-            // Emulation is slow: keep property tests small (they run in full natively).
-            .env("PROPTEST_CASES", "16")
-            .arg("test")
-            .args(["--target", CROSS_TARGET, "--target-dir"])
-            .arg(root().join("target/aarch64-cross"));
-        cmd
-    };
-    let mut all = configure("max", true);
-    all.arg("--workspace");
+    let mut build = Command::new(&cross_cargo);
+    build.current_dir(root());
+    clean_flags(&mut build);
+    build
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("CARGO_BUILD_TARGET")
+        .env("RUSTC", std::env::var("XTASK_CROSS_RUSTC").unwrap_or_else(|_| "/usr/bin/rustc".into()))
+        .env("RUSTDOC", std::env::var("XTASK_CROSS_RUSTDOC").unwrap_or_else(|_| "/usr/bin/rustdoc".into()))
+        .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", "aarch64-linux-gnu-gcc")
+        .args(["test", "--target", CROSS_TARGET, "--target-dir"])
+        .arg(root().join("target/aarch64-cross"))
+        .arg("--workspace");
     for p in ["xtask", "kvq-benches", "kvq-candle", "kvq-fuzz"] {
-        all.args(["--exclude", p]);
+        build.args(["--exclude", p]);
     }
-    run_tests(&mut all, "aarch64 tests under qemu -cpu max")?;
+    let artifacts = build_tests(&mut build)?;
+    let under = |cpu: &'static str, dotprod: bool| {
+        move |exe: &Path| {
+            let mut cmd = Command::new("qemu-aarch64");
+            cmd.args(["-cpu", cpu])
+                .arg(exe)
+                // Tests that spawn the kvq binary run it through the same emulator.
+                .env("KVQ_TEST_RUNNER", format!("qemu-aarch64 -cpu {cpu}"))
+                .env("EXPECT_ARCH", "aarch64")
+                .env("EXPECT_DOTPROD", if dotprod { "1" } else { "0" })
+                // Emulation is slow: keep property tests small (they run in full natively).
+                .env("PROPTEST_CASES", "16");
+            cmd
+        }
+    };
+    // The CLI's tests (argument handling, file formats, reports) take no architecture-specific
+    // code of their own and are the slowest under emulation; the kernels, the cache and the
+    // attention they drive are tested here through their own tests.
+    run_harnesses(
+        &artifacts,
+        |a| !(a.package == "kvq" && a.target == "cli"),
+        under("max", true),
+        "aarch64 tests under qemu -cpu max",
+    )?;
     // Without dotprod only the kernels take other code (dispatch picks plain NEON); their
     // backend tests check every available backend against the scalar reference, so the rest of
     // the workspace is not run a second time under emulation.
-    let mut plain = configure("cortex-a72", false);
-    plain.args(["--package", "kvq-kernels-simd"]);
-    run_tests(&mut plain, "aarch64 kernel tests under qemu -cpu cortex-a72")
+    run_harnesses(
+        &artifacts,
+        |a| a.package == "kvq-kernels-simd",
+        under("cortex-a72", false),
+        "aarch64 kernel tests under qemu -cpu cortex-a72",
+    )
 }
 
 fn bench(args: &[String]) -> Result<(), String> {
@@ -443,8 +566,14 @@ fn fuzz(args: &[String]) -> Result<(), String> {
             other => return Err(format!("unknown fuzz flag {other:?}\n{}", usage())),
         }
     }
-    run(clean_flags(&mut cargo()).args(["build", "-p", "kvq-fuzz", "--bin", "kvq-fuzz"]))?;
-    let bin = root().join("target/debug/kvq-fuzz");
+    // The binary that `cargo test --workspace` builds for kvq-fuzz's own tests: building it
+    // with `-p kvq-fuzz` would unify features differently and build its dependencies again.
+    let artifacts = build_tests(clean_flags(&mut cargo()).args(["test", "--workspace"]))?;
+    let bin = artifacts
+        .iter()
+        .find(|a| a.package == "kvq-fuzz" && a.target == "kvq-fuzz" && !a.harness)
+        .map(|a| a.exe.clone())
+        .ok_or("the test build made no kvq-fuzz binary")?;
     if targets.is_empty() {
         let out = Command::new(&bin).arg("--list").output().map_err(|e| format!("{}: {e}", bin.display()))?;
         targets = String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
