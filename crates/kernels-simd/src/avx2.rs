@@ -745,26 +745,152 @@ unsafe fn fma_dot(a: *const f32, b: *const f32, n: usize) -> f32 {
     sum
 }
 
-/// Scores against full-precision rows: see [`crate::scalar::dense_scores`].
+/// Whether the full-precision kernels can run: AVX2, FMA and F16C (every AVX2 CPU so far).
+fn cpu_dense() -> bool {
+    cpu_ok() && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// Eight floats of a full-precision row from element `at` of `x`: f32 (`HALF = false`) or f16
+/// widened in the register (`vcvtph2ps`).
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; the slices have the lengths the caller checked.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dense_scores_fma(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
-    for r in 0..rows {
-        for i in 0..n_q {
-            // SAFETY: row r of x and query row i of q each hold dim floats.
-            out[i * rows + r] = unsafe { fma_dot(x.as_ptr().add(r * dim), q.as_ptr().add(i * dim), dim) };
+/// The CPU must support AVX2, FMA and F16C; elements `at .. at + 8` of `x` (f32 or f16 as
+/// `HALF` says) lie within its allocation.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load8<const HALF: bool>(x: *const u8, at: usize) -> __m256 {
+    // SAFETY: as this function's.
+    unsafe {
+        if HALF {
+            _mm256_cvtph_ps(_mm_loadu_si128(x.add(at * 2).cast()))
+        } else {
+            _mm256_loadu_ps(x.cast::<f32>().add(at))
         }
     }
 }
 
-/// Values from full-precision rows: see [`crate::scalar::dense_axpy`].
+/// Scores against full-precision rows: see [`crate::scalar::dense_scores`]. Rows of a
+/// multiple of 8 go through [`dense_scores_tile`], up to four query rows against two rows at a
+/// time; other lengths dot row by row.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; the slices have the lengths the caller checked.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must support AVX2, FMA and F16C; the slices have the lengths the caller checked.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_scores_fma(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+    if !dim.is_multiple_of(8) {
+        for r in 0..rows {
+            for i in 0..n_q {
+                // SAFETY: row r of x and query row i of q each hold dim floats.
+                out[i * rows + r] = unsafe { fma_dot(x.as_ptr().add(r * dim), q.as_ptr().add(i * dim), dim) };
+            }
+        }
+        return;
+    }
+    // SAFETY: dim is a multiple of 8; x holds rows · dim floats.
+    unsafe { dense_scores_tiles::<false>(x.as_ptr().cast(), rows, dim, q, n_q, out) }
+}
+
+/// [`dense_scores_tile`] over the query rows four at a time.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `dim % 8 == 0`; `x` holds `rows · dim` elements
+/// (f32 or f16 as `HALF` says), `q` `n_q · dim` floats, `out` `n_q · rows`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_scores_tiles<const HALF: bool>(
+    x: *const u8,
+    rows: usize,
+    dim: usize,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) {
+    let mut i0 = 0;
+    while i0 < n_q {
+        let (qs, o) = (&q[i0 * dim..], &mut out[i0 * rows..]);
+        // SAFETY: as this function's; `qs` holds the query rows from i0 on, `o` their scores.
+        unsafe {
+            match n_q - i0 {
+                1 => dense_scores_tile::<1, HALF>(x, rows, dim, qs, o),
+                2 => dense_scores_tile::<2, HALF>(x, rows, dim, qs, o),
+                3 => dense_scores_tile::<3, HALF>(x, rows, dim, qs, o),
+                _ => dense_scores_tile::<4, HALF>(x, rows, dim, qs, o),
+            }
+        }
+        i0 += 4;
+    }
+}
+
+/// `out[i · rows + r] = q_i · x_r` for the first `NQ` query rows of `q`: two rows of `x` at a
+/// time, each 8-value chunk of them loaded (and widened) once and multiplied by the `NQ` query
+/// chunks, so that `2 · NQ` FMA chains run side by side and each row is read once for the group.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `dim % 8 == 0`; `x` holds `rows · dim` elements,
+/// `q` at least `NQ · dim` floats, `out` at least `(NQ - 1) · rows + rows`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_scores_tile<const NQ: usize, const HALF: bool>(
+    x: *const u8,
+    rows: usize,
+    dim: usize,
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let sum = |v: __m256| {
+        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))
+    };
+    let qp = q.as_ptr();
+    let mut r = 0;
+    while r + 2 <= rows {
+        let mut acc = [[_mm256_setzero_ps(); NQ]; 2];
+        for c in (0..dim).step_by(8) {
+            // SAFETY: c + 8 <= dim; rows r and r + 1 lie within x, query rows i < NQ within q.
+            unsafe {
+                let (x0, x1) = (load8::<HALF>(x, r * dim + c), load8::<HALF>(x, (r + 1) * dim + c));
+                let [a0, a1] = &mut acc;
+                for (i, (s0, s1)) in a0.iter_mut().zip(a1.iter_mut()).enumerate() {
+                    let qv = _mm256_loadu_ps(qp.add(i * dim + c));
+                    *s0 = _mm256_fmadd_ps(x0, qv, *s0);
+                    *s1 = _mm256_fmadd_ps(x1, qv, *s1);
+                }
+            }
+        }
+        for i in 0..NQ {
+            out[i * rows + r] = sum(acc[0][i]);
+            out[i * rows + r + 1] = sum(acc[1][i]);
+        }
+        r += 2;
+    }
+    if r < rows {
+        let mut acc = [_mm256_setzero_ps(); NQ];
+        for c in (0..dim).step_by(8) {
+            // SAFETY: as above, for the last row.
+            unsafe {
+                let x0 = load8::<HALF>(x, r * dim + c);
+                for (i, s0) in acc.iter_mut().enumerate() {
+                    *s0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(qp.add(i * dim + c)), *s0);
+                }
+            }
+        }
+        for (i, &a) in acc.iter().enumerate() {
+            out[i * rows + r] = sum(a);
+        }
+    }
+}
+
+/// Values from full-precision rows: see [`crate::scalar::dense_axpy`]. Rows of a multiple of
+/// 16 go through [`dense_axpy_tile`]; other lengths row by row.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the slices have the lengths the caller checked.
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dense_axpy_fma(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+    if dim.is_multiple_of(16) {
+        // SAFETY: dim is a multiple of 16; x holds rows · dim floats.
+        unsafe { dense_axpy_tiles::<false>(x.as_ptr().cast(), rows, dim, p, n_q, out) };
+        return;
+    }
     for i in 0..n_q {
         let o = &mut out[i * dim..(i + 1) * dim];
         for r in 0..rows {
@@ -789,23 +915,139 @@ unsafe fn dense_axpy_fma(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usi
     }
 }
 
-/// [`dense_scores_fma`] when the CPU has AVX2 and FMA, else the `wide` kernel.
+/// [`dense_axpy_tile`] over the query rows four at a time.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `dim % 16 == 0`; `x` holds `rows · dim` elements
+/// (f32 or f16 as `HALF` says), `p` `n_q · rows` floats, `out` `n_q · dim`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_axpy_tiles<const HALF: bool>(
+    x: *const u8,
+    rows: usize,
+    dim: usize,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) {
+    let mut i0 = 0;
+    while i0 < n_q {
+        let (ps, o) = (&p[i0 * rows..], &mut out[i0 * dim..]);
+        // SAFETY: as this function's; `ps` holds the weights of the query rows from i0 on,
+        // `o` their outputs.
+        unsafe {
+            match n_q - i0 {
+                1 => dense_axpy_tile::<1, HALF>(x, rows, dim, ps, o),
+                2 => dense_axpy_tile::<2, HALF>(x, rows, dim, ps, o),
+                3 => dense_axpy_tile::<3, HALF>(x, rows, dim, ps, o),
+                _ => dense_axpy_tile::<4, HALF>(x, rows, dim, ps, o),
+            }
+        }
+        i0 += 4;
+    }
+}
+
+/// Rows per span of [`dense_axpy_tile`].
+const DENSE_SPAN: usize = 32;
+
+/// `out[i · dim + c] += Σ_r p[i · rows + r] · x[r · dim + c]` for the first `NQ` query rows:
+/// 16 output columns of every query row held in registers while a span of rows passes, so that
+/// each part of a row is loaded (and widened) once for the whole group. Spans of
+/// [`DENSE_SPAN`] rows (16 KiB of f32 at head_dim 128) keep the column passes in L1.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `dim % 16 == 0`; `x` holds `rows · dim` elements,
+/// `p` at least `(NQ - 1) · rows + rows` floats, `out` at least `NQ · dim`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dense_axpy_tile<const NQ: usize, const HALF: bool>(
+    x: *const u8,
+    rows: usize,
+    dim: usize,
+    p: &[f32],
+    out: &mut [f32],
+) {
+    let (pp, op) = (p.as_ptr(), out.as_mut_ptr());
+    for r0 in (0..rows).step_by(DENSE_SPAN) {
+        for c in (0..dim).step_by(16) {
+            // SAFETY: c + 16 <= dim; output rows i < NQ lie within out.
+            let mut acc: [[__m256; 2]; NQ] = std::array::from_fn(|i| unsafe {
+                [_mm256_loadu_ps(op.add(i * dim + c)), _mm256_loadu_ps(op.add(i * dim + c + 8))]
+            });
+            for r in r0..rows.min(r0 + DENSE_SPAN) {
+                // SAFETY: row r lies within x, weight i · rows + r within p.
+                unsafe {
+                    let (x0, x1) = (load8::<HALF>(x, r * dim + c), load8::<HALF>(x, r * dim + c + 8));
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        let w = _mm256_broadcast_ss(&*pp.add(i * rows + r));
+                        a[0] = _mm256_fmadd_ps(x0, w, a[0]);
+                        a[1] = _mm256_fmadd_ps(x1, w, a[1]);
+                    }
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                // SAFETY: as for the loads.
+                unsafe {
+                    _mm256_storeu_ps(op.add(i * dim + c), a[0]);
+                    _mm256_storeu_ps(op.add(i * dim + c + 8), a[1]);
+                }
+            }
+        }
+    }
+}
+
+/// [`dense_scores_fma`] when the CPU has AVX2, FMA and F16C, else the `wide` kernel.
 pub(crate) fn dense_scores(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
-    if cpu_ok() {
-        // SAFETY: cpu_ok() checked AVX2 and FMA; lib.rs checked the lengths.
+    if cpu_dense() {
+        // SAFETY: cpu_dense() checked AVX2, FMA and F16C; lib.rs checked the lengths.
         unsafe { dense_scores_fma(x, rows, dim, q, n_q, out) }
     } else {
         portable::dense_scores(x, rows, dim, q, n_q, out)
     }
 }
 
-/// [`dense_axpy_fma`] when the CPU has AVX2 and FMA, else the `wide` kernel.
+/// [`dense_axpy_fma`] when the CPU has AVX2, FMA and F16C, else the `wide` kernel.
 pub(crate) fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
-    if cpu_ok() {
+    if cpu_dense() {
         // SAFETY: as above.
         unsafe { dense_axpy_fma(x, rows, dim, p, n_q, out) }
     } else {
         portable::dense_axpy(x, rows, dim, p, n_q, out)
+    }
+}
+
+/// f16 rows of a multiple of 8 widened in registers, when the CPU has AVX2, FMA and F16C;
+/// else the portable kernel.
+pub(crate) fn dense_scores_f16(
+    x: &[half::f16],
+    rows: usize,
+    dim: usize,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) {
+    if cpu_dense() && dim.is_multiple_of(8) {
+        // SAFETY: the CPU checks and dim % 8 above; lib.rs checked the lengths (x holds
+        // rows · dim f16).
+        unsafe { dense_scores_tiles::<true>(x.as_ptr().cast(), rows, dim, q, n_q, out) }
+    } else {
+        portable::dense_scores_f16(x, rows, dim, q, n_q, out)
+    }
+}
+
+/// f16 rows of a multiple of 16 widened in registers, when the CPU has AVX2, FMA and F16C;
+/// else the portable kernel.
+pub(crate) fn dense_axpy_f16(
+    x: &[half::f16],
+    rows: usize,
+    dim: usize,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) {
+    if cpu_dense() && dim.is_multiple_of(16) {
+        // SAFETY: as above, with dim % 16.
+        unsafe { dense_axpy_tiles::<true>(x.as_ptr().cast(), rows, dim, p, n_q, out) }
+    } else {
+        portable::dense_axpy_f16(x, rows, dim, p, n_q, out)
     }
 }
 

@@ -267,7 +267,7 @@ pub fn axpy_in(
 }
 
 fn check_dense(
-    x: &[f32],
+    x_len: usize,
     rows: usize,
     dim: usize,
     w: &[f32],
@@ -278,10 +278,9 @@ fn check_dense(
     let want = |a: usize, b: usize| a.checked_mul(b);
     let (w_len, out_len) =
         if scores { (want(n_q, dim), want(n_q, rows)) } else { (want(n_q, rows), want(n_q, dim)) };
-    check(want(rows, dim) == Some(x.len()) && w_len == Some(w.len()) && out_len == Some(out), || {
+    check(want(rows, dim) == Some(x_len) && w_len == Some(w.len()) && out_len == Some(out), || {
         format!(
-            "{rows} full-precision rows of {dim}: {} values, {n_q} query rows of {} values, {out} outputs",
-            x.len(),
+            "{rows} full-precision rows of {dim}: {x_len} values, {n_q} query rows of {} values, {out} outputs",
             w.len()
         )
     })
@@ -304,7 +303,7 @@ pub fn dense_scores_with(
     n_q: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    check_dense(x, rows, dim, q, n_q, out.len(), true)?;
+    check_dense(x.len(), rows, dim, q, n_q, out.len(), true)?;
     match implementation(backend) {
         Backend::Scalar => scalar::dense_scores(x, rows, dim, q, n_q, out),
         #[cfg(target_arch = "x86_64")]
@@ -329,12 +328,61 @@ pub fn dense_axpy_with(
     n_q: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    check_dense(x, rows, dim, p, n_q, out.len(), false)?;
+    check_dense(x.len(), rows, dim, p, n_q, out.len(), false)?;
     match implementation(backend) {
         Backend::Scalar => scalar::dense_axpy(x, rows, dim, p, n_q, out),
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => avx2::dense_axpy(x, rows, dim, p, n_q, out),
         _ => portable::dense_axpy(x, rows, dim, p, n_q, out),
+    }
+    Ok(())
+}
+
+/// [`dense_scores_with`] over f16 rows (an f16 cache, the cache's f16 tails and sinks), each
+/// widened where it is used: in registers with F16C on AVX2 backends (rows of a multiple of 8),
+/// a piece at a time through `half` (NEON's conversion on aarch64) otherwise.
+///
+/// # Errors
+/// As [`dense_scores_with`].
+pub fn dense_scores_f16_with(
+    backend: Backend,
+    x: &[half::f16],
+    rows: usize,
+    dim: usize,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_dense(x.len(), rows, dim, q, n_q, out.len(), true)?;
+    match implementation(backend) {
+        Backend::Scalar => scalar::dense_scores_f16(x, rows, dim, q, n_q, out),
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => avx2::dense_scores_f16(x, rows, dim, q, n_q, out),
+        _ => portable::dense_scores_f16(x, rows, dim, q, n_q, out),
+    }
+    Ok(())
+}
+
+/// [`dense_axpy_with`] over f16 rows, widened as in [`dense_scores_f16_with`] (rows of a
+/// multiple of 16 in registers on AVX2 backends).
+///
+/// # Errors
+/// As [`dense_axpy_with`].
+pub fn dense_axpy_f16_with(
+    backend: Backend,
+    x: &[half::f16],
+    rows: usize,
+    dim: usize,
+    p: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_dense(x.len(), rows, dim, p, n_q, out.len(), false)?;
+    match implementation(backend) {
+        Backend::Scalar => scalar::dense_axpy_f16(x, rows, dim, p, n_q, out),
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 => avx2::dense_axpy_f16(x, rows, dim, p, n_q, out),
+        _ => portable::dense_axpy_f16(x, rows, dim, p, n_q, out),
     }
     Ok(())
 }

@@ -353,3 +353,41 @@ pub fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out
         }
     }
 }
+
+/// Values of an f16 row widened per piece into a stack buffer (no allocation, any length).
+const F16_PIECE: usize = 256;
+
+/// See [`crate::scalar::dense_scores_f16`]: each row widened a piece at a time with `half`'s
+/// slice conversion (F16C, NEON), dotted with every query's matching piece.
+pub fn dense_scores_f16(x: &[half::f16], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    let mut buf = [0f32; F16_PIECE];
+    for r in 0..rows {
+        for i in 0..n_q {
+            out[i * rows + r] = 0.0;
+        }
+        for c0 in (0..dim).step_by(F16_PIECE) {
+            let n = F16_PIECE.min(dim - c0);
+            x[r * dim + c0..r * dim + c0 + n].convert_to_f32_slice(&mut buf[..n]);
+            for i in 0..n_q {
+                out[i * rows + r] += dot(&q[i * dim + c0..i * dim + c0 + n], &buf[..n]);
+            }
+        }
+    }
+}
+
+/// See [`crate::scalar::dense_axpy_f16`]: each row widened a piece at a time, as in
+/// [`dense_scores_f16`].
+pub fn dense_axpy_f16(x: &[half::f16], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    let mut buf = [0f32; F16_PIECE];
+    for r in 0..rows {
+        for c0 in (0..dim).step_by(F16_PIECE) {
+            let n = F16_PIECE.min(dim - c0);
+            x[r * dim + c0..r * dim + c0 + n].convert_to_f32_slice(&mut buf[..n]);
+            for i in 0..n_q {
+                axpb(&mut out[i * dim + c0..i * dim + c0 + n], p[i * rows + r], &buf[..n], 0.0);
+            }
+        }
+    }
+}

@@ -100,6 +100,29 @@ pub fn dense_scores(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, o
     }
 }
 
+/// [`dense_scores`] over f16 rows, each value widened exactly.
+pub fn dense_scores_f16(x: &[half::f16], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+    for r in 0..rows {
+        let xr = &x[r * dim..(r + 1) * dim];
+        for i in 0..n_q {
+            let qi = &q[i * dim..(i + 1) * dim];
+            out[i * rows + r] =
+                qi.iter().zip(xr).map(|(&a, b)| f64::from(a) * f64::from(b.to_f32())).sum::<f64>() as f32;
+        }
+    }
+}
+
+/// [`dense_axpy`] over f16 rows, each value widened exactly.
+pub fn dense_axpy_f16(x: &[half::f16], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+    for i in 0..n_q {
+        for (d, o) in out[i * dim..(i + 1) * dim].iter_mut().enumerate() {
+            let sum: f64 =
+                (0..rows).map(|r| f64::from(p[i * rows + r]) * f64::from(x[r * dim + d].to_f32())).sum();
+            *o = (f64::from(*o) + sum) as f32;
+        }
+    }
+}
+
 /// Values from full-precision rows: `out[i · dim + d] += Σ_r p[i · rows + r] · x[r · dim + d]`,
 /// summed in f64.
 pub fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {

@@ -668,7 +668,7 @@ fn implementation_for_names_the_kernel_of_each_layout() {
 /// backend, every row length and count, with special values (zeros, huge and tiny rows).
 #[test]
 fn dense_kernels_match_the_reference() {
-    use kvq_kernels_simd::{dense_axpy_with, dense_scores_with};
+    use kvq_kernels_simd::{dense_axpy_f16_with, dense_axpy_with, dense_scores_f16_with, dense_scores_with};
     let mut rng = Rng::new(0xde45e);
     for backend in available() {
         for &dim in DIMS {
@@ -703,6 +703,37 @@ fn dense_kernels_match_the_reference() {
                         })
                         .collect();
                     close(&format!("{what}: axpy"), &got, &want, &mags);
+                    // The same rows stored as f16 (huge values become ±∞ there: skipped).
+                    if magnitude < 1e4 {
+                        let x16: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
+                        let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
+                        dense_scores_f16_with(backend, &x16, rows, dim, &q, n_q, &mut got).unwrap();
+                        scalar::dense_scores_f16(&x16, rows, dim, &q, n_q, &mut want);
+                        let mags: Vec<f64> = (0..n_q * rows)
+                            .map(|k| {
+                                let (i, r) = (k / rows, k % rows);
+                                (0..dim)
+                                    .map(|d| f64::from((q[i * dim + d] * x16[r * dim + d].to_f32()).abs()))
+                                    .sum()
+                            })
+                            .collect();
+                        close(&format!("{what}: f16 scores"), &got, &want, &mags);
+                        let (mut got, mut want) = (start.clone(), start.clone());
+                        dense_axpy_f16_with(backend, &x16, rows, dim, &p, n_q, &mut got).unwrap();
+                        scalar::dense_axpy_f16(&x16, rows, dim, &p, n_q, &mut want);
+                        let mags: Vec<f64> = (0..n_q * dim)
+                            .map(|k| {
+                                let (i, d) = (k / dim, k % dim);
+                                f64::from(start[k].abs())
+                                    + (0..rows)
+                                        .map(|r| {
+                                            f64::from((p[i * rows + r] * x16[r * dim + d].to_f32()).abs())
+                                        })
+                                        .sum::<f64>()
+                            })
+                            .collect();
+                        close(&format!("{what}: f16 axpy"), &got, &want, &mags);
+                    }
                 }
             }
         }
@@ -710,5 +741,9 @@ fn dense_kernels_match_the_reference() {
         assert!(dense_scores_with(backend, &[0.0; 7], 2, 4, &[0.0; 4], 1, &mut out).is_err());
         assert!(dense_axpy_with(backend, &[0.0; 8], 2, 4, &[0.0; 3], 1, &mut [0.0; 4]).is_err());
         assert!(dense_scores_with(backend, &[], usize::MAX, 2, &[0.0; 2], 1, &mut out).is_err());
+        let x16 = [half::f16::ZERO; 8];
+        assert!(dense_scores_f16_with(backend, &x16[..7], 2, 4, &[0.0; 4], 1, &mut out).is_err());
+        assert!(dense_axpy_f16_with(backend, &x16, 2, 4, &[0.0; 3], 1, &mut [0.0; 4]).is_err());
+        assert!(dense_scores_f16_with(backend, &[], usize::MAX, 2, &[0.0; 2], 1, &mut out).is_err());
     }
 }

@@ -11,8 +11,8 @@
 
 use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, Segment, SeqId, TailBuf};
 use kvq_kernels_simd::{
-    Backend, KernelError, Levels, Params, QuantBlock, axpy_in, axpy_int_in, dense_axpy_with,
-    dense_scores_with, scores_in, scores_int8_in,
+    Backend, KernelError, Levels, Params, QuantBlock, axpy_in, axpy_int_in, dense_axpy_f16_with,
+    dense_axpy_with, dense_scores_f16_with, dense_scores_with, scores_in, scores_int8_in,
 };
 use kvq_quant_core::calibration::Part;
 use kvq_quant_core::codebook::NF4_LEVELS;
@@ -382,7 +382,6 @@ struct Task {
     st: Partial,
     bufs: (Vec<f32>, Vec<f32>),
     s: Vec<f32>,
-    full: Vec<f32>,
     kernel: kvq_kernels_simd::Scratch,
 }
 
@@ -562,8 +561,7 @@ impl Task {
         let per = if self.parts > 1 { units.clone().count().div_ceil(self.parts) } else { usize::MAX };
         let mine = units.skip(self.part.saturating_mul(per)).take(per);
         self.st.reset(rows, d);
-        let mut scratch =
-            Scratch { bufs: &mut self.bufs, s: &mut self.s, full: &mut self.full, kernel: &mut self.kernel };
+        let mut scratch = Scratch { bufs: &mut self.bufs, s: &mut self.s, kernel: &mut self.kernel };
         attend(backend, options, readers, mine, &self.q, rows, d, &self.spans, &mut self.st, &mut scratch)
     }
 }
@@ -572,7 +570,6 @@ impl Task {
 struct Scratch<'w> {
     bufs: &'w mut (Vec<f32>, Vec<f32>),
     s: &'w mut Vec<f32>,
-    full: &'w mut Vec<f32>,
     kernel: &'w mut kvq_kernels_simd::Scratch,
 }
 
@@ -587,22 +584,26 @@ enum Run<'a> {
     Block(BlockView<'a>),
 }
 
-impl<'a> Run<'a> {
-    /// The `n × d` values of a full run as f32: borrowed, or widened into `buf`.
-    fn full<'b>(rows: &'a TailBuf, offset: usize, n: usize, buf: &'b mut Vec<f32>) -> &'b [f32]
-    where
-        'a: 'b,
-    {
-        match rows {
-            TailBuf::F32(v) => &v[offset..offset + n],
-            TailBuf::F16(v) => {
-                use half::slice::HalfFloatSliceExt;
-                // half widens slices with F16C (NEON on aarch64) where the CPU has it.
-                buf.resize(n, 0.0);
-                v[offset..offset + n].convert_to_f32_slice(buf);
-                buf
-            }
-        }
+/// Scores (`scores = true`) or values of a full-precision run through the dense kernels: f32
+/// rows read in place, f16 rows widened in registers.
+#[allow(clippy::too_many_arguments)]
+fn dense_run(
+    backend: Backend,
+    scores: bool,
+    rows: &TailBuf,
+    offset: usize,
+    n: usize,
+    d: usize,
+    w: &[f32],
+    g: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let range = offset..offset + n * d;
+    match (rows, scores) {
+        (TailBuf::F32(v), true) => dense_scores_with(backend, &v[range], n, d, w, g, out),
+        (TailBuf::F32(v), false) => dense_axpy_with(backend, &v[range], n, d, w, g, out),
+        (TailBuf::F16(v), true) => dense_scores_f16_with(backend, &v[range], n, d, w, g, out),
+        (TailBuf::F16(v), false) => dense_axpy_f16_with(backend, &v[range], n, d, w, g, out),
     }
 }
 
@@ -725,7 +726,7 @@ fn attend<'a>(
     let latest_start = spans.iter().map(|s| s.0).max().unwrap_or(0);
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
-    let Scratch { bufs, s, full, kernel } = w;
+    let Scratch { bufs, s, kernel } = w;
     let mut units = units.peekable();
     while let Some(Unit { start: a, end: b, k, v }) = units.next() {
         // Start loading the next unit's blocks while this one computes: block regions are
@@ -740,10 +741,7 @@ fn attend<'a>(
         let n = b - a;
         s.resize(g * n, 0.0);
         match k {
-            Run::Full { rows, offset } => {
-                let x = Run::full(rows, offset, n * d, full);
-                dense_scores_with(backend, x, n, d, qs, g, s)?;
-            }
+            Run::Full { rows, offset } => dense_run(backend, true, rows, offset, n, d, qs, g, s)?,
             Run::Block(view) => {
                 with_block(&view, &readers[0], bufs, |blk| match path {
                     ScorePath::Float => scores_in(backend, kernel, blk, qs, g, s),
@@ -782,10 +780,7 @@ fn attend<'a>(
             }
         }
         match v {
-            Run::Full { rows, offset } => {
-                let x = Run::full(rows, offset, n * d, full);
-                dense_axpy_with(backend, x, n, d, s, g, &mut st.o)?;
-            }
+            Run::Full { rows, offset } => dense_run(backend, false, rows, offset, n, d, s, g, &mut st.o)?,
             Run::Block(view) => {
                 with_block(&view, &readers[1], bufs, |blk| match path {
                     ScorePath::Float => axpy_in(backend, kernel, blk, s, g, &mut st.o),
