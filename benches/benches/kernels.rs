@@ -5,8 +5,10 @@
 //! sequences × 4k tokens, 64 × 1k) in one call with a reused workspace.
 //!
 //! Throughput is bytes of cache read (codes + parameters, or the f32/f16 keys), so GB/s
-//! compares formats on what they cost in memory traffic. Baselines in the same run: a plain
-//! f32 dot over f32 keys and an f16 dot (convert, then dot). Single thread unless named.
+//! compares formats on what they cost in memory traffic. Baselines in the same run: the FMA
+//! kernels over f32 rows and over f16 rows widened in registers (F16C), and for decode the
+//! GQA-aware `kvq::baseline::dense_attention` over contiguous f32 and f16 K and V. Single
+//! thread unless named.
 //! candle-core's q4_0/q8_0 `vec_dot` on the same keys lives in `benches/candle` (a separate
 //! package, so ordinary builds never compile candle); `cargo xtask bench` runs both and puts
 //! them in one table.
@@ -17,45 +19,17 @@ use kvq::attention::{
     AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch, decode_attention_path,
     decode_attention_with,
 };
+use kvq::baseline::{DenseDims, DenseKv, DenseScratch, dense_attention};
 use kvq_cache_layout::{CacheConfig, PagedCache};
 use kvq_kernels_simd::{
-    Backend, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dispatch, scores_int8_with, scores_with,
+    Backend, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dense_axpy_f16_with, dense_axpy_with,
+    dense_scores_f16_with, dense_scores_with, dispatch, scores_int8_with, scores_with,
 };
 use kvq_quant_core::synth::{Rng, normal_tensor};
 use kvq_quant_core::{QuantSpec, Shape, quantize};
 use std::hint::black_box;
 
 const D: usize = 128;
-
-fn f32_scores(keys: &[f32], q: &[f32], out: &mut [f32]) {
-    let d = q.len();
-    for (o, k) in out.iter_mut().zip(keys.chunks_exact(d)) {
-        // Eight independent lanes, so the compiler vectorizes the reduction.
-        let mut acc = [0f32; 8];
-        for (kc, qc) in k.chunks_exact(8).zip(q.chunks_exact(8)) {
-            for i in 0..8 {
-                acc[i] += kc[i] * qc[i];
-            }
-        }
-        *o = acc.iter().sum();
-    }
-}
-
-fn f16_scores(keys: &[f16], q: &[f32], out: &mut [f32]) {
-    let d = q.len();
-    let mut buf = [0f32; D];
-    let row = &mut buf[..d];
-    for (o, k) in out.iter_mut().zip(keys.chunks_exact(d)) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(k, row);
-        let mut acc = [0f32; 8];
-        for (kc, qc) in row.chunks_exact(8).zip(q.chunks_exact(8)) {
-            for i in 0..8 {
-                acc[i] += kc[i] * qc[i];
-            }
-        }
-        *o = acc.iter().sum();
-    }
-}
 
 /// A copy of `src` in memory advised for 2 MiB pages before it is written, as
 /// `QuantizedKvCache` advises its block pools. The DRAM-sized groups read every format from
@@ -87,25 +61,6 @@ fn keys(n: usize, d: usize) -> kvq_quant_core::Tensor {
     kvq_quant_core::Tensor::new(Shape::new(1, n, d), data).unwrap()
 }
 
-fn f32_axpy(values: &[f32], p: &[f32], out: &mut [f32]) {
-    for (v, &w) in values.chunks_exact(out.len()).zip(p) {
-        for (o, &x) in out.iter_mut().zip(v) {
-            *o += w * x;
-        }
-    }
-}
-
-fn f16_axpy(values: &[f16], p: &[f32], out: &mut [f32]) {
-    let mut buf = [0f32; D];
-    let row = &mut buf[..out.len()];
-    for (v, &w) in values.chunks_exact(out.len()).zip(p) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(v, row);
-        for (o, &x) in out.iter_mut().zip(&*row) {
-            *o += w * x;
-        }
-    }
-}
-
 /// What a group times: the score loop (one query against every key row) or the value
 /// accumulation (one row of weights over every value row, `o += Σ_t p[t] · v̂[t]`).
 #[derive(Clone, Copy, PartialEq)]
@@ -134,17 +89,28 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
     {
         let keys = place(dram, keys(n, d).data());
         group.throughput(Throughput::Bytes((n * d * 4) as u64));
+        // The best full-precision kernels (FMA; f16 widened in registers with F16C), so that
+        // "vs f16" compares against code an engine could have.
+        let best = best_float();
         group.bench_function("f32", |b| match read {
-            Read::Scores => b.iter(|| f32_scores(black_box(&keys), &q, &mut out)),
-            Read::Values => b.iter(|| f32_axpy(black_box(&keys), &p, &mut out)),
+            Read::Scores => {
+                b.iter(|| dense_scores_with(best, black_box(&keys), n, d, &q, 1, &mut out).unwrap())
+            }
+            Read::Values => {
+                b.iter(|| dense_axpy_with(best, black_box(&keys), n, d, &p, 1, &mut out).unwrap())
+            }
         });
         let keys16: Vec<f16> = keys.iter().map(|&x| f16::from_f32(x)).collect();
         let keys16 = place(dram, &keys16);
         drop(keys);
         group.throughput(Throughput::Bytes((n * d * 2) as u64));
         group.bench_function("f16", |b| match read {
-            Read::Scores => b.iter(|| f16_scores(black_box(&keys16), &q, &mut out)),
-            Read::Values => b.iter(|| f16_axpy(black_box(&keys16), &p, &mut out)),
+            Read::Scores => {
+                b.iter(|| dense_scores_f16_with(best, black_box(&keys16), n, d, &q, 1, &mut out).unwrap())
+            }
+            Read::Values => {
+                b.iter(|| dense_axpy_f16_with(best, black_box(&keys16), n, d, &p, 1, &mut out).unwrap())
+            }
         });
     }
     let specs: &[&str] = if d == D {
@@ -289,58 +255,6 @@ fn values_dram(c: &mut Criterion) {
     read_group(c, Read::Values, 8 << 20, D, false);
 }
 
-/// Contiguous K and V of one layer (`[kv heads, tokens, D]`), for the baselines.
-enum Contiguous<'a> {
-    F32(&'a [f32], &'a [f32]),
-    F16(&'a [f16], &'a [f16]),
-}
-
-/// Decode attention the plain way: per query head, all scores, softmax, then the weighted sum
-/// of value rows.
-fn contiguous_attention(
-    kv: &Contiguous<'_>,
-    q: &[f32],
-    q_heads: usize,
-    kv_heads: usize,
-    len: usize,
-    out: &mut [f32],
-) {
-    let g = q_heads / kv_heads;
-    let mut s = vec![0f32; len];
-    let mut row = [0f32; D];
-    let scale = 1.0 / (D as f32).sqrt();
-    for h in 0..q_heads {
-        let kvh = h / g;
-        let keys = kvh * len * D..(kvh + 1) * len * D;
-        match kv {
-            Contiguous::F32(k, _) => f32_scores(&k[keys], &q[h * D..(h + 1) * D], &mut s),
-            Contiguous::F16(k, _) => f16_scores(&k[keys], &q[h * D..(h + 1) * D], &mut s),
-        }
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        s.iter_mut().for_each(|x| {
-            *x = ((*x - max) * scale).exp();
-            sum += *x;
-        });
-        let o = &mut out[h * D..(h + 1) * D];
-        o.fill(0.0);
-        for (t, &w) in s.iter().enumerate() {
-            let at = (kvh * len + t) * D;
-            let v: &[f32] = match kv {
-                Contiguous::F32(_, v) => &v[at..at + D],
-                Contiguous::F16(_, v) => {
-                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(&v[at..at + D], &mut row);
-                    &row
-                }
-            };
-            for (ov, &x) in o.iter_mut().zip(v) {
-                *ov += w / sum * x;
-            }
-        }
-    }
-    black_box(&out);
-}
-
 fn decode(c: &mut Criterion) {
     // 4k context fits in L3 in f32; 32k (256 MiB of f32 K+V) streams from DRAM.
     for len in [4096usize, 32768] {
@@ -357,21 +271,24 @@ fn decode_at(c: &mut Criterion, len: usize) {
     let mut group = c.benchmark_group(format!("decode_llama3_8b_layer_{}k", len / 1024));
     group.sample_size(if len > 8192 { 10 } else { 20 });
 
-    // Baselines: the same two-pass attention over contiguous f32 K and V, and over f16 K and V
-    // with each row widened before use (an engine with an f16 cache and no quantization on a
-    // CPU without native f16 arithmetic).
+    // Baselines: contiguous f32 and f16 K and V through `kvq::baseline::dense_attention`, which
+    // reads each row once per KV head for its GQA group on the FMA kernels (f16 widened in
+    // registers with F16C), as a good f16 kernel does.
     let mut out = vec![0f32; q_heads * D];
+    let dims = DenseDims { q_heads, kv_heads, head_dim: D, tokens: len };
+    let mut scratch = DenseScratch::default();
+    let best = best_float();
     group.throughput(Throughput::Bytes((2 * kv_heads * len * D * 4) as u64));
-    let f32_kv = Contiguous::F32(kv.data(), vv.data());
-    group.bench_function("f32_contiguous", |b| {
-        b.iter(|| contiguous_attention(&f32_kv, &q, q_heads, kv_heads, len, &mut out))
+    let f32_kv = DenseKv::F32 { k: kv.data(), v: vv.data() };
+    group.bench_function("f32_gqa", |b| {
+        b.iter(|| dense_attention(best, &f32_kv, dims, &q, &mut out, &mut scratch).unwrap())
     });
     let k16: Vec<f16> = kv.data().iter().map(|&x| f16::from_f32(x)).collect();
     let v16: Vec<f16> = vv.data().iter().map(|&x| f16::from_f32(x)).collect();
     group.throughput(Throughput::Bytes((2 * kv_heads * len * D * 2) as u64));
-    let f16_kv = Contiguous::F16(&k16, &v16);
-    group.bench_function("f16_contiguous", |b| {
-        b.iter(|| contiguous_attention(&f16_kv, &q, q_heads, kv_heads, len, &mut out))
+    let f16_kv = DenseKv::F16 { k: &k16, v: &v16 };
+    group.bench_function("f16_gqa", |b| {
+        b.iter(|| dense_attention(best, &f16_kv, dims, &q, &mut out, &mut scratch).unwrap())
     });
     drop((k16, v16));
 

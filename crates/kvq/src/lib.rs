@@ -6,7 +6,8 @@
 //! - [`quant`] (`kvq-quant-core`): formats, packing, metrics, safetensors input.
 //! - [`layout`] (`kvq-cache-layout`): the paged, streaming cache.
 //! - [`kernels`] (`kvq-kernels-simd`): fused dequant-dot and dequant-axpy kernels.
-//! - [`attention`]: decode attention over the paged cache.
+//! - [`attention`]: decode attention over the paged cache; [`baseline`]: the same over an
+//!   unquantized contiguous f32/f16 cache, GQA-aware on FMA kernels (what benches compare with).
 //! - [`cache`]: [`cache::KvCacheConfig`] (TOML/JSON, validated) and [`cache::QuantizedKvCache`],
 //!   a model's cache with per-layer specs; [`prelude`] imports the common types.
 //! - [`analysis`]: the `kvq analyze` report; [`plot`]: its SVG figures.
@@ -25,6 +26,7 @@
 
 pub mod analysis;
 pub mod attention;
+pub mod baseline;
 pub mod cache;
 pub mod plot;
 pub mod prelude;

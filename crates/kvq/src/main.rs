@@ -390,8 +390,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 /// The longest context `kvq bench` builds (K and V in f32 alone: 8 GiB at this length).
 const MAX_BENCH_CONTEXT: usize = 1 << 20;
 
-/// `kvq bench`: decode attention per spec, against an f32 cache read by the same algorithm
-/// (a per-token f32 "spec" is not a format, so the baseline is the f32 dot/axpy loop).
+/// `kvq bench`: decode attention per spec, against contiguous f32 and f16 caches read by
+/// [`kvq::baseline::dense_attention`] (GQA-aware, F16C and FMA kernels) on the same backend.
 fn bench(
     context: usize,
     steps: usize,
@@ -440,40 +440,23 @@ fn bench(
         start.elapsed().as_secs_f64() / steps as f64
     };
     // Baselines: contiguous f32 and f16 caches read as a good GQA kernel reads them, each K and
-    // V row once per KV head for its whole group of query heads.
-    let g = q_heads / kv_heads;
+    // V row once per KV head for its whole group of query heads, f16 widened with F16C, the
+    // dots and sums on the same backend's FMA kernels.
+    use kvq::baseline::{DenseDims, DenseKv, DenseScratch, dense_attention};
     let (k16, v16): (Vec<half::f16>, Vec<half::f16>) = (
         k.data().iter().map(|&x| half::f16::from_f32(x)).collect(),
         v.data().iter().map(|&x| half::f16::from_f32(x)).collect(),
     );
-    let row32 = |x: &Tensor, kv: usize, t: usize, buf: &mut [f32]| buf.copy_from_slice(x.row(0, kv, t));
-    let row16 = |x: &[half::f16], kv: usize, t: usize, buf: &mut [f32]| {
-        use half::slice::HalfFloatSliceExt;
-        // half converts slices with F16C (NEON on aarch64) where the CPU has it.
-        x[(kv * context + t) * d..(kv * context + t + 1) * d].convert_to_f32_slice(buf);
+    let dims = DenseDims { q_heads, kv_heads, head_dim: d, tokens: context };
+    let mut scratch = DenseScratch::default();
+    let mut dense = |kv: &DenseKv<'_>| {
+        time(&mut || {
+            dense_attention(backend, kv, dims, &q, &mut out, &mut scratch).expect("shapes checked above")
+        })
     };
-    let mut s = vec![0f32; g * context];
-    let mut buf = vec![0f32; d];
-    let base = time(&mut || {
-        gqa_attention(
-            &q,
-            &mut out,
-            (q_heads, kv_heads, d, context),
-            &mut s,
-            &mut buf,
-            &mut |kv, t, b, part| row32(if part == 0 { &k } else { &v }, kv, t, b),
-        )
-    });
-    let base16 = time(&mut || {
-        gqa_attention(
-            &q,
-            &mut out,
-            (q_heads, kv_heads, d, context),
-            &mut s,
-            &mut buf,
-            &mut |kv, t, b, part| row16(if part == 0 { &k16 } else { &v16 }, kv, t, b),
-        )
-    });
+    let base = dense(&DenseKv::F32 { k: k.data(), v: v.data() });
+    let base16 = dense(&DenseKv::F16 { k: &k16, v: &v16 });
+    drop((k16, v16));
     let f32_bytes = 2 * kv_heads * context * d * 4;
     println!(
         "decode attention, {q_heads} query / {kv_heads} KV heads × {d}, {context} tokens, {steps} steps, backend {backend} (float kernels: {}), one thread",
@@ -483,9 +466,12 @@ fn bench(
         "{:<34} {:>10} {:>12} {:>9} {:>8} {:>8}",
         "cache", "ms/step", "cache MiB", "GB/s", "vs f32", "vs f16"
     );
-    for (name, t, bytes) in
-        [("f32 (GQA loop)", base, f32_bytes), ("f16 (GQA loop, F16C)", base16, f32_bytes / 2)]
-    {
+    // The kernels that ran the baselines (AVX2: FMA, f16 widened with F16C; wide: SSE2/NEON).
+    let dense = kvq::kernels::implementation(backend);
+    for (name, t, bytes) in [
+        (format!("f32 (GQA, {dense})"), base, f32_bytes),
+        (format!("f16 (GQA, {dense})"), base16, f32_bytes / 2),
+    ] {
         println!(
             "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x",
             name,
@@ -533,61 +519,4 @@ fn bench(
         }
     }
     Ok(())
-}
-
-/// Fetches row `(kv head, token)` of K (`part` 0) or V (1) into the buffer, as f32.
-type RowFn<'a> = dyn FnMut(usize, usize, &mut [f32], usize) + 'a;
-
-/// Softmax attention of one query token over a contiguous cache, KV head by KV head: each K
-/// and V row is fetched once (by `row(kv_head, token, buffer, part)`, 0 for K) for the whole
-/// group of query heads that share it, as GQA-aware kernels do. `dims` is `(query heads, KV
-/// heads, head_dim, tokens)`; `s` holds `group × tokens` scores.
-fn gqa_attention(
-    q: &[f32],
-    out: &mut [f32],
-    dims: (usize, usize, usize, usize),
-    s: &mut [f32],
-    buf: &mut [f32],
-    row: &mut RowFn<'_>,
-) {
-    let (q_heads, kv_heads, d, context) = dims;
-    let g = q_heads / kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
-    for kv in 0..kv_heads {
-        let qg = &q[kv * g * d..(kv + 1) * g * d];
-        for t in 0..context {
-            row(kv, t, buf, 0);
-            for i in 0..g {
-                // Eight independent lanes, so the compiler vectorizes the baseline too.
-                let mut acc = [0f32; 8];
-                for (kc, qc) in buf.chunks_exact(8).zip(qg[i * d..(i + 1) * d].chunks_exact(8)) {
-                    for l in 0..8 {
-                        acc[l] += kc[l] * qc[l];
-                    }
-                }
-                s[i * context + t] = acc.iter().sum::<f32>() * scale;
-            }
-        }
-        for i in 0..g {
-            let si = &mut s[i * context..(i + 1) * context];
-            let m = si.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            si.iter_mut().for_each(|x| {
-                *x = (*x - m).exp();
-                sum += *x;
-            });
-            si.iter_mut().for_each(|x| *x /= sum);
-        }
-        let o = &mut out[kv * g * d..(kv + 1) * g * d];
-        o.fill(0.0);
-        for t in 0..context {
-            row(kv, t, buf, 1);
-            for i in 0..g {
-                let w = s[i * context + t];
-                for (ov, &x) in o[i * d..(i + 1) * d].iter_mut().zip(buf.iter()) {
-                    *ov += w * x;
-                }
-            }
-        }
-    }
 }

@@ -330,8 +330,8 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
     let rows: Vec<&str> = text.lines().skip(2).collect();
     assert_eq!(rows.len(), 4, "{text}");
     assert!(
-        rows[0].starts_with("f32 (GQA loop)")
-            && rows[1].starts_with("f16 (GQA loop")
+        rows[0].starts_with("f32 (GQA, ")
+            && rows[1].starts_with("f16 (GQA, ")
             && rows[2].starts_with("int4-channel/int4-token")
             && rows[3].starts_with("int8-token")
     );

@@ -1,0 +1,250 @@
+//! Decode attention over an unquantized, contiguous f32 or f16 cache, computed the way a good
+//! f16 kernel computes it: each K and V row is read once per KV head for its whole GQA group of
+//! query heads, f16 rows are widened in registers (F16C; NEON's conversion on aarch64), and the
+//! dots and sums run on the kernels' FMA code ([`dense_scores_with`], [`dense_scores_f16_with`]
+//! and their `axpy` pairs).
+//!
+//! This is what kvq's quantized caches are measured against (`kvq bench`, the criterion
+//! benches), so that "faster than f16" means faster than something an engine could have, not
+//! than a loop that reads each row once per query head. It is also a reference for an engine
+//! that keeps some layers unquantized.
+//!
+//! ```
+//! use kvq::baseline::{DenseDims, DenseKv, DenseScratch, dense_attention};
+//! use kvq::kernels::dispatch;
+//!
+//! let dims = DenseDims { q_heads: 4, kv_heads: 2, head_dim: 8, tokens: 5 };
+//! let k = vec![0.5f32; 2 * 5 * 8];
+//! let v: Vec<f32> = (0..2 * 5 * 8).map(|i| (i % 8) as f32).collect();
+//! let q = vec![1f32; 4 * 8];
+//! let mut out = vec![0f32; 4 * 8];
+//! let mut scratch = DenseScratch::default();
+//! dense_attention(dispatch::selected()?, &DenseKv::F32 { k: &k, v: &v }, dims, &q, &mut out, &mut scratch)?;
+//! // Equal keys: every token gets the same weight, and the output is the mean value row.
+//! assert!((out[3] - 3.0).abs() < 1e-5);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use half::f16;
+use kvq_kernels_simd::softmax::exp_sum_with;
+use kvq_kernels_simd::{
+    Backend, dense_axpy_f16_with, dense_axpy_with, dense_scores_f16_with, dense_scores_with,
+};
+
+use crate::attention::AttentionError;
+
+/// Contiguous K and V, each `[kv_heads, tokens, head_dim]`, row-major.
+#[derive(Debug, Clone, Copy)]
+pub enum DenseKv<'a> {
+    /// f32 rows, read in place.
+    F32 {
+        /// Keys.
+        k: &'a [f32],
+        /// Values.
+        v: &'a [f32],
+    },
+    /// f16 rows, widened where they are used.
+    F16 {
+        /// Keys.
+        k: &'a [f16],
+        /// Values.
+        v: &'a [f16],
+    },
+}
+
+impl DenseKv<'_> {
+    /// Bytes of K and V together: what one decode step reads.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::F32 { k, v } => (k.len() + v.len()) * 4,
+            Self::F16 { k, v } => (k.len() + v.len()) * 2,
+        }
+    }
+
+    fn lens(&self) -> (usize, usize) {
+        match self {
+            Self::F32 { k, v } => (k.len(), v.len()),
+            Self::F16 { k, v } => (k.len(), v.len()),
+        }
+    }
+}
+
+/// The shape of one layer's decode step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DenseDims {
+    /// Query heads; a multiple of `kv_heads`.
+    pub q_heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Cached tokens, at least one.
+    pub tokens: usize,
+}
+
+/// Buffers reused across steps: after the first step of a shape, a step allocates nothing.
+#[derive(Debug, Default, Clone)]
+pub struct DenseScratch {
+    q: Vec<f32>,
+    sums: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+/// One query token's attention (`q`: `[q_heads, head_dim]`) over `kv`, softmax of
+/// `q·k / √head_dim`, written to `out` (`[q_heads, head_dim]`).
+///
+/// # Errors
+/// [`AttentionError::Shape`] when the sizes disagree with `dims` (or overflow), when
+/// `q_heads` is not a positive multiple of `kv_heads`, or when there are no tokens;
+/// [`AttentionError::Kernel`] should a kernel refuse its input.
+pub fn dense_attention(
+    backend: Backend,
+    kv: &DenseKv<'_>,
+    dims: DenseDims,
+    q: &[f32],
+    out: &mut [f32],
+    scratch: &mut DenseScratch,
+) -> Result<(), AttentionError> {
+    let DenseDims { q_heads, kv_heads, head_dim: d, tokens } = dims;
+    let shape = |what: String| AttentionError::Shape(format!("dense attention: {what}"));
+    if kv_heads == 0 || q_heads == 0 || q_heads % kv_heads != 0 || d == 0 || tokens == 0 {
+        return Err(shape(format!(
+            "{q_heads} query heads over {kv_heads} KV heads of {d} channels and {tokens} tokens"
+        )));
+    }
+    let cache_len = kv_heads.checked_mul(tokens).and_then(|n| n.checked_mul(d));
+    let (k_len, v_len) = kv.lens();
+    if cache_len != Some(k_len) || cache_len != Some(v_len) {
+        return Err(shape(format!("K has {k_len} and V {v_len} values, not {kv_heads} × {tokens} × {d}")));
+    }
+    let q_len = q_heads * d;
+    if q.len() != q_len || out.len() != q_len {
+        return Err(shape(format!("query of {} and output of {} values, not {q_len}", q.len(), out.len())));
+    }
+    let g = q_heads / kv_heads;
+    let scores_len = g.checked_mul(tokens).ok_or_else(|| shape(format!("{g} × {tokens} scores")))?;
+    scratch.scores.resize(scores_len, 0.0);
+    // The softmax scale folded into the query once.
+    let scale = 1.0 / (d as f32).sqrt();
+    scratch.q.clear();
+    scratch.q.extend(q.iter().map(|&x| x * scale));
+    scratch.sums.resize(g, 0.0);
+    out.fill(0.0);
+    for h in 0..kv_heads {
+        let qg = &scratch.q[h * g * d..(h + 1) * g * d];
+        let og = &mut out[h * g * d..(h + 1) * g * d];
+        let head = h * tokens * d..(h + 1) * tokens * d;
+        let s = &mut scratch.scores;
+        match kv {
+            DenseKv::F32 { k, .. } => dense_scores_with(backend, &k[head.clone()], tokens, d, qg, g, s)?,
+            DenseKv::F16 { k, .. } => dense_scores_f16_with(backend, &k[head.clone()], tokens, d, qg, g, s)?,
+        }
+        // Unnormalized weights; each output row is divided by its sum at the end.
+        for (i, si) in s.chunks_exact_mut(tokens).enumerate() {
+            let m = si.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            scratch.sums[i] = exp_sum_with(backend, si, m);
+        }
+        match kv {
+            DenseKv::F32 { v, .. } => dense_axpy_with(backend, &v[head], tokens, d, s, g, og)?,
+            DenseKv::F16 { v, .. } => dense_axpy_f16_with(backend, &v[head], tokens, d, s, g, og)?,
+        }
+        for (o, &sum) in og.chunks_exact_mut(d).zip(&scratch.sums) {
+            let inv = 1.0 / sum;
+            o.iter_mut().for_each(|x| *x *= inv);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvq_quant_core::synth::normal_tensor;
+    use kvq_quant_core::{Shape, Tensor};
+
+    /// Straight from the definition, in f64, per query head.
+    fn reference(k: &[f32], v: &[f32], dims: DenseDims, q: &[f32]) -> Vec<f32> {
+        let DenseDims { q_heads, kv_heads, head_dim: d, tokens } = dims;
+        let g = q_heads / kv_heads;
+        let mut out = vec![0f32; q_heads * d];
+        for h in 0..q_heads {
+            let kv = h / g;
+            let qh = &q[h * d..(h + 1) * d];
+            let row = |x: &[f32], t: usize| x[(kv * tokens + t) * d..(kv * tokens + t + 1) * d].to_vec();
+            let s: Vec<f64> = (0..tokens)
+                .map(|t| {
+                    row(k, t).iter().zip(qh).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>()
+                        / (d as f64).sqrt()
+                })
+                .collect();
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for c in 0..d {
+                let acc: f64 = (0..tokens).map(|t| e[t] / z * f64::from(row(v, t)[c])).sum();
+                out[h * d + c] = acc as f32;
+            }
+        }
+        out
+    }
+
+    fn data(dims: DenseDims) -> (Tensor, Tensor, Vec<f32>) {
+        let shape = Shape::new(dims.kv_heads, dims.tokens, dims.head_dim);
+        let q = normal_tensor(Shape::new(1, 1, dims.q_heads * dims.head_dim), 7).into_data();
+        (normal_tensor(shape, 5), normal_tensor(shape, 6), q)
+    }
+
+    #[test]
+    fn matches_the_definition_for_f32_and_f16_on_every_backend() {
+        // Token counts below, at and across the widening block; one and several heads a group.
+        for (q_heads, kv_heads, head_dim, tokens) in
+            [(4, 2, 16, 1), (8, 2, 64, 33), (2, 2, 24, 70), (6, 1, 128, 32)]
+        {
+            let dims = DenseDims { q_heads, kv_heads, head_dim, tokens };
+            let (k, v, q) = data(dims);
+            let want = reference(k.data(), v.data(), dims, &q);
+            let (k16, v16): (Vec<f16>, Vec<f16>) = (
+                k.data().iter().map(|&x| f16::from_f32(x)).collect(),
+                v.data().iter().map(|&x| f16::from_f32(x)).collect(),
+            );
+            let widen = |x: &[f16]| x.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
+            let want16 = reference(&widen(&k16), &widen(&v16), dims, &q);
+            let mut scratch = DenseScratch::default();
+            for backend in Backend::ALL.iter().copied().filter(|b| b.is_available()) {
+                for (kv, want) in [
+                    (DenseKv::F32 { k: k.data(), v: v.data() }, &want),
+                    (DenseKv::F16 { k: &k16, v: &v16 }, &want16),
+                ] {
+                    let mut out = vec![f32::NAN; q_heads * head_dim];
+                    dense_attention(backend, &kv, dims, &q, &mut out, &mut scratch).unwrap();
+                    let err = out.iter().zip(want.iter()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    assert!(err < 1e-4, "{backend} {dims:?} {}: max error {err}", kv.bytes());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_shapes_that_disagree() {
+        let dims = DenseDims { q_heads: 4, kv_heads: 2, head_dim: 8, tokens: 3 };
+        let (k, v, q) = data(dims);
+        let kv = DenseKv::F32 { k: k.data(), v: v.data() };
+        let mut out = vec![0f32; 32];
+        let mut scratch = DenseScratch::default();
+        let b = Backend::Scalar;
+        for bad in [
+            DenseDims { tokens: 0, ..dims },
+            DenseDims { tokens: 4, ..dims },
+            DenseDims { q_heads: 3, ..dims },
+            DenseDims { kv_heads: 0, ..dims },
+            DenseDims { tokens: usize::MAX, ..dims },
+        ] {
+            let e = dense_attention(b, &kv, bad, &q, &mut out, &mut scratch).unwrap_err();
+            assert!(matches!(e, AttentionError::Shape(_)), "{bad:?}: {e}");
+        }
+        let e = dense_attention(b, &kv, dims, &q[1..], &mut out, &mut scratch).unwrap_err();
+        assert!(matches!(e, AttentionError::Shape(_)), "{e}");
+        let e = dense_attention(b, &kv, dims, &q, &mut out[1..], &mut scratch).unwrap_err();
+        assert!(matches!(e, AttentionError::Shape(_)), "{e}");
+    }
+}
