@@ -1,3 +1,4 @@
+//! The one-thread DRAM read rate (a stream-read group, the floor of the DRAM-sized entries).
 //! Reading the cache: the score loop of one query against N keys (head_dim 128 and 64; 4096
 //! keys, cache-resident, and 8M keys, DRAM-resident: at least 256 MiB of keys in every format),
 //! and decode attention for one Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head_dim
@@ -397,5 +398,17 @@ fn decode_batch(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, scores, values, scores_dram, values_dram, decode, decode_batch);
+/// The machine's one-thread DRAM read rate in this run (`kvq::baseline::stream_read` over
+/// 512 MiB): the floor against which the DRAM-sized entries are read (bytes ÷ this rate).
+fn stream(c: &mut Criterion) {
+    const BYTES: usize = 512 << 20;
+    let data = in_huge_pages(&vec![1u64; BYTES / 8]);
+    let mut group = c.benchmark_group("stream_read_512MiB");
+    group.sample_size(10);
+    group.throughput(Throughput::Bytes(BYTES as u64));
+    group.bench_function("u64_sum", |b| b.iter(|| kvq::baseline::stream_read(black_box(&data))));
+    group.finish();
+}
+
+criterion_group!(benches, stream, scores, values, scores_dram, values_dram, decode, decode_batch);
 criterion_main!(benches);

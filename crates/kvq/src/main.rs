@@ -387,6 +387,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
+/// The buffer `kvq bench` reads to measure the DRAM read rate: far larger than any L3.
+const STREAM_BYTES: usize = 256 << 20;
+
 /// The longest context `kvq bench` builds (K and V in f32 alone: 8 GiB at this length).
 const MAX_BENCH_CONTEXT: usize = 1 << 20;
 
@@ -416,7 +419,7 @@ fn bench(
         )
         .into());
     }
-    let need = 2 * kv_heads * context * d * (4 + 4);
+    let need = 2 * kv_heads * context * d * (4 + 4) + STREAM_BYTES;
     let mut probe: Vec<u8> = Vec::new();
     probe
         .try_reserve_exact(need)
@@ -457,14 +460,31 @@ fn bench(
     let base = dense(&DenseKv::F32 { k: k.data(), v: v.data() });
     let base16 = dense(&DenseKv::F16 { k: &k16, v: &v16 });
     drop((k16, v16));
+    // The floor of a step: its bytes at the one-thread DRAM read rate of this machine, in this
+    // run (a buffer far larger than the caches, read once, best of 3).
+    let stream: Vec<u64> = vec![1; STREAM_BYTES / 8];
+    let mut read_s = f64::INFINITY;
+    for _ in 0..3 {
+        let start = Instant::now();
+        std::hint::black_box(kvq::baseline::stream_read(std::hint::black_box(&stream)));
+        read_s = read_s.min(start.elapsed().as_secs_f64());
+    }
+    drop(stream);
+    let rate = STREAM_BYTES as f64 / read_s;
+    let floor = |bytes: usize| bytes as f64 / rate;
     let f32_bytes = 2 * kv_heads * context * d * 4;
     println!(
         "decode attention, {q_heads} query / {kv_heads} KV heads × {d}, {context} tokens, {steps} steps, backend {backend} (float kernels: {}), one thread",
         kvq::kernels::implementation(backend)
     );
     println!(
-        "{:<34} {:>10} {:>12} {:>9} {:>8} {:>8}",
-        "cache", "ms/step", "cache MiB", "GB/s", "vs f32", "vs f16"
+        "one-thread DRAM read: {:.1} GB/s ({} MiB, best of 3); \"x floor\" is ms/step over the cache's bytes at that rate",
+        rate / 1e9,
+        STREAM_BYTES >> 20
+    );
+    println!(
+        "{:<34} {:>10} {:>12} {:>9} {:>8} {:>8} {:>8}",
+        "cache", "ms/step", "cache MiB", "GB/s", "vs f32", "vs f16", "x floor"
     );
     // The kernels that ran the baselines (AVX2: FMA, f16 widened with F16C; wide: SSE2/NEON).
     let dense = kvq::kernels::implementation(backend);
@@ -473,13 +493,14 @@ fn bench(
         (format!("f16 (GQA, {dense})"), base16, f32_bytes / 2),
     ] {
         println!(
-            "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x",
+            "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x {:>7.2}x",
             name,
             t * 1e3,
             bytes as f64 / 1048576.0,
             bytes as f64 / t / 1e9,
             base / t,
-            base16 / t
+            base16 / t,
+            t / floor(bytes)
         );
     }
     for spec in &specs {
@@ -508,13 +529,14 @@ fn bench(
                     .expect("shapes checked above");
             });
             println!(
-                "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x",
+                "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x {:>7.2}x",
                 format!("{}{label}", spec.name()),
                 t * 1e3,
                 bytes as f64 / 1048576.0,
                 bytes as f64 / t / 1e9,
                 base / t,
-                base16 / t
+                base16 / t,
+                t / floor(bytes)
             );
         }
     }

@@ -327,7 +327,9 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
         kvq(&["bench", "--context", "64", "--steps", "1", "--specs", "int4-channel/int4-token,int8-token"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let text = stdout(&o);
-    let rows: Vec<&str> = text.lines().skip(2).collect();
+    // The title, the measured read rate, the column names, then the rows.
+    assert!(text.lines().nth(1).is_some_and(|l| l.starts_with("one-thread DRAM read: ")), "{text}");
+    let rows: Vec<&str> = text.lines().skip(3).collect();
     assert_eq!(rows.len(), 4, "{text}");
     assert!(
         rows[0].starts_with("f32 (GQA, ")
@@ -341,7 +343,7 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
         kvq(&["bench", "--context", "64", "--steps", "1", "--specs", "int4-channel/int4-token", "--integer"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let text = stdout(&o);
-    let rows: Vec<&str> = text.lines().skip(2).collect();
+    let rows: Vec<&str> = text.lines().skip(3).collect();
     assert_eq!(rows.len(), 4, "{text}");
     assert!(
         rows[2].starts_with("int4-channel/int4-token ")
