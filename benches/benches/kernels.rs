@@ -23,8 +23,8 @@ use kvq::attention::{
 use kvq::baseline::{DenseDims, DenseKv, DenseScratch, dense_attention};
 use kvq_cache_layout::{CacheConfig, PagedCache};
 use kvq_kernels_simd::{
-    Backend, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dense_axpy_f16_with, dense_axpy_with,
-    dense_scores_f16_with, dense_scores_with, dispatch, scores_int8_with, scores_with,
+    Backend, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dense_axpy_with, dense_scores_with,
+    dispatch, scores_int8_with, scores_with,
 };
 use kvq_quant_core::synth::{Rng, normal_tensor};
 use kvq_quant_core::{QuantSpec, Shape, quantize};
@@ -107,10 +107,10 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
         group.throughput(Throughput::Bytes((n * d * 2) as u64));
         group.bench_function("f16", |b| match read {
             Read::Scores => {
-                b.iter(|| dense_scores_f16_with(best, black_box(&keys16), n, d, &q, 1, &mut out).unwrap())
+                b.iter(|| dense_scores_with(best, black_box(&keys16), n, d, &q, 1, &mut out).unwrap())
             }
             Read::Values => {
-                b.iter(|| dense_axpy_f16_with(best, black_box(&keys16), n, d, &p, 1, &mut out).unwrap())
+                b.iter(|| dense_axpy_with(best, black_box(&keys16), n, d, &p, 1, &mut out).unwrap())
             }
         });
     }

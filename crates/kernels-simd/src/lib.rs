@@ -286,17 +286,65 @@ fn check_dense(
     })
 }
 
-/// Scores of `n_q` query rows against `rows` full-precision rows `x` (`rows × dim`, the
-/// cache's f32 or widened f16 tails and sinks): `out[i · rows + r] = q_i · x_r`, with the FMA
-/// kernel on AVX2 backends, 16 `wide` lanes (SSE2/NEON) otherwise, the f64 reference on
-/// [`Backend::Scalar`].
+/// The element types of full-precision rows that the dense kernels read: `f32` in place, and
+/// `half::f16` widened where it is used (in registers with F16C on AVX2 backends for rows of a
+/// multiple of 8 (scores) or 16 (values); a 256-value piece at a time through `half`, NEON's
+/// conversion on aarch64, otherwise). Sealed: the kernels exist for these two.
+pub trait DenseRow: Copy + sealed::Sealed {
+    #[doc(hidden)]
+    fn scores(backend: Backend, x: &[Self], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]);
+    #[doc(hidden)]
+    fn axpy(backend: Backend, x: &[Self], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]);
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+}
+
+/// Picks a dense kernel of `$kind` (`dense_scores`, `dense_axpy`, or their `_f16` forms) for the
+/// backend that really runs.
+macro_rules! dense_kernel {
+    ($backend:expr, $kind:ident, ($($arg:expr),*)) => {
+        match implementation($backend) {
+            Backend::Scalar => scalar::$kind($($arg),*),
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx2 => avx2::$kind($($arg),*),
+            _ => portable::$kind($($arg),*),
+        }
+    };
+}
+
+impl DenseRow for f32 {
+    fn scores(backend: Backend, x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+        dense_kernel!(backend, dense_scores, (x, rows, dim, q, n_q, out))
+    }
+    fn axpy(backend: Backend, x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+        dense_kernel!(backend, dense_axpy, (x, rows, dim, p, n_q, out))
+    }
+}
+
+impl DenseRow for half::f16 {
+    fn scores(backend: Backend, x: &[Self], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+        dense_kernel!(backend, dense_scores_f16, (x, rows, dim, q, n_q, out))
+    }
+    fn axpy(backend: Backend, x: &[Self], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+        dense_kernel!(backend, dense_axpy_f16, (x, rows, dim, p, n_q, out))
+    }
+}
+
+/// Scores of `n_q` query rows against `rows` full-precision rows `x` (`rows × dim`, f32 or
+/// f16: an unquantized cache, the cache's tails and sinks): `out[i · rows + r] = q_i · x_r`,
+/// with the FMA kernels on AVX2 backends (two rows against four query rows at a time), 16
+/// `wide` lanes (SSE2/NEON) otherwise, the f64 reference on [`Backend::Scalar`].
 ///
 /// # Errors
 /// [`KernelError::Shape`] when `x` is not `rows × dim`, `q` not `n_q × dim` or `out` not
 /// `n_q × rows` long.
-pub fn dense_scores_with(
+pub fn dense_scores_with<T: DenseRow>(
     backend: Backend,
-    x: &[f32],
+    x: &[T],
     rows: usize,
     dim: usize,
     q: &[f32],
@@ -304,24 +352,20 @@ pub fn dense_scores_with(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     check_dense(x.len(), rows, dim, q, n_q, out.len(), true)?;
-    match implementation(backend) {
-        Backend::Scalar => scalar::dense_scores(x, rows, dim, q, n_q, out),
-        #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => avx2::dense_scores(x, rows, dim, q, n_q, out),
-        _ => portable::dense_scores(x, rows, dim, q, n_q, out),
-    }
+    T::scores(backend, x, rows, dim, q, n_q, out);
     Ok(())
 }
 
-/// `out[i · dim + d] += Σ_r p[i · rows + r] · x[r · dim + d]` over full-precision rows, with the
-/// kernels of [`dense_scores_with`].
+/// `out[i · dim + d] += Σ_r p[i · rows + r] · x[r · dim + d]` over full-precision rows (f32 or
+/// f16), with the kernels of [`dense_scores_with`] (AVX2: 16 output columns of four query rows
+/// in registers over spans of 32 rows).
 ///
 /// # Errors
 /// [`KernelError::Shape`] when `x` is not `rows × dim`, `p` not `n_q × rows` or `out` not
 /// `n_q × dim` long.
-pub fn dense_axpy_with(
+pub fn dense_axpy_with<T: DenseRow>(
     backend: Backend,
-    x: &[f32],
+    x: &[T],
     rows: usize,
     dim: usize,
     p: &[f32],
@@ -329,61 +373,7 @@ pub fn dense_axpy_with(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     check_dense(x.len(), rows, dim, p, n_q, out.len(), false)?;
-    match implementation(backend) {
-        Backend::Scalar => scalar::dense_axpy(x, rows, dim, p, n_q, out),
-        #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => avx2::dense_axpy(x, rows, dim, p, n_q, out),
-        _ => portable::dense_axpy(x, rows, dim, p, n_q, out),
-    }
-    Ok(())
-}
-
-/// [`dense_scores_with`] over f16 rows (an f16 cache, the cache's f16 tails and sinks), each
-/// widened where it is used: in registers with F16C on AVX2 backends (rows of a multiple of 8),
-/// a piece at a time through `half` (NEON's conversion on aarch64) otherwise.
-///
-/// # Errors
-/// As [`dense_scores_with`].
-pub fn dense_scores_f16_with(
-    backend: Backend,
-    x: &[half::f16],
-    rows: usize,
-    dim: usize,
-    q: &[f32],
-    n_q: usize,
-    out: &mut [f32],
-) -> Result<(), KernelError> {
-    check_dense(x.len(), rows, dim, q, n_q, out.len(), true)?;
-    match implementation(backend) {
-        Backend::Scalar => scalar::dense_scores_f16(x, rows, dim, q, n_q, out),
-        #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => avx2::dense_scores_f16(x, rows, dim, q, n_q, out),
-        _ => portable::dense_scores_f16(x, rows, dim, q, n_q, out),
-    }
-    Ok(())
-}
-
-/// [`dense_axpy_with`] over f16 rows, widened as in [`dense_scores_f16_with`] (rows of a
-/// multiple of 16 in registers on AVX2 backends).
-///
-/// # Errors
-/// As [`dense_axpy_with`].
-pub fn dense_axpy_f16_with(
-    backend: Backend,
-    x: &[half::f16],
-    rows: usize,
-    dim: usize,
-    p: &[f32],
-    n_q: usize,
-    out: &mut [f32],
-) -> Result<(), KernelError> {
-    check_dense(x.len(), rows, dim, p, n_q, out.len(), false)?;
-    match implementation(backend) {
-        Backend::Scalar => scalar::dense_axpy_f16(x, rows, dim, p, n_q, out),
-        #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 => avx2::dense_axpy_f16(x, rows, dim, p, n_q, out),
-        _ => portable::dense_axpy_f16(x, rows, dim, p, n_q, out),
-    }
+    T::axpy(backend, x, rows, dim, p, n_q, out);
     Ok(())
 }
 

@@ -664,11 +664,32 @@ fn implementation_for_names_the_kernel_of_each_layout() {
     assert!(QuantBlock::new(&codes, 1, 64, 4, Levels::Affine, short).is_err());
 }
 
+/// Per score, `Σ_d |q_i[d] · x_r[d]|`: the scale of its rounding error.
+fn dense_score_mags(q: &[f32], x: &[f32], rows: usize, dim: usize, n_q: usize) -> Vec<f64> {
+    (0..n_q * rows)
+        .map(|k| {
+            let (i, r) = (k / rows, k % rows);
+            (0..dim).map(|d| f64::from((q[i * dim + d] * x[r * dim + d]).abs())).sum()
+        })
+        .collect()
+}
+
+/// Per output, `|start| + Σ_r |p_ir · x_r[d]|`: the scale of its rounding error.
+fn dense_axpy_mags(start: &[f32], p: &[f32], x: &[f32], rows: usize, dim: usize, n_q: usize) -> Vec<f64> {
+    (0..n_q * dim)
+        .map(|k| {
+            let (i, d) = (k / dim, k % dim);
+            f64::from(start[k].abs())
+                + (0..rows).map(|r| f64::from((p[i * rows + r] * x[r * dim + d]).abs())).sum::<f64>()
+        })
+        .collect()
+}
+
 /// The full-precision row kernels (tails and sinks) against the f64 reference on every
 /// backend, every row length and count, with special values (zeros, huge and tiny rows).
 #[test]
 fn dense_kernels_match_the_reference() {
-    use kvq_kernels_simd::{dense_axpy_f16_with, dense_axpy_with, dense_scores_f16_with, dense_scores_with};
+    use kvq_kernels_simd::{dense_axpy_with, dense_scores_with};
     let mut rng = Rng::new(0xde45e);
     for backend in available() {
         for &dim in DIMS {
@@ -678,61 +699,35 @@ fn dense_kernels_match_the_reference() {
                 for n_q in [1usize, 3, 4, 5] {
                     let what = format!("{backend} dim {dim} rows {rows} n_q {n_q} magnitude {magnitude}");
                     let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
-                    let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
-                    dense_scores_with(backend, &x, rows, dim, &q, n_q, &mut got).unwrap();
-                    scalar::dense_scores(&x, rows, dim, &q, n_q, &mut want);
-                    let mags: Vec<f64> = (0..n_q * rows)
-                        .map(|k| {
-                            let (i, r) = (k / rows, k % rows);
-                            (0..dim).map(|d| f64::from((q[i * dim + d] * x[r * dim + d]).abs())).sum()
-                        })
-                        .collect();
-                    close(&format!("{what}: scores"), &got, &want, &mags);
                     let p: Vec<f32> = (0..n_q * rows).map(|_| rng.uniform() as f32).collect();
                     let start: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
-                    let (mut got, mut want) = (start.clone(), start.clone());
-                    dense_axpy_with(backend, &x, rows, dim, &p, n_q, &mut got).unwrap();
-                    scalar::dense_axpy(&x, rows, dim, &p, n_q, &mut want);
-                    let mags: Vec<f64> = (0..n_q * dim)
-                        .map(|k| {
-                            let (i, d) = (k / dim, k % dim);
-                            f64::from(start[k].abs())
-                                + (0..rows)
-                                    .map(|r| f64::from((p[i * rows + r] * x[r * dim + d]).abs()))
-                                    .sum::<f64>()
-                        })
-                        .collect();
-                    close(&format!("{what}: axpy"), &got, &want, &mags);
+                    let mags = |xv: &[f32]| {
+                        (
+                            dense_score_mags(&q, xv, rows, dim, n_q),
+                            dense_axpy_mags(&start, &p, xv, rows, dim, n_q),
+                        )
+                    };
+                    let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
+                    let (mut got_o, mut want_o) = (start.clone(), start.clone());
+                    dense_scores_with(backend, &x, rows, dim, &q, n_q, &mut got).unwrap();
+                    scalar::dense_scores(&x, rows, dim, &q, n_q, &mut want);
+                    dense_axpy_with(backend, &x, rows, dim, &p, n_q, &mut got_o).unwrap();
+                    scalar::dense_axpy(&x, rows, dim, &p, n_q, &mut want_o);
+                    let (score_mags, axpy_mags) = mags(&x);
+                    close(&format!("{what}: scores"), &got, &want, &score_mags);
+                    close(&format!("{what}: axpy"), &got_o, &want_o, &axpy_mags);
                     // The same rows stored as f16 (huge values become ±∞ there: skipped).
                     if magnitude < 1e4 {
                         let x16: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
-                        let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
-                        dense_scores_f16_with(backend, &x16, rows, dim, &q, n_q, &mut got).unwrap();
+                        let (mut got_o, mut want_o) = (start.clone(), start.clone());
+                        dense_scores_with(backend, &x16, rows, dim, &q, n_q, &mut got).unwrap();
                         scalar::dense_scores_f16(&x16, rows, dim, &q, n_q, &mut want);
-                        let mags: Vec<f64> = (0..n_q * rows)
-                            .map(|k| {
-                                let (i, r) = (k / rows, k % rows);
-                                (0..dim)
-                                    .map(|d| f64::from((q[i * dim + d] * x16[r * dim + d].to_f32()).abs()))
-                                    .sum()
-                            })
-                            .collect();
-                        close(&format!("{what}: f16 scores"), &got, &want, &mags);
-                        let (mut got, mut want) = (start.clone(), start.clone());
-                        dense_axpy_f16_with(backend, &x16, rows, dim, &p, n_q, &mut got).unwrap();
-                        scalar::dense_axpy_f16(&x16, rows, dim, &p, n_q, &mut want);
-                        let mags: Vec<f64> = (0..n_q * dim)
-                            .map(|k| {
-                                let (i, d) = (k / dim, k % dim);
-                                f64::from(start[k].abs())
-                                    + (0..rows)
-                                        .map(|r| {
-                                            f64::from((p[i * rows + r] * x16[r * dim + d].to_f32()).abs())
-                                        })
-                                        .sum::<f64>()
-                            })
-                            .collect();
-                        close(&format!("{what}: f16 axpy"), &got, &want, &mags);
+                        dense_axpy_with(backend, &x16, rows, dim, &p, n_q, &mut got_o).unwrap();
+                        scalar::dense_axpy_f16(&x16, rows, dim, &p, n_q, &mut want_o);
+                        let (score_mags, axpy_mags) =
+                            mags(&x16.iter().map(|h| h.to_f32()).collect::<Vec<_>>());
+                        close(&format!("{what}: f16 scores"), &got, &want, &score_mags);
+                        close(&format!("{what}: f16 axpy"), &got_o, &want_o, &axpy_mags);
                     }
                 }
             }
@@ -740,10 +735,10 @@ fn dense_kernels_match_the_reference() {
         let mut out = [0f32; 2];
         assert!(dense_scores_with(backend, &[0.0; 7], 2, 4, &[0.0; 4], 1, &mut out).is_err());
         assert!(dense_axpy_with(backend, &[0.0; 8], 2, 4, &[0.0; 3], 1, &mut [0.0; 4]).is_err());
-        assert!(dense_scores_with(backend, &[], usize::MAX, 2, &[0.0; 2], 1, &mut out).is_err());
+        assert!(dense_scores_with::<f32>(backend, &[], usize::MAX, 2, &[0.0; 2], 1, &mut out).is_err());
         let x16 = [half::f16::ZERO; 8];
-        assert!(dense_scores_f16_with(backend, &x16[..7], 2, 4, &[0.0; 4], 1, &mut out).is_err());
-        assert!(dense_axpy_f16_with(backend, &x16, 2, 4, &[0.0; 3], 1, &mut [0.0; 4]).is_err());
-        assert!(dense_scores_f16_with(backend, &[], usize::MAX, 2, &[0.0; 2], 1, &mut out).is_err());
+        assert!(dense_scores_with(backend, &x16[..7], 2, 4, &[0.0; 4], 1, &mut out).is_err());
+        assert!(dense_axpy_with(backend, &x16, 2, 4, &[0.0; 3], 1, &mut [0.0; 4]).is_err());
+        assert!(dense_scores_with::<half::f16>(backend, &[], usize::MAX, 2, &[0.0; 2], 1, &mut out).is_err());
     }
 }

@@ -11,8 +11,8 @@
 
 use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, Segment, SeqId, TailBuf};
 use kvq_kernels_simd::{
-    Backend, KernelError, Levels, Params, QuantBlock, axpy_in, axpy_int_in, dense_axpy_f16_with,
-    dense_axpy_with, dense_scores_f16_with, dense_scores_with, scores_in, scores_int8_in,
+    Backend, KernelError, Levels, Params, QuantBlock, axpy_in, axpy_int_in, dense_axpy_with,
+    dense_scores_with, scores_in, scores_int8_in,
 };
 use kvq_quant_core::calibration::Part;
 use kvq_quant_core::codebook::NF4_LEVELS;
@@ -598,12 +598,23 @@ fn dense_run(
     g: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    fn run<T: kvq_kernels_simd::DenseRow>(
+        backend: Backend,
+        scores: bool,
+        x: &[T],
+        (n, d, w, g): (usize, usize, &[f32], usize),
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        if scores {
+            dense_scores_with(backend, x, n, d, w, g, out)
+        } else {
+            dense_axpy_with(backend, x, n, d, w, g, out)
+        }
+    }
     let range = offset..offset + n * d;
-    match (rows, scores) {
-        (TailBuf::F32(v), true) => dense_scores_with(backend, &v[range], n, d, w, g, out),
-        (TailBuf::F32(v), false) => dense_axpy_with(backend, &v[range], n, d, w, g, out),
-        (TailBuf::F16(v), true) => dense_scores_f16_with(backend, &v[range], n, d, w, g, out),
-        (TailBuf::F16(v), false) => dense_axpy_f16_with(backend, &v[range], n, d, w, g, out),
+    match rows {
+        TailBuf::F32(v) => run(backend, scores, &v[range], (n, d, w, g), out),
+        TailBuf::F16(v) => run(backend, scores, &v[range], (n, d, w, g), out),
     }
 }
 

@@ -1,7 +1,7 @@
 //! Decode attention over an unquantized, contiguous f32 or f16 cache, computed the way a good
 //! f16 kernel computes it: each K and V row is read once per KV head for its whole GQA group of
 //! query heads, f16 rows are widened in registers (F16C; NEON's conversion on aarch64), and the
-//! dots and sums run on the kernels' FMA code ([`dense_scores_with`], [`dense_scores_f16_with`]
+//! dots and sums run on the kernels' FMA code ([`dense_scores_with`], [`dense_scores_with`]
 //! and their `axpy` pairs).
 //!
 //! This is what kvq's quantized caches are measured against (`kvq bench`, the criterion
@@ -27,9 +27,7 @@
 
 use half::f16;
 use kvq_kernels_simd::softmax::exp_sum_with;
-use kvq_kernels_simd::{
-    Backend, dense_axpy_f16_with, dense_axpy_with, dense_scores_f16_with, dense_scores_with,
-};
+use kvq_kernels_simd::{Backend, DenseRow, dense_axpy_with, dense_scores_with};
 
 use crate::attention::AttentionError;
 
@@ -117,7 +115,7 @@ pub fn dense_attention(
     if cache_len != Some(k_len) || cache_len != Some(v_len) {
         return Err(shape(format!("K has {k_len} and V {v_len} values, not {kv_heads} × {tokens} × {d}")));
     }
-    let q_len = q_heads * d;
+    let q_len = q_heads.checked_mul(d).ok_or_else(|| shape(format!("{q_heads} × {d} query values")))?;
     if q.len() != q_len || out.len() != q_len {
         return Err(shape(format!("query of {} and output of {} values, not {q_len}", q.len(), out.len())));
     }
@@ -130,24 +128,37 @@ pub fn dense_attention(
     scratch.q.extend(q.iter().map(|&x| x * scale));
     scratch.sums.resize(g, 0.0);
     out.fill(0.0);
+    match kv {
+        DenseKv::F32 { k, v } => heads(backend, k, v, dims, scratch, out)?,
+        DenseKv::F16 { k, v } => heads(backend, k, v, dims, scratch, out)?,
+    }
+    Ok(())
+}
+
+/// The body of [`dense_attention`] for one element type, the query already scaled in
+/// `scratch.q` and the buffers sized.
+fn heads<T: DenseRow>(
+    backend: Backend,
+    k: &[T],
+    v: &[T],
+    dims: DenseDims,
+    scratch: &mut DenseScratch,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
+    let DenseDims { q_heads, kv_heads, head_dim: d, tokens } = dims;
+    let g = q_heads / kv_heads;
     for h in 0..kv_heads {
         let qg = &scratch.q[h * g * d..(h + 1) * g * d];
         let og = &mut out[h * g * d..(h + 1) * g * d];
         let head = h * tokens * d..(h + 1) * tokens * d;
         let s = &mut scratch.scores;
-        match kv {
-            DenseKv::F32 { k, .. } => dense_scores_with(backend, &k[head.clone()], tokens, d, qg, g, s)?,
-            DenseKv::F16 { k, .. } => dense_scores_f16_with(backend, &k[head.clone()], tokens, d, qg, g, s)?,
-        }
+        dense_scores_with(backend, &k[head.clone()], tokens, d, qg, g, s)?;
         // Unnormalized weights; each output row is divided by its sum at the end.
         for (i, si) in s.chunks_exact_mut(tokens).enumerate() {
             let m = si.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             scratch.sums[i] = exp_sum_with(backend, si, m);
         }
-        match kv {
-            DenseKv::F32 { v, .. } => dense_axpy_with(backend, &v[head], tokens, d, s, g, og)?,
-            DenseKv::F16 { v, .. } => dense_axpy_f16_with(backend, &v[head], tokens, d, s, g, og)?,
-        }
+        dense_axpy_with(backend, &v[head], tokens, d, s, g, og)?;
         for (o, &sum) in og.chunks_exact_mut(d).zip(&scratch.sums) {
             let inv = 1.0 / sum;
             o.iter_mut().for_each(|x| *x *= inv);
@@ -263,6 +274,7 @@ mod tests {
             DenseDims { q_heads: 3, ..dims },
             DenseDims { kv_heads: 0, ..dims },
             DenseDims { tokens: usize::MAX, ..dims },
+            DenseDims { q_heads: usize::MAX - 1, kv_heads: 1, ..dims },
         ] {
             let e = dense_attention(b, &kv, bad, &q, &mut out, &mut scratch).unwrap_err();
             assert!(matches!(e, AttentionError::Shape(_)), "{bad:?}: {e}");
