@@ -433,9 +433,17 @@ fn bench(args: &[String]) -> Result<(), String> {
 }
 
 /// Reads criterion's estimates and writes one table (markdown and JSON) under `target/`.
+/// One criterion result: its full id, mean time, and the throughput it declared.
+struct BenchRow {
+    id: String,
+    ns: f64,
+    bytes: Option<f64>,
+    elements: Option<f64>,
+}
+
 fn summarize_benches(target: &Path, name: &str) -> Result<(), String> {
     let dir = target.join("criterion");
-    let mut rows: Vec<(String, f64, Option<String>)> = Vec::new();
+    let mut rows: Vec<BenchRow> = Vec::new();
     let mut stack = vec![dir.clone()];
     while let Some(d) = stack.pop() {
         let Ok(entries) = std::fs::read_dir(&d) else { continue };
@@ -449,15 +457,13 @@ fn summarize_benches(target: &Path, name: &str) -> Result<(), String> {
                         let est: serde_json::Value = serde_json::from_str(&est).map_err(|e| e.to_string())?;
                         let meta: serde_json::Value =
                             serde_json::from_str(&meta).map_err(|e| e.to_string())?;
-                        let ns = est["mean"]["point_estimate"].as_f64().unwrap_or(f64::NAN);
-                        let id = meta["full_id"].as_str().unwrap_or("?").to_string();
                         let thr = &meta["throughput"];
-                        let rate = if let Some(b) = thr["Bytes"].as_f64() {
-                            Some(format!("{:.2} GB/s", b / ns))
-                        } else {
-                            thr["Elements"].as_f64().map(|n| format!("{:.1} ns/elem", ns / n))
-                        };
-                        rows.push((id, ns, rate));
+                        rows.push(BenchRow {
+                            id: meta["full_id"].as_str().unwrap_or("?").to_string(),
+                            ns: est["mean"]["point_estimate"].as_f64().unwrap_or(f64::NAN),
+                            bytes: thr["Bytes"].as_f64(),
+                            elements: thr["Elements"].as_f64(),
+                        });
                     }
                 } else {
                     stack.push(p);
@@ -465,48 +471,7 @@ fn summarize_benches(target: &Path, name: &str) -> Result<(), String> {
             }
         }
     }
-    rows.sort_by(|a, b| a.0.cmp(&b.0));
-    // Baselines measured in the same run: a group's `f32`, `f16` and `candle*` entries.
-    let group_of = |id: &str| id.split('/').next().unwrap_or(id).to_string();
-    let baseline = |group: &str, name: &str| {
-        rows.iter()
-            .find(|(id, ..)| {
-                group_of(id) == group && id[group.len()..].trim_start_matches('/').starts_with(name)
-            })
-            .map(|r| r.1)
-    };
-    // Rows per call, from group names like `scores_4096x128`.
-    let rows_of = |group: &str| -> Option<f64> {
-        let tail = group.rsplit('_').next()?;
-        let (n, _) = tail.split_once('x')?;
-        n.parse().ok()
-    };
-    let mut md = String::from(
-        "| benchmark | mean | ns/row | rate | vs f32 | vs f16 | vs candle |\n|---|---|---|---|---|---|---|\n",
-    );
-    let mut json_rows = Vec::new();
-    for (id, ns, rate) in &rows {
-        let group = group_of(id);
-        let time = if *ns >= 1e6 { format!("{:.3} ms", ns / 1e6) } else { format!("{ns:.1} ns") };
-        let per_row = rows_of(&group).map(|n| ns / n);
-        let ratio = |name: &str| baseline(&group, name).map(|b| b / ns);
-        let cell = |r: Option<f64>| r.map_or(String::new(), |r| format!("{r:.2}x"));
-        let (vs32, vs16, vscandle) = (ratio("f32"), ratio("f16"), ratio("candle"));
-        md += &format!(
-            "| {id} | {time} | {} | {} | {} | {} | {} |\n",
-            per_row.map_or(String::new(), |x| format!("{x:.2}")),
-            rate.as_deref().unwrap_or(""),
-            cell(vs32),
-            cell(vs16),
-            cell(vscandle)
-        );
-        json_rows.push(serde_json::json!({
-            "id": id, "mean_ns": ns, "ns_per_row": per_row, "rate": rate,
-            "speedup_vs_f32": vs32, "speedup_vs_f16": vs16, "speedup_vs_candle": vscandle
-        }));
-    }
-    md += "\nSpeed-ups are baseline time / this time, from the same run (higher is faster).\n";
-    let json = serde_json::Value::Array(json_rows);
+    let (md, json) = bench_summary(rows);
     std::fs::write(root().join(format!("target/{name}.md")), &md).map_err(|e| e.to_string())?;
     std::fs::write(
         root().join(format!("target/{name}.json")),
@@ -516,6 +481,71 @@ fn summarize_benches(target: &Path, name: &str) -> Result<(), String> {
     println!("{md}");
     println!("xtask: wrote target/{name}.md and target/{name}.json");
     Ok(())
+}
+
+/// The summary table and its JSON: per entry its time, rate, speed-ups against the baselines of
+/// its group (`f32*`, `f16*`, `candle*` entries of the same run) and, for the DRAM-sized and
+/// decode groups, its time as a multiple of its floor (its bytes at the one-thread read rate of
+/// the run's `stream_read*` group).
+fn bench_summary(mut rows: Vec<BenchRow>) -> (String, serde_json::Value) {
+    rows.sort_by(|a, b| a.id.cmp(&b.id));
+    let group_of = |id: &str| id.split('/').next().unwrap_or(id).to_string();
+    let baseline = |group: &str, name: &str| {
+        rows.iter()
+            .find(|r| {
+                group_of(&r.id) == group && r.id[group.len()..].trim_start_matches('/').starts_with(name)
+            })
+            .map(|r| r.ns)
+    };
+    // Bytes per ns that one thread reads from DRAM, measured in this run.
+    let stream = rows.iter().find(|r| r.id.starts_with("stream_read")).and_then(|r| Some(r.bytes? / r.ns));
+    // Rows per call, from group names like `scores_4096x128`.
+    let rows_of = |group: &str| -> Option<f64> {
+        let tail = group.rsplit('_').next()?;
+        let (n, _) = tail.split_once('x')?;
+        n.parse().ok()
+    };
+    let mut md = String::from(
+        "| benchmark | mean | ns/row | rate | vs f32 | vs f16 | vs candle | x floor |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    let mut json_rows = Vec::new();
+    for r in &rows {
+        let (id, ns) = (&r.id, r.ns);
+        let group = group_of(id);
+        let time = if ns >= 1e6 { format!("{:.3} ms", ns / 1e6) } else { format!("{ns:.1} ns") };
+        let per_row = rows_of(&group).map(|n| ns / n);
+        let rate = match (r.bytes, r.elements) {
+            (Some(b), _) => Some(format!("{:.2} GB/s", b / ns)),
+            (None, Some(n)) => Some(format!("{:.1} ns/elem", ns / n)),
+            _ => None,
+        };
+        let ratio = |name: &str| baseline(&group, name).map(|b| b / ns);
+        let cell = |r: Option<f64>| r.map_or(String::new(), |r| format!("{r:.2}x"));
+        let (vs32, vs16, vscandle) = (ratio("f32"), ratio("f16"), ratio("candle"));
+        let floor = if group.contains("dram") || group.starts_with("decode") {
+            stream.zip(r.bytes).map(|(rate, bytes)| ns / (bytes / rate))
+        } else {
+            None
+        };
+        md += &format!(
+            "| {id} | {time} | {} | {} | {} | {} | {} | {} |\n",
+            per_row.map_or(String::new(), |x| format!("{x:.2}")),
+            rate.as_deref().unwrap_or(""),
+            cell(vs32),
+            cell(vs16),
+            cell(vscandle),
+            cell(floor)
+        );
+        json_rows.push(serde_json::json!({
+            "id": id, "mean_ns": ns, "ns_per_row": per_row, "rate": rate,
+            "speedup_vs_f32": vs32, "speedup_vs_f16": vs16, "speedup_vs_candle": vscandle,
+            "times_floor": floor
+        }));
+    }
+    md += "\nSpeed-ups are baseline time / this time, from the same run (higher is faster). \"x floor\" \
+           is the time over the entry's bytes at the run's `stream_read` rate (1.00x: as fast as \
+           one thread reads DRAM).\n";
+    (md, serde_json::Value::Array(json_rows))
 }
 
 fn miri() -> Result<(), String> {
@@ -863,6 +893,34 @@ mod tidy {
 
     /// `unsafe` lives in kernels-simd alone: the workspace lint is `deny` (so that crate can
     /// allow it), and this test refuses both `unsafe` code and a local `allow` anywhere else.
+    #[test]
+    fn the_summary_divides_decode_and_dram_entries_by_the_stream_floor() {
+        let row = |id: &str, ns: f64, bytes: Option<f64>| super::BenchRow {
+            id: id.into(),
+            ns,
+            bytes,
+            elements: None,
+        };
+        // 1 GB read in 0.1 s: 10 bytes per ns.
+        let rows = vec![
+            row("stream_read_512MiB/u64_sum", 1e8, Some(1e9)),
+            row("decode_x/f16_gqa", 4e6, Some(2e7)),
+            row("decode_x/int4", 3e6, Some(5e6)),
+            row("scores_4096x128/int4", 1e4, Some(1e6)),
+        ];
+        let (md, json) = super::bench_summary(rows);
+        let floor = |id: &str| {
+            json.as_array().unwrap().iter().find(|r| r["id"] == id).unwrap()["times_floor"].as_f64()
+        };
+        // f16: 2e7 bytes at 10/ns is 2e6 ns, taken 4e6: 2x its floor; int4 5e5 ns, taken 3e6: 6x.
+        assert_eq!(floor("decode_x/f16_gqa"), Some(2.0));
+        assert_eq!(floor("decode_x/int4"), Some(6.0));
+        // Cache-resident groups have no DRAM floor.
+        assert_eq!(floor("scores_4096x128/int4"), None);
+        let line = md.lines().find(|l| l.starts_with("| decode_x/int4 |")).unwrap();
+        assert!(line.ends_with("| 1.33x |  | 6.00x |"), "{line}");
+    }
+
     #[test]
     fn unsafe_only_in_kernels_simd() {
         let mut files = Vec::new();
