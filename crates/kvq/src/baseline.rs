@@ -1,8 +1,8 @@
 //! Decode attention over an unquantized, contiguous f32 or f16 cache, computed the way a good
 //! f16 kernel computes it: each K and V row is read once per KV head for its whole GQA group of
 //! query heads, f16 rows are widened in registers (F16C; NEON's conversion on aarch64), and the
-//! dots and sums run on the kernels' FMA code ([`dense_scores_with`], [`dense_scores_with`]
-//! and their `axpy` pairs).
+//! dots and sums run on the kernels' FMA code ([`dense_scores_with`], [`dense_axpy_with`], one
+//! generic pair for f32 and f16 rows).
 //!
 //! This is what kvq's quantized caches are measured against (`kvq bench`, the criterion
 //! benches), so that "faster than f16" means faster than something an engine could have, not
