@@ -20,6 +20,8 @@ use kvq_quant_core::rotation::unrotate_row;
 use kvq_quant_core::{CodebookSource, GroupParams, Kind};
 use rayon::prelude::*;
 
+use crate::element::{Element, fits};
+
 /// Why attention could not be computed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -39,6 +41,19 @@ pub enum AttentionError {
     /// An [`AttentionOptions`] value out of its range.
     #[error("attention options: {0}")]
     Options(String),
+    /// An output too large for the output's element type (f16 ends at 65504); `out` is left
+    /// as it was.
+    #[error("attention output {value} of query row {row}, channel {channel} does not fit in {dtype}")]
+    OutputOverflow {
+        /// The output value, in f32.
+        value: f32,
+        /// The query row (token-major, then query head) of the call.
+        row: usize,
+        /// Its channel.
+        channel: usize,
+        /// The output type.
+        dtype: &'static str,
+    },
 }
 
 /// What varies between model families' attention, beyond the cache itself. The default is
@@ -231,13 +246,13 @@ pub enum ScorePath {
 /// [`AttentionError::Shape`] when the query heads are not a multiple of the KV heads or the
 /// slices have the wrong length; [`AttentionError::Backend`] for a bad `KVQ_FORCE_BACKEND`;
 /// cache and kernel errors.
-pub fn decode_attention(
+pub fn decode_attention<T: Element>(
     cache: &PagedCache,
     seq: SeqId,
     layer: usize,
-    q: &[f32],
+    q: &[T],
     query_heads: usize,
-    out: &mut [f32],
+    out: &mut [T],
 ) -> Result<(), AttentionError> {
     let backend = kvq_kernels_simd::dispatch::selected()?;
     decode_attention_with(backend, cache, seq, layer, q, query_heads, out)
@@ -247,14 +262,14 @@ pub fn decode_attention(
 ///
 /// # Errors
 /// As [`decode_attention`].
-pub fn decode_attention_with(
+pub fn decode_attention_with<T: Element>(
     backend: Backend,
     cache: &PagedCache,
     seq: SeqId,
     layer: usize,
-    q: &[f32],
+    q: &[T],
     query_heads: usize,
-    out: &mut [f32],
+    out: &mut [T],
 ) -> Result<(), AttentionError> {
     decode_attention_path(backend, ScorePath::Float, cache, seq, layer, q, query_heads, out)
 }
@@ -264,15 +279,15 @@ pub fn decode_attention_with(
 /// # Errors
 /// As [`decode_attention`].
 #[allow(clippy::too_many_arguments)]
-pub fn decode_attention_path(
+pub fn decode_attention_path<T: Element>(
     backend: Backend,
     path: ScorePath,
     cache: &PagedCache,
     seq: SeqId,
     layer: usize,
-    q: &[f32],
+    q: &[T],
     query_heads: usize,
-    out: &mut [f32],
+    out: &mut [T],
 ) -> Result<(), AttentionError> {
     let options = AttentionOptions::with_path(path);
     decode_attention_options(backend, &options, cache, seq, layer, q, query_heads, out)
@@ -284,15 +299,15 @@ pub fn decode_attention_path(
 /// # Errors
 /// As [`decode_attention`], and [`AttentionError::Options`] for an option out of range.
 #[allow(clippy::too_many_arguments)]
-pub fn decode_attention_options(
+pub fn decode_attention_options<T: Element>(
     backend: Backend,
     options: &AttentionOptions,
     cache: &PagedCache,
     seq: SeqId,
     layer: usize,
-    q: &[f32],
+    q: &[T],
     query_heads: usize,
-    out: &mut [f32],
+    out: &mut [T],
 ) -> Result<(), AttentionError> {
     decode_attention_chunk(backend, options, cache, seq, layer, q, 1, query_heads, out)
 }
@@ -308,16 +323,16 @@ pub fn decode_attention_options(
 /// As [`decode_attention_options`], and [`AttentionError::Shape`] when `tokens` is 0 or more
 /// than the cached tokens.
 #[allow(clippy::too_many_arguments)]
-pub fn decode_attention_chunk(
+pub fn decode_attention_chunk<T: Element>(
     backend: Backend,
     options: &AttentionOptions,
     cache: &PagedCache,
     seq: SeqId,
     layer: usize,
-    q: &[f32],
+    q: &[T],
     tokens: usize,
     query_heads: usize,
-    out: &mut [f32],
+    out: &mut [T],
 ) -> Result<(), AttentionError> {
     let batch = [BatchSeq { seq, tokens }];
     let mut ws = DecodeWorkspace::new();
@@ -353,6 +368,8 @@ pub struct DecodeWorkspace {
     tasks: Vec<Task>,
     /// Per sequence of the batch: its cached tokens and its first token row in `q`.
     seqs: Vec<(usize, usize)>,
+    /// One output row in f32, before it is written in the caller's element type.
+    row: Vec<f32>,
 }
 
 impl std::fmt::Debug for DecodeWorkspace {
@@ -404,15 +421,15 @@ const SPLIT_TOKENS: usize = 2048;
 /// `out` is not the batch's size, or a sequence's `tokens` is 0 or more than it has cached;
 /// [`AttentionError::Options`]; cache and kernel errors.
 #[allow(clippy::too_many_arguments)]
-pub fn decode_attention_batch(
+pub fn decode_attention_batch<T: Element>(
     backend: Backend,
     options: &AttentionOptions,
     cache: &PagedCache,
     layer: usize,
     batch: &[BatchSeq],
-    q: &[f32],
+    q: &[T],
     query_heads: usize,
-    out: &mut [f32],
+    out: &mut [T],
     ws: &mut DecodeWorkspace,
 ) -> Result<(), AttentionError> {
     options.check()?;
@@ -424,7 +441,7 @@ pub fn decode_attention_batch(
             "{query_heads} query heads over {heads} KV heads: not a whole number of query heads per KV head"
         )));
     }
-    let DecodeWorkspace { tasks, seqs } = ws;
+    let DecodeWorkspace { tasks, seqs, row: out_row } = ws;
     seqs.clear();
     let mut rows = 0usize;
     for e in batch {
@@ -490,12 +507,7 @@ pub fn decode_attention_batch(
             &readers,
         )
     })?;
-    // Every task succeeded: merge the parts of each head, normalize, write the outputs.
-    for (&(len, first), e) in seqs.iter().zip(batch) {
-        if len == 0 {
-            out[first * query_heads * d..(first + e.tokens) * query_heads * d].fill(0.0);
-        }
-    }
+    // Every task succeeded: merge the parts of each head.
     let mut at = 0;
     while at < n {
         let parts = tasks[at].parts;
@@ -503,30 +515,62 @@ pub fn decode_attention_batch(
         for other in rest.iter() {
             lead.st.merge_from(&other.st);
         }
-        let first = seqs[lead.entry].1;
-        let st = &lead.st;
-        for r in 0..st.m.len() {
-            let (j, i) = (r / g, r % g);
-            let o = ((first + j) * query_heads + lead.head * g + i) * d;
-            let inv = 1.0 / st.l[r];
-            for (y, &x) in out[o..o + d].iter_mut().zip(&st.o[r * d..(r + 1) * d]) {
-                *y = x * inv;
-            }
-            if rotated {
-                // The cache holds rotated value rows: Σ p·Rv = R·Σ p·v, undone once per row.
-                unrotate_row(&mut out[o..o + d]);
-            }
-        }
-        at += lead.parts;
+        at += parts;
     }
-    Ok(())
+    out_row.resize(d, 0.0);
+    // Normalized output rows, unrotated where the cache holds rotated values: `f` sees each
+    // row with its index in `out`.
+    let mut rows_out = |f: &mut RowSink<'_>| {
+        let mut at = 0;
+        while at < n {
+            let lead = &tasks[at];
+            let first = seqs[lead.entry].1;
+            let st = &lead.st;
+            for r in 0..st.m.len() {
+                let (j, i) = (r / g, r % g);
+                let row = (first + j) * query_heads + lead.head * g + i;
+                let inv = 1.0 / st.l[r];
+                for (y, &x) in out_row.iter_mut().zip(&st.o[r * d..(r + 1) * d]) {
+                    *y = x * inv;
+                }
+                if rotated {
+                    // The cache holds rotated value rows: Σ p·Rv = R·Σ p·v, undone once per row.
+                    unrotate_row(out_row);
+                }
+                f(row, out_row)?;
+            }
+            at += lead.parts;
+        }
+        Ok(())
+    };
+    if T::MAX < f32::MAX {
+        // A narrow output type: every row must fit before the first is written.
+        rows_out(&mut |row, x| match x.iter().position(|&v| !fits::<T>(v)) {
+            None => Ok(()),
+            Some(c) => Err(AttentionError::OutputOverflow { value: x[c], row, channel: c, dtype: T::NAME }),
+        })?;
+    }
+    for (&(len, first), e) in seqs.iter().zip(batch) {
+        if len == 0 {
+            out[first * query_heads * d..(first + e.tokens) * query_heads * d].fill(T::ZERO);
+        }
+    }
+    rows_out(&mut |row, x| {
+        for (y, &v) in out[row * d..(row + 1) * d].iter_mut().zip(x) {
+            *y = T::from_f32(v);
+        }
+        Ok(())
+    })
 }
+
+/// What receives each finished output row (its index among the call's rows, its values).
+type RowSink<'a> = dyn FnMut(usize, &[f32]) -> Result<(), AttentionError> + 'a;
 
 impl Task {
     /// Attends this task's part of the head's cached tokens with the group's query rows of
     /// every new token of the sequence; `q` starts at the sequence's first token row.
     #[allow(clippy::too_many_arguments)]
-    fn run(
+    fn run<T: Element>(
         &mut self,
         backend: Backend,
         options: &AttentionOptions,
@@ -534,7 +578,7 @@ impl Task {
         layer: usize,
         e: BatchSeq,
         len: usize,
-        q: &[f32],
+        q: &[T],
         query_heads: usize,
         g: usize,
         readers: &[PartReader; 2],
@@ -545,7 +589,7 @@ impl Task {
         self.q.clear();
         for j in 0..e.tokens {
             let at = (j * query_heads + h * g) * d;
-            self.q.extend(q[at..at + g * d].iter().map(|x| x * scale));
+            self.q.extend(q[at..at + g * d].iter().map(|x| x.to_f32() * scale));
         }
         let rows = e.tokens * g;
         self.spans.clear();

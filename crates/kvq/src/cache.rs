@@ -13,6 +13,7 @@ use crate::attention::{
     AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch,
     decode_attention_chunk, decode_attention_options,
 };
+use crate::element::Element;
 
 /// The version of the config format this build writes and reads.
 pub const CONFIG_VERSION: u32 = 1;
@@ -470,12 +471,14 @@ impl QuantizedKvCache {
         ids[0]
     }
 
-    /// Appends one token's keys and values (`kv_heads × head_dim` each) to `layer`.
+    /// Appends one token's keys and values (`kv_heads × head_dim` each, f32, f16 or bf16) to
+    /// `layer`.
     ///
     /// # Errors
     /// [`KvqError::Cache`]; nothing changes on error.
-    pub fn append(&mut self, seq: SeqId, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KvqError> {
-        Ok(self.layer_mut(layer)?.append(seq, 0, k, v)?)
+    pub fn append<T: Element>(&mut self, seq: SeqId, layer: usize, k: &[T], v: &[T]) -> Result<(), KvqError> {
+        let (k, v) = (T::widen(k), T::widen(v));
+        Ok(self.layer_mut(layer)?.append(seq, 0, &k, &v)?)
     }
 
     /// Appends one token to every layer: `k` and `v` hold `layers × kv_heads × head_dim`
@@ -484,7 +487,7 @@ impl QuantizedKvCache {
     ///
     /// # Errors
     /// [`KvqError::Cache`] naming the first layer's problem; nothing changes on error.
-    pub fn append_all_layers(&mut self, seq: SeqId, k: &[f32], v: &[f32]) -> Result<(), KvqError> {
+    pub fn append_all_layers<T: Element>(&mut self, seq: SeqId, k: &[T], v: &[T]) -> Result<(), KvqError> {
         let per_layer = self.config.kv_heads * self.config.head_dim;
         let n = self.layers.len() * per_layer;
         if k.len() != n || v.len() != n {
@@ -493,6 +496,7 @@ impl QuantizedKvCache {
                 got: format!("{} and {}", k.len(), v.len()),
             }));
         }
+        let (k, v) = (T::widen(k), T::widen(v));
         let layer = |l: usize| l * per_layer..(l + 1) * per_layer;
         for (l, c) in self.layers.iter().enumerate() {
             c.check_append(seq, 0, &k[layer(l)], &v[layer(l)])?;
@@ -668,7 +672,13 @@ impl QuantizedKvCache {
     ///
     /// # Errors
     /// [`KvqError::Attention`], [`KvqError::Cache`].
-    pub fn attention(&self, seq: SeqId, layer: usize, q: &[f32], out: &mut [f32]) -> Result<(), KvqError> {
+    pub fn attention<T: Element>(
+        &self,
+        seq: SeqId,
+        layer: usize,
+        q: &[T],
+        out: &mut [T],
+    ) -> Result<(), KvqError> {
         self.attention_path(ScorePath::Float, seq, layer, q, out)
     }
 
@@ -678,13 +688,13 @@ impl QuantizedKvCache {
     ///
     /// # Errors
     /// [`KvqError::Attention`], [`KvqError::Cache`].
-    pub fn attention_path(
+    pub fn attention_path<T: Element>(
         &self,
         path: ScorePath,
         seq: SeqId,
         layer: usize,
-        q: &[f32],
-        out: &mut [f32],
+        q: &[T],
+        out: &mut [T],
     ) -> Result<(), KvqError> {
         self.attention_with(&AttentionOptions::with_path(path), seq, layer, q, out)
     }
@@ -696,14 +706,14 @@ impl QuantizedKvCache {
     /// # Errors
     /// As [`QuantizedKvCache::attention_with`], and [`KvqError::Attention`] for a chunk of 0
     /// tokens or of more than are cached.
-    pub fn attention_chunk(
+    pub fn attention_chunk<T: Element>(
         &self,
         options: &AttentionOptions,
         seq: SeqId,
         layer: usize,
-        q: &[f32],
+        q: &[T],
         tokens: usize,
-        out: &mut [f32],
+        out: &mut [T],
     ) -> Result<(), KvqError> {
         let n = self.layers.len();
         let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
@@ -718,13 +728,13 @@ impl QuantizedKvCache {
     /// # Errors
     /// [`KvqError::Attention`] (an option out of range among them), [`KvqError::Cache`],
     /// [`KvqError::Backend`].
-    pub fn attention_with(
+    pub fn attention_with<T: Element>(
         &self,
         options: &AttentionOptions,
         seq: SeqId,
         layer: usize,
-        q: &[f32],
-        out: &mut [f32],
+        q: &[T],
+        out: &mut [T],
     ) -> Result<(), KvqError> {
         let n = self.layers.len();
         let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
@@ -767,13 +777,13 @@ impl QuantizedKvCache {
     /// # Errors
     /// [`KvqError::Attention`] (shapes, options, a sequence's token count), [`KvqError::Cache`]
     /// (an unknown sequence or layer), [`KvqError::Backend`]. `out` is left as it was.
-    pub fn attention_batch(
+    pub fn attention_batch<T: Element>(
         &self,
         options: &AttentionOptions,
         layer: usize,
         batch: &[BatchSeq],
-        q: &[f32],
-        out: &mut [f32],
+        q: &[T],
+        out: &mut [T],
         ws: &mut DecodeWorkspace,
     ) -> Result<(), KvqError> {
         let n = self.layers.len();

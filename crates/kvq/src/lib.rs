@@ -10,6 +10,7 @@
 //!   unquantized contiguous f32/f16 cache, GQA-aware on FMA kernels (what benches compare with).
 //! - [`cache`]: [`cache::KvCacheConfig`] (TOML/JSON, validated) and [`cache::QuantizedKvCache`],
 //!   a model's cache with per-layer specs; [`prelude`] imports the common types.
+//! - [`element`]: [`element::Element`], the f32, f16 and bf16 inputs and outputs of the cache.
 //! - [`analysis`]: the `kvq analyze` report; [`plot`]: its SVG figures.
 //!
 //! ```
@@ -28,6 +29,7 @@ pub mod analysis;
 pub mod attention;
 pub mod baseline;
 pub mod cache;
+pub mod element;
 pub mod plot;
 pub mod prelude;
 pub mod recommend;

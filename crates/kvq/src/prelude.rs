@@ -2,6 +2,7 @@
 
 pub use crate::attention::{AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention};
 pub use crate::cache::{KvCacheConfig, KvqError, LayerSpecs, QuantizedKvCache};
+pub use crate::element::Element;
 pub use kvq_cache_layout::{SeqId, TailDtype};
 pub use kvq_quant_core::calibration::Part;
 pub use kvq_quant_core::io::TensorFile;

@@ -1,7 +1,7 @@
 //! A decode step performs no heap allocation once its workspace has seen a step of the
 //! batch's shape: counted by a global allocator, over every spec kind (affine per channel and
 //! per token, groups along head_dim, symmetric, FP8, NF4, calibrated static parts, f16 and
-//! f32 tails with sinks), both score paths, every SIMD backend of this CPU, a batch with a
+//! f32 tails with sinks), both score paths, f32 and f16 queries and outputs, every SIMD backend of this CPU, a batch with a
 //! prefill chunk, and a long context split across threads.
 //!
 //! One test in this binary: the counter is global, and a second test running beside it would
@@ -10,7 +10,10 @@
 //! plain code that allocates; serving never selects it.
 
 use cap::Cap;
-use kvq::attention::{AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch};
+use half::f16;
+use kvq::attention::{
+    AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch,
+};
 use kvq::kernels::Backend;
 use kvq::kernels::dispatch::available;
 use kvq::layout::{CacheConfig, PagedCache, SeqId, TailDtype};
@@ -22,6 +25,28 @@ static ALLOCATOR: Cap<std::alloc::System> = Cap::new(std::alloc::System, usize::
 
 fn random(rng: &mut Rng, shape: Shape) -> Tensor {
     Tensor::new(shape, (0..shape.len()).map(|_| rng.normal() as f32).collect()).unwrap()
+}
+
+/// Bytes allocated by a first step, and by three later ones. The counter is the process's:
+/// libtest's own thread allocates when it prints its "running for over 60 seconds" notice,
+/// which this test can reach under qemu. A step that allocates does so in every window, so a
+/// window that allocated is measured once more before it counts.
+fn allocations(step: &mut dyn FnMut() -> Result<(), AttentionError>) -> (usize, usize) {
+    let before = ALLOCATOR.total_allocated();
+    step().unwrap();
+    let first = ALLOCATOR.total_allocated() - before;
+    let mut window = || {
+        let before = ALLOCATOR.total_allocated();
+        for _ in 0..3 {
+            step().unwrap();
+        }
+        ALLOCATOR.total_allocated() - before
+    };
+    let allocated = match window() {
+        0 => 0,
+        _ => window(),
+    };
+    (first, allocated)
 }
 
 #[test]
@@ -74,29 +99,12 @@ fn decode_steps_do_not_allocate() {
                     let q: Vec<f32> = (0..rows * qh * d).map(|_| rng.normal() as f32).collect();
                     let mut out = vec![0f32; q.len()];
                     let mut ws = DecodeWorkspace::new();
-                    let mut step = || {
-                        decode_attention_batch(backend, &options, &cache, 0, batch, &q, qh, &mut out, &mut ws)
-                    };
                     let (first, allocated) = pool.install(|| {
-                        let before = ALLOCATOR.total_allocated();
-                        step().unwrap();
-                        let first = ALLOCATOR.total_allocated() - before;
-                        // The counter is the process's: libtest's own thread allocates when it
-                        // prints its "running for over 60 seconds" notice, which this test can
-                        // reach under qemu. A step that allocates does so in every window, so
-                        // a window that allocated is measured once more before it counts.
-                        let window = |step: &mut dyn FnMut() -> Result<(), _>| {
-                            let before = ALLOCATOR.total_allocated();
-                            for _ in 0..3 {
-                                step().unwrap();
-                            }
-                            ALLOCATOR.total_allocated() - before
-                        };
-                        let allocated = match window(&mut step) {
-                            0 => 0,
-                            _ => window(&mut step),
-                        };
-                        (first, allocated)
+                        allocations(&mut || {
+                            decode_attention_batch(
+                                backend, &options, &cache, 0, batch, &q, qh, &mut out, &mut ws,
+                            )
+                        })
                     });
                     // The counter sees the first step sizing the fresh workspace.
                     assert!(first > 0, "the first step of a new workspace allocates its buffers");
@@ -107,6 +115,17 @@ fn decode_steps_do_not_allocate() {
                         batch.len()
                     );
                     assert!(out.iter().all(|x| x.is_finite()));
+                    // f16 queries and outputs are converted in the workspace's buffers.
+                    let q: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
+                    let mut out = vec![f16::ZERO; q.len()];
+                    let (_, allocated) = pool.install(|| {
+                        allocations(&mut || {
+                            decode_attention_batch(
+                                backend, &options, &cache, 0, batch, &q, qh, &mut out, &mut ws,
+                            )
+                        })
+                    });
+                    assert_eq!(allocated, 0, "f16: K {k} V {v}, {backend}, {path:?}");
                     checked += 1;
                 }
             }

@@ -337,7 +337,9 @@ fn chunks_attend_causally() {
     let mut out = vec![0f32; 71 * qh * d];
     let q = vec![0.5f32; 71 * qh * d];
     assert!(decode_attention_chunk(available()[0], &o, &cache, seq, 0, &q, 71, qh, &mut out).is_err());
-    assert!(decode_attention_chunk(available()[0], &o, &cache, seq, 0, &[], 0, qh, &mut []).is_err());
+    assert!(
+        decode_attention_chunk(available()[0], &o, &cache, seq, 0, &[] as &[f32], 0, qh, &mut []).is_err()
+    );
     assert!(decode_attention_chunk(available()[0], &o, &cache, seq, 0, &q[1..], 71, qh, &mut out).is_err());
 }
 

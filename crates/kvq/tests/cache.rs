@@ -276,3 +276,109 @@ fn sequences_export_and_import_across_layers() {
         assert_eq!(other.layer(l).unwrap(), layer);
     }
 }
+
+/// Appends and attention in f16 and bf16 are the f32 calls on the widened inputs, with each
+/// output rounded once to the caller's type; batch, chunk and single calls alike.
+#[test]
+fn half_precision_inputs_and_outputs_match_the_f32_path() {
+    use half::{bf16, f16};
+    fn run<T: Element>(label: &str) {
+        let c = KvCacheConfig::builder(2, 2, 6, 32)
+            .block_size(8)
+            .sink_tokens(2)
+            .layer_specs(1, "int4-g16".parse().unwrap(), "int8-token-rot".parse().unwrap())
+            .blocks_per_layer(64)
+            .build()
+            .unwrap();
+        let (mut narrow, mut wide) =
+            (QuantizedKvCache::new(c.clone()).unwrap(), QuantizedKvCache::new(c).unwrap());
+        let (a, b) = (narrow.create(), wide.create());
+        let n = |x: &[f32]| -> Vec<T> { x.iter().map(|&v| T::from_f32(v)).collect() };
+        let w = |x: &[T]| -> Vec<f32> { x.iter().map(|v| v.to_f32()).collect() };
+        for t in 0..29 {
+            let (k, v) = (n(&token(2 * 32, t)), n(&token(2 * 32, t + 5)));
+            if t % 2 == 0 {
+                narrow
+                    .append_all_layers(a, &[k.clone(), k.clone()].concat(), &[v.clone(), v.clone()].concat())
+                    .unwrap();
+            } else {
+                for l in 0..2 {
+                    narrow.append(a, l, &k, &v).unwrap();
+                }
+            }
+            for l in 0..2 {
+                wide.append(b, l, &w(&k), &w(&v)).unwrap();
+            }
+        }
+        assert_eq!(narrow.used_bytes(), wide.used_bytes(), "{label}");
+        let q: Vec<T> = n(&(0..3 * 6 * 32).map(|i| ((i * 13) % 17) as f32 * 0.1 - 0.8).collect::<Vec<_>>());
+        let options = AttentionOptions::default();
+        for l in 0..2 {
+            let (mut o_n, mut o_w) = (vec![T::ZERO; q.len()], vec![0f32; q.len()]);
+            narrow.attention_chunk(&options, a, l, &q, 3, &mut o_n).unwrap();
+            wide.attention_chunk(&options, b, l, &w(&q), 3, &mut o_w).unwrap();
+            let expect: Vec<T> = n(&o_w);
+            assert!(o_n.iter().zip(&expect).all(|(x, y)| x.to_f32() == y.to_f32()), "{label} layer {l}");
+            let mut one = vec![T::ZERO; 6 * 32];
+            narrow.attention(a, l, &q[2 * 6 * 32..], &mut one).unwrap();
+            assert!(one.iter().all(|x| x.to_f32().is_finite()), "{label}");
+        }
+    }
+    run::<f16>("f16");
+    run::<bf16>("bf16");
+    run::<f32>("f32");
+}
+
+/// Non-finite f16 input is refused like f32's; an output beyond f16's range is an error that
+/// leaves `out` as it was, not an infinity.
+#[test]
+fn half_precision_edge_cases_are_typed_errors() {
+    use half::f16;
+    let c = KvCacheConfig::builder(1, 1, 1, 32).block_size(8).blocks_per_layer(16).build().unwrap();
+    let mut cache = QuantizedKvCache::new(c).unwrap();
+    let seq = cache.create();
+    let mut k = vec![f16::from_f32(0.5); 32];
+    k[3] = f16::NAN;
+    let v = vec![f16::from_f32(1.0); 32];
+    assert!(matches!(
+        cache.append(seq, 0, &k, &v),
+        Err(KvqError::Cache(kvq::layout::CacheError::NonFinite { .. }))
+    ));
+    k[3] = f16::INFINITY;
+    assert!(cache.append(seq, 0, &k, &v).is_err());
+    assert_eq!(cache.len(seq, 0).unwrap(), 0);
+    // Values as large as f16 parameters allow: the output fits in f16.
+    let big = vec![30000f32; 32];
+    for _ in 0..3 {
+        cache.append(seq, 0, &[0.1f32; 32], &big).unwrap();
+    }
+    let mut out = vec![f16::from_f32(7.0); 32];
+    let q = vec![f16::from_f32(0.1); 32];
+    cache.attention(seq, 0, &q, &mut out).unwrap();
+    let spec: QuantSpec = "int8-token-f32".parse().unwrap();
+    let huge = KvCacheConfig::builder(1, 1, 1, 32)
+        .specs(spec.clone(), spec)
+        .tail_dtype(TailDtype::F32)
+        .blocks_per_layer(16)
+        .build()
+        .unwrap();
+    let mut huge = QuantizedKvCache::new(huge).unwrap();
+    let s = huge.create();
+    // f32 parameters hold values beyond f16's range: their average does not fit in f16.
+    for _ in 0..6 {
+        huge.append(s, 0, &[0.1f32; 32], &[1e6f32; 32]).unwrap();
+    }
+    let before = out.clone();
+    let err = huge.attention(s, 0, &q, &mut out).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            KvqError::Attention(kvq::attention::AttentionError::OutputOverflow { dtype: "f16", .. })
+        ),
+        "{err}"
+    );
+    assert_eq!(out, before, "out is untouched on error");
+    let mut wide = vec![0f32; 32];
+    huge.attention(s, 0, &[0.1f32; 32], &mut wide).unwrap();
+    assert!(wide.iter().all(|&x| (x - 1e6).abs() < 1e3));
+}
