@@ -17,6 +17,7 @@ use crate::config::CacheConfig;
 use crate::error::{CacheError, Result};
 use crate::part::{Mode, PartLayout, TailBuf};
 use crate::pool::{BlockId, BlockPool};
+use crate::reserve::Reservation;
 
 /// Identifies a sequence of the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -36,6 +37,8 @@ pub(crate) struct LayerSeq {
     pub(crate) done: [usize; 2],
     /// Per part, per head: full-precision rows of tokens `done..` (channel parts only).
     pub(crate) tails: [Vec<TailBuf>; 2],
+    /// Blocks held for this layer's next tokens ([`crate::reserve`]).
+    pub(crate) reserved: Reservation,
 }
 
 /// One sequence: a [`LayerSeq`] per layer.
@@ -65,6 +68,8 @@ pub struct PagedCache {
     pub(crate) seqs: BTreeMap<SeqId, Sequence>,
     pub(crate) next_id: u64,
     pub(crate) stats: CacheStats,
+    /// Blocks held by every reservation (at most the free blocks).
+    pub(crate) reserved: usize,
 }
 
 const PARTS: [Part; 2] = [Part::K, Part::V];
@@ -142,6 +147,7 @@ impl PagedCache {
             seqs: BTreeMap::new(),
             next_id: 0,
             stats: CacheStats::default(),
+            reserved: 0,
         })
     }
 
@@ -209,6 +215,7 @@ impl PagedCache {
             sinks: [bufs(), bufs()],
             done: [0, 0],
             tails: [bufs(), bufs()],
+            reserved: Reservation::default(),
         }
     }
 
@@ -259,9 +266,9 @@ impl PagedCache {
             None => self.validate(seq, layer, 1, row)?,
             Some(bufs) => self.validate(seq, layer, 1, rotated_view(&bufs, self.config.kv_heads, d, &row))?,
         }
-        let needed = self.blocks_needed(seq, layer, 1)?;
-        if needed > self.pool.free_blocks() {
-            return Err(CacheError::PoolExhausted { needed, free: self.pool.free_blocks() });
+        let (needed, free) = (self.blocks_needed(seq, layer, 1)?, self.available_blocks(seq, layer)?);
+        if needed > free {
+            return Err(CacheError::PoolExhausted { needed, free });
         }
         Ok(())
     }
@@ -293,13 +300,16 @@ impl PagedCache {
                 got: format!("{} and {}", k.len(), v.len()),
             });
         }
-        let needed: usize = (0..self.config.layers)
-            .map(|l| self.blocks_needed(seq, l, 1))
-            .collect::<Result<Vec<_>>>()?
-            .iter()
-            .sum();
-        if needed > self.pool.free_blocks() {
-            return Err(CacheError::PoolExhausted { needed, free: self.pool.free_blocks() });
+        // Each layer draws on its own reservation first, then on the unreserved blocks.
+        let (mut needed, mut own, mut beyond) = (0, 0, 0);
+        for l in 0..self.config.layers {
+            let (n, held) = (self.blocks_needed(seq, l, 1)?, self.layer_seq(seq, l)?.reserved.blocks);
+            needed += n;
+            own += n.min(held);
+            beyond += n.saturating_sub(held);
+        }
+        if beyond > self.unreserved_blocks() {
+            return Err(CacheError::PoolExhausted { needed, free: self.unreserved_blocks() + own });
         }
         for l in 0..self.config.layers {
             let range = l * per_layer..(l + 1) * per_layer;
@@ -347,13 +357,7 @@ impl PagedCache {
     /// # Errors
     /// [`crate::CacheError::UnknownSequence`], [`crate::CacheError::Layer`].
     pub fn blocks_needed(&self, seq: SeqId, layer: usize, n: usize) -> Result<usize> {
-        let ls = self.layer_seq(seq, layer)?;
-        let plan = WritePlan::new(&self.config, &self.parts, ls, n);
-        let heads = self.config.kv_heads;
-        let shared = (plan.first_written * heads..plan.have * heads)
-            .filter(|&i| self.pool.refcount(ls.blocks[i]) > 1)
-            .count();
-        Ok((plan.want - plan.have) * heads + shared)
+        Ok(self.needed_for(self.layer_seq(seq, layer)?, n, false))
     }
 
     /// Checks values (finite, and small enough for the parameter type) before any write.
@@ -477,17 +481,24 @@ impl PagedCache {
         row: impl Fn(usize, usize, usize) -> &'a [f32],
     ) -> Result<()> {
         self.validate(seq, layer, n, &row)?;
-        let needed = self.blocks_needed(seq, layer, n)?;
-        if needed > self.pool.free_blocks() {
-            return Err(CacheError::PoolExhausted { needed, free: self.pool.free_blocks() });
+        let (needed, free) = (self.blocks_needed(seq, layer, n)?, self.available_blocks(seq, layer)?);
+        if needed > free {
+            return Err(CacheError::PoolExhausted { needed, free });
         }
         if n == 0 {
             return Ok(());
         }
         let (bs, heads, sinks, d) =
             (self.config.block_size, self.config.kv_heads, self.config.sink_tokens, self.config.head_dim);
-        let Self { parts, statics, static_ranges, pool, seqs, stats, config, .. } = self;
+        let Self { parts, statics, static_ranges, pool, seqs, stats, config, reserved, .. } = self;
         let ls = &mut seqs.get_mut(&seq).expect("checked by blocks_needed").layers[layer];
+        // The blocks come from the layer's reservation first; its tokens are used up.
+        let r = &mut ls.reserved;
+        let drawn = needed.min(r.blocks);
+        r.blocks -= drawn;
+        r.tokens = r.tokens.saturating_sub(n);
+        let released = if r.tokens == 0 { std::mem::take(&mut r.blocks) } else { 0 };
+        *reserved -= drawn + released;
 
         // Copy-on-write every shared block this call writes, then add the new blocks.
         let plan = WritePlan::new(config, parts, ls, n);
@@ -596,15 +607,23 @@ impl PagedCache {
     }
 
     /// A new sequence sharing every block of `seq` (copy-on-write); tails and sinks are copied.
+    /// The fork has no reservation; a reservation of `seq` grows by the copies its appends
+    /// will now make ([`crate::reserve`]).
     ///
     /// # Errors
-    /// [`CacheError::UnknownSequence`].
+    /// [`CacheError::UnknownSequence`]; [`CacheError::PoolExhausted`] when `seq` holds a
+    /// reservation and the pool cannot cover those copies; nothing changes on error.
     pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
-        let copy = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?.clone();
-        if copy.layers.iter().flat_map(|ls| &ls.blocks).any(|&id| !self.pool.can_retain(id)) {
-            return Err(CacheError::Config(format!("a block of {seq:?} is shared by too many sequences")));
+        self.check_fork(seq)?;
+        let mut copy = self.seqs[&seq].clone();
+        let extra = self.check_fork_reservations(seq)?;
+        let source = self.seqs.get_mut(&seq).expect("checked above");
+        for (ls, extra) in source.layers.iter_mut().zip(extra) {
+            ls.reserved.blocks += extra;
+            self.reserved += extra;
         }
-        for ls in &copy.layers {
+        for ls in &mut copy.layers {
+            ls.reserved = Reservation::default();
             for &id in &ls.blocks {
                 self.pool.retain(id);
             }
@@ -620,6 +639,12 @@ impl PagedCache {
     /// # Errors
     /// As [`PagedCache::truncate`].
     pub fn check_truncate(&self, seq: SeqId, len: usize) -> Result<()> {
+        self.plan_truncate(seq, len).map(|_| ())
+    }
+
+    /// The checks of a truncation; the truncated layers and the blocks each reserved layer
+    /// must then hold.
+    fn plan_truncate(&self, seq: SeqId, len: usize) -> Result<TruncatePlan> {
         let (bs, sinks) = (self.config.block_size, self.config.sink_tokens);
         let s = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
         let p_new = len.saturating_sub(sinks);
@@ -635,52 +660,68 @@ impl PagedCache {
                 }
             }
         }
-        Ok(())
+        let mut layers = s.layers.clone();
+        let dropped: Vec<Vec<BlockId>> = layers.iter_mut().map(|ls| self.truncate_layer(ls, len)).collect();
+        let freed = dropped.iter().map(|ids| self.freed_by_release(ids)).sum();
+        let hold = self.check_truncate_reservations(seq, &layers, freed)?;
+        Ok(TruncatePlan { layers, dropped, hold })
+    }
+
+    /// Cuts one layer's state to `len` tokens; the blocks it no longer uses, for the caller
+    /// to release.
+    fn truncate_layer(&self, ls: &mut LayerSeq, len: usize) -> Vec<BlockId> {
+        let (bs, heads, sinks, d) =
+            (self.config.block_size, self.config.kv_heads, self.config.sink_tokens, self.config.head_dim);
+        if len >= ls.len {
+            return Vec::new();
+        }
+        let p_new = len.saturating_sub(sinks);
+        for sink in &mut ls.sinks {
+            for buf in sink.iter_mut() {
+                buf.truncate(len.min(sinks) * d);
+            }
+        }
+        for (i, layout) in self.parts.iter().enumerate() {
+            if layout.has_tail() {
+                if p_new >= ls.done[i] {
+                    for tail in &mut ls.tails[i] {
+                        tail.truncate((p_new - ls.done[i]) * d);
+                    }
+                } else {
+                    ls.done[i] = p_new;
+                    for tail in &mut ls.tails[i] {
+                        tail.truncate(0);
+                    }
+                }
+            } else {
+                ls.done[i] = p_new;
+            }
+        }
+        let keep = p_new.div_ceil(bs) * heads;
+        ls.len = len;
+        ls.blocks.split_off(keep.min(ls.blocks.len()))
     }
 
     /// Shortens every layer of `seq` to at most `len` tokens (rollback after speculative
     /// decoding). Per-channel keys already quantized over a block can only be cut at a block
-    /// boundary; tokens still in the full-precision window can be cut anywhere.
+    /// boundary; tokens still in the full-precision window can be cut anywhere. A reservation
+    /// keeps its tokens and holds what they need from the new length.
     ///
     /// # Errors
-    /// [`CacheError::UnknownSequence`], [`CacheError::TruncateIntoBlock`].
+    /// [`CacheError::UnknownSequence`], [`CacheError::TruncateIntoBlock`];
+    /// [`CacheError::PoolExhausted`] when a reservation's tokens would need more blocks from
+    /// the new length (cut back into a block shared with a fork) than the pool has; nothing
+    /// changes on error.
     pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        self.check_truncate(seq, len)?;
-        let (bs, heads, sinks, d) =
-            (self.config.block_size, self.config.kv_heads, self.config.sink_tokens, self.config.head_dim);
-        let Self { parts, pool, seqs, .. } = self;
-        let s = seqs.get_mut(&seq).expect("checked above");
-        let p_new = len.saturating_sub(sinks);
-        for ls in &mut s.layers {
-            if len >= ls.len {
-                continue;
-            }
-            for sink in &mut ls.sinks {
-                for buf in sink.iter_mut() {
-                    buf.truncate(len.min(sinks) * d);
-                }
-            }
-            for (i, layout) in parts.iter().enumerate() {
-                if layout.has_tail() {
-                    if p_new >= ls.done[i] {
-                        for tail in &mut ls.tails[i] {
-                            tail.truncate((p_new - ls.done[i]) * d);
-                        }
-                    } else {
-                        ls.done[i] = p_new;
-                        for tail in &mut ls.tails[i] {
-                            tail.truncate(0);
-                        }
-                    }
-                } else {
-                    ls.done[i] = p_new;
-                }
-            }
-            let keep = p_new.div_ceil(bs) * heads;
-            for id in ls.blocks.drain(keep.min(ls.blocks.len())..) {
-                pool.release(id);
-            }
-            ls.len = len;
+        let TruncatePlan { layers, dropped, hold } = self.plan_truncate(seq, len)?;
+        for id in dropped.into_iter().flatten() {
+            self.pool.release(id);
+        }
+        let s = self.seqs.get_mut(&seq).expect("checked above");
+        s.layers = layers;
+        for (ls, hold) in s.layers.iter_mut().zip(hold) {
+            self.reserved = self.reserved - ls.reserved.blocks + hold;
+            ls.reserved.blocks = hold;
         }
         Ok(())
     }
@@ -692,6 +733,7 @@ impl PagedCache {
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         let s = self.seqs.remove(&seq).ok_or(CacheError::UnknownSequence(seq))?;
         for ls in &s.layers {
+            self.reserved -= ls.reserved.blocks;
             for &id in &ls.blocks {
                 self.pool.release(id);
             }
@@ -715,16 +757,24 @@ impl PagedCache {
     }
 }
 
+/// A checked truncation: every layer's new state, the blocks each drops, and the blocks each
+/// layer's reservation must then hold.
+struct TruncatePlan {
+    layers: Vec<LayerSeq>,
+    dropped: Vec<Vec<BlockId>>,
+    hold: Vec<usize>,
+}
+
 /// Which blocks an extension by `n` tokens touches: logical blocks `first_written..have`
 /// already exist and are written; `have..want` are new.
-struct WritePlan {
-    first_written: usize,
-    have: usize,
-    want: usize,
+pub(crate) struct WritePlan {
+    pub(crate) first_written: usize,
+    pub(crate) have: usize,
+    pub(crate) want: usize,
 }
 
 impl WritePlan {
-    fn new(config: &CacheConfig, parts: &[PartLayout; 2], ls: &LayerSeq, n: usize) -> Self {
+    pub(crate) fn new(config: &CacheConfig, parts: &[PartLayout; 2], ls: &LayerSeq, n: usize) -> Self {
         let (bs, heads, sinks) = (config.block_size, config.kv_heads, config.sink_tokens);
         let p0 = ls.len.saturating_sub(sinks);
         let p1 = (ls.len + n).saturating_sub(sinks);

@@ -12,11 +12,11 @@ pub enum CacheError {
     #[error("invalid cache config: {0}")]
     Config(String),
     /// Not enough free blocks; nothing was changed.
-    #[error("block pool exhausted: the operation needs {needed} blocks, {free} are free")]
+    #[error("block pool exhausted: the operation needs {needed} blocks, {free} are free to it")]
     PoolExhausted {
         /// Blocks the operation needed.
         needed: usize,
-        /// Blocks that were free.
+        /// Blocks it could take: free and not reserved for other sequences.
         free: usize,
     },
     /// No live sequence has this id.

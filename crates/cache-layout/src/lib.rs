@@ -39,6 +39,7 @@ pub mod offload;
 pub mod part;
 pub mod pool;
 pub mod read;
+pub mod reserve;
 
 pub use cache::{CacheStats, PagedCache, SeqId};
 pub use config::{CacheConfig, TailDtype};
@@ -46,3 +47,4 @@ pub use error::{CacheError, Result};
 pub use part::{Mode, PartLayout, TailBuf};
 pub use pool::{BlockId, BlockPool};
 pub use read::{BlockView, CacheMemory, LayerMemory, Segment, Segments};
+pub use reserve::Reservation;

@@ -267,7 +267,8 @@ impl PagedCache {
         };
         let sinks = [read_bufs(r)?, read_bufs(r)?];
         let tails = [read_bufs(r)?, read_bufs(r)?];
-        let ls = LayerSeq { len, blocks: ids, sinks, done: [done_k, done_v], tails };
+        let ls =
+            LayerSeq { len, blocks: ids, sinks, done: [done_k, done_v], tails, reserved: Default::default() };
         self.check_layer_state(&ls)?;
         Ok(ls)
     }
@@ -518,8 +519,8 @@ impl PagedCache {
     /// As [`PagedCache::import_sequence`].
     pub fn check_import(&self, bytes: &[u8]) -> Result<()> {
         let (_, contents) = self.parse_sequence(bytes)?;
-        if contents.len() > self.pool.free_blocks() {
-            return Err(CacheError::PoolExhausted { needed: contents.len(), free: self.pool.free_blocks() });
+        if contents.len() > self.unreserved_blocks() {
+            return Err(CacheError::PoolExhausted { needed: contents.len(), free: self.unreserved_blocks() });
         }
         Ok(())
     }
@@ -533,8 +534,8 @@ impl PagedCache {
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
         let (mut layers, contents) = self.parse_sequence(bytes)?;
         let needed = contents.len();
-        if needed > self.pool.free_blocks() {
-            return Err(CacheError::PoolExhausted { needed, free: self.pool.free_blocks() });
+        if needed > self.unreserved_blocks() {
+            return Err(CacheError::PoolExhausted { needed, free: self.unreserved_blocks() });
         }
         let mut it = contents.into_iter();
         for ls in &mut layers {

@@ -49,6 +49,12 @@ enum Op {
     BadAppend {
         seq: usize,
     },
+    /// Hold blocks for the next `tokens` tokens of one layer (0 releases).
+    Reserve {
+        seq: usize,
+        layer: usize,
+        tokens: usize,
+    },
     /// An append with one value of 70000: over f16's range (an f16 tail cannot hold it) and
     /// over what f16 parameters allow, but fine for f32 parameters away from f16 tails.
     BigAppend {
@@ -72,6 +78,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(|seq| Op::ExportImport { seq }),
         1 => (0..8usize).prop_map(|seq| Op::BadAppend { seq }),
         1 => (0..8usize, 0..2usize, 0..2usize, any::<u64>()).prop_map(|(seq, layer, part, seed)| Op::BigAppend { seq, layer, part, seed }),
+        3 => (0..8usize, 0..2usize, 0..14usize).prop_map(|(seq, layer, tokens)| Op::Reserve { seq, layer, tokens }),
     ]
 }
 
@@ -152,6 +159,8 @@ const LAYERS: usize = 2;
 struct ModelSeq {
     rows: Vec<[Vec<Vec<f32>>; 2]>,
     done: Vec<[usize; 2]>,
+    /// Per layer, tokens still reserved: appends of up to that many cannot lack blocks.
+    reserved: Vec<usize>,
 }
 
 fn values(seed: u64, n: usize) -> Vec<f32> {
@@ -202,6 +211,7 @@ impl World {
         let (bs, r, sinks, d) = (self.s.bs, self.s.residual, self.s.sinks, self.s.d);
         let channel = [self.channel(0), self.channel(1)];
         let m = self.model.get_mut(&seq).unwrap();
+        m.reserved[layer] = m.reserved[layer].saturating_sub(k[0].len() / d);
         for (part, data) in [k, v].into_iter().enumerate() {
             for (h, rows) in data.iter().enumerate() {
                 m.rows[layer][part][h].extend_from_slice(rows);
@@ -306,6 +316,18 @@ impl World {
             assert_eq!(pool.refcount(id as u32), r, "block {id}\n{dump}");
         }
         assert_eq!(pool.free_blocks(), pool.capacity() - used, "leak\n{dump}");
+        // Reservations: held blocks add up, fit in the free pool, and cover their tokens.
+        let mut held = 0;
+        for (&seq, m) in &self.model {
+            for layer in 0..LAYERS {
+                let r = self.cache.reservation(seq, layer).unwrap();
+                assert_eq!(r.tokens, m.reserved[layer], "{seq:?} layer {layer}");
+                assert!(r.blocks >= self.cache.blocks_needed(seq, layer, r.tokens).unwrap() || r.tokens == 0);
+                held += r.blocks;
+            }
+        }
+        assert_eq!(self.cache.reserved_blocks(), held);
+        assert!(held <= pool.free_blocks());
     }
 
     fn apply(&mut self, op: &Op) {
@@ -317,7 +339,11 @@ impl World {
                 let empty = || std::array::from_fn(|_| vec![Vec::new(); heads]);
                 self.model.insert(
                     id,
-                    ModelSeq { rows: (0..LAYERS).map(|_| empty()).collect(), done: vec![[0, 0]; LAYERS] },
+                    ModelSeq {
+                        rows: (0..LAYERS).map(|_| empty()).collect(),
+                        done: vec![[0, 0]; LAYERS],
+                        reserved: vec![0; LAYERS],
+                    },
                 );
                 Ok(())
             }
@@ -366,10 +392,17 @@ impl World {
             }
             Op::Fork { seq } => {
                 let Some(id) = self.nth(seq) else { return };
-                let new = self.cache.fork(id).unwrap();
-                let copy = self.model[&id].clone();
-                self.model.insert(new, copy);
-                Ok(())
+                let r = self.cache.fork(id);
+                if let Ok(new) = r {
+                    let mut copy = self.model[&id].clone();
+                    copy.reserved = vec![0; LAYERS];
+                    self.model.insert(new, copy);
+                } else {
+                    // Only the copies a reservation must cover can make a fork fail here.
+                    assert!(matches!(r, Err(CacheError::PoolExhausted { .. })), "{r:?}");
+                    assert!(self.model[&id].reserved.iter().any(|&t| t > 0));
+                }
+                r.map(|_| ())
             }
             Op::Truncate { seq, len } => {
                 let Some(id) = self.nth(seq) else { return };
@@ -405,7 +438,15 @@ impl World {
             Op::Reload => {
                 let bytes = self.cache.to_bytes().unwrap();
                 let back = PagedCache::from_bytes(&bytes).unwrap();
-                assert!(back == self.cache, "reloaded cache differs");
+                // Reservations are scheduling state, not saved.
+                let mut unreserved = self.cache.clone();
+                for (&id, m) in &mut self.model {
+                    for layer in 0..LAYERS {
+                        unreserved.reserve(id, layer, 0).unwrap();
+                        m.reserved[layer] = 0;
+                    }
+                }
+                assert!(back == unreserved, "reloaded cache differs");
                 // A corrupted copy is refused.
                 let mut bad = bytes.clone();
                 let i = bad.len() / 2;
@@ -420,7 +461,8 @@ impl World {
                 let bytes = self.cache.export_sequence(id).unwrap();
                 let r = self.cache.import_sequence(&bytes);
                 if let Ok(new) = r {
-                    let copy = self.model[&id].clone();
+                    let mut copy = self.model[&id].clone();
+                    copy.reserved = vec![0; LAYERS];
                     self.model.insert(new, copy);
                 }
                 let mut bad = bytes.clone();
@@ -442,6 +484,14 @@ impl World {
                 }
                 r
             }
+            Op::Reserve { seq, layer, tokens } => {
+                let Some(id) = self.nth(seq) else { return };
+                let r = self.cache.reserve(id, layer, tokens);
+                if r.is_ok() {
+                    self.model.get_mut(&id).unwrap().reserved[layer] = tokens;
+                }
+                r
+            }
             Op::BadAppend { seq } => {
                 let Some(id) = self.nth(seq) else { return };
                 let mut k = values(7, heads * d);
@@ -452,10 +502,39 @@ impl World {
                 r
             }
         };
-        if let Err(e) = result {
+        if let Err(e) = &result {
             assert!(before == self.cache, "{op:?} failed with {e} but changed the cache");
         }
+        if let (Err(CacheError::PoolExhausted { .. }), Some(seq)) = (&result, op.appends()) {
+            let id = self.nth(seq).unwrap();
+            let m = &self.model[&id];
+            let covered = op.tokens_per_layer().iter().all(|&(layer, n)| n <= m.reserved[layer]);
+            assert!(!covered, "{op:?} within the reservations {:?} lacked blocks", m.reserved);
+        }
         self.check();
+    }
+}
+
+impl Op {
+    /// The sequence an appending op writes to.
+    fn appends(&self) -> Option<usize> {
+        match *self {
+            Op::Append { seq, .. }
+            | Op::AppendAll { seq, .. }
+            | Op::Extend { seq, .. }
+            | Op::BigAppend { seq, .. } => Some(seq),
+            _ => None,
+        }
+    }
+
+    /// The tokens an appending op brings to each layer it writes.
+    fn tokens_per_layer(&self) -> Vec<(usize, usize)> {
+        match *self {
+            Op::Append { layer, .. } | Op::BigAppend { layer, .. } => vec![(layer, 1)],
+            Op::AppendAll { .. } => (0..LAYERS).map(|l| (l, 1)).collect(),
+            Op::Extend { layer, tokens, .. } => vec![(layer, tokens)],
+            _ => Vec::new(),
+        }
     }
 }
 

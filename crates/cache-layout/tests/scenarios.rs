@@ -298,3 +298,93 @@ fn rotated_values_stream_as_offline() {
         errors[0]
     );
 }
+
+/// One layer, one head of 8 channels, per-token INT8 (no tail), blocks of 4, no sinks.
+fn row_cache(capacity: usize) -> PagedCache {
+    let spec: QuantSpec = "int8-token".parse().unwrap();
+    PagedCache::new(
+        CacheConfig::new(1, 1, 8, capacity)
+            .with_specs(spec.clone(), spec)
+            .with_block_size(4)
+            .with_sink_tokens(0),
+    )
+    .unwrap()
+}
+
+/// Appends to `seq` until the pool refuses; returns how many tokens went in.
+fn fill(c: &mut PagedCache, seq: SeqId) -> usize {
+    let mut n = 0;
+    loop {
+        match c.append(seq, 0, &row(n, 8), &row(n + 1, 8)) {
+            Ok(()) => n += 1,
+            Err(CacheError::PoolExhausted { .. }) => return n,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[test]
+fn a_reservation_survives_other_sequences_forks_and_truncation() {
+    let mut c = row_cache(5);
+    let a = c.create();
+    for t in 0..8 {
+        c.append(a, 0, &row(t, 8), &row(t, 8)).unwrap();
+    }
+    let b = c.fork(a).unwrap(); // both of a's full blocks are shared
+    c.reserve(a, 0, 4).unwrap(); // a new block for tokens 8..12
+    assert_eq!(c.reservation(a, 0).unwrap().blocks, 1);
+    assert_eq!((c.reserved_blocks(), c.unreserved_blocks()), (1, 2));
+    let other = c.create();
+    assert_eq!(fill(&mut c, other), 8, "the other sequence gets the two unreserved blocks");
+    // Cut back to 6: tokens 6..10 now write into a block shared with the fork (a copy) and a
+    // new one. The pool has nothing left for the copy: the truncation is refused whole.
+    let before = c.clone();
+    assert!(matches!(c.truncate(a, 6), Err(CacheError::PoolExhausted { needed: 2, free: 1 })));
+    assert!(c == before);
+    c.free(other).unwrap();
+    c.truncate(a, 6).unwrap();
+    assert_eq!(c.reservation(a, 0).unwrap().blocks, 2);
+    let other = c.create();
+    fill(&mut c, other);
+    assert_eq!(c.unreserved_blocks(), 0);
+    for t in 0..4 {
+        c.append(a, 0, &row(t, 8), &row(t, 8)).unwrap();
+    }
+    assert_eq!(c.reservation(a, 0).unwrap(), Default::default(), "used up");
+    assert!(c.append(b, 0, &row(0, 8), &row(0, 8)).is_err(), "the fork had no reservation");
+}
+
+#[test]
+fn forking_a_reserved_sequence_reserves_its_copies_or_fails() {
+    let mut c = row_cache(4);
+    let a = c.create();
+    for t in 0..6 {
+        c.append(a, 0, &row(t, 8), &row(t, 8)).unwrap();
+    }
+    c.reserve(a, 0, 2).unwrap(); // tokens 6 and 7 fit in a's own second block
+    assert_eq!(c.reservation(a, 0).unwrap().blocks, 0);
+    let other = c.create();
+    assert_eq!(fill(&mut c, other), 8);
+    // A fork would share that block, and a's reserved tokens would need a copy of it.
+    let before = c.clone();
+    assert!(matches!(c.fork(a), Err(CacheError::PoolExhausted { needed: 1, free: 0 })));
+    assert!(c == before);
+    c.truncate(other, 4).unwrap();
+    let b = c.fork(a).unwrap();
+    assert_eq!(c.reservation(a, 0).unwrap().blocks, 1);
+    assert_eq!(c.reservation(b, 0).unwrap(), Default::default());
+    // The one free block is a's: the other sequence's next token needs a block of its own.
+    assert!(matches!(c.append(other, 0, &row(0, 8), &row(0, 8)), Err(CacheError::PoolExhausted { .. })));
+    for t in 0..2 {
+        c.append(a, 0, &row(t, 8), &row(t, 8)).unwrap();
+    }
+    // a wrote a copy; the fork owns the original alone now and fills it.
+    assert_eq!(fill(&mut c, b), 2);
+    // Freeing returns what a reservation held; reserving 0 releases it.
+    c.reserve(b, 0, 0).unwrap();
+    c.free(a).unwrap();
+    assert_eq!(c.reserved_blocks(), 0);
+    assert!(matches!(c.reserve(b, 0, 100), Err(CacheError::PoolExhausted { .. })));
+    assert!(matches!(c.reserve(SeqId(99), 0, 1), Err(CacheError::UnknownSequence(_))));
+    assert!(matches!(c.reserve(b, 3, 1), Err(CacheError::Layer { .. })));
+}

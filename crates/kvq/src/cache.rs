@@ -517,9 +517,67 @@ impl QuantizedKvCache {
         self.layers.iter().map(|c| c.blocks_needed(seq, 0, tokens).map_err(KvqError::from)).collect()
     }
 
-    /// Free blocks of each layer's pool, in layer order.
+    /// Free blocks of each layer's pool, in layer order (reserved ones included).
     pub fn free_blocks(&self) -> Vec<usize> {
         self.layers.iter().map(|c| c.pool().free_blocks()).collect()
+    }
+
+    /// Free blocks of each layer's pool that no reservation holds, in layer order: what new
+    /// work can take.
+    pub fn unreserved_blocks(&self) -> Vec<usize> {
+        self.layers.iter().map(PagedCache::unreserved_blocks).collect()
+    }
+
+    /// Holds, in every layer, the blocks that the next `tokens` tokens of `seq` need (new
+    /// blocks and the copies of shared blocks they write), so that appending them cannot fail
+    /// for lack of blocks whatever other sequences do meanwhile: a scheduler reserves what
+    /// it admits. Replaces `seq`'s reservation; `tokens = 0` releases it. Appends of `seq` use
+    /// it up token by token; [`QuantizedKvCache::free`] returns what is left. A fork of `seq`
+    /// reserves the copies its appends will then make, a truncation what the remaining tokens
+    /// need from the new length; either fails rather than break the promise.
+    ///
+    /// ```
+    /// use kvq::prelude::*;
+    ///
+    /// // 2 layers, 1 KV head, 1 query head, head_dim 32; 4 blocks of 32 tokens per layer.
+    /// let config = KvCacheConfig::builder(2, 1, 1, 32).blocks_per_layer(4).sink_tokens(0).build()?;
+    /// let mut cache = QuantizedKvCache::new(config)?;
+    /// let (a, b) = (cache.create(), cache.create());
+    /// cache.reserve(a, 64)?;
+    /// assert_eq!(cache.unreserved_blocks(), [2, 2]);
+    /// let kv = vec![0.5f32; 2 * 32];
+    /// while cache.append_all_layers(b, &kv, &kv).is_ok() {}
+    /// assert_eq!(cache.len(b, 0)?, 64);
+    /// for _ in 0..64 {
+    ///     cache.append_all_layers(a, &kv, &kv)?; // cannot fail: held for a
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`]: an unknown sequence, or [`CacheError::PoolExhausted`] naming the
+    /// first layer whose unreserved blocks are too few; nothing changes on error.
+    pub fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<(), KvqError> {
+        for c in &self.layers {
+            c.check_reserve(seq, 0, tokens)?;
+        }
+        for c in &mut self.layers {
+            c.reserve(seq, 0, tokens)?;
+        }
+        Ok(())
+    }
+
+    /// Tokens of `seq` still covered by its reservation (the same in every layer when the
+    /// model appends to every layer).
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`] for an unknown sequence.
+    pub fn reserved_tokens(&self, seq: SeqId) -> Result<usize, KvqError> {
+        let mut tokens = 0;
+        for c in &self.layers {
+            tokens = tokens.max(c.reservation(seq, 0)?.tokens);
+        }
+        Ok(tokens)
     }
 
     /// One sequence of every layer, with the contents of its blocks, as bytes (to offload it
@@ -606,8 +664,9 @@ impl QuantizedKvCache {
         Ok(self.layer_mut(layer)?.extend(seq, 0, k, v)?)
     }
 
-    /// Checks that `tokens` more tokens of `seq` fit in every layer's pool, without changing
-    /// anything: after `Ok`, appending them to every layer cannot fail for lack of blocks.
+    /// Checks that `tokens` more tokens of `seq` fit in every layer's pool now (its reservations
+    /// and the unreserved free blocks), without changing anything. Other sequences may take
+    /// the blocks before they are appended: [`QuantizedKvCache::reserve`] holds them.
     ///
     /// # Errors
     /// [`KvqError::Cache`]: [`CacheError::PoolExhausted`] naming the first layer's shortfall,
@@ -615,7 +674,7 @@ impl QuantizedKvCache {
     pub fn check_capacity(&self, seq: SeqId, tokens: usize) -> Result<(), KvqError> {
         for c in &self.layers {
             let needed = c.blocks_needed(seq, 0, tokens)?;
-            let free = c.pool().free_blocks();
+            let free = c.available_blocks(seq, 0)?;
             if needed > free {
                 return Err(KvqError::Cache(CacheError::PoolExhausted { needed, free }));
             }
@@ -623,12 +682,17 @@ impl QuantizedKvCache {
         Ok(())
     }
 
-    /// A copy-on-write fork of `seq` in every layer.
+    /// A copy-on-write fork of `seq` in every layer. The fork has no reservation; one of `seq`
+    /// grows by the copies its appends will now make.
     ///
     /// # Errors
-    /// [`KvqError::Cache`] for an unknown sequence.
+    /// [`KvqError::Cache`] for an unknown sequence, or [`CacheError::PoolExhausted`] when `seq`
+    /// holds a reservation and those copies do not fit; nothing changes on error.
     pub fn fork(&mut self, seq: SeqId) -> Result<SeqId, KvqError> {
         self.layers[0].len(seq, 0)?;
+        for c in &self.layers {
+            c.check_fork(seq)?;
+        }
         let ids = self.layers.iter_mut().map(|c| c.fork(seq)).collect::<Result<Vec<_>, _>>()?;
         Ok(ids[0])
     }

@@ -382,3 +382,39 @@ fn half_precision_edge_cases_are_typed_errors() {
     huge.attention(s, 0, &[0.1f32; 32], &mut wide).unwrap();
     assert!(wide.iter().all(|&x| (x - 1e6).abs() < 1e3));
 }
+
+/// A reservation covers every layer or none; appends of the reserved tokens cannot fail while
+/// other sequences exhaust the pools; freeing returns the blocks.
+#[test]
+fn reservations_hold_blocks_in_every_layer() {
+    let c =
+        KvCacheConfig::builder(2, 1, 2, 32).block_size(4).sink_tokens(0).blocks_per_layer(6).build().unwrap();
+    let mut cache = QuantizedKvCache::new(c).unwrap();
+    let (a, b) = (cache.create(), cache.create());
+    let kv = |t: usize| token(2 * 32, t);
+    assert!(matches!(
+        cache.reserve(a, 100),
+        Err(KvqError::Cache(kvq::layout::CacheError::PoolExhausted { .. }))
+    ));
+    assert_eq!(cache.unreserved_blocks(), [6, 6], "a failed reservation holds nothing");
+    cache.reserve(a, 12).unwrap();
+    assert_eq!((cache.unreserved_blocks(), cache.reserved_tokens(a).unwrap()), (vec![3, 3], 12));
+    let mut n = 0;
+    while cache.append_all_layers(b, &kv(n), &kv(n + 1)).is_ok() {
+        n += 1;
+    }
+    assert_eq!(n, 12);
+    assert!(cache.check_capacity(a, 12).is_ok());
+    assert!(cache.check_capacity(b, 1).is_err());
+    for t in 0..12 {
+        cache.append_all_layers(a, &kv(t), &kv(t)).unwrap();
+    }
+    assert_eq!(cache.reserved_tokens(a).unwrap(), 0);
+    assert!(cache.append_all_layers(a, &kv(0), &kv(0)).is_err());
+    cache.free(b).unwrap();
+    cache.reserve(a, 4).unwrap();
+    let fork = cache.fork(a).unwrap();
+    assert_eq!(cache.reserved_tokens(fork).unwrap(), 0);
+    cache.free(a).unwrap();
+    assert_eq!(cache.unreserved_blocks(), cache.free_blocks());
+}
