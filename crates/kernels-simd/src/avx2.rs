@@ -1,4 +1,4 @@
-//! x86-64 AVX2 + FMA kernels, chosen at run time. Codes are widened and multiplied in
+//! x86-64 AVX2 + FMA (+ F16C) kernels, chosen at run time. Codes are widened and multiplied in
 //! registers (no f32 copy of a row): a 16-byte load, a shift and a mask give 16 codes of the
 //! bit-plane layout, `vpmovzxbd` and `vcvtdq2ps` make them floats, `vfmadd` accumulates.
 //! Query rows go 4 at a time (a GQA group): scores unpack each key row once for all four and
@@ -6,9 +6,11 @@
 //! all rows into four queries' accumulators held in registers, so the output is read and
 //! written once per block instead of once per row.
 //!
-//! Covered: affine and symmetric levels, and table levels (codebooks of up to 16 levels held in
-//! two registers and looked up with `vpermps`; FP8's 256: the 8 levels of 8 codes come from
-//! one `vgatherdps`), 2-, 4- and 8-bit codes, rows whose length is a multiple of the chunk (64,
+//! Covered: affine and symmetric levels, table levels (codebooks of up to 16 levels held in
+//! two registers and looked up with `vpermps`; larger tables: the 8 levels of 8 codes come
+//! from one `vgatherdps`) and FP8 levels (decoded from their bits: e5m2 codes are the high byte
+//! of an f16, e4m3's seven magnitude bits placed in an f16 are the value / 256, both widened
+//! by `vcvtph2ps`; no table), 2-, 4- and 8-bit codes, rows whose length is a multiple of the chunk (64,
 //! 32, 16 codes), and 3-bit codes in rows of a multiple of 64 (both bit planes read per 16
 //! codes); symmetric levels subtract the zero point from the codes in i32 before the
 //! conversion (exact). Per-row and per-channel parameters, and per-group parameters (`gN`) in
@@ -23,6 +25,8 @@
 
 use std::arch::x86_64::*;
 use std::ops::Range;
+
+use kvq_quant_core::fp8::Fp8Format;
 
 use crate::block::{Levels, Params, QuantBlock};
 use crate::int8;
@@ -42,7 +46,7 @@ fn supported(b: &QuantBlock<'_>) -> bool {
         _ => true,
     };
     // Symmetric levels are the codes minus a zero point, which folds into the offsets.
-    matches!(b.levels, Levels::Affine | Levels::Symmetric { .. } | Levels::Table(_))
+    matches!(b.levels, Levels::Affine | Levels::Symmetric { .. } | Levels::Table(_) | Levels::Fp8(_))
         && b.dim.is_multiple_of(chunk)
         && b.dim > 0
         && groups_ok
@@ -55,7 +59,9 @@ pub fn float_supported(b: &QuantBlock<'_>) -> bool {
 }
 
 fn cpu_ok() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
 }
 
 /// The zero point the kernels subtract from codes, in integers before the conversion to float
@@ -91,13 +97,16 @@ enum LutKind {
     Permute8,
     Permute16,
     Gather,
+    /// FP8 codes decoded from their bits (see [`fp8_halves`]).
+    E4m3,
+    E5m2,
 }
 
 /// The [`Lut`] of a block.
 ///
 /// # Safety
 /// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
     let mut lut = Lut {
@@ -107,7 +116,13 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
         table: std::ptr::null(),
         zero: _mm256_set1_epi32(zero_of(b)),
     };
-    if let Levels::Table(t) = b.levels {
+    if let Levels::Fp8(f) = b.levels {
+        lut.table = f.levels().as_ptr();
+        lut.kind = match f {
+            Fp8Format::E4M3 => LutKind::E4m3,
+            Fp8Format::E5M2 => LutKind::E5m2,
+        };
+    } else if let Levels::Table(t) = b.levels {
         if t.len() <= 16 {
             let mut small = [0f32; 16];
             small[..t.len()].copy_from_slice(t);
@@ -130,7 +145,7 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
 /// # Safety
 /// The CPU must support AVX2; every code is below the table's length (`QuantBlock::new`
 /// checked that a table has `2^bits` entries).
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn levels8(idx: __m256i, lut: &Lut) -> __m256 {
     match lut.kind {
@@ -149,7 +164,38 @@ unsafe fn levels8(idx: __m256i, lut: &Lut) -> __m256 {
         }
         // SAFETY: every index is a code, below the table's length.
         LutKind::Gather => unsafe { _mm256_i32gather_ps::<4>(lut.table, idx) },
+        // SAFETY: every index is a code, below 256; FP8 codes are widened 16 at a time by
+        // `fp8_halves` in `widen_codes`, the table is only this function's fallback.
+        LutKind::E4m3 | LutKind::E5m2 => unsafe { _mm256_i32gather_ps::<4>(lut.table, idx) },
     }
+}
+
+/// The FP8 values of the 16 byte codes of `v`, as two vectors of 8 floats (codes 0..8 and
+/// 8..16). e5m2 is the high byte of an f16, so `code << 8` is the value's f16 bits. For e4m3,
+/// `code << 8` shifted right arithmetically by one puts the sign at f16 bits 15 and 14 and the
+/// magnitude bits `eeee mmm` at 13..7; with bit 14 cleared that is an f16 of exponent
+/// `e − 15 + 7` less than the value's, subnormals included, so the f16 times 2^8 is the value,
+/// exact. The magnitude code 0x7f (NaN in e4m3, a number in f16) gets bit 14 set: exponent
+/// all ones, mantissa not zero, an f16 NaN.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C; `kind` is `E4m3` or `E5m2`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn fp8_halves(v: __m128i, kind: LutKind) -> (__m256, __m256) {
+    let zero = _mm_setzero_si128();
+    let (lo, hi) = (_mm_unpacklo_epi8(zero, v), _mm_unpackhi_epi8(zero, v));
+    if kind == LutKind::E5m2 {
+        return (_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi));
+    }
+    let half = |w: __m128i| {
+        let bits = _mm_and_si128(_mm_srai_epi16::<1>(w), _mm_set1_epi16(0xbf80u16 as i16));
+        let mag = _mm_set1_epi16(0x3f80);
+        let nan = _mm_cmpeq_epi16(_mm_and_si128(bits, mag), mag);
+        let bits = _mm_or_si128(bits, _mm_and_si128(nan, _mm_set1_epi16(0x4000)));
+        _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.0))
+    };
+    (half(lo), half(hi))
 }
 
 /// The levels of the 16 codes of bit-group `k` of a 16-byte chunk of a `bits`-wide plane, as
@@ -186,9 +232,15 @@ unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, lut: &Lut) -> (__m256, __m
 ///
 /// # Safety
 /// The CPU must support AVX2; every code is below the length of `lut`'s table.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn widen_codes(v: __m128i, lut: &Lut) -> (__m256, __m256) {
+    // SAFETY (both): as this function's; F16C comes with the kernels' CPU check.
+    match lut.kind {
+        LutKind::E5m2 => return unsafe { fp8_halves(v, LutKind::E5m2) },
+        LutKind::E4m3 => return unsafe { fp8_halves(v, LutKind::E4m3) },
+        _ => {}
+    }
     let (lo, hi) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
     // SAFETY: as this function's.
     unsafe { (levels8(lo, lut), levels8(hi, lut)) }
@@ -201,7 +253,7 @@ unsafe fn widen_codes(v: __m128i, lut: &Lut) -> (__m256, __m256) {
 ///
 /// # Safety
 /// The CPU must support AVX2; `row` points at a packed 3-bit row of `d` codes; `16t < d`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m128i {
     let i = 16 * t;
@@ -230,7 +282,7 @@ unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m128i {
 /// # Safety
 /// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == 3`; `lut` is `b`'s;
 /// `r < b.rows`, `16t < b.dim`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn values3(b: &QuantBlock<'_>, lut: &Lut, r: usize, t: usize) -> (__m256, __m256) {
     let d = b.dim;
@@ -251,7 +303,7 @@ unsafe fn values3(b: &QuantBlock<'_>, lut: &Lut, r: usize, t: usize) -> (__m256,
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == 3`; `q.len() == NQ · b.dim`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], mut emit: impl FnMut(usize, usize, f32)) {
     // SAFETY: AVX2 is enabled by this function's target features.
     let (d, lut) = (b.dim, unsafe { lut_of(b) });
@@ -279,7 +331,7 @@ unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], mut emit: impl F
 ///
 /// # Safety
 /// As [`group_axpy`], with `b.bits == 3`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy3<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
     // SAFETY: AVX2 is enabled by this function's target features.
     let (d, rows, lut) = (b.dim, b.rows, unsafe { lut_of(b) });
@@ -312,7 +364,7 @@ unsafe fn axpy3<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]
 ///
 /// # Safety
 /// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn emit_sums<const NQ: usize>(
     acc: &[[__m256; 2]; NQ],
@@ -336,7 +388,7 @@ unsafe fn emit_sums<const NQ: usize>(
 ///
 /// # Safety
 /// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
     let s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -349,7 +401,7 @@ unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `supported(b)`; `q.len() == NQ · b.dim`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn group_dots<const BITS: u8, const NQ: usize>(
     b: &QuantBlock<'_>,
     q: &[f32],
@@ -365,7 +417,7 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
 ///
 /// # Safety
 /// As [`group_dots`], and `b.params` is `PerGroup` with a group that is a multiple of 16.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn group_dots_grouped<const BITS: u8, const NQ: usize>(
     b: &QuantBlock<'_>,
     q: &[f32],
@@ -387,7 +439,7 @@ fn grouping<'a>(b: &QuantBlock<'a>) -> (usize, &'a [f32], Option<&'a [f32]>) {
 ///
 /// # Safety
 /// As theirs.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dots_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
     b: &QuantBlock<'_>,
     q: &[f32],
@@ -436,7 +488,7 @@ unsafe fn dots_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
 /// # Safety
 /// The CPU must support AVX2 and FMA; `supported(b)`; `w.len() >= NQ · b.rows`;
 /// `sums.len() >= NQ · b.dim`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
     // SAFETY: as this function's.
     unsafe { axpy_by_chunk::<BITS, NQ, false>(b, w, sums) }
@@ -447,7 +499,7 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f
 ///
 /// # Safety
 /// As [`group_axpy`], and `b.params` is `PerGroup` with a group that is a multiple of 16.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
     b: &QuantBlock<'_>,
     w: &[f32],
@@ -461,7 +513,7 @@ unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
 ///
 /// # Safety
 /// As theirs.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
     b: &QuantBlock<'_>,
     w: &[f32],
@@ -512,7 +564,7 @@ unsafe fn axpy_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
 ///
 /// # Safety
 /// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn group_params(scale: &[f32], offset: Option<&[f32]>, g: usize) -> (__m256, __m256) {
     (_mm256_set1_ps(scale[g]), _mm256_set1_ps(offset.map_or(0.0, |o| o[g])))
@@ -603,7 +655,7 @@ fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `supported(b)`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy_group_with(
     b: &QuantBlock<'_>,
     p: &[f32],
@@ -716,7 +768,7 @@ pub(crate) fn axpy_in(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `a` and `b` hold `n` floats.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn fma_dot(a: *const f32, b: *const f32, n: usize) -> f32 {
     let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
@@ -1089,7 +1141,7 @@ impl int8::IntKernel for Avx2Int {
 ///
 /// # Safety
 /// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) unsafe fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
     use int8::MAGIC;
@@ -1137,7 +1189,7 @@ pub(crate) unsafe fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
 ///
 /// # Safety
 /// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = _mm256_setzero_ps();
@@ -1158,7 +1210,7 @@ unsafe fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
 ///
 /// # Safety
 /// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn sum_lanes(a: &[f32]) -> f32 {
     let mut acc = _mm256_setzero_ps();
@@ -1178,7 +1230,7 @@ unsafe fn sum_lanes(a: &[f32]) -> f32 {
 ///
 /// # Safety
 /// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) unsafe fn hsum4_i32(v: &[__m256i; 4]) -> [i32; 4] {
     let s = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
@@ -1206,7 +1258,7 @@ pub(crate) fn store_dots<const NQ: usize>(sums: [i32; 4], rr: usize, r: usize, m
 /// # Safety
 /// The CPU must support AVX2; the row holds `d / 2` bytes, `d` a multiple of 64; `q` holds
 /// `NQ` arranged rows of `d` bytes ([`int8::arrange4`], 32-byte chunks).
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn acc4<const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m256i]) {
     let mask = _mm256_set1_epi8(0x0f);
@@ -1236,7 +1288,7 @@ unsafe fn acc4<const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m25
 /// # Safety
 /// The CPU must support AVX2; the row holds `d` bytes, `d` a multiple of 16; `q` holds `NQ`
 /// rows of `d` i16.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn acc8<const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m256i]) {
     for (c, code) in row.chunks_exact(16).enumerate() {
@@ -1257,7 +1309,7 @@ unsafe fn acc8<const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m25
 ///
 /// # Safety
 /// As [`idots`].
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn idot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
     b: &QuantBlock<'_>,
@@ -1283,7 +1335,7 @@ unsafe fn idot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
 /// # Safety
 /// The CPU must support AVX2; `BITS == b.bits` and the block and `q` as [`acc4`] / [`acc8`]
 /// require; `dots` holds `NQ · rows.len()` values.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn idots<const BITS: u8, const NQ: usize>(
     b: &QuantBlock<'_>,
     rows: Range<usize>,
@@ -1354,7 +1406,7 @@ pub(crate) fn scores_int8_in(
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn by_block_avx2<K: int8::IntKernel>(
     b: &QuantBlock<'_>,
     q: &[f32],

@@ -25,6 +25,7 @@ fn cpu_ok() -> bool {
         && std::arch::is_x86_feature_detected!("avx512vnni")
         && std::arch::is_x86_feature_detected!("avx2")
         && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
 }
 
 /// Whether [`scores_int8`] has a VNNI kernel for this block on this CPU.
@@ -75,7 +76,7 @@ impl int8::IntKernel for Vnni {
 /// The CPU must support AVX-512 F, BW and VNNI; `BITS` is the row's width, 4 or 8, the row
 /// holds `d · BITS / 8` bytes with `d` a multiple of 128 or 64; `q` holds `NQ` rows of `d`
 /// bytes.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn vacc<const BITS: u8, const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m512i]) {
     let mask = _mm512_set1_epi8(0x0f);
@@ -108,7 +109,7 @@ unsafe fn vacc<const BITS: u8, const NQ: usize>(row: &[u8], q: &[u8], d: usize, 
 ///
 /// # Safety
 /// The CPU must support AVX-512 F.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn hsum4_zmm(a: &[__m512i; 4]) -> [i32; 4] {
     let t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
@@ -127,7 +128,7 @@ unsafe fn hsum4_zmm(a: &[__m512i; 4]) -> [i32; 4] {
 ///
 /// # Safety
 /// As [`vdots`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn vdot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
     b: &QuantBlock<'_>,
@@ -151,7 +152,7 @@ unsafe fn vdot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
 ///
 /// # Safety
 /// As [`vacc`] for every row, with `BITS == b.bits`; `dots` holds `NQ · rows.len()` values.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn vdots<const BITS: u8, const NQ: usize>(
     b: &QuantBlock<'_>,
     rows: Range<usize>,
@@ -234,7 +235,7 @@ impl intv::IntAxpyKernel for VnniAxpy {
 /// The CPU must support AVX-512 F, BW and VNNI; `b.bits == BITS`, 4 with `b.dim` a multiple of
 /// 128 or 8 with a multiple of 64;
 /// `w` holds `NQ` rows of `rows.len()` weights; `acc` holds `NQ · b.dim` values.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn vsums<const BITS: u8, const NQ: usize>(
     b: &QuantBlock<'_>,
     rows: Range<usize>,
@@ -347,7 +348,7 @@ pub(crate) fn axpy_int_in(
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy_block_avx2<K: intv::IntAxpyKernel>(
     b: &QuantBlock<'_>,
     p: &[f32],

@@ -1,5 +1,6 @@
 //! What a kernel reads: one block of packed rows and its parameters, as plain slices.
 
+use kvq_quant_core::fp8::Fp8Format;
 use kvq_quant_core::pack::packed_len;
 
 /// How a code maps to a level before scaling.
@@ -12,8 +13,23 @@ pub enum Levels<'a> {
         /// The zero point.
         zero: f32,
     },
-    /// A table of `2^bits` levels (FP8 decode table, codebook levels).
+    /// A table of `2^bits` levels (codebook levels).
     Table(&'a [f32]),
+    /// The 256 values of an OCP FP8 format (8-bit codes): fast paths decode the bits in
+    /// registers instead of looking a table up. NaN codes (and e5m2's infinities), which no
+    /// quantizer writes, decode as [`Fp8Format::decode`] says on every path.
+    Fp8(Fp8Format),
+}
+
+impl<'a> Levels<'a> {
+    /// The table of levels, for table and FP8 levels.
+    pub fn table(&self) -> Option<&'a [f32]> {
+        match *self {
+            Levels::Table(t) => Some(t),
+            Levels::Fp8(f) => Some(f.levels()),
+            _ => None,
+        }
+    }
 }
 
 /// Where the scales and offsets of a block apply.
@@ -99,7 +115,7 @@ impl<'a> QuantBlock<'a> {
         if codes.len() < rows * row_bytes {
             return bad(format!("{} code bytes for {rows} rows of {row_bytes}", codes.len()));
         }
-        if let Levels::Table(t) = levels
+        if let Some(t) = levels.table()
             && t.len() != 1 << bits
         {
             return bad(format!("a level table of {} entries for {bits}-bit codes", t.len()));
@@ -161,6 +177,7 @@ impl<'a> QuantBlock<'a> {
             Levels::Affine => f32::from(c),
             Levels::Symmetric { zero } => f32::from(c) - zero,
             Levels::Table(t) => t[c as usize],
+            Levels::Fp8(f) => f.levels()[c as usize],
         }
     }
 }

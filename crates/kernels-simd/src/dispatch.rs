@@ -59,7 +59,10 @@ impl fmt::Display for Backend {
 
 #[cfg(target_arch = "x86_64")]
 fn avx2_available() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    // F16C comes with every AVX2 CPU; the kernels widen f16 rows and FP8 codes with it.
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
 }
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_available() -> bool {

@@ -92,7 +92,8 @@ fn unpack_levels(b: &QuantBlock<'_>, r: usize, out: &mut [f32], codes: &mut Vec<
                 *v -= zero;
             }
         }
-        Levels::Table(t) => {
+        Levels::Table(_) | Levels::Fp8(_) => {
+            let t = b.levels.table().expect("a table");
             codes.resize(b.dim, 0);
             unpack_row(b.row(r), b.bits, codes).expect("QuantBlock::new checked the lengths");
             for (o, &c) in out.iter_mut().zip(codes.iter()) {

@@ -10,6 +10,7 @@ use kvq_kernels_simd::dispatch::available;
 use kvq_kernels_simd::{
     Backend, Levels, Params, QuantBlock, axpy_with, dequantize_with, scalar, scores_with,
 };
+use kvq_quant_core::Fp8Format;
 use kvq_quant_core::pack::{pack, packed_len};
 use kvq_quant_core::synth::Rng;
 
@@ -33,7 +34,9 @@ struct Case {
     table: Vec<f32>,
     scale: Vec<f32>,
     offset: Vec<f32>,
+    /// 0 affine, 1 symmetric, 2 table, 3 FP8 for 8-bit codes (`fp8`), a table otherwise.
     levels_kind: u8,
+    fp8: Option<Fp8Format>,
     per_channel: bool,
     /// Per-group parameters (`gN`), groups of this many values of a row; `per_channel` is
     /// then false.
@@ -80,6 +83,18 @@ impl Case {
             .collect();
         let offset: Vec<f32> = (0..groups).map(|_| (rng.normal() as f32) * magnitude).collect();
         let table: Vec<f32> = (0..1usize << bits).map(|_| rng.normal() as f32).collect();
+        let (levels_kind, with_offset) = (rng.below(4) as u8, rng.below(4) != 0);
+        let fp8 = (levels_kind == 3 && bits == 8)
+            .then(|| if rng.below(2) == 0 { Fp8Format::E4M3 } else { Fp8Format::E5M2 });
+        if let Some(f) = fp8 {
+            // Quantizers write finite codes only (special codes have a test of their own).
+            for c in &mut raw {
+                if !f.decode(*c).is_finite() {
+                    *c &= 0xf0;
+                }
+            }
+            codes = raw.clone();
+        }
         Case {
             raw,
             codes,
@@ -89,17 +104,19 @@ impl Case {
             table,
             scale,
             offset,
-            levels_kind: rng.below(3) as u8,
+            levels_kind,
+            fp8,
             per_channel,
             group,
-            with_offset: rng.below(4) != 0,
+            with_offset,
         }
     }
 
     fn block(&self) -> QuantBlock<'_> {
-        let levels = match self.levels_kind {
-            0 => Levels::Affine,
-            1 => Levels::Symmetric { zero: (1u32 << (self.bits - 1)) as f32 },
+        let levels = match (self.levels_kind, self.fp8) {
+            (0, _) => Levels::Affine,
+            (1, _) => Levels::Symmetric { zero: (1u32 << (self.bits - 1)) as f32 },
+            (_, Some(f)) => Levels::Fp8(f),
             _ => Levels::Table(&self.table),
         };
         let offset = self.with_offset.then_some(self.offset.as_slice());
@@ -129,7 +146,10 @@ impl Case {
         let level = match self.levels_kind {
             0 => f64::from(code),
             1 => f64::from(code) - f64::from(1u32 << (self.bits - 1)),
-            _ => f64::from(self.table[usize::from(code)]),
+            _ => match self.fp8 {
+                Some(f) => f64::from(f.decode(code)),
+                None => f64::from(self.table[usize::from(code)]),
+            },
         };
         let g = self.param(r, k);
         let offset = if self.with_offset { f64::from(self.offset[g]) } else { 0.0 };
@@ -282,6 +302,42 @@ backend_tests! {
     avx2_matches_scalar => Backend::Avx2,
     avx512_matches_scalar => Backend::Avx512,
     dotprod_matches_scalar => Backend::Dotprod,
+}
+
+/// FP8's special codes (e4m3's NaN, e5m2's infinities and NaNs), which no quantizer writes but
+/// a crafted block may hold, decode as the format says on every backend, not as a number.
+#[test]
+fn fp8_special_codes_decode_as_the_format_says() {
+    for f in [Fp8Format::E4M3, Fp8Format::E5M2] {
+        // Every code, 16 rows of 16: a row of each high nibble.
+        let codes: Vec<u8> = (0..=255u8).collect();
+        let scale = [0.5f32; 16];
+        let b = QuantBlock::new(
+            &codes,
+            16,
+            16,
+            8,
+            Levels::Fp8(f),
+            Params::PerRow { scale: &scale, offset: None },
+        )
+        .unwrap();
+        for backend in available() {
+            let mut x = vec![0f32; 256];
+            dequantize_with(backend, &b, &mut x).unwrap();
+            for (c, &v) in x.iter().enumerate() {
+                let want = 0.5 * f.decode(c as u8);
+                assert!(
+                    v == want || (v.is_nan() && want.is_nan()),
+                    "{backend} {f:?} code {c:#x}: {v} vs {want}"
+                );
+            }
+            let q = vec![1.0f32; 16];
+            let mut s = vec![0f32; 16];
+            scores_with(backend, &b, &q, 1, &mut s).unwrap();
+            assert!(s[7].is_nan(), "{backend} {f:?}: a row with a NaN code scores NaN");
+            assert!(s[3].is_finite(), "{backend} {f:?}");
+        }
+    }
 }
 
 #[test]

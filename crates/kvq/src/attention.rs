@@ -118,17 +118,11 @@ impl AttentionOptions {
     }
 }
 
-/// The level table of a part's spec, for the kernels (FP8 decode table, codebook levels),
-/// held inline: a step builds its readers without allocating.
+/// The level table of a part's spec, for the kernels (codebook levels), held inline: a step
+/// builds its readers without allocating. FP8 has none: its kernels decode the bits.
 fn level_table(kind: &Kind) -> Option<([f32; 256], usize)> {
     let mut t = [0f32; 256];
     let n = match kind {
-        Kind::Fp8(f) => {
-            for (c, x) in t.iter_mut().enumerate() {
-                *x = f.decode(c as u8);
-            }
-            256
-        }
         Kind::Codebook(CodebookSource::Nf4) => copy_levels(&mut t, &NF4_LEVELS),
         Kind::Codebook(CodebookSource::Fixed(cb)) => copy_levels(&mut t, cb.levels()),
         _ => return None,
@@ -145,6 +139,7 @@ fn copy_levels(t: &mut [f32; 256], levels: &[f32]) -> usize {
 
 struct PartReader {
     table: Option<([f32; 256], usize)>,
+    fp8: Option<kvq_quant_core::Fp8Format>,
     zero: f32,
     symmetric: bool,
 }
@@ -154,11 +149,16 @@ impl PartReader {
         let spec = cache.part(part).spec();
         let bits = spec.bits();
         let symmetric = matches!(spec.kind(), Kind::Symmetric);
-        Self { table: level_table(spec.kind()), zero: (1u32 << (bits - 1)) as f32, symmetric }
+        let fp8 = match spec.kind() {
+            Kind::Fp8(f) => Some(*f),
+            _ => None,
+        };
+        Self { table: level_table(spec.kind()), fp8, zero: (1u32 << (bits - 1)) as f32, symmetric }
     }
 
     fn levels(&self) -> Levels<'_> {
         match &self.table {
+            _ if let Some(f) = self.fp8 => Levels::Fp8(f),
             Some((t, n)) => Levels::Table(&t[..*n]),
             None if self.symmetric => Levels::Symmetric { zero: self.zero },
             None => Levels::Affine,

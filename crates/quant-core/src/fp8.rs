@@ -40,11 +40,41 @@ const fn build(exp_bits: u32, man_bits: u32, max_code: u8) -> Table {
 static E4M3: Table = build(4, 3, 0x7e);
 static E5M2: Table = build(5, 2, 0x7b);
 
+/// Every code's value (what [`Fp8Format::decode`] returns), for table lookups.
+const fn build_levels(t: &Table, e5m2: bool) -> [f32; 256] {
+    let mut out = [0f32; 256];
+    let mut c = 0usize;
+    while c < 256 {
+        let mag = c & 0x7f;
+        let v = if mag <= t.max_code as usize {
+            t.values[mag]
+        } else if e5m2 && mag == 0x7c {
+            f32::INFINITY
+        } else {
+            f32::NAN
+        };
+        out[c] = if c & 0x80 != 0 { -v } else { v };
+        c += 1;
+    }
+    out
+}
+
+static E4M3_LEVELS: [f32; 256] = build_levels(&E4M3, false);
+static E5M2_LEVELS: [f32; 256] = build_levels(&E5M2, true);
+
 impl Fp8Format {
     fn table(self) -> &'static Table {
         match self {
             Fp8Format::E4M3 => &E4M3,
             Fp8Format::E5M2 => &E5M2,
+        }
+    }
+
+    /// The value of every code, indexed by code: [`Fp8Format::decode`] as a table.
+    pub fn levels(self) -> &'static [f32; 256] {
+        match self {
+            Fp8Format::E4M3 => &E4M3_LEVELS,
+            Fp8Format::E5M2 => &E5M2_LEVELS,
         }
     }
 
@@ -171,6 +201,15 @@ mod tests {
                         assert_eq!(f.encode(x), f.encode_reference(x), "{f:?} {x:e}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn the_level_tables_are_decode() {
+        for f in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            for c in 0..=255u8 {
+                assert_eq!(f.levels()[c as usize].to_bits(), f.decode(c).to_bits(), "{f:?} {c:#x}");
             }
         }
     }
