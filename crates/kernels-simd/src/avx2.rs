@@ -206,7 +206,7 @@ unsafe fn fp8_halves(v: __m128i, kind: LutKind) -> (__m256, __m256) {
 /// The CPU must support AVX2; `lut` is the block's.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, lut: &Lut) -> (__m256, __m256) {
+unsafe fn codes_f32<const PLAIN: bool>(chunk: __m128i, bits: u8, k: i32, lut: &Lut) -> (__m256, __m256) {
     let v = match bits {
         8 => chunk,
         4 => {
@@ -225,7 +225,7 @@ unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, lut: &Lut) -> (__m256, __m
         }
     };
     // SAFETY: AVX2 is enabled; the codes are below 2^bits, the table's length.
-    unsafe { widen_codes(v, lut) }
+    unsafe { widen_codes::<PLAIN>(v, lut) }
 }
 
 /// The levels of 16 codes (one per byte) as two vectors of 8 floats, through `lut`.
@@ -234,10 +234,16 @@ unsafe fn codes_f32(chunk: __m128i, bits: u8, k: i32, lut: &Lut) -> (__m256, __m
 /// The CPU must support AVX2; every code is below the length of `lut`'s table.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn widen_codes(v: __m128i, lut: &Lut) -> (__m256, __m256) {
-    // SAFETY (both): as this function's; F16C comes with the kernels' CPU check.
+unsafe fn widen_codes<const PLAIN: bool>(v: __m128i, lut: &Lut) -> (__m256, __m256) {
+    if PLAIN {
+        // The levels are the codes (affine levels): no dispatch on the table kind.
+        let (lo, hi) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+        return (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi));
+    }
     match lut.kind {
+        // SAFETY: as this function's; F16C comes with the kernels' CPU check.
         LutKind::E5m2 => return unsafe { fp8_halves(v, LutKind::E5m2) },
+        // SAFETY: as above.
         LutKind::E4m3 => return unsafe { fp8_halves(v, LutKind::E4m3) },
         _ => {}
     }
@@ -287,7 +293,7 @@ unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m128i {
 unsafe fn values3(b: &QuantBlock<'_>, lut: &Lut, r: usize, t: usize) -> (__m256, __m256) {
     let d = b.dim;
     // SAFETY: row r is a packed 3-bit row of d codes; a table has 8 entries.
-    let (lo, hi) = unsafe { widen_codes(codes3(b.row(r).as_ptr(), d, t), lut) };
+    let (lo, hi) = unsafe { widen_codes::<false>(codes3(b.row(r).as_ptr(), d, t), lut) };
     match b.params {
         Params::PerGroup { group, scale, offset } => {
             // SAFETY: AVX2 is enabled; 16t / group < d / group, so the group index is in range.
@@ -407,8 +413,85 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
     q: &[f32],
     emit: impl FnMut(usize, usize, f32),
 ) {
-    // SAFETY: as this function's.
-    unsafe { dots_by_chunk::<BITS, NQ, false>(b, q, emit) }
+    // SAFETY: as this function's (and AVX2 is enabled for `lut_of`).
+    unsafe {
+        if lut_of(b).kind == LutKind::Codes {
+            dots_row_pairs::<BITS, NQ, true>(b, q, emit)
+        } else {
+            dots_row_pairs::<BITS, NQ, false>(b, q, emit)
+        }
+    }
+}
+
+/// The body of [`group_dots`]: two rows per pass, so that each query load serves both, with
+/// one accumulator per (query row, row) (`2·NQ` independent FMA chains) and the `2·NQ` sums
+/// reduced together in registers (a last odd row goes through [`dots_by_chunk`]).
+///
+/// # Safety
+/// As [`group_dots`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_row_pairs<const BITS: u8, const NQ: usize, const PLAIN: bool>(
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    mut emit: impl FnMut(usize, usize, f32),
+) {
+    let per_chunk = 128 / BITS as usize;
+    // SAFETY: AVX2 is enabled by this function's target features.
+    let (d, lut) = (b.dim, unsafe { lut_of(b) });
+    let pairs = b.rows / 2;
+    for pr in 0..pairs {
+        let r = 2 * pr;
+        // acc[2i + j]: query row i, block row r + j; the unused ones stay zero.
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let (row0, row1) = (b.row(r), b.row(r + 1));
+        for ci in 0..b.row_bytes / 16 {
+            // SAFETY: chunk `ci` lies within both rows (row_bytes is a multiple of 16).
+            let (c0, c1) = unsafe {
+                (
+                    _mm_loadu_si128(row0.as_ptr().add(16 * ci).cast()),
+                    _mm_loadu_si128(row1.as_ptr().add(16 * ci).cast()),
+                )
+            };
+            for k in 0..per_chunk / 16 {
+                // SAFETY: AVX2 is enabled; a table has 2^BITS entries (`QuantBlock::new`).
+                let ((l0, h0), (l1, h1)) = unsafe {
+                    (
+                        codes_f32::<PLAIN>(c0, BITS, k as i32, &lut),
+                        codes_f32::<PLAIN>(c1, BITS, k as i32, &lut),
+                    )
+                };
+                let at = ci * per_chunk + 16 * k;
+                for i in 0..NQ {
+                    // SAFETY: at + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
+                    let (q0, q1) = unsafe {
+                        let p = q.as_ptr().add(i * d + at);
+                        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+                    };
+                    acc[2 * i] = _mm256_fmadd_ps(h0, q1, _mm256_fmadd_ps(l0, q0, acc[2 * i]));
+                    acc[2 * i + 1] = _mm256_fmadd_ps(h1, q1, _mm256_fmadd_ps(l1, q0, acc[2 * i + 1]));
+                }
+            }
+        }
+        // The 8 lane sums at once: hadd pairs twice, then add the 128-bit halves crosswise;
+        // lane 2i + j of `sum` is acc[2i + j]'s total.
+        let g0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+        let g1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+        let sum =
+            _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(g0, g1), _mm256_permute2f128_ps::<0x31>(g0, g1));
+        let mut sums = [0f32; 8];
+        // SAFETY: `sums` holds 8 floats.
+        unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), sum) };
+        for i in 0..NQ {
+            emit(i, r, sums[2 * i]);
+            emit(i, r + 1, sums[2 * i + 1]);
+        }
+    }
+    if b.rows % 2 == 1 {
+        let last = b.sub_rows(b.rows - 1..b.rows);
+        let r0 = b.rows - 1;
+        // SAFETY: as this function's; the sub-block is one row of this block.
+        unsafe { dots_by_chunk::<BITS, NQ, false>(&last, q, |i, _, dot| emit(i, r0, dot)) }
+    }
 }
 
 /// [`group_dots`] for a per-group block: each run of 16 codes is decoded to values in
@@ -457,7 +540,7 @@ unsafe fn dots_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
             for k in 0..per_chunk / 16 {
                 // SAFETY: AVX2 is enabled by this function's target features; a table has
                 // 2^BITS entries (`QuantBlock::new` checked).
-                let (mut lo, mut hi) = unsafe { codes_f32(chunk, BITS, k as i32, &lut) };
+                let (mut lo, mut hi) = unsafe { codes_f32::<false>(chunk, BITS, k as i32, &lut) };
                 let at = ci * per_chunk + 16 * k;
                 if GROUPED {
                     // SAFETY: AVX2 is enabled; `at / group < d / group`, so the group index
@@ -490,8 +573,14 @@ unsafe fn dots_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
 /// `sums.len() >= NQ · b.dim`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
-    // SAFETY: as this function's.
-    unsafe { axpy_by_chunk::<BITS, NQ, false>(b, w, sums) }
+    // SAFETY: as this function's (and AVX2 is enabled for `lut_of`).
+    unsafe {
+        if lut_of(b).kind == LutKind::Codes {
+            axpy_by_chunk::<BITS, NQ, false, true>(b, w, sums)
+        } else {
+            axpy_by_chunk::<BITS, NQ, false, false>(b, w, sums)
+        }
+    }
 }
 
 /// [`group_axpy`] for a per-group block: `sums[i·dim + d] = Σ_r w[i·rows + r] · x̂[r][d]`,
@@ -506,7 +595,7 @@ unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
     sums: &mut [f32],
 ) {
     // SAFETY: as this function's.
-    unsafe { axpy_by_chunk::<BITS, NQ, true>(b, w, sums) }
+    unsafe { axpy_by_chunk::<BITS, NQ, true, false>(b, w, sums) }
 }
 
 /// The body of [`group_axpy`] (`GROUPED = false`) and [`group_axpy_grouped`].
@@ -514,7 +603,7 @@ unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
 /// # Safety
 /// As theirs.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
+unsafe fn axpy_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool, const PLAIN: bool>(
     b: &QuantBlock<'_>,
     w: &[f32],
     sums: &mut [f32],
@@ -532,7 +621,7 @@ unsafe fn axpy_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
                 // supported blocks); AVX2 is enabled; a table has 2^BITS entries.
                 let (mut lo, mut hi) = unsafe {
                     let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
-                    codes_f32(chunk, BITS, k as i32, &lut)
+                    codes_f32::<PLAIN>(chunk, BITS, k as i32, &lut)
                 };
                 if GROUPED {
                     let g = r * per_row + (ci * per_chunk + 16 * k) / group;
@@ -619,33 +708,61 @@ macro_rules! by_width {
 /// Scores of every query row, up to 4 at a time: see [`scores`].
 fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &mut portable::Scratch) {
     let (d, rows) = (b.dim, b.rows);
-    match b.params {
-        Params::PerRow { scale, offset } => in_groups_of_4(n_q, |i0, n| {
-            let qg = &q[i0 * d..(i0 + n) * d];
-            let mut qsum = [0f32; 4];
-            for (s, qi) in qsum.iter_mut().zip(qg.chunks_exact(d)) {
-                *s = qi.iter().sum();
-            }
-            let emit = |i: usize, r: usize, dot: f32| {
-                out[(i0 + i) * rows + r] = scale[r] * dot + offset.map_or(0.0, |o| o[r]) * qsum[i];
-            };
-            // SAFETY: callers checked `supported(b)`; `qg` holds n query rows.
-            unsafe { by_width!(group_dots, dots3, b.bits, n, (b, qg, emit)) }
-        }),
+    assert!(out.len() >= n_q * rows, "callers checked the output's length");
+    // The kernels store raw dots, `out[i · rows + r]`; each block's parameters are applied
+    // after, in plain loops over the rows. (A closure that scales each dot as it is emitted
+    // costs the kernel its registers: 45% of the INT4 dots' time went to that epilogue.)
+    // The sink is a raw pointer, copied into the closure, so the store is one instruction.
+    let base = out.as_mut_ptr();
+    let raw = |i0: usize| {
+        move |i: usize, r: usize, dot: f32| {
+            // SAFETY: i0 + i < n_q and r < rows, so the index is below n_q · rows <=
+            // out.len(), asserted above; `out` is not otherwise touched meanwhile.
+            unsafe { *base.add((i0 + i) * rows + r) = dot }
+        }
+    };
+    let qw;
+    let q = match b.params {
         Params::PerChannel { scale, offset } => {
             portable::fold_channels(q, n_q, scale, offset, &mut w.qw, &mut w.cst);
-            let (qw, cst) = (&w.qw, &w.cst);
-            in_groups_of_4(n_q, |i0, n| {
-                let emit = |i: usize, r: usize, dot: f32| out[(i0 + i) * rows + r] = dot + cst[i0 + i];
-                // SAFETY: as above.
-                unsafe { by_width!(group_dots, dots3, b.bits, n, (b, &qw[i0 * d..(i0 + n) * d], emit)) }
-            });
+            qw = &w.qw;
+            qw.as_slice()
         }
-        Params::PerGroup { .. } => in_groups_of_4(n_q, |i0, n| {
-            let emit = |i: usize, r: usize, dot: f32| out[(i0 + i) * rows + r] = dot;
-            // SAFETY: callers checked `supported(b)` (groups of a multiple of 16).
-            unsafe { by_width!(group_dots_grouped, dots3, b.bits, n, (b, &q[i0 * d..(i0 + n) * d], emit)) }
-        }),
+        _ => q,
+    };
+    in_groups_of_4(n_q, |i0, n| {
+        let qg = &q[i0 * d..(i0 + n) * d];
+        // SAFETY: callers checked `supported(b)` (per-group blocks: groups of a multiple of
+        // 16); `qg` holds n query rows.
+        unsafe {
+            if matches!(b.params, Params::PerGroup { .. }) {
+                by_width!(group_dots_grouped, dots3, b.bits, n, (b, qg, raw(i0)))
+            } else {
+                by_width!(group_dots, dots3, b.bits, n, (b, qg, raw(i0)))
+            }
+        }
+    });
+    match b.params {
+        Params::PerRow { scale, offset } => {
+            for (qi, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(rows)) {
+                match offset {
+                    Some(off) => {
+                        // In 8 lanes: a serial sum would cost more than the block's dots.
+                        let qsum = portable::sum_lanes(qi);
+                        for ((x, &s), &f) in o.iter_mut().zip(scale).zip(off) {
+                            *x = s * *x + f * qsum;
+                        }
+                    }
+                    None => o.iter_mut().zip(scale).for_each(|(x, &s)| *x *= s),
+                }
+            }
+        }
+        Params::PerChannel { .. } => {
+            for (o, &c) in out.chunks_exact_mut(rows).zip(&w.cst).take(n_q) {
+                o.iter_mut().for_each(|x| *x += c);
+            }
+        }
+        Params::PerGroup { .. } => {}
     }
 }
 
