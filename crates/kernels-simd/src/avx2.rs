@@ -310,27 +310,9 @@ unsafe fn values3(b: &QuantBlock<'_>, lut: &Lut, r: usize, t: usize) -> (__m256,
 /// # Safety
 /// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == 3`; `q.len() == NQ · b.dim`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], mut emit: impl FnMut(usize, usize, f32)) {
-    // SAFETY: AVX2 is enabled by this function's target features.
-    let (d, lut) = (b.dim, unsafe { lut_of(b) });
-    for r in 0..b.rows {
-        let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
-        for t in 0..d / 16 {
-            // SAFETY: as this function's; 16t < d.
-            let (x0, x1) = unsafe { values3(b, &lut, r, t) };
-            for (i, a) in acc.iter_mut().enumerate() {
-                // SAFETY: 16t + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
-                let (q0, q1) = unsafe {
-                    let p = q.as_ptr().add(i * d + 16 * t);
-                    (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
-                };
-                a[0] = _mm256_fmadd_ps(x0, q0, a[0]);
-                a[1] = _mm256_fmadd_ps(x1, q1, a[1]);
-            }
-        }
-        // SAFETY: AVX2 is enabled by this function's target features.
-        unsafe { emit_sums(&acc, r, &mut emit) };
-    }
+unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], emit: impl FnMut(usize, usize, f32)) {
+    // SAFETY: as this function's (`values3` applies a per-group block's parameters itself).
+    unsafe { dots_row_pairs::<3, NQ, false, false>(b, q, emit) }
 }
 
 /// [`group_axpy`] and [`group_axpy_grouped`] for 3-bit rows, as [`dots3`].
@@ -364,43 +346,6 @@ unsafe fn axpy3<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]
     }
 }
 
-/// Reduces each query row's two accumulators of row `r` and hands the sums to `emit`. (No
-/// closures in the kernels: a closure does not inherit the target features, and intrinsics
-/// in one compile to out-of-line calls.)
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn emit_sums<const NQ: usize>(
-    acc: &[[__m256; 2]; NQ],
-    r: usize,
-    emit: &mut impl FnMut(usize, usize, f32),
-) {
-    let mut lanes = [_mm256_setzero_ps(); 4];
-    for (l, a) in lanes.iter_mut().zip(acc) {
-        *l = _mm256_add_ps(a[0], a[1]);
-    }
-    let mut sums = [0f32; 4];
-    // SAFETY: AVX2 is enabled; `sums` holds 4 floats.
-    unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(lanes[0], lanes[1], lanes[2], lanes[3])) };
-    for (i, &s) in sums.iter().enumerate().take(NQ) {
-        emit(i, r, s);
-    }
-}
-
-/// Horizontal sums of up to 4 accumulators at once: lane `i` of the result is the sum of
-/// `acc[i]` (3 `hadd`s and one add for 4 sums, instead of 4 separate reductions).
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
-    let s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1))
-}
-
 /// `dots[i][r] = Σ_d q_i[d] · code[r][d]` for `NQ ≤ 4` query rows (`q`, `NQ × dim`, row-major)
 /// against every row of the block, each row unpacked once into registers and multiplied by
 /// every query row while it is there. `emit(i, r, dot)` receives the results.
@@ -416,59 +361,116 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize>(
     // SAFETY: as this function's (and AVX2 is enabled for `lut_of`).
     unsafe {
         if lut_of(b).kind == LutKind::Codes {
-            dots_row_pairs::<BITS, NQ, true>(b, q, emit)
+            dots_row_pairs::<BITS, NQ, true, false>(b, q, emit)
         } else {
-            dots_row_pairs::<BITS, NQ, false>(b, q, emit)
+            dots_row_pairs::<BITS, NQ, false, false>(b, q, emit)
         }
     }
 }
 
-/// The body of [`group_dots`]: two rows per pass, so that each query load serves both, with
-/// one accumulator per (query row, row) (`2·NQ` independent FMA chains) and the `2·NQ` sums
-/// reduced together in registers (a last odd row goes through [`dots_by_chunk`]).
+/// The 16 values `16t .. 16t + 16` of row `r`: levels through `lut` (the codes themselves
+/// with `PLAIN`), with a per-group block's scale and offset applied (`GROUPED`; 3-bit rows
+/// apply them in [`values3`]).
 ///
 /// # Safety
-/// As [`group_dots`].
+/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == BITS`; `lut` is `b`'s;
+/// `r < b.rows`, `16t < b.dim`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots_row_pairs<const BITS: u8, const NQ: usize, const PLAIN: bool>(
+#[inline]
+unsafe fn values16<const BITS: u8, const PLAIN: bool, const GROUPED: bool>(
+    b: &QuantBlock<'_>,
+    lut: &Lut,
+    r: usize,
+    t: usize,
+) -> (__m256, __m256) {
+    if BITS == 3 {
+        // SAFETY: as this function's.
+        return unsafe { values3(b, lut, r, t) };
+    }
+    let steps = 128 / BITS as usize / 16;
+    // SAFETY: the 16-byte chunk holding codes 16t.. lies within row r (row_bytes is a
+    // multiple of 16 for supported blocks); a table has 2^BITS entries.
+    let (lo, hi) = unsafe {
+        let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * (t / steps)).cast());
+        codes_f32::<PLAIN>(chunk, BITS, (t % steps) as i32, lut)
+    };
+    if GROUPED {
+        let (group, scale, offset) = grouping(b);
+        // SAFETY: AVX2 is enabled; 16t / group < d / group, so the group index is in range.
+        let (sv, ov) = unsafe { group_params(scale, offset, r * (b.dim / group) + 16 * t / group) };
+        return (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov));
+    }
+    (lo, hi)
+}
+
+/// The dots of every query row with every row of the block (per-group blocks: with its
+/// values, parameters applied), handed to `emit(i, r, dot)`. Two rows per pass, so that each
+/// query load serves both, with one accumulator per (query row, row) (`2·NQ` independent FMA
+/// chains) and the `2·NQ` sums reduced together in registers; an odd last row is paired with
+/// itself and emitted once.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == BITS`; `q.len() == NQ ·
+/// b.dim`; `GROUPED` only for a per-group block of 2-, 4- or 8-bit codes.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_row_pairs<const BITS: u8, const NQ: usize, const PLAIN: bool, const GROUPED: bool>(
     b: &QuantBlock<'_>,
     q: &[f32],
     mut emit: impl FnMut(usize, usize, f32),
 ) {
-    let per_chunk = 128 / BITS as usize;
     // SAFETY: AVX2 is enabled by this function's target features.
     let (d, lut) = (b.dim, unsafe { lut_of(b) });
-    let pairs = b.rows / 2;
-    for pr in 0..pairs {
-        let r = 2 * pr;
+    for r in (0..b.rows).step_by(2) {
+        let r1 = (r + 1).min(b.rows - 1);
         // acc[2i + j]: query row i, block row r + j; the unused ones stay zero.
         let mut acc = [_mm256_setzero_ps(); 8];
-        let (row0, row1) = (b.row(r), b.row(r + 1));
-        for ci in 0..b.row_bytes / 16 {
-            // SAFETY: chunk `ci` lies within both rows (row_bytes is a multiple of 16).
-            let (c0, c1) = unsafe {
-                (
-                    _mm_loadu_si128(row0.as_ptr().add(16 * ci).cast()),
-                    _mm_loadu_si128(row1.as_ptr().add(16 * ci).cast()),
-                )
-            };
-            for k in 0..per_chunk / 16 {
-                // SAFETY: AVX2 is enabled; a table has 2^BITS entries (`QuantBlock::new`).
-                let ((l0, h0), (l1, h1)) = unsafe {
-                    (
-                        codes_f32::<PLAIN>(c0, BITS, k as i32, &lut),
-                        codes_f32::<PLAIN>(c1, BITS, k as i32, &lut),
-                    )
-                };
-                let at = ci * per_chunk + 16 * k;
+        // The FMAs of 16 values of both rows at codes 16t..: a macro, not a closure (a closure
+        // does not inherit the target features).
+        macro_rules! fma16 {
+            ($t:expr, $l0:expr, $h0:expr, $l1:expr, $h1:expr) => {
                 for i in 0..NQ {
-                    // SAFETY: at + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
+                    // SAFETY: 16t + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
                     let (q0, q1) = unsafe {
-                        let p = q.as_ptr().add(i * d + at);
+                        let p = q.as_ptr().add(i * d + 16 * $t);
                         (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
                     };
-                    acc[2 * i] = _mm256_fmadd_ps(h0, q1, _mm256_fmadd_ps(l0, q0, acc[2 * i]));
-                    acc[2 * i + 1] = _mm256_fmadd_ps(h1, q1, _mm256_fmadd_ps(l1, q0, acc[2 * i + 1]));
+                    acc[2 * i] = _mm256_fmadd_ps($h0, q1, _mm256_fmadd_ps($l0, q0, acc[2 * i]));
+                    acc[2 * i + 1] = _mm256_fmadd_ps($h1, q1, _mm256_fmadd_ps($l1, q0, acc[2 * i + 1]));
+                }
+            };
+        }
+        if BITS == 3 || GROUPED {
+            for t in 0..d / 16 {
+                // SAFETY: as this function's; r, r1 < rows and 16t < d.
+                let ((l0, h0), (l1, h1)) = unsafe {
+                    (
+                        values16::<BITS, PLAIN, GROUPED>(b, &lut, r, t),
+                        values16::<BITS, PLAIN, GROUPED>(b, &lut, r1, t),
+                    )
+                };
+                fma16!(t, l0, h0, l1, h1);
+            }
+        } else {
+            // One load of each row's 16-byte chunk for all its runs of 16 codes.
+            let steps = 128 / BITS as usize / 16;
+            let (row0, row1) = (b.row(r), b.row(r1));
+            for ci in 0..b.row_bytes / 16 {
+                // SAFETY: chunk `ci` lies within both rows (row_bytes is a multiple of 16).
+                let (c0, c1) = unsafe {
+                    (
+                        _mm_loadu_si128(row0.as_ptr().add(16 * ci).cast()),
+                        _mm_loadu_si128(row1.as_ptr().add(16 * ci).cast()),
+                    )
+                };
+                for k in 0..steps {
+                    // SAFETY: AVX2 is enabled; a table has 2^BITS entries (`QuantBlock::new`).
+                    let ((l0, h0), (l1, h1)) = unsafe {
+                        (
+                            codes_f32::<PLAIN>(c0, BITS, k as i32, &lut),
+                            codes_f32::<PLAIN>(c1, BITS, k as i32, &lut),
+                        )
+                    };
+                    fma16!(ci * steps + k, l0, h0, l1, h1);
                 }
             }
         }
@@ -483,14 +485,10 @@ unsafe fn dots_row_pairs<const BITS: u8, const NQ: usize, const PLAIN: bool>(
         unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), sum) };
         for i in 0..NQ {
             emit(i, r, sums[2 * i]);
-            emit(i, r + 1, sums[2 * i + 1]);
+            if r1 != r {
+                emit(i, r1, sums[2 * i + 1]);
+            }
         }
-    }
-    if b.rows % 2 == 1 {
-        let last = b.sub_rows(b.rows - 1..b.rows);
-        let r0 = b.rows - 1;
-        // SAFETY: as this function's; the sub-block is one row of this block.
-        unsafe { dots_by_chunk::<BITS, NQ, false>(&last, q, |i, _, dot| emit(i, r0, dot)) }
     }
 }
 
@@ -507,7 +505,7 @@ unsafe fn group_dots_grouped<const BITS: u8, const NQ: usize>(
     emit: impl FnMut(usize, usize, f32),
 ) {
     // SAFETY: as this function's.
-    unsafe { dots_by_chunk::<BITS, NQ, true>(b, q, emit) }
+    unsafe { dots_row_pairs::<BITS, NQ, false, true>(b, q, emit) }
 }
 
 /// The group of a per-group block's parameters (`(1, [], None)` for other blocks, unused).
@@ -515,52 +513,6 @@ fn grouping<'a>(b: &QuantBlock<'a>) -> (usize, &'a [f32], Option<&'a [f32]>) {
     match b.params {
         Params::PerGroup { group, scale, offset } => (group, scale, offset),
         _ => (1, &[], None),
-    }
-}
-
-/// The body of [`group_dots`] (`GROUPED = false`) and [`group_dots_grouped`].
-///
-/// # Safety
-/// As theirs.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool>(
-    b: &QuantBlock<'_>,
-    q: &[f32],
-    mut emit: impl FnMut(usize, usize, f32),
-) {
-    let per_chunk = 128 / BITS as usize;
-    // SAFETY: AVX2 is enabled by this function's target features.
-    let (d, lut) = (b.dim, unsafe { lut_of(b) });
-    let (group, scale, offset) = grouping(b);
-    for r in 0..b.rows {
-        let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
-        for (ci, c) in b.row(r).chunks_exact(16).enumerate() {
-            // SAFETY: `c` is exactly 16 bytes.
-            let chunk = unsafe { _mm_loadu_si128(c.as_ptr().cast()) };
-            for k in 0..per_chunk / 16 {
-                // SAFETY: AVX2 is enabled by this function's target features; a table has
-                // 2^BITS entries (`QuantBlock::new` checked).
-                let (mut lo, mut hi) = unsafe { codes_f32::<false>(chunk, BITS, k as i32, &lut) };
-                let at = ci * per_chunk + 16 * k;
-                if GROUPED {
-                    // SAFETY: AVX2 is enabled; `at / group < d / group`, so the group index
-                    // is in range.
-                    let (sv, ov) = unsafe { group_params(scale, offset, r * (d / group) + at / group) };
-                    (lo, hi) = (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov));
-                }
-                for (i, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: at + 16 <= d, and query row i spans q[i·d .. (i + 1)·d].
-                    let (q0, q1) = unsafe {
-                        let p = q.as_ptr().add(i * d + at);
-                        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
-                    };
-                    a[0] = _mm256_fmadd_ps(lo, q0, a[0]);
-                    a[1] = _mm256_fmadd_ps(hi, q1, a[1]);
-                }
-            }
-        }
-        // SAFETY: AVX2 is enabled by this function's target features.
-        unsafe { emit_sums(&acc, r, &mut emit) };
     }
 }
 
