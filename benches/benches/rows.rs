@@ -1,8 +1,8 @@
 //! What one key or value row costs in the fused kernels, for every spec family: one cache
 //! block (32 rows) of head_dim 64 and 128, in cache, against the 4 query rows of a GQA group
 //! (scores) or their 4 weight rows (values), through the fastest float backend of this CPU;
-//! and the dense f32 and f16 kernels on the same shapes as baselines. Criterion reports the
-//! time of one block; divide by 32 for a row.
+//! and the dense f32 and f16 kernels on the same shapes as baselines (groups `rows_scores_*`
+//! and `rows_values_*`). Criterion reports the time of one block; divide by 32 for a row.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
@@ -54,52 +54,59 @@ fn levels(spec: &QuantSpec) -> Levels<'static> {
 fn rows(c: &mut Criterion) {
     let backend = best_float();
     for d in [64usize, 128] {
-        let mut group = c.benchmark_group(format!("rows_{ROWS}x{d}"));
-        group.throughput(Throughput::Elements(ROWS as u64));
         let x = normal_tensor(Shape::new(1, ROWS, d), 11);
         let q: Vec<f32> = normal_tensor(Shape::new(1, NQ, d), 12).into_data();
         let p: Vec<f32> = (0..NQ * ROWS).map(|i| 1.0 / (1 + i % 7) as f32).collect();
-        let (mut s, mut o) = (vec![0f32; NQ * ROWS], vec![0f32; NQ * d]);
         let x16: Vec<f16> = x.data().iter().map(|&v| f16::from_f32(v)).collect();
-        for (name, half) in [("f32", false), ("f16", true)] {
-            group.bench_function(BenchmarkId::new(name, "scores"), |b| {
-                b.iter(|| match half {
-                    false => dense_scores_with(backend, black_box(x.data()), ROWS, d, &q, NQ, &mut s),
-                    true => dense_scores_with(backend, black_box(&x16), ROWS, d, &q, NQ, &mut s),
-                })
-            });
-            group.bench_function(BenchmarkId::new(name, "values"), |b| {
-                b.iter(|| match half {
+        let blocks: Vec<_> = SPECS
+            .iter()
+            .map(|&text| {
+                let spec: QuantSpec = text.parse().unwrap();
+                let qt = quantize(&x, &spec).unwrap();
+                let scale = qt.scales().to_f32();
+                let offset = qt.offsets().map(|o| o.to_f32());
+                (text, spec, qt, scale, offset)
+            })
+            .collect();
+        // Scores and values in groups of their own, so that each entry's f32/f16 baseline is
+        // the same operation's (what `cargo xtask bench` divides by).
+        for scores in [true, false] {
+            let name = if scores { "scores" } else { "values" };
+            let mut group = c.benchmark_group(format!("rows_{name}_{ROWS}x{d}"));
+            group.throughput(Throughput::Elements(ROWS as u64));
+            let (mut s, mut o) = (vec![0f32; NQ * ROWS], vec![0f32; NQ * d]);
+            group.bench_function("f32", |b| {
+                b.iter(|| match scores {
+                    true => dense_scores_with(backend, black_box(x.data()), ROWS, d, &q, NQ, &mut s),
                     false => dense_axpy_with(backend, black_box(x.data()), ROWS, d, &p, NQ, &mut o),
-                    true => dense_axpy_with(backend, black_box(&x16), ROWS, d, &p, NQ, &mut o),
                 })
             });
-        }
-        let mut scratch = Scratch::default();
-        for &text in SPECS {
-            let spec: QuantSpec = text.parse().unwrap();
-            let qt = quantize(&x, &spec).unwrap();
-            let scale = qt.scales().to_f32();
-            let offset = qt.offsets().map(|o| o.to_f32());
-            let params = match spec.granularity() {
-                Granularity::PerChannel { .. } => {
-                    Params::PerChannel { scale: &scale, offset: offset.as_deref() }
-                }
-                Granularity::Group(group) => {
-                    Params::PerGroup { group, scale: &scale, offset: offset.as_deref() }
-                }
-                _ => Params::PerRow { scale: &scale, offset: offset.as_deref() },
-            };
-            let block = QuantBlock::new(qt.codes(), ROWS, d, spec.bits(), levels(&spec), params).unwrap();
-            let kernel = kvq_kernels_simd::implementation_for(backend, &block);
-            group.bench_function(BenchmarkId::new(text, format!("scores-{kernel}")), |b| {
-                b.iter(|| scores_in(backend, &mut scratch, black_box(&block), &q, NQ, &mut s).unwrap())
+            group.bench_function("f16", |b| {
+                b.iter(|| match scores {
+                    true => dense_scores_with(backend, black_box(&x16), ROWS, d, &q, NQ, &mut s),
+                    false => dense_axpy_with(backend, black_box(&x16), ROWS, d, &p, NQ, &mut o),
+                })
             });
-            group.bench_function(BenchmarkId::new(text, format!("values-{kernel}")), |b| {
-                b.iter(|| axpy_in(backend, &mut scratch, black_box(&block), &p, NQ, &mut o).unwrap())
-            });
+            let mut scratch = Scratch::default();
+            for (text, spec, qt, scale, offset) in &blocks {
+                let params = match spec.granularity() {
+                    Granularity::PerChannel { .. } => Params::PerChannel { scale, offset: offset.as_deref() },
+                    Granularity::Group(group) => Params::PerGroup { group, scale, offset: offset.as_deref() },
+                    _ => Params::PerRow { scale, offset: offset.as_deref() },
+                };
+                let block = QuantBlock::new(qt.codes(), ROWS, d, spec.bits(), levels(spec), params).unwrap();
+                let kernel = kvq_kernels_simd::implementation_for(backend, &block);
+                group.bench_function(BenchmarkId::new(*text, kernel), |b| match scores {
+                    true => b.iter(|| {
+                        scores_in(backend, &mut scratch, black_box(&block), &q, NQ, &mut s).unwrap()
+                    }),
+                    false => {
+                        b.iter(|| axpy_in(backend, &mut scratch, black_box(&block), &p, NQ, &mut o).unwrap())
+                    }
+                });
+            }
+            group.finish();
         }
-        group.finish();
     }
 }
 
