@@ -292,7 +292,14 @@ fn decode_at(c: &mut Criterion, len: usize) {
     });
     drop((k16, v16));
 
-    for (k, v) in [("int4-channel", "int4-token"), ("int8-token", "int8-token")] {
+    for (k, v) in [
+        ("int4-channel", "int4-token"),
+        ("int8-token", "int8-token"),
+        ("int2-channel", "int2-token"),
+        // The rotated, error-minimizing values of the fidelity work (one inverse rotation
+        // per output row on top of the INT4 kernels).
+        ("int4-channel", "int4-token-mse-rot"),
+    ] {
         let config = CacheConfig::new(1, kv_heads, D, kv_heads * len / 32)
             .with_specs(k.parse().unwrap(), v.parse().unwrap())
             .with_block_size(32);
