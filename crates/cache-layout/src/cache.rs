@@ -266,11 +266,7 @@ impl PagedCache {
             None => self.validate(seq, layer, 1, row)?,
             Some(bufs) => self.validate(seq, layer, 1, rotated_view(&bufs, self.config.kv_heads, d, &row))?,
         }
-        let (needed, free) = (self.blocks_needed(seq, layer, 1)?, self.available_blocks(seq, layer)?);
-        if needed > free {
-            return Err(CacheError::PoolExhausted { needed, free });
-        }
-        Ok(())
+        self.check_available(seq, layer, self.blocks_needed(seq, layer, 1)?)
     }
 
     fn check_token_shape(&self, k: &[f32], v: &[f32]) -> Result<()> {
@@ -481,10 +477,8 @@ impl PagedCache {
         row: impl Fn(usize, usize, usize) -> &'a [f32],
     ) -> Result<()> {
         self.validate(seq, layer, n, &row)?;
-        let (needed, free) = (self.blocks_needed(seq, layer, n)?, self.available_blocks(seq, layer)?);
-        if needed > free {
-            return Err(CacheError::PoolExhausted { needed, free });
-        }
+        let needed = self.blocks_needed(seq, layer, n)?;
+        self.check_available(seq, layer, needed)?;
         if n == 0 {
             return Ok(());
         }
@@ -614,9 +608,8 @@ impl PagedCache {
     /// [`CacheError::UnknownSequence`]; [`CacheError::PoolExhausted`] when `seq` holds a
     /// reservation and the pool cannot cover those copies; nothing changes on error.
     pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
-        self.check_fork(seq)?;
+        let extra = self.plan_fork(seq)?;
         let mut copy = self.seqs[&seq].clone();
-        let extra = self.check_fork_reservations(seq)?;
         let source = self.seqs.get_mut(&seq).expect("checked above");
         for (ls, extra) in source.layers.iter_mut().zip(extra) {
             ls.reserved.blocks += extra;
@@ -642,9 +635,9 @@ impl PagedCache {
         self.plan_truncate(seq, len).map(|_| ())
     }
 
-    /// The checks of a truncation; the truncated layers and the blocks each reserved layer
-    /// must then hold.
-    fn plan_truncate(&self, seq: SeqId, len: usize) -> Result<TruncatePlan> {
+    /// The checks of a truncation; for a sequence holding a reservation, the blocks each layer's
+    /// reservation must hold afterwards (`None` without one: nothing to recompute).
+    fn plan_truncate(&self, seq: SeqId, len: usize) -> Result<Option<Vec<usize>>> {
         let (bs, sinks) = (self.config.block_size, self.config.sink_tokens);
         let s = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
         let p_new = len.saturating_sub(sinks);
@@ -660,46 +653,16 @@ impl PagedCache {
                 }
             }
         }
+        if s.layers.iter().all(|ls| ls.reserved.tokens == 0) {
+            return Ok(None);
+        }
+        // What the reserved tokens need from the new length: on a copy of the layers.
         let mut layers = s.layers.clone();
-        let dropped: Vec<Vec<BlockId>> = layers.iter_mut().map(|ls| self.truncate_layer(ls, len)).collect();
-        let freed = dropped.iter().map(|ids| self.freed_by_release(ids)).sum();
-        let hold = self.check_truncate_reservations(seq, &layers, freed)?;
-        Ok(TruncatePlan { layers, dropped, hold })
-    }
-
-    /// Cuts one layer's state to `len` tokens; the blocks it no longer uses, for the caller
-    /// to release.
-    fn truncate_layer(&self, ls: &mut LayerSeq, len: usize) -> Vec<BlockId> {
-        let (bs, heads, sinks, d) =
-            (self.config.block_size, self.config.kv_heads, self.config.sink_tokens, self.config.head_dim);
-        if len >= ls.len {
-            return Vec::new();
+        let mut freed = 0;
+        for ls in &mut layers {
+            freed += self.freed_by_release(&cut_layer(&self.config, &self.parts, ls, len));
         }
-        let p_new = len.saturating_sub(sinks);
-        for sink in &mut ls.sinks {
-            for buf in sink.iter_mut() {
-                buf.truncate(len.min(sinks) * d);
-            }
-        }
-        for (i, layout) in self.parts.iter().enumerate() {
-            if layout.has_tail() {
-                if p_new >= ls.done[i] {
-                    for tail in &mut ls.tails[i] {
-                        tail.truncate((p_new - ls.done[i]) * d);
-                    }
-                } else {
-                    ls.done[i] = p_new;
-                    for tail in &mut ls.tails[i] {
-                        tail.truncate(0);
-                    }
-                }
-            } else {
-                ls.done[i] = p_new;
-            }
-        }
-        let keep = p_new.div_ceil(bs) * heads;
-        ls.len = len;
-        ls.blocks.split_off(keep.min(ls.blocks.len()))
+        self.check_truncate_reservations(seq, &layers, freed).map(Some)
     }
 
     /// Shortens every layer of `seq` to at most `len` tokens (rollback after speculative
@@ -713,15 +676,17 @@ impl PagedCache {
     /// the new length (cut back into a block shared with a fork) than the pool has; nothing
     /// changes on error.
     pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
-        let TruncatePlan { layers, dropped, hold } = self.plan_truncate(seq, len)?;
-        for id in dropped.into_iter().flatten() {
-            self.pool.release(id);
-        }
-        let s = self.seqs.get_mut(&seq).expect("checked above");
-        s.layers = layers;
-        for (ls, hold) in s.layers.iter_mut().zip(hold) {
-            self.reserved = self.reserved - ls.reserved.blocks + hold;
-            ls.reserved.blocks = hold;
+        let hold = self.plan_truncate(seq, len)?;
+        let Self { config, parts, pool, seqs, reserved, .. } = self;
+        let s = seqs.get_mut(&seq).expect("checked above");
+        for (l, ls) in s.layers.iter_mut().enumerate() {
+            for id in cut_layer(config, parts, ls, len) {
+                pool.release(id);
+            }
+            if let Some(hold) = &hold {
+                *reserved = *reserved - ls.reserved.blocks + hold[l];
+                ls.reserved.blocks = hold[l];
+            }
         }
         Ok(())
     }
@@ -757,12 +722,38 @@ impl PagedCache {
     }
 }
 
-/// A checked truncation: every layer's new state, the blocks each drops, and the blocks each
-/// layer's reservation must then hold.
-struct TruncatePlan {
-    layers: Vec<LayerSeq>,
-    dropped: Vec<Vec<BlockId>>,
-    hold: Vec<usize>,
+/// Cuts one layer's state to `len` tokens; the blocks it no longer uses, for the caller to
+/// release.
+fn cut_layer(config: &CacheConfig, parts: &[PartLayout; 2], ls: &mut LayerSeq, len: usize) -> Vec<BlockId> {
+    let (bs, heads, sinks, d) = (config.block_size, config.kv_heads, config.sink_tokens, config.head_dim);
+    if len >= ls.len {
+        return Vec::new();
+    }
+    let p_new = len.saturating_sub(sinks);
+    for sink in &mut ls.sinks {
+        for buf in sink.iter_mut() {
+            buf.truncate(len.min(sinks) * d);
+        }
+    }
+    for (i, layout) in parts.iter().enumerate() {
+        if layout.has_tail() {
+            if p_new >= ls.done[i] {
+                for tail in &mut ls.tails[i] {
+                    tail.truncate((p_new - ls.done[i]) * d);
+                }
+            } else {
+                ls.done[i] = p_new;
+                for tail in &mut ls.tails[i] {
+                    tail.truncate(0);
+                }
+            }
+        } else {
+            ls.done[i] = p_new;
+        }
+    }
+    let keep = p_new.div_ceil(bs) * heads;
+    ls.len = len;
+    ls.blocks.split_off(keep.min(ls.blocks.len()))
 }
 
 /// Which blocks an extension by `n` tokens touches: logical blocks `first_written..have`

@@ -97,11 +97,18 @@ impl PagedCache {
     /// As [`PagedCache::reserve`].
     pub fn check_reserve(&self, seq: SeqId, layer: usize, tokens: usize) -> Result<usize> {
         let blocks = if tokens == 0 { 0 } else { self.blocks_needed(seq, layer, tokens)? };
-        let free = self.available_blocks(seq, layer)?;
-        if blocks > free {
-            return Err(CacheError::PoolExhausted { needed: blocks, free });
-        }
+        self.check_available(seq, layer, blocks)?;
         Ok(blocks)
+    }
+
+    /// Refuses a call on `layer` of `seq` that needs more blocks than it may take
+    /// ([`PagedCache::available_blocks`]).
+    pub(crate) fn check_available(&self, seq: SeqId, layer: usize, needed: usize) -> Result<()> {
+        let free = self.available_blocks(seq, layer)?;
+        if needed > free {
+            return Err(CacheError::PoolExhausted { needed, free });
+        }
+        Ok(())
     }
 
     /// Blocks a reserved layer needs beyond what it holds once `ls` is in this state (after
@@ -120,17 +127,17 @@ impl PagedCache {
     /// # Errors
     /// As [`PagedCache::fork`].
     pub fn check_fork(&self, seq: SeqId) -> Result<()> {
+        self.plan_fork(seq).map(|_| ())
+    }
+
+    /// The checks of a fork of `seq`; the extra blocks each layer's reservation then needs
+    /// (the reserved appends will copy the written blocks the fork shares), checked against
+    /// the unreserved free blocks.
+    pub(crate) fn plan_fork(&self, seq: SeqId) -> Result<Vec<usize>> {
         let s = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
         if s.layers.iter().flat_map(|ls| &ls.blocks).any(|&id| !self.pool.can_retain(id)) {
             return Err(CacheError::Config(format!("a block of {seq:?} is shared by too many sequences")));
         }
-        self.check_fork_reservations(seq).map(|_| ())
-    }
-
-    /// The extra blocks a fork of `seq` makes its reservations need: the reserved appends will
-    /// copy the written blocks the fork shares. Checked against the unreserved free blocks.
-    pub(crate) fn check_fork_reservations(&self, seq: SeqId) -> Result<Vec<usize>> {
-        let s = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
         let extra: Vec<usize> = s.layers.iter().map(|ls| self.reservation_shortfall(ls, true).1).collect();
         let needed: usize = extra.iter().sum();
         if needed > self.unreserved_blocks() {
