@@ -157,8 +157,10 @@ impl PartReader {
     }
 
     fn levels(&self) -> Levels<'_> {
+        if let Some(f) = self.fp8 {
+            return Levels::Fp8(f);
+        }
         match &self.table {
-            _ if let Some(f) = self.fp8 => Levels::Fp8(f),
             Some((t, n)) => Levels::Table(&t[..*n]),
             None if self.symmetric => Levels::Symmetric { zero: self.zero },
             None => Levels::Affine,
