@@ -21,7 +21,7 @@ use kvq::attention::{
     decode_attention_with,
 };
 use kvq::baseline::{DenseDims, DenseKv, DenseScratch, dense_attention};
-use kvq_cache_layout::{CacheConfig, PagedCache};
+use kvq_benches::{best_float, layer_cache};
 use kvq_kernels_simd::{
     Backend, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dense_axpy_with, dense_scores_with,
     dispatch, scores_int8_with, scores_with,
@@ -225,11 +225,6 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
     group.finish();
 }
 
-/// The fastest float backend of this CPU (AVX-512 has no float kernels of its own).
-fn best_float() -> Backend {
-    if Backend::Avx2.is_available() { Backend::Avx2 } else { Backend::Wide }
-}
-
 fn block_row_bytes(d: usize, bits: u8) -> usize {
     kvq_quant_core::pack::packed_len(d, bits).unwrap()
 }
@@ -300,12 +295,7 @@ fn decode_at(c: &mut Criterion, len: usize) {
         // per output row on top of the INT4 kernels).
         ("int4-channel", "int4-token-mse-rot"),
     ] {
-        let config = CacheConfig::new(1, kv_heads, D, kv_heads * len / 32)
-            .with_specs(k.parse().unwrap(), v.parse().unwrap())
-            .with_block_size(32);
-        let mut cache = PagedCache::new(config).unwrap();
-        // As `QuantizedKvCache::new` does, before any block is written.
-        kvq_kernels_simd::advise_huge_pages(cache.pool().arena());
+        let mut cache = layer_cache(kv_heads, D, kv_heads * len / 32, k, v);
         let seq = cache.create();
         cache.extend(seq, 0, &kv, &vv).unwrap();
         let mem = cache.memory();
@@ -363,11 +353,7 @@ fn decode_batch(c: &mut Criterion) {
         let mut group = c.benchmark_group(format!("decode_batch_{seqs}x{}k", len / 1024));
         group.sample_size(10);
         let (k, v) = ("int4-channel", "int4-token");
-        let config = CacheConfig::new(1, kv_heads, D, seqs * kv_heads * len / 32)
-            .with_specs(k.parse().unwrap(), v.parse().unwrap())
-            .with_block_size(32);
-        let mut cache = PagedCache::new(config).unwrap();
-        kvq_kernels_simd::advise_huge_pages(cache.pool().arena());
+        let mut cache = layer_cache(kv_heads, D, seqs * kv_heads * len / 32, k, v);
         let batch: Vec<BatchSeq> = (0..seqs)
             .map(|_| {
                 let seq = cache.create();

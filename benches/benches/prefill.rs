@@ -6,18 +6,13 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvq::attention::{AttentionOptions, BatchSeq, DecodeWorkspace, decode_attention_batch};
-use kvq_cache_layout::{CacheConfig, PagedCache};
-use kvq_kernels_simd::Backend;
+use kvq_benches::{best_float, layer_cache};
 use kvq_quant_core::Shape;
 use kvq_quant_core::synth::{Rng, normal_tensor};
 
 const D: usize = 128;
 const CONTEXT: usize = 4096;
 const CHUNK: usize = 512;
-
-fn best_float() -> Backend {
-    if Backend::Avx2.is_available() { Backend::Avx2 } else { Backend::Wide }
-}
 
 fn chunk(c: &mut Criterion) {
     let (q_heads, kv_heads) = (32usize, 8usize);
@@ -38,11 +33,7 @@ fn chunk(c: &mut Criterion) {
         ("int2-channel", "int2-token"),
         ("int4-channel", "int4-token-mse-rot"),
     ] {
-        let config = CacheConfig::new(1, kv_heads, D, kv_heads * len.div_ceil(32) + kv_heads)
-            .with_specs(k.parse().unwrap(), v.parse().unwrap())
-            .with_block_size(32);
-        let mut cache = PagedCache::new(config).unwrap();
-        kvq_kernels_simd::advise_huge_pages(cache.pool().arena());
+        let mut cache = layer_cache(kv_heads, D, kv_heads * len.div_ceil(32) + kv_heads, k, v);
         let seq = cache.create();
         cache.extend(seq, 0, &kv, &vv).unwrap();
         let batch = [BatchSeq { seq, tokens: CHUNK }];

@@ -6,8 +6,9 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
+use kvq_benches::best_float;
 use kvq_kernels_simd::{
-    Backend, Levels, Params, QuantBlock, Scratch, axpy_in, dense_axpy_with, dense_scores_with, scores_in,
+    Levels, Params, QuantBlock, Scratch, axpy_in, dense_axpy_with, dense_scores_with, scores_in,
 };
 use kvq_quant_core::codebook::NF4_LEVELS;
 use kvq_quant_core::synth::normal_tensor;
@@ -36,10 +37,6 @@ const SPECS: &[&str] = &[
     "fp8e4m3-token",
     "fp8e5m2-token",
 ];
-
-fn best_float() -> Backend {
-    if Backend::Avx2.is_available() { Backend::Avx2 } else { Backend::Wide }
-}
 
 fn levels(spec: &QuantSpec) -> Levels<'static> {
     match spec.kind() {
