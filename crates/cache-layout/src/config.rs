@@ -161,6 +161,11 @@ impl CacheConfig {
         }
 
         for (name, spec) in [("K", &self.k_spec), ("V", &self.v_spec)] {
+            if spec.channel_bits() {
+                return bad(format!(
+                    "{name} spec {spec}: bits per channel (-qa) are measured offline (`kvq analyze`); the paged cache does not hold them yet"
+                ));
+            }
             if spec.rotated() {
                 if name == "K" {
                     return bad(format!(

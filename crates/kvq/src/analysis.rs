@@ -15,7 +15,10 @@ use kvq_quant_core::metrics::{
     AttentionOutputs, attention, compare_attention, compare_attention_grouped, error_stats,
 };
 use kvq_quant_core::synth::normal_tensor;
-use kvq_quant_core::{Granularity, QuantError, QuantSpec, Shape, Tensor, quantize};
+use kvq_quant_core::{
+    ChannelBits, Granularity, QuantError, QuantSpec, RopePairing, Shape, Tensor, quantize,
+    quantize_channel_bits,
+};
 use rayon::prelude::*;
 
 use crate::cache::{
@@ -113,8 +116,9 @@ impl KvSpec {
 }
 
 /// The default comparison: INT8, INT4 and INT2 per tensor, per head, per-channel keys with
-/// per-token values (INT4 and INT2 also with rotated values in error-minimizing ranges), and groups of
-/// 32; FP8 e4m3 and NF4 per token. Per-channel keys group over the cache's block
+/// per-token values (INT4 and INT2 also with rotated values in error-minimizing ranges, and
+/// then with query-aware bits per key channel, `-qa`), and groups of 32; FP8 e4m3 and NF4 per
+/// token. Per-channel keys group over the cache's block
 /// ([`Options::block_size`]).
 pub fn default_specs() -> Vec<KvSpec> {
     let mut out = Vec::new();
@@ -122,6 +126,7 @@ pub fn default_specs() -> Vec<KvSpec> {
         let mut forms = vec!["tensor", "head", "channel/int{b}-token"];
         if bits < 8 {
             forms.push("channel/int{b}-token-mse-rot");
+            forms.push("channel-qa/int{b}-token-mse-rot");
         }
         forms.push("g32");
         for s in forms {
@@ -167,8 +172,11 @@ pub fn applicable_with(
         let blocked = spec.for_block(options.block_size);
         let problem = layers.iter().find_map(|l| {
             let spec_err = |source| AnalyzeError::Spec { layer: l.name.clone(), spec: spec.name(), source };
-            if let Err(e) =
-                blocked.k.check_shape(l.k.shape()).and_then(|()| blocked.v.check_shape(l.v.shape()))
+            if let Err(e) = blocked
+                .k
+                .check_shape(l.k.shape())
+                .and_then(|()| blocked.v.check_shape(l.v.shape()))
+                .and_then(|()| check_channel_bits(l, &blocked.k, options.positions))
             {
                 return Some(spec_err(e));
             }
@@ -270,6 +278,11 @@ pub struct Options {
     /// tokens instead of quantizing whole tensors offline; `None` (the default) quantizes
     /// offline.
     pub cache: Option<CacheRun>,
+    /// Which key channels rotate together under RoPE, for specs with bits per channel
+    /// (`-qa`): both channels of a pair get the same width. The default, rotate-half, is the
+    /// layout of Hugging Face checkpoints and of dumps taken from them (the README's snippet);
+    /// `None` treats every channel on its own.
+    pub rope_pairing: Option<RopePairing>,
 }
 
 impl Default for Options {
@@ -280,6 +293,7 @@ impl Default for Options {
             histogram_bins: 0,
             block_size: DEFAULT_BLOCK_SIZE,
             cache: None,
+            rope_pairing: Some(RopePairing::Half),
         }
     }
 }
@@ -500,12 +514,24 @@ struct Reconstruction {
     ratio_vs_f16: f64,
 }
 
-fn offline(layer: &LayerInput, spec: &KvSpec, positions: &[usize]) -> Result<Reconstruction, QuantError> {
-    let qk = quantize(&layer.k, &spec.k)?;
+fn offline(
+    layer: &LayerInput,
+    spec: &KvSpec,
+    positions: &[usize],
+    pairing: Option<RopePairing>,
+) -> Result<Reconstruction, QuantError> {
+    let (k_hat, k_memory) = if spec.k.channel_bits() {
+        let maps = fit_channel_bits(layer, &spec.k, positions, pairing)?;
+        let qk = quantize_channel_bits(&layer.k, &spec.k, &maps)?;
+        (qk.dequantize(), qk.memory())
+    } else {
+        let qk = quantize(&layer.k, &spec.k)?;
+        (qk.dequantize(), qk.memory())
+    };
     let qv = quantize(&layer.v, &spec.v)?;
-    let (k_hat, v_hat) = (qk.dequantize(), qv.dequantize());
+    let v_hat = qv.dequantize();
     let approx = attention(&layer.q, &k_hat, &v_hat, positions)?;
-    let memory = qk.memory().combine(&qv.memory());
+    let memory = k_memory.combine(&qv.memory());
     Ok(Reconstruction {
         k_hat,
         v_hat,
@@ -513,6 +539,74 @@ fn offline(layer: &LayerInput, spec: &KvSpec, positions: &[usize]) -> Result<Rec
         bits_per_element: memory.bits_per_element(),
         ratio_vs_f16: memory.ratio_vs_f16(),
     })
+}
+
+/// Whether a `-qa` key spec can be fitted on `layer` (a `head_dim` of whole 8-channel units,
+/// a prefix before the first of `positions` query positions holding a whole token group);
+/// `Ok` for any other spec.
+fn check_channel_bits(layer: &LayerInput, spec: &QuantSpec, positions: usize) -> Result<(), QuantError> {
+    if !spec.channel_bits() {
+        return Ok(());
+    }
+    let s = layer.k.shape();
+    if !s.head_dim.is_multiple_of(kvq_quant_core::channel_bits::UNIT) {
+        return Err(QuantError::InvalidArgument(format!(
+            "{spec}: bits per channel go to units of {} channels; head_dim {} is not a multiple",
+            kvq_quant_core::channel_bits::UNIT,
+            s.head_dim
+        )));
+    }
+    let prefix = query_positions(s.tokens, positions).first().copied().unwrap_or(0);
+    let group = match spec.granularity() {
+        Granularity::PerChannel { token_group: Some(n) } => n,
+        _ => s.tokens,
+    };
+    if prefix < group {
+        return Err(QuantError::InvalidArgument(format!(
+            "{spec}: the {prefix} tokens before the first query position hold no whole group of {group} to fit the bits on"
+        )));
+    }
+    Ok(())
+}
+
+/// One bit map per KV head for a `-qa` key spec, fitted on the tokens before the first query
+/// position (the first half of the sequence with [`query_positions`]): those tokens' keys, and
+/// the mean squared query per channel over the query heads that read the head. No token whose
+/// attention is measured takes part in the fit.
+///
+/// # Errors
+/// [`QuantError::InvalidArgument`] when the prefix holds no whole token group, and the errors
+/// of [`ChannelBits::fit`].
+pub fn fit_channel_bits(
+    layer: &LayerInput,
+    spec: &QuantSpec,
+    positions: &[usize],
+    pairing: Option<RopePairing>,
+) -> Result<Vec<ChannelBits>, QuantError> {
+    let (ks, qs) = (layer.k.shape(), layer.q.shape());
+    let prefix = positions.first().copied().unwrap_or(ks.tokens).min(ks.tokens);
+    let group = qs.heads / ks.heads.max(1);
+    let d = ks.head_dim;
+    (0..ks.heads)
+        .map(|h| {
+            let mut keys = Vec::with_capacity(ks.batch * prefix * d);
+            let mut energy = vec![0f64; d];
+            for b in 0..ks.batch {
+                for t in 0..prefix {
+                    keys.extend_from_slice(layer.k.row(b, h, t));
+                    for qh in h * group..(h + 1) * group {
+                        for (e, &x) in energy.iter_mut().zip(layer.q.row(b, qh, t)) {
+                            *e += f64::from(x) * f64::from(x);
+                        }
+                    }
+                }
+            }
+            let n = (ks.batch * prefix * group).max(1) as f64;
+            let energy: Vec<f32> = energy.iter().map(|e| (e / n) as f32).collect();
+            let keys = Tensor::new(Shape::new(1, ks.batch * prefix, d), keys)?;
+            ChannelBits::fit(&keys, &energy, spec, pairing)
+        })
+        .collect()
 }
 
 /// Appends the layer's tokens to a [`QuantizedKvCache`] one batch entry per sequence, and
@@ -600,7 +694,7 @@ fn analyze_spec(
 ) -> Result<Row, AnalyzeError> {
     let spec_err = |source| AnalyzeError::Spec { layer: layer.name.clone(), spec: spec.name(), source };
     let r = match &options.cache {
-        None => offline(layer, spec, positions).map_err(spec_err)?,
+        None => offline(layer, spec, positions, options.rope_pairing).map_err(spec_err)?,
         Some(run) => through_cache(layer, spec, positions, run, options.block_size)?,
     };
     let ke = error_stats(layer.k.data(), r.k_hat.data()).map_err(spec_err)?;
@@ -799,11 +893,12 @@ mod tests {
             skipped.iter().all(|(s, e)| {
                 let static_ranges =
                     s.k.to_string().ends_with("-tensor") || s.k.to_string().ends_with("-head");
-                static_ranges && matches!(e, AnalyzeError::Cache { .. })
+                (static_ranges || s.k.channel_bits()) && matches!(e, AnalyzeError::Cache { .. })
             }),
             "{skipped:?}"
         );
-        assert_eq!(skipped.len(), 6);
+        // Per tensor and per head at three widths; bits per key channel at two.
+        assert_eq!(skipped.len(), 8);
         let (all, none) = applicable_with(&layers, default_specs(), &Options::default());
         assert_eq!((all.len(), none.len()), (default_specs().len(), 0));
         let spec = KvSpec::parse("int4-tensor").unwrap();
@@ -819,7 +914,7 @@ mod tests {
         for s in ["int4-channel/int4-token", "int8-tensor", "fp8e4m3-token", "nf4-token"] {
             assert_eq!(KvSpec::parse(s).unwrap().name(), s);
         }
-        assert_eq!(default_specs().len(), 16);
+        assert_eq!(default_specs().len(), 18);
         let whole = KvSpec::parse("int4-channel-mse/int2-channel-rot").unwrap();
         assert_eq!(whole.for_block(64).name(), "int4-channel64-mse/int2-channel64-rot");
         let fixed = KvSpec::parse("int4-channel16/int4-token").unwrap();

@@ -170,6 +170,11 @@ enum Command {
         /// channel over this many tokens, as the cache does.
         #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
         block_size: u32,
+        /// Which key channels rotate together under RoPE (`half`: i and i + d/2, Hugging Face
+        /// checkpoints; `interleaved`: 2i and 2i + 1, GGUF weights; `none`), for key specs with
+        /// bits per channel (`-qa`): both channels of a pair get the same width.
+        #[arg(long, default_value = "half", value_parser = parse_pairing)]
+        rope_pairing: Pairing,
         #[command(flatten)]
         cache: CacheArgs,
         /// Write SVG figures into this directory: error-histograms.svg (per bit width, K and
@@ -183,6 +188,20 @@ enum Command {
 }
 
 /// Running the data through the cache instead of quantizing offline (`analyze`, `recommend`).
+/// `--rope-pairing`: a RoPE pairing, or none.
+#[derive(Debug, Clone, Copy)]
+struct Pairing(Option<kvq::quant::RopePairing>);
+
+fn parse_pairing(s: &str) -> Result<Pairing, String> {
+    use kvq::quant::RopePairing;
+    match s {
+        "half" => Ok(Pairing(Some(RopePairing::Half))),
+        "interleaved" => Ok(Pairing(Some(RopePairing::Interleaved))),
+        "none" => Ok(Pairing(None)),
+        other => Err(format!("{other:?}: expected half, interleaved or none")),
+    }
+}
+
 #[derive(clap::Args, Debug)]
 struct CacheArgs {
     /// Append the tokens to a `QuantizedKvCache` and compare each query against what the
@@ -344,7 +363,18 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             println!("selected backend: {}", dispatch::selected()?);
             Ok(())
         }
-        Command::Analyze { file, synthetic, specs, positions, per_head, block_size, cache, plot, json } => {
+        Command::Analyze {
+            file,
+            synthetic,
+            specs,
+            positions,
+            per_head,
+            block_size,
+            rope_pairing,
+            cache,
+            plot,
+            json,
+        } => {
             let (source, layers) = if synthetic {
                 ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), vec![analysis::synthetic_layer()])
             } else {
@@ -357,6 +387,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 histogram_bins: if plot.is_some() { 80 } else { 0 },
                 block_size: block_size as usize,
                 cache: cache.run(),
+                rope_pairing: rope_pairing.0,
             };
             let specs = if specs.is_empty() {
                 // The built-in list applies to any model: what cannot apply is skipped, said so.

@@ -29,6 +29,8 @@ fn analyze_embedded_sample_structure() {
     // `channel` groups a channel over the cache's 32-token block, and the name says so.
     assert_eq!(text.lines().filter(|l| l.starts_with("int4-channel32/int4-token ")).count(), 3);
     assert_eq!(text.lines().filter(|l| l.starts_with("int2-channel32/int2-token-mse-rot ")).count(), 3);
+    // Bits per key channel, fitted on the first half of each layer.
+    assert_eq!(text.lines().filter(|l| l.starts_with("int2-channel32-qa/int2-token-mse-rot ")).count(), 3);
 }
 
 #[test]
@@ -57,6 +59,10 @@ fn analyze_through_the_cache_counts_its_full_precision_tokens() {
     assert!(out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("skipping built-in spec int4-tensor") && err.contains("calibration"), "{err}");
+    assert!(
+        err.contains("skipping built-in spec int4-channel-qa/int4-token-mse-rot") && err.contains("-qa"),
+        "{err}"
+    );
     assert!(!stdout(&out).contains("int4-tensor") && stdout(&out).contains("int4-channel32/int4-token "));
 }
 

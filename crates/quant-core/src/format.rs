@@ -132,6 +132,7 @@ pub struct QuantSpec {
     param_dtype: ParamDtype,
     ranges: RangeRule,
     rotated: bool,
+    channel_bits: bool,
 }
 
 impl QuantSpec {
@@ -163,7 +164,15 @@ impl QuantSpec {
             )));
         }
         check_granularity(granularity)?;
-        Ok(Self { kind, bits, granularity, param_dtype, ranges: RangeRule::MinMax, rotated: false })
+        Ok(Self {
+            kind,
+            bits,
+            granularity,
+            param_dtype,
+            ranges: RangeRule::MinMax,
+            rotated: false,
+            channel_bits: false,
+        })
     }
 
     /// The same spec with another granularity (everything else kept).
@@ -218,6 +227,33 @@ impl QuantSpec {
     /// quantized, and unrotated after decoding. Needs a power-of-two head_dim.
     pub fn rotated(&self) -> bool {
         self.rotated
+    }
+
+    /// The same spec with query-aware bits per channel (`-qa`) on or off: `bits` becomes the
+    /// average width, and each channel of a head takes its own width from a
+    /// [`ChannelBits`](crate::channel_bits::ChannelBits) map fitted to calibration keys and
+    /// queries (see [`quantize_channel_bits`](crate::channel_bits::quantize_channel_bits)).
+    ///
+    /// # Errors
+    /// [`QuantError::InvalidSpec`] unless the spec is affine, per channel and not rotated.
+    pub fn with_channel_bits(mut self, on: bool) -> Result<Self> {
+        if on
+            && (!matches!(self.kind, Kind::Affine)
+                || !matches!(self.granularity, Granularity::PerChannel { .. })
+                || self.rotated)
+        {
+            return Err(QuantError::InvalidSpec(format!(
+                "{self}: bits per channel (-qa) apply to affine per-channel specs without rotation"
+            )));
+        }
+        self.channel_bits = on;
+        Ok(self)
+    }
+
+    /// Whether each channel takes its own width from a fitted map (`-qa`); [`Self::bits`] is
+    /// then the average.
+    pub fn channel_bits(&self) -> bool {
+        self.channel_bits
     }
 
     /// The format kind.
@@ -294,6 +330,9 @@ impl fmt::Display for QuantSpec {
         if self.rotated {
             f.write_str("-rot")?;
         }
+        if self.channel_bits {
+            f.write_str("-qa")?;
+        }
         if self.param_dtype == ParamDtype::F32 {
             f.write_str("-f32")?;
         }
@@ -328,6 +367,7 @@ impl FromStr for QuantSpec {
         let mut dtype = ParamDtype::F16;
         let mut ranges = RangeRule::MinMax;
         let mut rotated = false;
+        let mut channel_bits = false;
         for part in parts {
             let part = part.to_ascii_lowercase();
             let size = |text: &str| text.parse::<usize>().map_err(|_| bad("expected a size"));
@@ -352,6 +392,10 @@ impl FromStr for QuantSpec {
                     rotated = true;
                     continue;
                 }
+                "qa" => {
+                    channel_bits = true;
+                    continue;
+                }
                 "tensor" => Granularity::PerTensor,
                 "head" => Granularity::PerHead,
                 "channel" => Granularity::PerChannel { token_group: None },
@@ -362,11 +406,14 @@ impl FromStr for QuantSpec {
                 p if p.starts_with('g') => Granularity::Group(size(&p[1..])?),
                 _ => {
                     return Err(bad(
-                        "unknown granularity (tensor, head, channel[N], token, gN) or option (mse, f32)",
+                        "unknown granularity (tensor, head, channel[N], token, gN) or option (mse, rot, qa, f32)",
                     ));
                 }
             };
         }
-        Ok(QuantSpec::new(kind, bits, granularity, dtype)?.with_ranges(ranges).with_rotation(rotated))
+        QuantSpec::new(kind, bits, granularity, dtype)?
+            .with_ranges(ranges)
+            .with_rotation(rotated)
+            .with_channel_bits(channel_bits)
     }
 }

@@ -26,6 +26,7 @@
 //! ```
 
 pub mod calibration;
+pub mod channel_bits;
 pub mod codebook;
 pub mod codec;
 pub mod error;
@@ -44,6 +45,7 @@ pub mod synth;
 pub mod tensor;
 
 pub use calibration::{Calibration, Part};
+pub use channel_bits::{ChannelBits, ChannelBitsTensor, quantize_channel_bits};
 pub use codebook::Codebook;
 pub use codec::{ChannelParams, Codec, GroupParams};
 pub use error::{QuantError, Result};

@@ -105,11 +105,22 @@ pub struct QuantizedTensor {
 pub fn quantize(tensor: &Tensor, spec: &QuantSpec) -> Result<QuantizedTensor> {
     let shape = tensor.shape();
     spec.check_shape(shape)?;
+    needs_no_map(spec)?;
     let layout = GroupLayout::new(shape, spec.granularity());
     let rotated = rotated_copy(tensor, spec)?;
     let tensor = rotated.as_ref().unwrap_or(tensor);
     let (mins, maxs) = group_ranges(tensor, &layout)?;
     encode_tensor(tensor, spec, &layout, &mins, &maxs, true)
+}
+
+/// Refuses a `-qa` spec: its widths come from a map ([`crate::channel_bits`]).
+fn needs_no_map(spec: &QuantSpec) -> Result<()> {
+    if spec.channel_bits() {
+        return Err(QuantError::InvalidSpec(format!(
+            "{spec}: bits per channel need a fitted map (quantize_channel_bits)"
+        )));
+    }
+    Ok(())
 }
 
 /// The tensor with every row rotated, for a `-rot` spec (after the values are checked finite:
@@ -140,6 +151,7 @@ pub fn quantize_with_ranges(
 ) -> Result<QuantizedTensor> {
     let shape = tensor.shape();
     spec.check_shape(shape)?;
+    needs_no_map(spec)?;
     check_finite(shape, tensor.data())?;
     let layout = GroupLayout::new(shape, spec.granularity());
     let rotated = rotated_copy(tensor, spec)?;
