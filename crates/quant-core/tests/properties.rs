@@ -123,4 +123,71 @@ proptest! {
             prop_assert!(err <= bound, "{}: row {} error {} over {}", spec, r, err, bound);
         }
     }
+
+    #[test]
+    fn channel_bits_keep_each_channels_half_step(
+        x in tensor(),
+        bits in 1u8..=8,
+        moves in prop::collection::vec((any::<prop::sample::Index>(), any::<prop::sample::Index>()), 0..40),
+    ) {
+        // A map of any widths summing to bits · d (random transfers of one bit between
+        // channels): every element is within half a step of its channel's own width over the
+        // channel's range in its head.
+        use kvq_quant_core::{ChannelBits, quantize_channel_bits};
+        let s = x.shape();
+        let d = s.head_dim;
+        let mut w = vec![bits; d];
+        for (a, b) in &moves {
+            let (a, b) = (a.index(d), b.index(d));
+            if a != b && w[a] < 8 && w[b] > 1 {
+                w[a] += 1;
+                w[b] -= 1;
+            }
+        }
+        let spec: QuantSpec = format!("int{bits}-channel-qa-f32").parse().unwrap();
+        let maps = vec![ChannelBits::new(w.clone()).unwrap(); s.heads];
+        let q = quantize_channel_bits(&x, &spec, &maps).unwrap();
+        let y = q.dequantize();
+        prop_assert_eq!(y.shape(), s);
+        for h in 0..s.heads {
+            for (c, &wc) in w.iter().enumerate() {
+                let col: Vec<f32> = (0..s.tokens).map(|t| x.row(0, h, t)[c]).collect();
+                let (lo, hi) = col.iter().fold((f32::MAX, f32::MIN), |(l, u), &v| (l.min(v), u.max(v)));
+                let step = (hi - lo) / ((1u32 << wc) - 1) as f32;
+                for t in 0..s.tokens {
+                    let (a, b) = (x.row(0, h, t)[c], y.row(0, h, t)[c]);
+                    let bound = 0.5 * step * (1.0 + 1e-4) + 4.0 * f32::EPSILON * a.abs().max(b.abs());
+                    prop_assert!((a - b).abs() <= bound, "head {} channel {} width {}: x {} x̂ {}", h, c, wc, a, b);
+                }
+            }
+        }
+        let code_bits: usize = w.iter().map(|&b| usize::from(b)).sum();
+        prop_assert_eq!(code_bits, usize::from(bits) * d);
+    }
+
+    #[test]
+    fn fitted_channel_bits_sum_pair_and_fill_units(x in tensor(), bits in 1u8..=8, e in prop::collection::vec(0.0f32..10.0, 32)) {
+        use kvq_quant_core::{ChannelBits, RopePairing};
+        let s = x.shape();
+        let d = s.head_dim;
+        let keys = Tensor::new(Shape::new(1, s.tokens, d), x.data()[..s.tokens * d].to_vec()).unwrap();
+        let spec: QuantSpec = format!("int{bits}-channel1-qa").parse().unwrap();
+        for pairing in [None, Some(RopePairing::Half), Some(RopePairing::Interleaved)] {
+            let map = ChannelBits::fit(&keys, &e[..d], &spec, pairing).unwrap();
+            prop_assert_eq!(map.total_bits(), usize::from(bits) * d);
+            prop_assert!(map.widths().iter().all(|w| (1..=8).contains(w)));
+            for (_, channels) in map.segments() {
+                prop_assert_eq!(channels.len() % 8, 0);
+            }
+            let mut perm = map.permutation();
+            perm.sort_unstable();
+            prop_assert_eq!(perm, (0..d).collect::<Vec<_>>());
+            if let Some(p) = pairing {
+                for i in 0..d / 2 {
+                    let (a, b) = p.channels(i, d);
+                    prop_assert_eq!(map.widths()[a], map.widths()[b]);
+                }
+            }
+        }
+    }
 }
