@@ -15,7 +15,7 @@ use kvq_quant_core::{GroupParams, ParamDtype, Tensor};
 
 use crate::config::CacheConfig;
 use crate::error::{CacheError, Result};
-use crate::part::{Mode, PartLayout, TailBuf};
+use crate::part::{HeadSegments, Mode, PartLayout, TailBuf};
 use crate::pool::{BlockId, BlockPool};
 use crate::reserve::Reservation;
 
@@ -70,6 +70,9 @@ pub struct PagedCache {
     pub(crate) stats: CacheStats,
     /// Blocks held by every reservation (at most the free blocks).
     pub(crate) reserved: usize,
+    /// For a `-qa` K spec, per `layer · kv_heads + head`: the head's channel order and width
+    /// regions (empty otherwise).
+    pub(crate) k_segments: Vec<HeadSegments>,
 }
 
 const PARTS: [Part; 2] = [Part::K, Part::V];
@@ -137,6 +140,13 @@ impl PagedCache {
                 }
             }
         }
+        let k_segments = match &config.channel_bits {
+            Some(maps) => maps
+                .iter()
+                .map(|m| HeadSegments::new(m, &config.k_spec, config.block_size, &parts[0]))
+                .collect::<Result<Vec<_>>>()?,
+            None => Vec::new(),
+        };
         let pool = BlockPool::new(0, parts[0].bytes() + parts[1].bytes())?;
         Ok(Self {
             config,
@@ -148,6 +158,7 @@ impl PagedCache {
             next_id: 0,
             stats: CacheStats::default(),
             reserved: 0,
+            k_segments,
         })
     }
 
@@ -159,6 +170,15 @@ impl PagedCache {
     /// The layout of the K or V region of a block.
     pub fn part(&self, part: Part) -> &PartLayout {
         &self.parts[part_index(part)]
+    }
+
+    /// How the keys of `(layer, head)` are stored under a `-qa` K spec (channel order and
+    /// width regions); `None` for other specs or out-of-range indices.
+    pub fn key_segments(&self, layer: usize, head: usize) -> Option<&HeadSegments> {
+        if head >= self.config.kv_heads {
+            return None;
+        }
+        self.k_segments.get(layer.checked_mul(self.config.kv_heads)?.checked_add(head)?)
     }
 
     /// The block pool.
@@ -438,9 +458,10 @@ impl PagedCache {
         }
     }
 
-    /// For a layout with a rotated (`-rot`) part: the input checked as given (so that a NaN
-    /// is named where the caller put it), then that part's rows rotated, `[t][head]` order.
-    /// `None` when no part rotates.
+    /// For a layout with a rotated (`-rot`) part or keys with bits per channel (`-qa`): the
+    /// input checked as given (so that a NaN is named where the caller put it), then that
+    /// part's rows rotated (or the keys' channels permuted), `[t][head]` order. `None` when
+    /// rows are stored as given.
     fn rotated_rows<'a>(
         &self,
         seq: SeqId,
@@ -448,7 +469,7 @@ impl PagedCache {
         n: usize,
         row: &impl Fn(usize, usize, usize) -> &'a [f32],
     ) -> Result<Option<[Option<Vec<f32>>; 2]>> {
-        if !self.parts.iter().any(|p| p.spec.rotated()) {
+        if !self.parts.iter().any(|p| p.spec.rotated()) && self.k_segments.is_empty() {
             return Ok(None);
         }
         self.validate(seq, layer, n, row)?;
@@ -465,7 +486,18 @@ impl PagedCache {
                 b
             })
         };
-        Ok(Some([rotate(0), rotate(1)]))
+        // Keys of a `-qa` spec: each head's channels in its map's order.
+        let permuted = (!self.k_segments.is_empty()).then(|| {
+            let mut b = Vec::with_capacity(n * heads * d);
+            for t in 0..n {
+                for h in 0..heads {
+                    let x = row(0, h, t);
+                    b.extend(self.k_segments[layer * heads + h].permutation.iter().map(|&c| x[c]));
+                }
+            }
+            b
+        });
+        Ok(Some([permuted.or_else(|| rotate(0)), rotate(1)]))
     }
 
     /// [`PagedCache::extend_with`] once any rotation is done: checks, then writes.
@@ -484,7 +516,8 @@ impl PagedCache {
         }
         let (bs, heads, sinks, d) =
             (self.config.block_size, self.config.kv_heads, self.config.sink_tokens, self.config.head_dim);
-        let Self { parts, statics, static_ranges, pool, seqs, stats, config, reserved, .. } = self;
+        let Self { parts, statics, static_ranges, pool, seqs, stats, config, reserved, k_segments, .. } =
+            self;
         let ls = &mut seqs.get_mut(&seq).expect("checked by blocks_needed").layers[layer];
         // The blocks come from the layer's reservation first; its tokens are used up.
         let r = &mut ls.reserved;
@@ -510,6 +543,8 @@ impl PagedCache {
         let mut scratch = vec![0u8; d];
         let mut params = vec![GroupParams::default(); heads * d];
         let mut rows = Vec::with_capacity(heads * bs * d);
+        let mut columns = Vec::new();
+        let segments = |i: usize, h: usize| if i == 0 { k_segments.get(layer * heads + h) } else { None };
         for t in 0..n {
             let pos = ls.len + t;
             if pos < sinks {
@@ -577,17 +612,32 @@ impl PagedCache {
                             }
                             let params = rows
                                 .chunks_exact(bs * d)
-                                .map(|block| layout.channel_block_params(block))
+                                .enumerate()
+                                .map(|(h, block)| match segments(i, h) {
+                                    Some(seg) => seg.channel_block_params(block, &mut columns),
+                                    None => layout.channel_block_params(block),
+                                })
                                 .collect::<Result<Vec<_>>>()?;
                             for (h, (block, params)) in rows.chunks_exact(bs * d).zip(&params).enumerate() {
                                 let id = ls.blocks[fb * heads + h];
-                                layout.write_channel_block(
-                                    &config.row_kernels,
-                                    block,
-                                    params,
-                                    &mut pool.block_mut(id)[span.clone()],
-                                    &mut scratch,
-                                );
+                                let region = &mut pool.block_mut(id)[span.clone()];
+                                match segments(i, h) {
+                                    Some(seg) => seg.write_channel_block(
+                                        &config.row_kernels,
+                                        block,
+                                        params,
+                                        region,
+                                        &mut columns,
+                                        &mut scratch,
+                                    ),
+                                    None => layout.write_channel_block(
+                                        &config.row_kernels,
+                                        block,
+                                        params,
+                                        region,
+                                        &mut scratch,
+                                    ),
+                                }
                                 ls.tails[i][h].drain_front(bs * d);
                             }
                             ls.done[i] += bs;

@@ -1,7 +1,7 @@
 //! What a cache holds and how: model shape, K and V specs, block size, residual window,
 //! attention sinks, tail precision, capacity and calibration.
 
-use kvq_quant_core::{Calibration, CodebookSource, Granularity, Kind, QuantSpec, RowKernels};
+use kvq_quant_core::{Calibration, ChannelBits, CodebookSource, Granularity, Kind, QuantSpec, RowKernels};
 
 use crate::error::{CacheError, Result};
 
@@ -61,6 +61,11 @@ pub struct CacheConfig {
     /// Static ranges for per-tensor and per-head specs (and per-channel specs that should
     /// quantize at once instead of through the residual window).
     pub calibration: Option<Calibration>,
+    /// Bits per key channel for a `-qa` K spec: one map per layer and KV head, entry
+    /// `layer · kv_heads + head` ([`kvq_quant_core::channel_bits`]). Key rows are stored with
+    /// their channels in the map's [`ChannelBits::permutation`] order, each width's channels
+    /// a per-channel region of its own in the block.
+    pub channel_bits: Option<Vec<ChannelBits>>,
     /// The range scan, encoding and packing used to quantize rows as they arrive. All
     /// implementations give the same codes; `kvq-kernels-simd`'s `row_kernels()` returns the
     /// fastest for the CPU (the `kvq` facade sets it), the default is the portable one.
@@ -83,6 +88,7 @@ impl CacheConfig {
             tail_dtype: TailDtype::F16,
             capacity_blocks,
             calibration: None,
+            channel_bits: None,
             row_kernels: RowKernels::PORTABLE,
         }
     }
@@ -130,6 +136,62 @@ impl CacheConfig {
         self
     }
 
+    /// Sets the bits per key channel of a `-qa` K spec (see [`CacheConfig::channel_bits`]).
+    pub fn with_channel_bits(mut self, maps: Vec<ChannelBits>) -> Self {
+        self.channel_bits = Some(maps);
+        self
+    }
+
+    /// Checks the maps of a `-qa` K spec: one per layer and head, `head_dim` channels, summing
+    /// to the spec's bits per channel, each width a whole number of 8-channel units.
+    fn check_channel_bits(&self) -> Result<()> {
+        let bad = |m: String| Err(CacheError::Config(m));
+        if self.v_spec.channel_bits() {
+            return bad(format!("V spec {}: bits per channel (-qa) are for keys", self.v_spec));
+        }
+        let Some(maps) = &self.channel_bits else {
+            if self.k_spec.channel_bits() {
+                return bad(format!(
+                    "K spec {}: bits per channel need a map per layer and head",
+                    self.k_spec
+                ));
+            }
+            return Ok(());
+        };
+        if !self.k_spec.channel_bits() {
+            return bad(format!("channel bit maps are given but K spec {} has no -qa", self.k_spec));
+        }
+        if self.calibration.is_some() {
+            return bad(format!(
+                "K spec {}: bits per channel take their ranges from the data, not a calibration",
+                self.k_spec
+            ));
+        }
+        let want = self.layers.checked_mul(self.kv_heads);
+        if want != Some(maps.len()) {
+            return bad(format!(
+                "{} channel bit maps for {} layers × {} KV heads",
+                maps.len(),
+                self.layers,
+                self.kv_heads
+            ));
+        }
+        for (i, map) in maps.iter().enumerate() {
+            let at = format!("channel bit map {i} (layer {}, head {})", i / self.kv_heads, i % self.kv_heads);
+            if map.head_dim() != self.head_dim {
+                return bad(format!("{at}: {} channels, head_dim is {}", map.head_dim(), self.head_dim));
+            }
+            let total = usize::from(self.k_spec.bits()) * self.head_dim;
+            if map.total_bits() != total {
+                return bad(format!("{at}: widths sum to {} bits, not {total}", map.total_bits()));
+            }
+            if let Some((w, c)) = map.segments().into_iter().find(|(_, c)| !c.len().is_multiple_of(8)) {
+                return bad(format!("{at}: {} channels at {w} bits, not a multiple of 8", c.len()));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the config.
     ///
     /// # Errors
@@ -160,12 +222,8 @@ impl CacheConfig {
             return bad(format!("sink_tokens {} is over the limit of {MAX_WINDOW_TOKENS}", self.sink_tokens));
         }
 
+        self.check_channel_bits()?;
         for (name, spec) in [("K", &self.k_spec), ("V", &self.v_spec)] {
-            if spec.channel_bits() {
-                return bad(format!(
-                    "{name} spec {spec}: bits per channel (-qa) are measured offline (`kvq analyze`); the paged cache does not hold them yet"
-                ));
-            }
             if spec.rotated() {
                 if name == "K" {
                     return bad(format!(

@@ -45,6 +45,9 @@ struct ConfigWire {
     tail_dtype: TailDtype,
     capacity_blocks: usize,
     calibration: Option<Calibration>,
+    /// Widths per key channel, per layer and head (`-qa` K specs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    channel_bits: Option<Vec<Vec<u8>>>,
 }
 
 fn to_wire(c: &CacheConfig) -> Result<ConfigWire> {
@@ -66,11 +69,17 @@ fn to_wire(c: &CacheConfig) -> Result<ConfigWire> {
         tail_dtype: c.tail_dtype,
         capacity_blocks: c.capacity_blocks,
         calibration: c.calibration.clone(),
+        channel_bits: c.channel_bits.as_ref().map(|m| m.iter().map(|b| b.widths().to_vec()).collect()),
     })
 }
 
 fn from_wire(w: ConfigWire) -> Result<CacheConfig> {
     let spec = |s: &str| s.parse::<QuantSpec>().map_err(|e| CacheError::Offload(format!("spec {s:?}: {e}")));
+    let channel_bits = w
+        .channel_bits
+        .map(|maps| maps.into_iter().map(kvq_quant_core::ChannelBits::new).collect::<Result<Vec<_>, _>>())
+        .transpose()
+        .map_err(|e| CacheError::Offload(format!("channel bit map: {e}")))?;
     let c = CacheConfig {
         layers: w.layers,
         kv_heads: w.kv_heads,
@@ -83,6 +92,7 @@ fn from_wire(w: ConfigWire) -> Result<CacheConfig> {
         tail_dtype: w.tail_dtype,
         capacity_blocks: w.capacity_blocks,
         calibration: w.calibration,
+        channel_bits,
         // Not stored: every implementation writes the same codes. A loaded cache can take
         // faster ones with `PagedCache::set_row_kernels`.
         row_kernels: kvq_quant_core::RowKernels::PORTABLE,

@@ -13,8 +13,8 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use kvq_quant_core::pack::{packed_len, unpack_row};
 use kvq_quant_core::{
-    ChannelParams, Codec, Granularity, GroupParams, ParamDtype, QuantSpec, RangeRule, RowKernels,
-    encode_row_with, row_params_with,
+    ChannelBits, ChannelParams, Codec, Granularity, GroupParams, ParamDtype, QuantSpec, RangeRule,
+    RowKernels, encode_row_with, row_params_with,
 };
 
 use crate::config::TailDtype;
@@ -416,5 +416,102 @@ impl TailBuf {
                 bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             ),
         }
+    }
+}
+
+/// One width of a `-qa` key head: a per-channel region of its own inside the block's K region,
+/// for the stored channels `first_channel..first_channel + layout.head_dim()` (in the head's
+/// permuted order).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WidthSegment {
+    /// The region's layout: per channel over the block, `head_dim` = the width's channels,
+    /// bits = the width.
+    pub layout: PartLayout,
+    /// The first of the segment's channels in stored (permuted) order.
+    pub first_channel: usize,
+    /// Where the segment's region starts in the block's K region.
+    pub byte_offset: usize,
+}
+
+/// How a `-qa` key head is stored: its channels permuted so that each width's are contiguous
+/// ([`ChannelBits::permutation`]), and one per-channel region per width, narrowest first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadSegments {
+    /// Stored channel `i` is the model's channel `permutation[i]`.
+    pub permutation: Vec<usize>,
+    /// The widths' regions, in stored channel order.
+    pub segments: Vec<WidthSegment>,
+}
+
+impl HeadSegments {
+    /// The regions of `map` under `spec` (affine, per channel over the block, `-qa`), which
+    /// together take exactly the bytes of `whole`, the K region of the spec's average width.
+    pub(crate) fn new(
+        map: &ChannelBits,
+        spec: &QuantSpec,
+        block_size: usize,
+        whole: &PartLayout,
+    ) -> Result<Self> {
+        let mut segments = Vec::new();
+        let (mut first_channel, mut byte_offset) = (0, 0);
+        for (w, channels) in map.segments() {
+            let at_width = QuantSpec::new(spec.kind().clone(), w, spec.granularity(), spec.param_dtype())?
+                .with_ranges(spec.ranges());
+            let layout = PartLayout::new(&at_width, channels.len(), block_size, false)?;
+            let bytes = layout.bytes();
+            segments.push(WidthSegment { layout, first_channel, byte_offset });
+            first_channel += channels.len();
+            byte_offset += bytes;
+        }
+        if byte_offset != whole.bytes() || whole.mode != Mode::Channel {
+            return Err(crate::error::CacheError::Config(format!(
+                "the width regions of a channel bit map take {byte_offset} bytes, the K region {}",
+                whole.bytes()
+            )));
+        }
+        Ok(Self { permutation: map.permutation(), segments })
+    }
+
+    /// The per-channel parameters of a whole block (rows of the head's stored, permuted
+    /// channels, row-major), in stored channel order: each width's as its region finds them.
+    pub(crate) fn channel_block_params(&self, rows: &[f32], buf: &mut Vec<f32>) -> Result<Vec<GroupParams>> {
+        let mut params = Vec::with_capacity(self.permutation.len());
+        for s in &self.segments {
+            gather_columns(rows, self.permutation.len(), s.first_channel, s.layout.head_dim, buf);
+            params.extend(s.layout.channel_block_params(buf)?);
+        }
+        Ok(params)
+    }
+
+    /// Writes a block with [`HeadSegments::channel_block_params`]'s parameters into the K
+    /// region `region`, each width into its own region.
+    pub(crate) fn write_channel_block(
+        &self,
+        kernels: &RowKernels,
+        rows: &[f32],
+        params: &[GroupParams],
+        region: &mut [u8],
+        buf: &mut Vec<f32>,
+        scratch: &mut [u8],
+    ) {
+        for s in &self.segments {
+            let n = s.layout.head_dim;
+            gather_columns(rows, self.permutation.len(), s.first_channel, n, buf);
+            s.layout.write_channel_block(
+                kernels,
+                buf,
+                &params[s.first_channel..s.first_channel + n],
+                &mut region[s.byte_offset..s.byte_offset + s.layout.bytes()],
+                &mut scratch[..n],
+            );
+        }
+    }
+}
+
+/// Columns `first..first + n` of the rows of `d` values in `rows`, row-major, into `out`.
+fn gather_columns(rows: &[f32], d: usize, first: usize, n: usize, out: &mut Vec<f32>) {
+    out.clear();
+    for row in rows.chunks_exact(d) {
+        out.extend_from_slice(&row[first..first + n]);
     }
 }

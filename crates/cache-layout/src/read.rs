@@ -8,7 +8,7 @@ use kvq_quant_core::calibration::Part;
 
 use crate::cache::{LayerSeq, PagedCache, SeqId};
 use crate::error::Result;
-use crate::part::{Mode, PartLayout, TailBuf};
+use crate::part::{HeadSegments, Mode, PartLayout, TailBuf};
 use crate::pool::BlockId;
 
 /// A run of consecutive tokens of one (sequence, layer, KV head), for K or V.
@@ -99,6 +99,7 @@ impl<'a> Iterator for Segments<'a> {
                     region: self.cache.region(id, self.part),
                     layout: &self.cache.parts[self.i],
                     statics: self.cache.static_params(self.part, self.layer, self.head),
+                    widths: if self.i == 0 { self.cache.key_segments(self.layer, self.head) } else { None },
                 }));
             } else if self.has_tail() {
                 let tail = &self.ls.tails[self.i][self.head];
@@ -138,9 +139,30 @@ pub struct BlockView<'a> {
     pub layout: &'a PartLayout,
     /// Calibrated parameters (static parts only).
     pub statics: &'a [GroupParams],
+    /// Keys with bits per channel (`-qa`): the head's width regions. The region is then not
+    /// one layout's but one per width ([`BlockView::width_views`]); rows hold the head's
+    /// channels in its permuted order.
+    pub widths: Option<&'a HeadSegments>,
 }
 
-impl BlockView<'_> {
+impl<'a> BlockView<'a> {
+    /// For keys with bits per channel, each width's region as a view of its own (a plain
+    /// per-channel block of that width's channels) with the first stored channel it holds;
+    /// `None` for every other block.
+    pub fn width_views(&self) -> Option<impl Iterator<Item = (usize, BlockView<'a>)> + 'a> {
+        let (region, widths, base) = (self.region, self.widths?, *self);
+        Some(widths.segments.iter().map(move |s| {
+            let view = BlockView {
+                region: &region[s.byte_offset..s.byte_offset + s.layout.bytes()],
+                layout: &s.layout,
+                statics: &[],
+                widths: None,
+                ..base
+            };
+            (s.first_channel, view)
+        }))
+    }
+
     /// Packed codes of row `r`.
     pub fn row_codes(&self, r: usize) -> &[u8] {
         &self.region[r * self.layout.row_bytes..(r + 1) * self.layout.row_bytes]
@@ -192,6 +214,14 @@ impl BlockView<'_> {
     /// [`BlockView::decode_row`] with the caller's buffer for the unpacked codes, which a
     /// loop over rows reuses instead of allocating per row.
     pub fn decode_row_with(&self, r: usize, out: &mut [f32], codes: &mut Vec<u8>) {
+        if let Some(views) = self.width_views() {
+            // Stored (permuted) channel order, as the block holds them.
+            for (first, v) in views {
+                let n = v.layout.head_dim;
+                v.decode_row_with(r, &mut out[first..first + n], codes);
+            }
+            return;
+        }
         codes.resize(self.layout.head_dim, 0);
         self.layout.decode_row(self.region, r, self.statics, out, codes);
     }
@@ -243,7 +273,8 @@ pub struct LayerMemory {
     pub code_bytes: usize,
     /// Parameters stored in those blocks.
     pub param_bytes: usize,
-    /// Calibrated parameters of static parts (held once per layer and head).
+    /// Calibrated parameters of static parts, and the channel bit maps of `-qa` keys (4 bits
+    /// per channel): held once per layer and head.
     pub static_param_bytes: usize,
     /// Full-precision residual tails.
     pub tail_bytes: usize,
@@ -325,8 +356,9 @@ impl PagedCache {
     }
 
     /// K or V of `(seq, layer, head)` decoded to f32, `tokens × head_dim` (reference path),
-    /// unrotated for a `-rot` spec: the values as appended, up to quantization. (Segments and
-    /// block views give the stored, rotated rows.)
+    /// unrotated for a `-rot` spec and in the model's channel order for a `-qa` one: the values
+    /// as appended, up to quantization. (Segments and block views give the stored rows,
+    /// rotated or permuted.)
     ///
     /// # Errors
     /// As [`PagedCache::segments`].
@@ -349,6 +381,15 @@ impl PagedCache {
         }
         if self.parts[self.part_of(part)].spec.rotated() {
             kvq_quant_core::rotation::unrotate_rows(&mut out, d);
+        }
+        if let (Part::K, Some(seg)) = (part, self.key_segments(layer, head)) {
+            let mut row = vec![0f32; d];
+            for stored in out.chunks_exact_mut(d) {
+                for (&c, &x) in seg.permutation.iter().zip(stored.iter()) {
+                    row[c] = x;
+                }
+                stored.copy_from_slice(&row);
+            }
         }
         Ok(out)
     }
@@ -382,6 +423,12 @@ impl PagedCache {
                     m.static_param_bytes +=
                         (0..heads).map(|h| self.statics[i][l * heads + h].len() * per_group).sum::<usize>();
                 }
+            }
+        }
+        if !self.k_segments.is_empty() {
+            let per_head = self.config.head_dim.div_ceil(2);
+            for m in &mut layers {
+                m.static_param_bytes += heads * per_head;
             }
         }
         CacheMemory {

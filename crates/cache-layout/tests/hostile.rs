@@ -276,3 +276,55 @@ fn devices_and_directories_are_not_read() {
         }
     }
 }
+
+#[test]
+fn channel_bit_maps_that_do_not_fit_are_refused() {
+    use kvq_quant_core::ChannelBits;
+    let base = CacheConfig::new(2, 2, 16, 16)
+        .with_block_size(4)
+        .with_specs(spec("int3-channel-qa"), spec("int4-token"));
+    let good = |i: usize| {
+        ChannelBits::new((0..16).map(|c| if (c + i).is_multiple_of(2) { 2 } else { 4 }).collect()).unwrap()
+    };
+    let maps: Vec<ChannelBits> = (0..4).map(good).collect();
+    assert!(PagedCache::new(base.clone().with_channel_bits(maps.clone())).is_ok());
+    let mut off_sum = maps.clone();
+    off_sum[3] = ChannelBits::uniform(16, 4).unwrap();
+    // 2 bits on 4 channels: a width that is not a whole 8-channel unit.
+    let mut ragged = maps.clone();
+    ragged[1] = ChannelBits::new([2, 2, 2, 2, 4, 4, 4, 4, 3, 3, 3, 3, 3, 3, 3, 3].to_vec()).unwrap();
+    let cases = [
+        ("no maps", base.clone()),
+        ("too few maps", base.clone().with_channel_bits(maps[..3].to_vec())),
+        ("a map of another head_dim", {
+            let mut m = maps.clone();
+            m[0] = ChannelBits::uniform(8, 3).unwrap();
+            base.clone().with_channel_bits(m)
+        }),
+        ("widths that do not sum", base.clone().with_channel_bits(off_sum)),
+        ("a ragged width", base.clone().with_channel_bits(ragged)),
+        (
+            "maps without -qa",
+            base.clone().with_specs(spec("int3-channel"), spec("int4-token")).with_channel_bits(maps.clone()),
+        ),
+        (
+            "-qa values",
+            base.clone()
+                .with_specs(spec("int3-channel-qa"), spec("int3-channel-qa"))
+                .with_channel_bits(maps.clone()),
+        ),
+    ];
+    for (what, config) in cases {
+        assert!(matches!(PagedCache::new(config), Err(CacheError::Config(_))), "{what}");
+    }
+    // A file whose map was edited to widths outside 1..=8 is refused, not decoded wrongly.
+    let (cache, _) = filled(base.with_channel_bits(maps), 9);
+    let bytes = cache.to_bytes().unwrap();
+    let back = PagedCache::from_bytes(&bytes).unwrap();
+    assert_eq!(back, cache);
+    let crafted = with_header(&bytes, |h| h.replacen("[2,4,", "[9,4,", 1));
+    assert_ne!(crafted, bytes);
+    assert!(matches!(PagedCache::from_bytes(&crafted), Err(CacheError::Offload(_))));
+    let crafted = with_header(&bytes, |h| h.replacen("[2,4,", "[4,4,", 1));
+    assert!(matches!(PagedCache::from_bytes(&crafted), Err(CacheError::Offload(_))));
+}

@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 use half::f16;
 use kvq_cache_layout::{CacheConfig, CacheError, PagedCache, Segment, SeqId, TailDtype};
 use kvq_quant_core::calibration::Part;
-use kvq_quant_core::{Calibration, QuantSpec, Shape, Tensor, quantize, quantize_with_ranges};
+use kvq_quant_core::{
+    Calibration, ChannelBits, QuantSpec, Shape, Tensor, quantize, quantize_channel_bits, quantize_with_ranges,
+};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -115,6 +117,7 @@ fn setup() -> impl Strategy<Value = Setup> {
             "int4-channel-f32",
             "int4-head",
             "int8-tensor",
+            "int3-channel-qa",
         ]),
         prop::sample::select(vec![
             "int4-token",
@@ -129,17 +132,28 @@ fn setup() -> impl Strategy<Value = Setup> {
         6..30usize,
         any::<bool>(),
     )
-        .prop_map(|(heads, d, bs, residual, sinks, f16_tail, k, v, capacity, calibrate)| Setup {
-            heads,
-            d,
-            bs,
-            residual,
-            sinks,
-            tail: if f16_tail { TailDtype::F16 } else { TailDtype::F32 },
-            k,
-            v,
-            capacity,
-            calibrated: calibrate || [k, v].iter().any(|s| s.contains("-head") || s.contains("-tensor")),
+        .prop_map(|(heads, d, bs, residual, sinks, f16_tail, k, v, capacity, calibrate)| {
+            // Bits per key channel take their ranges from the data: no calibration, so no
+            // per-head or per-tensor values beside them.
+            let v = if k.contains("-qa") && (v.contains("-head") || v.contains("-tensor")) {
+                "int4-token"
+            } else {
+                v
+            };
+            Setup {
+                heads,
+                d,
+                bs,
+                residual,
+                sinks,
+                tail: if f16_tail { TailDtype::F16 } else { TailDtype::F32 },
+                k,
+                v,
+                capacity,
+                // Bits per channel take their ranges from the data: never calibrated.
+                calibrated: !k.contains("-qa")
+                    && (calibrate || [k, v].iter().any(|s| s.contains("-head") || s.contains("-tensor"))),
+            }
         })
 }
 
@@ -161,6 +175,15 @@ struct ModelSeq {
     done: Vec<[usize; 2]>,
     /// Per layer, tokens still reserved: appends of up to that many cannot lack blocks.
     reserved: Vec<usize>,
+}
+
+/// The map of map index `i` for `int3` keys: uniform at 8 channels; at 16, 2 and 4 bits on the
+/// odd and even channels (or the reverse, by `i`), so the stored order is a real permutation.
+fn channel_bits(d: usize, i: usize) -> ChannelBits {
+    if d < 16 {
+        return ChannelBits::uniform(d, 3).unwrap();
+    }
+    ChannelBits::new((0..d).map(|c| if (c + i).is_multiple_of(2) { 2 } else { 4 }).collect()).unwrap()
 }
 
 fn values(seed: u64, n: usize) -> Vec<f32> {
@@ -199,6 +222,11 @@ impl World {
         let p = if part == 0 { Part::K } else { Part::V };
         let ranges = self.calibration.as_ref()?.group_ranges(p, layer, head, spec.granularity()).unwrap();
         Some(ranges.into_iter().unzip())
+    }
+
+    /// A `-qa` K spec's map of `(layer, head)` (see [`channel_bits`]).
+    fn map(&self, layer: usize, head: usize) -> Option<ChannelBits> {
+        self.spec(0).channel_bits().then(|| channel_bits(self.s.d, layer * self.s.heads + head))
     }
 
     fn nth(&self, i: usize) -> Option<SeqId> {
@@ -261,7 +289,11 @@ impl World {
             for b in 0..done / bs {
                 let from = (sinks + b * bs) * d;
                 let t = Tensor::new(Shape::new(1, bs, d), stored[from..from + bs * d].to_vec()).unwrap();
-                out.extend(quantize(&t, &spec).unwrap().dequantize().into_data());
+                let back = match (part, self.map(layer, head)) {
+                    (0, Some(map)) => quantize_channel_bits(&t, &spec, &[map]).unwrap().dequantize(),
+                    _ => quantize(&t, &spec).unwrap().dequantize(),
+                };
+                out.extend(back.into_data());
             }
             out.extend(full(&rows[(n_sinks + done) * d..]));
         } else {
@@ -551,6 +583,9 @@ proptest! {
             .with_residual_blocks(s.residual)
             .with_sink_tokens(s.sinks)
             .with_tail_dtype(s.tail);
+        if s.k.contains("-qa") {
+            config = config.with_channel_bits((0..LAYERS * s.heads).map(|i| channel_bits(s.d, i)).collect());
+        }
         let calibration = s.calibrated.then(|| calibration(&s));
         if let Some(c) = &calibration {
             config = config.with_calibration(c.clone());

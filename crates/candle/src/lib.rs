@@ -27,6 +27,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod calibrate;
 pub mod convert;
 pub mod error;
 pub mod eval;

@@ -92,11 +92,15 @@ fn specs_and_configs_in_both_protocols() {
         .arg(&model)
         .arg("--tokens")
         .arg(&tokens)
-        .args(["--max-tokens", "80", "--prefill", "70", "--specs", "int4"])
+        .args(["--max-tokens", "80", "--prefill", "70", "--specs", "int4,int3-channel-qa/int4-token"])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("mean KL") && text.contains("int4"), "{text}");
+    // Bits per key channel are fitted on the prefill's keys and queries first.
+    assert!(text.contains("int3-channel-qa/int4-token"), "{text}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("fitting bits per key channel on 70 tokens"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
 

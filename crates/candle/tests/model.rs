@@ -113,3 +113,48 @@ fn chunks_follow_llama_perplexity() {
     let ppl = (nll / r.positions as f64).exp();
     assert!((ppl - r.ppl_ref).abs() < 1e-9 * ppl, "{ppl} vs {}", r.ppl_ref);
 }
+
+#[test]
+fn bits_per_key_channel_fitted_on_the_model_decode_through_the_cache() {
+    // The recorder sees what the model writes and reads; maps fitted on the first 48 tokens
+    // configure a `-qa` cache that decodes the rest within sight of the plain INT3 one.
+    let m = model("channel-bits");
+    let tokens = Rng::new(5).tokens(96);
+    let (keys, queries) = kvq_candle::calibrate::record(&m, &tokens[..48]).unwrap().into_parts();
+    let mut plain = m.f32_cache().unwrap();
+    m.forward(&mut plain, &tokens[..48]).unwrap();
+    assert_eq!(keys.len(), LAYERS);
+    assert!(keys.iter().all(|k| k.len() == 48 * KV_HEADS * HEAD_DIM));
+    assert!(queries.iter().all(|q| q.len() == 48 * HEADS * HEAD_DIM));
+    assert_eq!(plain.used_bytes(), 2 * keys.iter().map(|k| k.len() * 4).sum::<usize>());
+
+    let spec: kvq::quant::QuantSpec = "int3-channel16-qa".parse().unwrap();
+    let maps = kvq_candle::calibrate::channel_bits(&m, &tokens[..48], &spec).unwrap();
+    assert_eq!((maps.len(), maps[0].len()), (LAYERS, KV_HEADS));
+    let pairing = m.config().rope_pairing;
+    for map in maps.iter().flatten() {
+        assert_eq!(map.total_bits(), 3 * HEAD_DIM);
+        for i in 0..HEAD_DIM / 2 {
+            let (a, b) = pairing.channels(i, HEAD_DIM);
+            assert_eq!(map.widths()[a], map.widths()[b]);
+        }
+    }
+    let plain_spec: kvq::quant::QuantSpec = "int4-token".parse().unwrap();
+    let mut builder =
+        m.config().cache_builder().specs(spec.clone(), plain_spec).block_size(16).blocks_per_layer(64);
+    for (l, maps) in maps.into_iter().enumerate() {
+        builder = builder.channel_bits(l, maps);
+    }
+    let qa = Candidate { name: "qa".into(), config: builder.build().unwrap(), path: ScorePath::Float };
+    let cands = [candidate(&m, "int3-channel/int4-token"), qa];
+    let r = evaluate(&m, &tokens, Protocol::Decode { prefill: 48 }, &cands, |_, _| {}).unwrap();
+    let (a, b) = (&r.candidates[0], &r.candidates[1]);
+    assert!(b.kl_mean.is_finite() && b.kl_mean > 0.0 && b.kl_mean < 4.0 * a.kl_mean, "{a:?} {b:?}");
+    // The same bytes but for the maps, counted once per layer and head (4 bits a channel).
+    assert_eq!(b.cache_bytes, a.cache_bytes + LAYERS * KV_HEADS * HEAD_DIM / 2);
+    assert!(matches!(
+        kvq_candle::calibrate::channel_bits(&m, &tokens[..48], &"int3-channel16".parse().unwrap()),
+        Err(kvq_candle::Error::Eval(_))
+    ));
+    assert!(kvq_candle::calibrate::channel_bits(&m, &tokens[..8], &spec).is_err());
+}

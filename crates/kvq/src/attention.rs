@@ -401,6 +401,7 @@ struct Task {
     st: Partial,
     bufs: (Vec<f32>, Vec<f32>),
     s: Vec<f32>,
+    widths: (Vec<f32>, Vec<f32>),
     kernel: kvq_kernels_simd::Scratch,
 }
 
@@ -589,9 +590,22 @@ impl Task {
         let h = self.head;
         let scale = options.scale.unwrap_or(1.0 / (d as f32).sqrt());
         self.q.clear();
-        for j in 0..e.tokens {
-            let at = (j * query_heads + h * g) * d;
-            self.q.extend(q[at..at + g * d].iter().map(|x| x.to_f32() * scale));
+        match cache.key_segments(layer, h) {
+            // Keys with bits per channel are stored with the head's channels permuted: so is
+            // the query, once per step.
+            Some(seg) => {
+                for r in 0..e.tokens * g {
+                    let at = ((r / g) * query_heads + h * g + r % g) * d;
+                    let row = &q[at..at + d];
+                    self.q.extend(seg.permutation.iter().map(|&c| row[c].to_f32() * scale));
+                }
+            }
+            None => {
+                for j in 0..e.tokens {
+                    let at = (j * query_heads + h * g) * d;
+                    self.q.extend(q[at..at + g * d].iter().map(|x| x.to_f32() * scale));
+                }
+            }
         }
         let rows = e.tokens * g;
         self.spans.clear();
@@ -607,7 +621,12 @@ impl Task {
         let per = if self.parts > 1 { units.clone().count().div_ceil(self.parts) } else { usize::MAX };
         let mine = units.skip(self.part.saturating_mul(per)).take(per);
         self.st.reset(rows, d);
-        let mut scratch = Scratch { bufs: &mut self.bufs, s: &mut self.s, kernel: &mut self.kernel };
+        let mut scratch = Scratch {
+            bufs: &mut self.bufs,
+            s: &mut self.s,
+            widths: &mut self.widths,
+            kernel: &mut self.kernel,
+        };
         attend(backend, options, readers, mine, &self.q, rows, d, &self.spans, &mut self.st, &mut scratch)
     }
 }
@@ -616,6 +635,8 @@ impl Task {
 struct Scratch<'w> {
     bufs: &'w mut (Vec<f32>, Vec<f32>),
     s: &'w mut Vec<f32>,
+    /// Keys with bits per channel: one width's query columns, and its scores.
+    widths: &'w mut (Vec<f32>, Vec<f32>),
     kernel: &'w mut kvq_kernels_simd::Scratch,
 }
 
@@ -783,7 +804,7 @@ fn attend<'a>(
     let latest_start = spans.iter().map(|s| s.0).max().unwrap_or(0);
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
-    let Scratch { bufs, s, kernel } = w;
+    let Scratch { bufs, s, widths, kernel } = w;
     let mut units = units.peekable();
     while let Some(Unit { start: a, end: b, k, v }) = units.next() {
         // Start loading the next unit's blocks while this one computes: block regions are
@@ -799,12 +820,33 @@ fn attend<'a>(
         s.resize(g * n, 0.0);
         match k {
             Run::Full { rows, offset } => dense_run(backend, true, rows, offset, n, d, qs, g, s)?,
-            Run::Block(view) => {
-                with_block(&view, &readers[0], bufs, |blk| match path {
-                    ScorePath::Float => scores_in(backend, kernel, blk, qs, g, s),
-                    ScorePath::Int8 => scores_int8_in(backend, kernel, blk, qs, g, s).map(|_| ()),
-                })?;
-            }
+            Run::Block(view) => match view.width_views() {
+                // Keys with bits per channel: each width's region is a per-channel block of
+                // its own, scored with its columns of the (permuted) query and summed.
+                Some(views) => {
+                    s.fill(0.0);
+                    let (wq, ws) = widths;
+                    for (first, v) in views {
+                        let c = v.layout.head_dim();
+                        wq.clear();
+                        for row in qs.chunks_exact(d) {
+                            wq.extend_from_slice(&row[first..first + c]);
+                        }
+                        ws.resize(g * n, 0.0);
+                        with_block(&v, &readers[0], bufs, |blk| match path {
+                            ScorePath::Float => scores_in(backend, kernel, blk, wq, g, ws),
+                            ScorePath::Int8 => scores_int8_in(backend, kernel, blk, wq, g, ws).map(|_| ()),
+                        })?;
+                        s.iter_mut().zip(ws.iter()).for_each(|(x, y)| *x += y);
+                    }
+                }
+                None => {
+                    with_block(&view, &readers[0], bufs, |blk| match path {
+                        ScorePath::Float => scores_in(backend, kernel, blk, qs, g, s),
+                        ScorePath::Int8 => scores_int8_in(backend, kernel, blk, qs, g, s).map(|_| ()),
+                    })?;
+                }
+            },
         }
         if let Some(cap) = options.softcap {
             let inv = 1.0 / cap;

@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use kvq_cache_layout::{CacheConfig, CacheError, CacheMemory, PagedCache, SeqId, TailDtype};
-use kvq_quant_core::{Calibration, QuantSpec, RopePairing, Tensor};
+use kvq_quant_core::{Calibration, ChannelBits, QuantSpec, RopePairing, Tensor};
 
 use crate::attention::{
     AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch,
@@ -69,6 +69,9 @@ pub struct LayerSpecs {
     pub k: QuantSpec,
     /// Values.
     pub v: QuantSpec,
+    /// For a `-qa` key spec, the bits of each key channel: one map per KV head
+    /// ([`KvCacheConfigBuilder::channel_bits`]).
+    pub k_channel_bits: Option<Vec<ChannelBits>>,
 }
 
 /// Everything a [`QuantizedKvCache`] needs. Build with [`KvCacheConfig::builder`].
@@ -129,7 +132,7 @@ impl KvCacheConfig {
                 sink_tokens: DEFAULT_SINK_TOKENS,
                 tail_dtype: TailDtype::F16,
                 blocks_per_layer: 1024,
-                layers: vec![LayerSpecs { k, v }; layers],
+                layers: vec![LayerSpecs { k, v, k_channel_bits: None }; layers],
                 calibration: None,
                 rope_pairing: None,
             },
@@ -147,6 +150,9 @@ impl KvCacheConfig {
             .with_tail_dtype(self.tail_dtype);
         if let Some(cal) = &self.calibration {
             c = c.with_calibration(cal.layer_subset(l));
+        }
+        if let Some(maps) = &specs.k_channel_bits {
+            c = c.with_channel_bits(maps.clone());
         }
         c
     }
@@ -267,7 +273,7 @@ impl KvCacheConfigBuilder {
     /// The same specs for every layer.
     pub fn specs(mut self, k: QuantSpec, v: QuantSpec) -> Self {
         for l in &mut self.config.layers {
-            *l = LayerSpecs { k: k.clone(), v: v.clone() };
+            *l = LayerSpecs { k: k.clone(), v: v.clone(), k_channel_bits: None };
         }
         self
     }
@@ -276,7 +282,7 @@ impl KvCacheConfigBuilder {
     pub fn layer_specs(mut self, layer: usize, k: QuantSpec, v: QuantSpec) -> Self {
         let n = self.config.layers.len();
         match self.config.layers.get_mut(layer) {
-            Some(l) => *l = LayerSpecs { k, v },
+            Some(l) => *l = LayerSpecs { k, v, k_channel_bits: None },
             None => self.error = Some(format!("layer_specs for layer {layer} of {n}")),
         }
         self
@@ -291,6 +297,19 @@ impl KvCacheConfigBuilder {
     /// Extra full-precision blocks.
     pub fn residual_blocks(mut self, n: usize) -> Self {
         self.config.residual_blocks = n;
+        self
+    }
+
+    /// The bits of each key channel of `layer`, one map per KV head, for its `-qa` key spec
+    /// (fit them with [`ChannelBits::fit`] on calibration keys and queries; a layer out of
+    /// range is reported by [`Self::build`], maps that do not fit the spec by its
+    /// validation).
+    pub fn channel_bits(mut self, layer: usize, maps: Vec<ChannelBits>) -> Self {
+        let n = self.config.layers.len();
+        match self.config.layers.get_mut(layer) {
+            Some(l) => l.k_channel_bits = Some(maps),
+            None => self.error = Some(format!("channel_bits for layer {layer} of {n}")),
+        }
         self
     }
 
@@ -342,6 +361,9 @@ impl KvCacheConfigBuilder {
 struct WireLayer {
     k: String,
     v: String,
+    /// Widths of the key channels, one list per KV head (`-qa` key specs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    k_channel_bits: Option<Vec<Vec<u8>>>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -375,7 +397,18 @@ impl From<&KvCacheConfig> for Wire {
             sink_tokens: c.sink_tokens,
             tail_dtype: c.tail_dtype,
             blocks_per_layer: c.blocks_per_layer,
-            layers: c.layers.iter().map(|l| WireLayer { k: l.k.to_string(), v: l.v.to_string() }).collect(),
+            layers: c
+                .layers
+                .iter()
+                .map(|l| WireLayer {
+                    k: l.k.to_string(),
+                    v: l.v.to_string(),
+                    k_channel_bits: l
+                        .k_channel_bits
+                        .as_ref()
+                        .map(|m| m.iter().map(|b| b.widths().to_vec()).collect()),
+                })
+                .collect(),
             calibration: c.calibration.clone(),
             rope_pairing: c.rope_pairing,
         }
@@ -396,7 +429,17 @@ impl TryFrom<Wire> for KvCacheConfig {
         let layers = w
             .layers
             .iter()
-            .map(|l| Ok(LayerSpecs { k: spec(&l.k)?, v: spec(&l.v)? }))
+            .map(|l| {
+                let k_channel_bits = l
+                    .k_channel_bits
+                    .as_ref()
+                    .map(|maps| {
+                        maps.iter().map(|w| ChannelBits::new(w.clone())).collect::<Result<Vec<_>, _>>()
+                    })
+                    .transpose()
+                    .map_err(|e| KvqError::Config(format!("channel bit map: {e}")))?;
+                Ok(LayerSpecs { k: spec(&l.k)?, v: spec(&l.v)?, k_channel_bits })
+            })
             .collect::<Result<_, KvqError>>()?;
         let c = KvCacheConfig {
             kv_heads: w.kv_heads,

@@ -7,4 +7,4 @@ pub use kvq_cache_layout::{SeqId, TailDtype};
 pub use kvq_quant_core::calibration::Part;
 pub use kvq_quant_core::io::TensorFile;
 pub use kvq_quant_core::metrics::error_stats;
-pub use kvq_quant_core::{Calibration, QuantSpec, Shape, Tensor, quantize};
+pub use kvq_quant_core::{Calibration, ChannelBits, QuantSpec, Shape, Tensor, quantize};

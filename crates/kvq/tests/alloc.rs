@@ -66,6 +66,7 @@ fn decode_steps_do_not_allocate() {
         ("fp8e4m3-token", "fp8e5m2-token"),
         ("nf4-token", "nf4-token"),
         ("int8-head", "int4-channel"),
+        ("int3-channel-qa", "int4-token"), // keys in width regions, queries permuted per step
     ];
     let mut checked = 0;
     for (i, (k, v)) in specs.iter().enumerate() {
@@ -79,6 +80,13 @@ fn decode_steps_do_not_allocate() {
             .with_sink_tokens(4 * (i % 2))
             .with_tail_dtype(if i % 3 == 0 { TailDtype::F32 } else { TailDtype::F16 });
         let config = if k.contains("-head") { config.with_calibration(calibration) } else { config };
+        // Widths 2, 3 and 4 over interleaved channels: three regions, a real permutation.
+        let widths: Vec<u8> = (0..d).map(|c| [2, 4, 3, 3][c % 4]).collect();
+        let config = if k.contains("-qa") {
+            config.with_channel_bits(vec![kvq::quant::ChannelBits::new(widths).unwrap(); kv_heads])
+        } else {
+            config
+        };
         let mut cache = PagedCache::new(config).unwrap();
         let mut seq = |len: usize, cache: &mut PagedCache| -> SeqId {
             let s = cache.create();

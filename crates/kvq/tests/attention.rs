@@ -59,6 +59,26 @@ fn check(cache: &PagedCache, seq: SeqId, layer: usize, q: &[f32], query_heads: u
     }
 }
 
+/// A one-layer cache of `config` (its `i`-th variant: residual blocks, sinks and tail type
+/// vary with `i`) holding 70 random tokens, checked against the reference for `group` query
+/// heads per KV head.
+fn check_random(config: CacheConfig, i: usize, group: usize, rng: &mut Rng, what: &str) {
+    let (kv_heads, d) = (config.kv_heads, config.head_dim);
+    let config = config
+        .with_block_size(16)
+        .with_residual_blocks(i % 2)
+        .with_sink_tokens(i % 3)
+        .with_tail_dtype(if i.is_multiple_of(2) { TailDtype::F16 } else { TailDtype::F32 });
+    let mut cache = PagedCache::new(config).unwrap();
+    let seq = cache.create();
+    let shape = Shape::new(kv_heads, 70, d);
+    let mut random = || Tensor::new(shape, (0..shape.len()).map(|_| rng.normal() as f32).collect()).unwrap();
+    let (kt, vt) = (random(), random());
+    cache.extend(seq, 0, &kt, &vt).unwrap();
+    let q: Vec<f32> = (0..kv_heads * group * d).map(|_| 2.0 * rng.normal() as f32).collect();
+    check(&cache, seq, 0, &q, kv_heads * group, &format!("{what}, {kv_heads} KV heads × {group}, d {d}"));
+}
+
 #[test]
 fn random_caches_of_every_layout() {
     let mut rng = Rng::new(11);
@@ -76,30 +96,9 @@ fn random_caches_of_every_layout() {
     ];
     for (i, (k, v)) in specs.iter().enumerate() {
         for (kv_heads, group, d) in [(2usize, 3usize, 64usize), (1, 4, 32), (3, 1, 128)] {
-            let config = CacheConfig::new(1, kv_heads, d, 64)
-                .with_specs(k.parse().unwrap(), v.parse().unwrap())
-                .with_block_size(16)
-                .with_residual_blocks(i % 2)
-                .with_sink_tokens(i % 3)
-                .with_tail_dtype(if i % 2 == 0 { TailDtype::F16 } else { TailDtype::F32 });
-            let mut cache = PagedCache::new(config).unwrap();
-            let seq = cache.create();
-            let len = 70;
-            let shape = Shape::new(kv_heads, len, d);
-            let random = |rng: &mut Rng| {
-                Tensor::new(shape, (0..shape.len()).map(|_| rng.normal() as f32).collect()).unwrap()
-            };
-            let (kt, vt) = (random(&mut rng), random(&mut rng));
-            cache.extend(seq, 0, &kt, &vt).unwrap();
-            let q: Vec<f32> = (0..kv_heads * group * d).map(|_| 2.0 * rng.normal() as f32).collect();
-            check(
-                &cache,
-                seq,
-                0,
-                &q,
-                kv_heads * group,
-                &format!("K {k} V {v}, {kv_heads} KV heads × {group}, d {d}"),
-            );
+            let config =
+                CacheConfig::new(1, kv_heads, d, 64).with_specs(k.parse().unwrap(), v.parse().unwrap());
+            check_random(config, i, group, &mut rng, &format!("K {k} V {v}"));
         }
     }
 }
@@ -452,4 +451,36 @@ fn batches_of_mixed_sequences() {
         )
         .is_err()
     );
+}
+
+#[test]
+fn keys_with_bits_per_channel() {
+    // `-qa` keys: each width's channels are a block of their own, scored with their columns
+    // of the permuted query; the sum must equal attention over the dequantized keys.
+    use kvq::quant::ChannelBits;
+    let mut rng = Rng::new(23);
+    for (i, (kv_heads, group, d)) in
+        [(2usize, 3usize, 64usize), (1, 4, 32), (3, 1, 128)].into_iter().enumerate()
+    {
+        // Units of 8 channels drawn at random; the units take widths (1, 5) or (2, 4) in turn
+        // (an average of 3), so every head stores its channels in a real permutation.
+        let maps: Vec<ChannelBits> = (0..kv_heads)
+            .map(|h| {
+                let mut order: Vec<usize> = (0..d).collect();
+                for j in (1..d).rev() {
+                    order.swap(j, rng.below(j as u64 + 1) as usize);
+                }
+                let pair = if h % 2 == 0 { [1u8, 5] } else { [2, 4] };
+                let mut w = vec![0u8; d];
+                for (u, unit) in order.chunks(8).enumerate() {
+                    unit.iter().for_each(|&c| w[c] = pair[u % 2]);
+                }
+                ChannelBits::new(w).unwrap()
+            })
+            .collect();
+        let config = CacheConfig::new(1, kv_heads, d, 64)
+            .with_specs("int3-channel-qa".parse().unwrap(), "int4-token".parse().unwrap())
+            .with_channel_bits(maps);
+        check_random(config, i, group, &mut rng, "int3-channel-qa keys");
+    }
 }

@@ -418,3 +418,54 @@ fn reservations_hold_blocks_in_every_layer() {
     cache.free(a).unwrap();
     assert_eq!(cache.unreserved_blocks(), cache.free_blocks());
 }
+
+/// A layer with bits per key channel: its maps are part of the config (TOML and JSON keep
+/// them), a `-qa` layer without maps is refused, and decoding through it tracks the same
+/// tokens through a plain INT3 layer of the same bytes.
+#[test]
+fn layers_with_bits_per_key_channel() {
+    let (layers, heads, d) = (2usize, 2usize, 32usize);
+    let qa: QuantSpec = "int3-channel-qa".parse().unwrap();
+    let v: QuantSpec = "int4-token".parse().unwrap();
+    // Channel c of every head spreads by 1 + c / 4: the wide channels should take the bits.
+    let keys: Vec<f32> = (0..64 * d).map(|i| token(1, i)[0] * (1 + (i % d) / 4) as f32).collect();
+    let keys = Tensor::new(Shape::new(1, 64, d), keys).unwrap();
+    let map = ChannelBits::fit(&keys, &[1.0; 32], &"int3-channel8-qa".parse().unwrap(), None).unwrap();
+    assert!(map.widths()[d - 1] > map.widths()[0], "{:?}", map.widths());
+    let build = |maps: Option<Vec<ChannelBits>>| {
+        let mut b = KvCacheConfig::builder(layers, heads, 2 * heads, d)
+            .block_size(8)
+            .layer_specs(1, qa.clone(), v.clone())
+            .blocks_per_layer(64);
+        if let Some(m) = maps {
+            b = b.channel_bits(1, m);
+        }
+        b.build()
+    };
+    assert!(matches!(build(None), Err(KvqError::Config(_))));
+    let c = build(Some(vec![map.clone(); heads])).unwrap();
+    assert_eq!(KvCacheConfig::from_toml(&c.to_toml()).unwrap(), c);
+    assert_eq!(KvCacheConfig::from_json(&c.to_json()).unwrap(), c);
+    let toml = c.to_toml();
+    let (head, maps) = toml.split_at(toml.find("k_channel_bits").unwrap());
+    // The first width of the first map made 9.
+    let bad = format!("{head}{}", maps.replacen(&format!("{},", map.widths()[0]), "9,", 1));
+    assert!(matches!(KvCacheConfig::from_toml(&bad), Err(KvqError::Config(_))), "{bad}");
+
+    let mut cache = QuantizedKvCache::new(c).unwrap();
+    let seq = cache.create();
+    for t in 0..40 {
+        let k: Vec<f32> =
+            token(heads * d, t).iter().enumerate().map(|(i, x)| x * (1 + (i % d) / 4) as f32).collect();
+        let v = token(heads * d, t + 1);
+        cache.append_all_layers(seq, &[k.clone(), k].concat(), &[v.clone(), v].concat()).unwrap();
+    }
+    let q = token(2 * heads * d, 99);
+    let (mut plain, mut fitted) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+    cache.attention(seq, 0, &q, &mut plain).unwrap();
+    cache.attention(seq, 1, &q, &mut fitted).unwrap();
+    let rel = plain.iter().zip(&fitted).map(|(a, b)| (a - b).powi(2)).sum::<f32>().sqrt()
+        / plain.iter().map(|a| a * a).sum::<f32>().sqrt();
+    // Layer 0 holds INT4 keys, layer 1 the same keys at 3 bits on average: close, not equal.
+    assert!(rel > 0.0 && rel < 0.2, "{rel}");
+}

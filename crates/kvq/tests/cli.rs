@@ -59,11 +59,14 @@ fn analyze_through_the_cache_counts_its_full_precision_tokens() {
     assert!(out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("skipping built-in spec int4-tensor") && err.contains("calibration"), "{err}");
-    assert!(
-        err.contains("skipping built-in spec int4-channel-qa/int4-token-mse-rot") && err.contains("-qa"),
-        "{err}"
-    );
     assert!(!stdout(&out).contains("int4-tensor") && stdout(&out).contains("int4-channel32/int4-token "));
+    // Bits per key channel stream through the cache, fitted on the first half.
+    assert_eq!(
+        stdout(&out).lines().filter(|l| l.starts_with("int4-channel32-qa/int4-token-mse-rot ")).count(),
+        3
+    );
+    // Bits per key channel stream through the cache, fitted on the first half.
+    assert!(stdout(&out).contains("int4-channel32-qa/int4-token-mse-rot "), "{}", stdout(&out));
 }
 
 #[test]

@@ -84,6 +84,11 @@ struct Args {
     /// of its own under every cache's figures).
     #[arg(long, default_value = "f32")]
     weights: String,
+    /// Tokens on which the bits per key channel of `-qa` specs are fitted (the keys and
+    /// queries of the first N tokens, run through the model with an f32 cache). Default: the
+    /// prefill (--prefill), or the first half of the first chunk (--ctx).
+    #[arg(long)]
+    calibration_tokens: Option<usize>,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -141,7 +146,12 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         "int8" => ScorePath::Int8,
         other => return Err(format!("--path {other:?}: use float or int8").into()),
     };
-    let candidates = candidates(args, &model, longest, path)?;
+    let calibration = args.calibration_tokens.unwrap_or(match protocol {
+        Protocol::Chunks { ctx, .. } => ctx / 2,
+        Protocol::Decode { prefill } => prefill,
+    });
+    let calibration = &tokens[..calibration.min(tokens.len())];
+    let candidates = candidates(args, &model, longest, path, calibration)?;
     let c = model.config();
     eprintln!(
         "kvq-eval: {} ({} layers, {} query / {} KV heads of {}, {}; multiplied as {}), {} tokens, {} threads",
@@ -170,6 +180,7 @@ fn candidates(
     model: &LlamaModel,
     longest: usize,
     path: ScorePath,
+    calibration: &[u32],
 ) -> Result<Vec<Candidate>, Box<dyn std::error::Error>> {
     let c = model.config();
     let blocks_needed = |block_size: usize| longest.div_ceil(block_size.max(1)) * c.kv_heads + c.kv_heads;
@@ -199,13 +210,28 @@ fn candidates(
             builder.sink_tokens(longest).tail_dtype(TailDtype::F32).blocks_per_layer(c.kv_heads).build()?
         } else {
             let spec = KvSpec::parse(name).map_err(|e| format!("spec {name:?}: {e}"))?;
-            builder
+            let maps = if spec.k.channel_bits() {
+                if calibration.is_empty() {
+                    return Err(
+                        format!("spec {name:?}: no calibration tokens to fit its bits per channel").into()
+                    );
+                }
+                eprintln!("kvq-eval: {name}: fitting bits per key channel on {} tokens", calibration.len());
+                // Fitted with the cache's grouping: a channel over one block.
+                kvq_candle::calibrate::channel_bits(model, calibration, &spec.for_block(args.block_size).k)
+                    .map_err(|e| format!("spec {name:?}: {e}"))?
+            } else {
+                Vec::new()
+            };
+            let mut builder = builder
                 .specs(spec.k, spec.v)
                 .block_size(args.block_size)
                 .residual_blocks(args.residual_blocks)
-                .sink_tokens(args.sinks)
-                .build()
-                .map_err(|e| format!("spec {name:?}: {e}"))?
+                .sink_tokens(args.sinks);
+            for (layer, m) in maps.into_iter().enumerate() {
+                builder = builder.channel_bits(layer, m);
+            }
+            builder.build().map_err(|e| format!("spec {name:?}: {e}"))?
         };
         out.push(Candidate { name: name.to_string(), config, path });
     }
