@@ -33,6 +33,30 @@ use crate::int8;
 use crate::portable;
 
 fn supported(b: &QuantBlock<'_>) -> bool {
+    (fast(b) || generic(b)) && cpu_ok()
+}
+
+/// The most codes a row may have for the any-width kernels ([`generic`]): a row's unpacked
+/// codes sit on the stack.
+const GENERIC_DIM: usize = 512;
+
+/// Bytes of the buffers rows are unpacked into: a short last chunk's stores spill past `d`.
+const GENERIC_BUF: usize = GENERIC_DIM + 32;
+
+/// Whether the any-width kernels take `b` where the chunked ones do not: affine codes of 1 to
+/// 8 bits per row or per channel, rows of a multiple of 8 codes (the width regions of `-qa`
+/// keys: 1-, 5-, 6- and 7-bit rows, and 2- and 3-bit rows shorter than a 64-code chunk).
+fn generic(b: &QuantBlock<'_>) -> bool {
+    matches!(b.levels, Levels::Affine)
+        && matches!(b.params, Params::PerRow { .. } | Params::PerChannel { .. })
+        && (1..=8).contains(&b.bits)
+        && b.dim > 0
+        && b.dim.is_multiple_of(8)
+        && b.dim <= GENERIC_DIM
+}
+
+/// Whether the chunked kernels (two or four bit planes per 16-byte load) take `b`.
+fn fast(b: &QuantBlock<'_>) -> bool {
     let chunk = match b.bits {
         8 => 16,
         4 => 32,
@@ -50,7 +74,6 @@ fn supported(b: &QuantBlock<'_>) -> bool {
         && b.dim.is_multiple_of(chunk)
         && b.dim > 0
         && groups_ok
-        && cpu_ok()
 }
 
 /// Whether these kernels run for `b` on this CPU (else the `wide` ones do).
@@ -474,21 +497,8 @@ unsafe fn dots_row_pairs<const BITS: u8, const NQ: usize, const PLAIN: bool, con
                 }
             }
         }
-        // The 8 lane sums at once: hadd pairs twice, then add the 128-bit halves crosswise;
-        // lane 2i + j of `sum` is acc[2i + j]'s total.
-        let g0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-        let g1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-        let sum =
-            _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(g0, g1), _mm256_permute2f128_ps::<0x31>(g0, g1));
-        let mut sums = [0f32; 8];
-        // SAFETY: `sums` holds 8 floats.
-        unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), sum) };
-        for i in 0..NQ {
-            emit(i, r, sums[2 * i]);
-            if r1 != r {
-                emit(i, r1, sums[2 * i + 1]);
-            }
-        }
+        // SAFETY: AVX2 is enabled by this function's target features.
+        unsafe { emit_pairs::<NQ>(&acc, r, r1, &mut emit) };
     }
 }
 
@@ -612,6 +622,235 @@ unsafe fn group_params(scale: &[f32], offset: Option<&[f32]>, g: usize) -> (__m2
 }
 
 /// Runs `f(first query, queries in this group)` over the query rows in groups of up to 4.
+/// One bit plane of a packed row of `d` codes (`d` a multiple of 8), `w` bits a code, into
+/// `dst[..d]`, one code per byte. A full chunk is 16 bytes, byte `j` holding code `j + 16k` in
+/// bits `k·w`; a last, shorter chunk of `r` codes takes `s = ceil(r·w / 8)` bytes with `s` in
+/// place of 16 (docs/formats.md, "Codes: bit planes"): each of its `8 / w` shifted copies is
+/// stored `s` codes after the previous one, overwriting that one's spill.
+///
+/// # Safety
+/// The CPU must support AVX2; `plane` holds the plane's `ceil(d·w / 8)` bytes; `w` is 1, 2, 4
+/// or 8; `d <= GENERIC_DIM`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_plane(plane: &[u8], d: usize, w: usize, dst: &mut [u8; GENERIC_BUF]) {
+    let m = 8 / w;
+    let full = 16 * m;
+    let mask = _mm_set1_epi8(((1u16 << w) - 1) as u8 as i8);
+    let (mut c, mut o) = (0, 0);
+    while c < d {
+        let r = (d - c).min(full);
+        let s = if r == full { 16 } else { r.div_ceil(m) };
+        let v = if s == 16 {
+            // SAFETY: a full chunk is 16 bytes of the plane.
+            unsafe { _mm_loadu_si128(plane[o..o + 16].as_ptr().cast()) }
+        } else {
+            load_short(&plane[o..o + s])
+        };
+        // SAFETY: the store of copy k writes bytes c + s·k .. c + s·k + 16 <= c + r + 16 <=
+        // d + 16, inside `dst`.
+        unsafe {
+            for k in 0..m {
+                let x = _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128((k * w) as i32)), mask);
+                _mm_storeu_si128(dst.as_mut_ptr().add(c + s * k).cast(), x);
+            }
+        }
+        c += r;
+        o += s;
+    }
+}
+
+/// The bytes of `x` (at most 16) in the low lanes of a vector, the rest zero: two overlapping
+/// 8- or 4-byte reads where `x` has that many, so that no byte outside it is read.
+#[inline]
+fn load_short(x: &[u8]) -> __m128i {
+    let n = x.len();
+    let word = |at: usize| u64::from_le_bytes(x[at..at + 8].try_into().expect("8 bytes"));
+    let half = |at: usize| u64::from(u32::from_le_bytes(x[at..at + 4].try_into().expect("4 bytes")));
+    let (lo, hi) = match n {
+        16 => (word(0), word(8)),
+        8..=15 => (word(0), if n > 8 { word(n - 8) >> (8 * (16 - n)) } else { 0 }),
+        4..=7 => (half(0) | (half(n - 4) >> (8 * (8 - n))) << 32, 0),
+        _ => (x.iter().rev().fold(0u64, |a, &b| a << 8 | u64::from(b)), 0),
+    };
+    // SAFETY: SSE2 is part of x86-64.
+    unsafe { _mm_set_epi64x(hi as i64, lo as i64) }
+}
+
+/// The codes of a packed row of `d` codes of `bits` bits (`d` a multiple of 8, at most
+/// `GENERIC_DIM`) into `out[..d]`, one per byte: each bit plane unpacked ([`unpack_plane`]),
+/// the higher ones shifted into place.
+///
+/// # Safety
+/// The CPU must support AVX2; `row` is a whole packed row; `1 <= bits <= 8`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_any(
+    row: &[u8],
+    d: usize,
+    bits: u8,
+    out: &mut [u8; GENERIC_BUF],
+    tmp: &mut [u8; GENERIC_BUF],
+) {
+    let mut at = 0;
+    let mut shift = 0;
+    for (i, &w) in kvq_quant_core::pack::planes(bits).iter().enumerate() {
+        let w = usize::from(w);
+        let plane = &row[at..at + (d * w).div_ceil(8)];
+        if i == 0 {
+            // SAFETY: as this function's.
+            unsafe { unpack_plane(plane, d, w, out) };
+        } else {
+            // SAFETY: as this function's; 16-byte runs up to d + 15 < GENERIC_BUF.
+            unsafe {
+                unpack_plane(plane, d, w, tmp);
+                let sh = _mm_cvtsi32_si128(shift as i32);
+                for c in (0..d).step_by(16) {
+                    let (o, t) = (out.as_mut_ptr().add(c), tmp.as_ptr().add(c));
+                    // Codes of `w` bits shifted under 8 - w: no bit leaves its byte.
+                    let x =
+                        _mm_or_si128(_mm_loadu_si128(o.cast()), _mm_sll_epi16(_mm_loadu_si128(t.cast()), sh));
+                    _mm_storeu_si128(o.cast(), x);
+                }
+            }
+        }
+        at += (d * w).div_ceil(8);
+        shift += w;
+    }
+}
+
+/// 8 unpacked codes from `p` as floats.
+///
+/// # Safety
+/// The CPU must support AVX2; `p` points at 8 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn codes8(p: *const u8) -> __m256 {
+    // SAFETY: as this function's.
+    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()))) }
+}
+
+/// [`group_dots`] for the blocks only [`generic`] takes: two rows per pass, each unpacked once
+/// to one code a byte, then 8 codes at a time against every query row, with one accumulator
+/// per (query row, row) and the `2·NQ` sums reduced together (as [`dots_row_pairs`]).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `generic(b)`; `q.len() == NQ · b.dim`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn generic_dots<const NQ: usize>(
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    mut emit: impl FnMut(usize, usize, f32),
+) {
+    let d = b.dim;
+    let (mut c0, mut c1, mut tmp) = ([0u8; GENERIC_BUF], [0u8; GENERIC_BUF], [0u8; GENERIC_BUF]);
+    for r in (0..b.rows).step_by(2) {
+        let r1 = (r + 1).min(b.rows - 1);
+        // SAFETY: rows r and r1 are whole packed rows of d codes; AVX2 is enabled.
+        unsafe {
+            unpack_any(b.row(r), d, b.bits, &mut c0, &mut tmp);
+            unpack_any(b.row(r1), d, b.bits, &mut c1, &mut tmp);
+        }
+        // acc[2i + j]: query row i, block row r + j; the unused ones stay zero.
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for c in (0..d).step_by(8) {
+            // SAFETY: c + 8 <= d: the codes are in `c0` and `c1`, and query row i spans
+            // q[i·d .. (i + 1)·d].
+            unsafe {
+                let (x0, x1) = (codes8(c0.as_ptr().add(c)), codes8(c1.as_ptr().add(c)));
+                for i in 0..NQ {
+                    let qv = _mm256_loadu_ps(q.as_ptr().add(i * d + c));
+                    acc[2 * i] = _mm256_fmadd_ps(x0, qv, acc[2 * i]);
+                    acc[2 * i + 1] = _mm256_fmadd_ps(x1, qv, acc[2 * i + 1]);
+                }
+            }
+        }
+        // SAFETY: AVX2 is enabled.
+        unsafe { emit_pairs::<NQ>(&acc, r, r1, &mut emit) };
+    }
+}
+
+/// Hands the totals of a row pair's accumulators to `emit`: `acc[2i + j]` is query row `i`
+/// against row `r` (`j = 0`) or `r1` (`j = 1`; emitted only when it is another row).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn emit_pairs<const NQ: usize>(
+    acc: &[__m256; 8],
+    r: usize,
+    r1: usize,
+    emit: &mut impl FnMut(usize, usize, f32),
+) {
+    // SAFETY: AVX2 is enabled.
+    let sums = unsafe { reduce8(acc) };
+    for i in 0..NQ {
+        emit(i, r, sums[2 * i]);
+        if r1 != r {
+            emit(i, r1, sums[2 * i + 1]);
+        }
+    }
+}
+
+/// The totals of 8 accumulators, lane `k` of the result from `acc[k]`: hadd pairs twice, then
+/// the 128-bit halves added crosswise.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn reduce8(acc: &[__m256; 8]) -> [f32; 8] {
+    let g0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    let g1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    let sum = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(g0, g1), _mm256_permute2f128_ps::<0x31>(g0, g1));
+    let mut sums = [0f32; 8];
+    // SAFETY: `sums` holds 8 floats.
+    unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), sum) };
+    sums
+}
+
+/// [`group_axpy`] for the blocks only [`generic`] takes: `sums[i·dim + c] = Σ_r w[i·rows + r] ·
+/// code_r[c]`, each row unpacked once.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `generic(b)`; `w.len() >= NQ · b.rows`; `sums.len() >=
+/// NQ · b.dim`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn generic_axpy<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
+    let (d, rows) = (b.dim, b.rows);
+    sums[..NQ * d].fill(0.0);
+    let (mut codes, mut tmp) = ([0u8; GENERIC_BUF], [0u8; GENERIC_BUF]);
+    for r in 0..rows {
+        // SAFETY: row r is a whole packed row of d codes; AVX2 is enabled.
+        unsafe { unpack_any(b.row(r), d, b.bits, &mut codes, &mut tmp) };
+        let wr: [__m256; 4] =
+            std::array::from_fn(|i| _mm256_set1_ps(if i < NQ { w[i * rows + r] } else { 0.0 }));
+        for c in (0..d).step_by(8) {
+            // SAFETY: c + 8 <= d; sums row i spans sums[i·d .. (i + 1)·d].
+            unsafe {
+                let x = codes8(codes.as_ptr().add(c));
+                for (i, wi) in wr.iter().enumerate().take(NQ) {
+                    let p = sums.as_mut_ptr().add(i * d + c);
+                    _mm256_storeu_ps(p, _mm256_fmadd_ps(x, *wi, _mm256_loadu_ps(p)));
+                }
+            }
+        }
+    }
+}
+
+/// Dispatches `$f::<NQ>` on a runtime group size.
+macro_rules! by_group {
+    ($f:ident, $nq:expr, ($($arg:expr),*)) => {
+        match $nq {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            _ => $f::<4>($($arg),*),
+        }
+    };
+}
+
 fn in_groups_of_4(n_q: usize, mut f: impl FnMut(usize, usize)) {
     let mut i = 0;
     while i < n_q {
@@ -682,12 +921,15 @@ fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &
         }
         _ => q,
     };
+    let any_width = !fast(b);
     in_groups_of_4(n_q, |i0, n| {
         let qg = &q[i0 * d..(i0 + n) * d];
         // SAFETY: callers checked `supported(b)` (per-group blocks: groups of a multiple of
-        // 16); `qg` holds n query rows.
+        // 16; blocks the chunked kernels do not take: `generic(b)`); `qg` holds n query rows.
         unsafe {
-            if matches!(b.params, Params::PerGroup { .. }) {
+            if any_width {
+                by_group!(generic_dots, n, (b, qg, raw(i0)))
+            } else if matches!(b.params, Params::PerGroup { .. }) {
                 by_width!(group_dots_grouped, dots3, b.bits, n, (b, qg, raw(i0)))
             } else {
                 by_width!(group_dots, dots3, b.bits, n, (b, qg, raw(i0)))
@@ -736,6 +978,7 @@ unsafe fn axpy_group_with(
     let (d, rows) = (b.dim, b.rows);
     sums.resize(4 * d, 0.0);
     w.resize(4 * rows, 0.0);
+    let any_width = !fast(b);
     // A loop rather than `in_groups_of_4`: the body stays in this function's AVX2 code.
     let mut i0 = 0;
     while i0 < n_q {
@@ -749,9 +992,15 @@ unsafe fn axpy_group_with(
                         *x = pr * s;
                     }
                 }
-                // SAFETY: callers checked `supported(b)`; `w` holds n · rows weights and
-                // `sums` 4 · dim floats.
-                unsafe { by_width!(group_axpy, axpy3, b.bits, n, (b, w, sums)) }
+                // SAFETY: callers checked `supported(b)` (`generic(b)` where not `fast(b)`);
+                // `w` holds n · rows weights and `sums` 4 · dim floats.
+                unsafe {
+                    if any_width {
+                        by_group!(generic_axpy, n, (b, w, sums))
+                    } else {
+                        by_width!(group_axpy, axpy3, b.bits, n, (b, w, sums))
+                    }
+                }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
                     let bias: f32 = offset.map_or(0.0, |o| portable::dot_lanes(pi, o));
                     for (o, &x) in
@@ -764,7 +1013,13 @@ unsafe fn axpy_group_with(
             // o_i[c] += scale[c] · Σ_r p_ir · code_r[c] + offset[c] · Σ_r p_ir.
             Params::PerChannel { scale, offset } => {
                 // SAFETY: as above, with the probabilities themselves as weights.
-                unsafe { by_width!(group_axpy, axpy3, b.bits, n, (b, pg, sums)) }
+                unsafe {
+                    if any_width {
+                        by_group!(generic_axpy, n, (b, pg, sums))
+                    } else {
+                        by_width!(group_axpy, axpy3, b.bits, n, (b, pg, sums))
+                    }
+                }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
                     let psum: f32 = portable::sum_lanes(pi);
                     let o = &mut out[(i0 + i) * d..(i0 + i + 1) * d];

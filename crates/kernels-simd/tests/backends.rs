@@ -713,6 +713,17 @@ fn implementation_for_names_the_kernel_of_each_layout() {
         assert_eq!(implementation_for(backend, &block(32, sym)), want_fast, "{backend}");
         assert_eq!(implementation_for(backend, &block_of(3, 32, Levels::Affine)), want_fast, "{backend}");
         assert_eq!(implementation_for(backend, &block_of(5, 32, Levels::Affine)), fallback, "{backend}");
+        // Affine rows per channel of any width and any multiple of 8 codes (the width regions
+        // of `-qa` keys) have AVX2 kernels of their own; a table does not.
+        for (bits, dim) in [(5u8, 24usize), (2, 16), (3, 40), (1, 8), (7, 64)] {
+            let (codes, scale) = (vec![0u8; packed_len(dim, bits).unwrap()], vec![1.0f32; dim]);
+            let params = Params::PerChannel { scale: &scale, offset: None };
+            let b = QuantBlock::new(&codes, 1, dim, bits, Levels::Affine, params).unwrap();
+            assert_eq!(implementation_for(backend, &b), want_fast, "{backend} {bits} bits × {dim}");
+            let table = vec![0.0f32; 1 << bits];
+            let t = QuantBlock::new(&codes, 1, dim, bits, Levels::Table(&table), params).unwrap();
+            assert_eq!(implementation_for(backend, &t), fallback, "{backend} {bits}-bit table × {dim}");
+        }
     }
     let bad = Params::PerGroup { group: 24, scale: &scale[..2], offset: None };
     assert!(QuantBlock::new(&codes, 1, 64, 4, Levels::Affine, bad).is_err());

@@ -805,6 +805,8 @@ fn attend<'a>(
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
     let Scratch { bufs, s, widths, kernel } = w;
+    // The width regions' query columns are gathered at the first block (`-qa` keys only).
+    widths.0.clear();
     let mut units = units.peekable();
     while let Some(Unit { start: a, end: b, k, v }) = units.next() {
         // Start loading the next unit's blocks while this one computes: block regions are
@@ -826,12 +828,19 @@ fn attend<'a>(
                 Some(views) => {
                     s.fill(0.0);
                     let (wq, ws) = widths;
+                    if wq.is_empty() {
+                        // Every block of the head has the same regions: their query columns,
+                        // region after region, once per call.
+                        for (first, v) in view.width_views().into_iter().flatten() {
+                            let c = v.layout.head_dim();
+                            for row in qs.chunks_exact(d) {
+                                wq.extend_from_slice(&row[first..first + c]);
+                            }
+                        }
+                    }
                     for (first, v) in views {
                         let c = v.layout.head_dim();
-                        wq.clear();
-                        for row in qs.chunks_exact(d) {
-                            wq.extend_from_slice(&row[first..first + c]);
-                        }
+                        let wq = &wq[g * first..g * (first + c)];
                         ws.resize(g * n, 0.0);
                         with_block(&v, &readers[0], bufs, |blk| match path {
                             ScorePath::Float => scores_in(backend, kernel, blk, wq, g, ws),
