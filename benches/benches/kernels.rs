@@ -294,6 +294,9 @@ fn decode_at(c: &mut Criterion, len: usize) {
         // The rotated, error-minimizing values of the fidelity work (one inverse rotation
         // per output row on top of the INT4 kernels).
         ("int4-channel", "int4-token-mse-rot"),
+        // Bits per key channel (three widths, `ChannelBits::spread`) with those values.
+        ("int4-channel-qa", "int4-token-mse-rot"),
+        ("int3-channel-qa", "int3-token-mse-rot"),
     ] {
         let mut cache = layer_cache(kv_heads, D, kv_heads * len / 32, k, v);
         let seq = cache.create();

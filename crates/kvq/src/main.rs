@@ -418,22 +418,6 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
-/// The map `kvq bench` gives `-qa` keys (its random keys have no structure to fit): three
-/// widths as fitted maps of real layers have, a quarter of the channels one bit under the
-/// average, a quarter one over, spread through the head so that the stored order is a real
-/// permutation (uniform at 1 and 8 bits).
-fn bench_channel_bits(d: usize, bits: u8) -> Result<kvq::quant::ChannelBits, kvq::quant::QuantError> {
-    let widths = (0..d)
-        .map(|c| match (c % 4, bits) {
-            (_, 1 | 8) => bits,
-            (0, _) => bits - 1,
-            (1, _) => bits + 1,
-            _ => bits,
-        })
-        .collect();
-    kvq::quant::ChannelBits::new(widths)
-}
-
 /// The buffer `kvq bench` reads to measure the DRAM read rate: far larger than any L3.
 const STREAM_BYTES: usize = 256 << 20;
 
@@ -558,7 +542,9 @@ fn bench(
             .with_sink_tokens(sinks)
             .with_row_kernels(kvq::kernels::row_kernels()?);
         if spec.k.channel_bits() {
-            config = config.with_channel_bits(vec![bench_channel_bits(d, spec.k.bits())?; kv_heads]);
+            // Random keys have nothing to fit: a fixed three-width map.
+            config =
+                config.with_channel_bits(vec![kvq::quant::ChannelBits::spread(d, spec.k.bits())?; kv_heads]);
         }
         let mut cache = PagedCache::new(config)?;
         // As QuantizedKvCache does: 2 MiB pages for the pool where the system allows it.

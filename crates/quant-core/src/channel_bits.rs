@@ -62,6 +62,26 @@ impl ChannelBits {
         Self::new(vec![bits; head_dim])
     }
 
+    /// A fixed map of three widths around `bits`, shaped as maps fitted to real layers are: a
+    /// quarter of the channels one bit under, a quarter one over, interleaved through the head
+    /// (channel `c` by `c mod 4`), so that the stored order is a real permutation; uniform at
+    /// 1 and 8 bits. For benchmarks, whose random keys have nothing to fit.
+    ///
+    /// # Errors
+    /// As [`ChannelBits::new`] (a `bits` outside 1..=8, an empty head).
+    pub fn spread(head_dim: usize, bits: u8) -> Result<Self> {
+        let width = |c: usize| match (c % 4, bits) {
+            (_, 1 | 8) => bits,
+            (0, _) => bits - 1,
+            (1, _) => bits + 1,
+            _ => bits,
+        };
+        if !WIDTHS.contains(&bits) {
+            return Err(QuantError::InvalidArgument(format!("average width {bits} is outside 1..=8")));
+        }
+        Self::new((0..head_dim).map(width).collect())
+    }
+
     /// The width of each channel.
     pub fn widths(&self) -> &[u8] {
         &self.widths
@@ -390,6 +410,18 @@ mod tests {
     fn plain_quantize_refuses_a_spec_that_needs_a_map() {
         let k = keys(64, 16, 1);
         assert!(matches!(quantize(&k, &spec("int3-channel32-qa")), Err(QuantError::InvalidSpec(_))));
+    }
+
+    #[test]
+    fn a_spread_map_keeps_the_average_in_whole_units() {
+        for bits in 1..=8u8 {
+            let m = ChannelBits::spread(128, bits).unwrap();
+            assert_eq!(m.total_bits(), 128 * usize::from(bits));
+            assert!(m.segments().iter().all(|(_, c)| c.len().is_multiple_of(UNIT)));
+            assert_eq!(m.segments().len(), if bits == 1 || bits == 8 { 1 } else { 3 });
+        }
+        assert!(ChannelBits::spread(64, 0).is_err() && ChannelBits::spread(64, 9).is_err());
+        assert!(ChannelBits::spread(0, 3).is_err());
     }
 
     #[test]
