@@ -185,8 +185,9 @@ impl CacheConfig {
             if map.total_bits() != total {
                 return bad(format!("{at}: widths sum to {} bits, not {total}", map.total_bits()));
             }
-            if let Some((w, c)) = map.segments().into_iter().find(|(_, c)| !c.len().is_multiple_of(8)) {
-                return bad(format!("{at}: {} channels at {w} bits, not a multiple of 8", c.len()));
+            let unit = kvq_quant_core::channel_bits::UNIT;
+            if let Some((w, c)) = map.segments().into_iter().find(|(_, c)| !c.len().is_multiple_of(unit)) {
+                return bad(format!("{at}: {} channels at {w} bits, not a multiple of {unit}", c.len()));
             }
         }
         Ok(())

@@ -455,9 +455,12 @@ impl HeadSegments {
         let mut segments = Vec::new();
         let (mut first_channel, mut byte_offset) = (0, 0);
         for (w, channels) in map.segments() {
-            let at_width = QuantSpec::new(spec.kind().clone(), w, spec.granularity(), spec.param_dtype())?
-                .with_ranges(spec.ranges());
-            let layout = PartLayout::new(&at_width, channels.len(), block_size, false)?;
+            let layout = PartLayout::new(
+                &kvq_quant_core::channel_bits::width_spec(spec, w)?,
+                channels.len(),
+                block_size,
+                false,
+            )?;
             let bytes = layout.bytes();
             segments.push(WidthSegment { layout, first_channel, byte_offset });
             first_channel += channels.len();

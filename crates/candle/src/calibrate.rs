@@ -4,7 +4,7 @@
 //! [`Recorder`] is a [`KvStore`] that serves attention from an f32 cache and keeps every key
 //! appended and every query asked; [`channel_bits`] runs calibration tokens through the model
 //! with it and fits one [`ChannelBits`] map per layer and KV head
-//! ([`ChannelBits::fit`]: the spec's own per-channel error at each width, weighted by the
+//! ([`kvq::quant::channel_bits::fit_heads`]: the spec's own per-channel error at each width, weighted by the
 //! mean squared query of each channel over the query heads that read the KV head).
 
 use std::cell::RefCell;
@@ -98,31 +98,25 @@ pub fn channel_bits(model: &LlamaModel, tokens: &[u32], spec: &QuantSpec) -> Res
     if !spec.channel_bits() {
         return Err(Error::Eval(format!("{spec} has no bits per channel (-qa) to fit")));
     }
-    let (all_keys, all_queries) = record(model, tokens)?.into_parts();
+    let (keys, queries) = record(model, tokens)?.into_parts();
     let c = model.config();
-    let (h, g, d, n) = (c.kv_heads, c.heads / c.kv_heads, c.head_dim, tokens.len());
-    let fit_err =
-        |l: usize, e: kvq::quant::QuantError| Error::Eval(format!("layer {l}: bits per channel: {e}"));
+    let n = tokens.len();
+    // Recorded token after token (`[token][head][channel]`) into `[head, token, channel]`.
+    let by_head = |rows: &[f32], heads: usize| {
+        let d = c.head_dim;
+        let data =
+            (0..heads).flat_map(|h| (0..n).flat_map(move |t| &rows[(t * heads + h) * d..][..d])).copied();
+        Tensor::new(Shape::new(heads, n, d), data.collect())
+    };
     (0..c.layers)
         .map(|l| {
-            let (keys, queries) = (&all_keys[l], &all_queries[l]);
-            (0..h)
-                .map(|kv| {
-                    let mut k = Vec::with_capacity(n * d);
-                    let mut energy = vec![0f64; d];
-                    for t in 0..n {
-                        k.extend_from_slice(&keys[(t * h + kv) * d..][..d]);
-                        for j in 0..g {
-                            let q = &queries[(t * c.heads + kv * g + j) * d..][..d];
-                            energy.iter_mut().zip(q).for_each(|(e, &x)| *e += f64::from(x) * f64::from(x));
-                        }
-                    }
-                    let energy: Vec<f32> =
-                        energy.iter().map(|e| (e / (n * g).max(1) as f64) as f32).collect();
-                    let k = Tensor::new(Shape::new(1, n, d), k).map_err(|e| fit_err(l, e))?;
-                    ChannelBits::fit(&k, &energy, spec, Some(c.rope_pairing)).map_err(|e| fit_err(l, e))
-                })
-                .collect()
+            let fit_err =
+                |e: kvq::quant::QuantError| Error::Eval(format!("layer {l}: bits per channel: {e}"));
+            let (k, q) = (
+                by_head(&keys[l], c.kv_heads).map_err(fit_err)?,
+                by_head(&queries[l], c.heads).map_err(fit_err)?,
+            );
+            kvq::quant::channel_bits::fit_heads(&k, &q, spec, Some(c.rope_pairing)).map_err(fit_err)
         })
         .collect()
 }

@@ -595,30 +595,9 @@ pub fn fit_channel_bits(
     positions: &[usize],
     pairing: Option<RopePairing>,
 ) -> Result<Vec<ChannelBits>, QuantError> {
-    let (ks, qs) = (layer.k.shape(), layer.q.shape());
-    let prefix = positions.first().copied().unwrap_or(ks.tokens).min(ks.tokens);
-    let group = qs.heads / ks.heads.max(1);
-    let d = ks.head_dim;
-    (0..ks.heads)
-        .map(|h| {
-            let mut keys = Vec::with_capacity(ks.batch * prefix * d);
-            let mut energy = vec![0f64; d];
-            for b in 0..ks.batch {
-                for t in 0..prefix {
-                    keys.extend_from_slice(layer.k.row(b, h, t));
-                    for qh in h * group..(h + 1) * group {
-                        for (e, &x) in energy.iter_mut().zip(layer.q.row(b, qh, t)) {
-                            *e += f64::from(x) * f64::from(x);
-                        }
-                    }
-                }
-            }
-            let n = (ks.batch * prefix * group).max(1) as f64;
-            let energy: Vec<f32> = energy.iter().map(|e| (e / n) as f32).collect();
-            let keys = Tensor::new(Shape::new(1, ks.batch * prefix, d), keys)?;
-            ChannelBits::fit(&keys, &energy, spec, pairing)
-        })
-        .collect()
+    let tokens = layer.k.shape().tokens;
+    let prefix = positions.first().copied().unwrap_or(tokens).min(tokens);
+    kvq_quant_core::channel_bits::fit_heads(&layer.k.prefix(prefix)?, &layer.q.prefix(prefix)?, spec, pairing)
 }
 
 /// Appends the layer's tokens to a [`QuantizedKvCache`] one batch entry per sequence, and

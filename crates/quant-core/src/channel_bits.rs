@@ -21,7 +21,7 @@
 //! parameters.
 
 use crate::error::{QuantError, Result};
-use crate::format::{Granularity, Kind, QuantSpec};
+use crate::format::{Granularity, QuantSpec};
 use crate::memory::MemoryReport;
 use crate::quantize::{QuantizedTensor, quantize};
 use crate::rope::RopePairing;
@@ -180,7 +180,7 @@ impl ChannelBits {
         // err[c][w]: the weighted squared error of channel c at width w.
         let mut err = vec![[0f64; 9]; d];
         for w in WIDTHS {
-            let back = quantize(&keys, &at_width(spec, w)?)?.dequantize();
+            let back = quantize(&keys, &width_spec(spec, w)?)?.dequantize();
             for (row, orig) in back.data().chunks_exact(d).zip(keys.data().chunks_exact(d)) {
                 for c in 0..d {
                     let e = f64::from(row[c]) - f64::from(orig[c]);
@@ -244,23 +244,67 @@ fn units(err: &[[f64; 9]], d: usize, bits: u8, pairing: Option<RopePairing>) -> 
     order.chunks(per).map(|chunk| chunk.iter().flat_map(|&m| members[m].iter().copied()).collect()).collect()
 }
 
-/// Refuses specs that are not affine per channel or that rotate rows.
+/// Refuses specs that cannot have bits per channel (the rule of
+/// [`QuantSpec::with_channel_bits`]).
 fn check_spec(spec: &QuantSpec) -> Result<()> {
-    if !matches!(spec.kind(), Kind::Affine)
-        || !matches!(spec.granularity(), Granularity::PerChannel { .. })
-        || spec.rotated()
-    {
-        return Err(QuantError::InvalidSpec(format!(
-            "{spec}: bits per channel apply to affine per-channel specs without rotation"
-        )));
-    }
-    Ok(())
+    spec.clone().with_channel_bits(true).map(|_| ())
 }
 
-/// The spec at width `w`, without the map flag: what one width's channels are quantized with.
-fn at_width(spec: &QuantSpec, w: u8) -> Result<QuantSpec> {
+/// The spec one width's channels are quantized with: `spec` at `w` bits (its kind, grouping,
+/// range rule and parameter type), without bits per channel.
+///
+/// # Errors
+/// [`QuantError::BitsOutOfRange`] for a width the kind does not support.
+pub fn width_spec(spec: &QuantSpec, w: u8) -> Result<QuantSpec> {
     Ok(QuantSpec::new(spec.kind().clone(), w, spec.granularity(), spec.param_dtype())?
         .with_ranges(spec.ranges()))
+}
+
+/// One map per KV head of a GQA layer, fitted with [`ChannelBits::fit`] on every token of
+/// `keys` (`[batch, kv_heads, tokens, head_dim]`) and the mean squared query per channel over
+/// the query heads that read each KV head (`queries`, `[batch, query_heads, tokens, head_dim]`,
+/// query head `h` reading KV head `h / (query_heads / kv_heads)`). The batch entries' tokens
+/// are taken one after the other.
+///
+/// # Errors
+/// [`QuantError::ShapeMismatch`] when the shapes do not agree (batch, tokens, head_dim, query
+/// heads a multiple of KV heads); those of [`ChannelBits::fit`].
+pub fn fit_heads(
+    keys: &Tensor,
+    queries: &Tensor,
+    spec: &QuantSpec,
+    pairing: Option<RopePairing>,
+) -> Result<Vec<ChannelBits>> {
+    let (ks, qs) = (keys.shape(), queries.shape());
+    if ks.heads == 0
+        || !qs.heads.is_multiple_of(ks.heads)
+        || (qs.batch, qs.tokens, qs.head_dim) != (ks.batch, ks.tokens, ks.head_dim)
+    {
+        return Err(QuantError::ShapeMismatch {
+            expected: format!("queries of keys {ks}: the same batch, tokens and head_dim, whole GQA groups"),
+            got: format!("{qs}"),
+        });
+    }
+    let (group, d, n) = (qs.heads / ks.heads, ks.head_dim, ks.batch * ks.tokens);
+    (0..ks.heads)
+        .map(|h| {
+            let mut rows = Vec::with_capacity(n * d);
+            let mut energy = vec![0f64; d];
+            for b in 0..ks.batch {
+                for t in 0..ks.tokens {
+                    rows.extend_from_slice(keys.row(b, h, t));
+                    for qh in h * group..(h + 1) * group {
+                        for (e, &x) in energy.iter_mut().zip(queries.row(b, qh, t)) {
+                            *e += f64::from(x) * f64::from(x);
+                        }
+                    }
+                }
+            }
+            let count = (n * group).max(1) as f64;
+            let energy: Vec<f32> = energy.iter().map(|e| (e / count) as f32).collect();
+            ChannelBits::fit(&Tensor::new(Shape::new(1, n, d), rows)?, &energy, spec, pairing)
+        })
+        .collect()
 }
 
 /// A key tensor quantized with bits per channel: per (batch entry, head), one per-channel
@@ -373,7 +417,7 @@ pub fn quantize_channel_bits(
                 data.extend(channels.iter().map(|&c| row[c]));
             }
             let sub = Tensor::new(Shape::new(1, s.tokens, channels.len()), data)?;
-            head.push(quantize(&sub, &at_width(spec, w)?)?);
+            head.push(quantize(&sub, &width_spec(spec, w)?)?);
         }
         parts.push(head);
     }
