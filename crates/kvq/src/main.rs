@@ -124,6 +124,10 @@ enum Command {
         /// Query positions at which attention is compared.
         #[arg(long, default_value_t = Options::default().positions)]
         positions: usize,
+        /// Which key channels rotate together under RoPE (`half`, `interleaved`, `none`), for
+        /// the candidates with bits per key channel (`-qa`), as in `analyze`.
+        #[arg(long, default_value = "half", value_parser = parse_pairing)]
+        rope_pairing: Pairing,
         /// Measure through the cache (and write its window and sinks into the config).
         #[command(flatten)]
         cache: CacheArgs,
@@ -246,7 +250,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Bench { context, steps, specs, integer, residual_blocks, sinks } => {
             bench(context, steps, &specs, integer, (residual_blocks as usize, sinks as usize))
         }
-        Command::Recommend { file, budget_bits, out, model_layers, positions, cache, json } => {
+        Command::Recommend { file, budget_bits, out, model_layers, positions, rope_pairing, cache, json } => {
             if !(budget_bits.is_finite() && budget_bits > 0.0) {
                 return Err(format!("--budget-bits {budget_bits} is not a positive finite number").into());
             }
@@ -256,6 +260,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 positions,
                 block_size: kvq::recommend::BLOCK_SIZE,
                 cache: cache.run(),
+                rope_pairing: rope_pairing.0,
                 ..Options::default()
             };
             let (candidates, skipped) =
@@ -274,24 +279,44 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     "budget {:.3} bits per value; chosen average {:.3}",
                     rec.budget_bits, rec.average_bits
                 );
-                println!("{:<10} {:<30} {:>7} {:>10}", "layer", "spec", "bits", "attn err");
+                let w = rec.layers.iter().map(|c| c.spec.len()).max().unwrap_or(0).max(4);
+                println!("{:<10} {:<w$} {:>7} {:>10}", "layer", "spec", "bits", "attn err");
                 for c in &rec.layers {
-                    println!("{:<10} {:<30} {:>7.3} {:>10.3e}", c.layer, c.spec, c.bits, c.attn_rel_err);
+                    println!("{:<10} {:<w$} {:>7.3} {:>10.3e}", c.layer, c.spec, c.bits, c.attn_rel_err);
                 }
             }
             if let Some(out) = out {
                 let run = options.cache.unwrap_or_default();
-                let (config, source) =
-                    kvq::recommend::config_with(&layers, &specs, model_layers.map(|n| n as usize), run)?;
+                let (config, source) = kvq::recommend::config_with(
+                    &layers,
+                    &specs,
+                    model_layers.map(|n| n as usize),
+                    run,
+                    options.rope_pairing,
+                )?;
                 config.save(&out)?;
                 let filled = source.iter().enumerate().filter(|&(m, &from)| m != from).count();
+                // Model layers that take a dumped layer's `-qa` spec without its maps.
+                let qa_from = |from: usize| {
+                    let at = layers.iter().position(|d| kvq::recommend::model_layer(&d.name) == Some(from));
+                    at.is_some_and(|i| specs[i].k.channel_bits())
+                };
+                let unfitted =
+                    source.iter().enumerate().filter(|&(m, &from)| m != from && qa_from(from)).count();
+                let unfitted = if unfitted > 0 {
+                    format!(
+                        " ({unfitted} of them without -qa: bits per key channel are fitted to a dumped layer only)"
+                    )
+                } else {
+                    String::new()
+                };
                 let counted = if options.cache.is_some() {
                     format!("the bits above count them at the dump's {} tokens", layers[0].k.shape().tokens)
                 } else {
                     "the bits above count codes and parameters, not those (measure with --cache)".to_string()
                 };
                 eprintln!(
-                    "kvq: wrote {} ({} layers; {filled} not in the dump take the specs of the nearest dumped layer; \
+                    "kvq: wrote {} ({} layers; {filled} not in the dump take the specs of the nearest dumped layer{unfitted}; \
                      f16 residual window of {} block(s) of {} and {} sink tokens: {counted})",
                     out.display(),
                     config.layers.len(),

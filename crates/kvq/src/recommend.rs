@@ -9,6 +9,15 @@
 //! per 32-token block, exactly as the cache will store them. With [`Options::cache`] the
 //! candidates are measured through the cache itself, so the bits include its f16 residual
 //! window and sinks (write the config with [`config_with`] and the same [`CacheRun`]).
+//!
+//! Candidates with bits per key channel (`-qa`) are measured with maps fitted on the tokens
+//! before the first measured query position, as `kvq analyze` does; the written config
+//! carries maps fitted on all of a dumped layer's tokens for that layer, and gives the model
+//! layers the dump does not hold the same spec without `-qa` (same bits; a map is fitted to
+//! one layer's keys and queries, and nothing was measured there).
+
+use kvq_quant_core::RopePairing;
+use kvq_quant_core::channel_bits::fit_heads;
 
 use crate::analysis::{AnalyzeError, CacheRun, KvSpec, LayerInput, Options, analyze};
 use crate::cache::{KvCacheConfig, KvqError};
@@ -16,7 +25,8 @@ use crate::cache::{KvCacheConfig, KvqError};
 /// Tokens per block of the configs `recommend` writes (per-channel groups match it).
 pub const BLOCK_SIZE: usize = 32;
 
-/// Candidate spec pairs: uniform and mixed precision, all streamable without calibration.
+/// Candidate spec pairs: uniform and mixed precision, all streamable without calibration
+/// (the `-qa` ones fit their maps to the dump itself).
 pub fn default_candidates() -> Vec<KvSpec> {
     [
         "int8-token",
@@ -33,6 +43,9 @@ pub fn default_candidates() -> Vec<KvSpec> {
         "int4-channel32/int2-token-mse-rot",
         "int2-channel32/int2-token-mse-rot",
         "int3-channel32/int3-token-mse-rot",
+        "int4-channel32-qa/int4-token-mse-rot",
+        "int3-channel32-qa/int3-token-mse-rot",
+        "int2-channel32-qa/int2-token-mse-rot",
         "nf4-token",
         "fp8e4m3-token",
     ]
@@ -187,19 +200,25 @@ pub fn config_for(
     specs: &[KvSpec],
     model_layers: Option<usize>,
 ) -> Result<(KvCacheConfig, Vec<usize>), RecommendError> {
-    config_with(layers, specs, model_layers, CacheRun::default())
+    config_with(layers, specs, model_layers, CacheRun::default(), Some(RopePairing::Half))
 }
 
-/// Like [`config_for`], with the residual window and sinks of `run`: the config that a
-/// recommendation measured with [`Options::cache`] set to `run` was measured on.
+/// Like [`config_for`], with the residual window and sinks of `run` (the config that a
+/// recommendation measured with [`Options::cache`] set to `run` was measured on) and the RoPE
+/// pairing that the maps of `-qa` key specs keep together ([`Options::rope_pairing`]).
+///
+/// A dumped layer with a `-qa` key spec gets maps fitted on all its tokens (each KV head's
+/// keys, weighted by its query heads' mean squared queries); model layers that take its specs
+/// without being in the dump get the spec without `-qa`.
 ///
 /// # Errors
-/// As [`config_for`].
+/// As [`config_for`], and [`RecommendError::Config`] when a map cannot be fitted.
 pub fn config_with(
     layers: &[LayerInput],
     specs: &[KvSpec],
     model_layers: Option<usize>,
     run: CacheRun,
+    pairing: Option<RopePairing>,
 ) -> Result<(KvCacheConfig, Vec<usize>), RecommendError> {
     let bad = |why: String| RecommendError::Layers(why);
     let mut ids = Vec::with_capacity(layers.len());
@@ -226,9 +245,19 @@ pub fn config_with(
         .block_size(BLOCK_SIZE)
         .residual_blocks(run.residual_blocks)
         .sink_tokens(run.sink_tokens);
+    let config_err = |e: kvq_quant_core::QuantError| RecommendError::Config(KvqError::Config(e.to_string()));
     for (m, &from) in source.iter().enumerate() {
-        let s = &specs[ids.iter().position(|&id| id == from).expect("a dumped layer")];
-        b = b.layer_specs(m, s.k.clone(), s.v.clone());
+        let at = ids.iter().position(|&id| id == from).expect("a dumped layer");
+        let s = &specs[at];
+        if !s.k.channel_bits() {
+            b = b.layer_specs(m, s.k.clone(), s.v.clone());
+        } else if m == from {
+            let maps = fit_heads(&layers[at].k, &layers[at].q, &s.k, pairing).map_err(config_err)?;
+            b = b.layer_specs(m, s.k.clone(), s.v.clone()).channel_bits(m, maps);
+        } else {
+            let plain = s.k.clone().with_channel_bits(false).map_err(config_err)?;
+            b = b.layer_specs(m, plain, s.v.clone());
+        }
     }
     let config = b.build()?;
     debug_assert_eq!(config.layers.len(), n);
