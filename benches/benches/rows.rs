@@ -3,6 +3,8 @@
 //! (scores) or their 4 weight rows (values), through the fastest float backend of this CPU;
 //! and the dense f32 and f16 kernels on the same shapes as baselines (groups `rows_scores_*`
 //! and `rows_values_*`). Criterion reports the time of one block; divide by 32 for a row.
+//! Group `rows_regions_*`: the width regions of `-qa` keys (per-channel affine blocks of 16
+//! and 32 channels at every width), scored the same way.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
@@ -107,5 +109,32 @@ fn rows(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, rows);
+/// The scores of the width regions that `-qa` key blocks are made of: a quarter, a half and a
+/// quarter of the channels at three widths (`ChannelBits::spread`) give regions of 16 and 32
+/// channels at head_dim 64 and 128, at any width from 1 to 8 bits.
+fn regions(c: &mut Criterion) {
+    let backend = best_float();
+    for d in [16usize, 32] {
+        let x = normal_tensor(Shape::new(1, ROWS, d), 13);
+        let q: Vec<f32> = normal_tensor(Shape::new(1, NQ, d), 14).into_data();
+        let mut s = vec![0f32; NQ * ROWS];
+        let mut scratch = Scratch::default();
+        let mut group = c.benchmark_group(format!("rows_regions_{ROWS}x{d}"));
+        group.throughput(Throughput::Elements(ROWS as u64));
+        for bits in 1..=8u8 {
+            let spec: QuantSpec = format!("int{bits}-channel").parse().unwrap();
+            let qt = quantize(&x, &spec).unwrap();
+            let (scale, offset) = (qt.scales().to_f32(), qt.offsets().map(|o| o.to_f32()));
+            let params = Params::PerChannel { scale: &scale, offset: offset.as_deref() };
+            let block = QuantBlock::new(qt.codes(), ROWS, d, bits, Levels::Affine, params).unwrap();
+            let kernel = kvq_kernels_simd::implementation_for(backend, &block);
+            group.bench_function(BenchmarkId::new(format!("int{bits}"), kernel), |b| {
+                b.iter(|| scores_in(backend, &mut scratch, black_box(&block), &q, NQ, &mut s).unwrap())
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, rows, regions);
 criterion_main!(benches);

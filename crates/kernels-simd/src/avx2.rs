@@ -730,39 +730,101 @@ unsafe fn codes8(p: *const u8) -> __m256 {
     unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()))) }
 }
 
-/// [`group_dots`] for the blocks only [`generic`] takes: two rows per pass, each unpacked once
-/// to one code a byte, then 8 codes at a time against every query row, with one accumulator
-/// per (query row, row) and the `2·NQ` sums reduced together (as [`dots_row_pairs`]).
+/// The query rows of `q` (`n_q` rows of `d` floats, `d` a multiple of 8) in the bit order of a
+/// packed row, for [`generic_dots`]: plane after plane, one float per code field, in the order
+/// of the fields' bits (byte `j` of a chunk of stride `s` holds code `j + s·k` in bits `k·w`,
+/// docs/formats.md "Codes: bit planes"), each times `2^shift` of its plane, so that a code's
+/// planes are dotted apart and add up to the code. Rows of `planes · d` floats, into `w.q`;
+/// the code of each field is computed once per `(d, bits)` and kept in `w`.
+fn arrange_query(q: &[f32], n_q: usize, d: usize, bits: u8, w: &mut portable::Arranged) {
+    let planes = kvq_quant_core::pack::planes(bits);
+    let len = planes.len() * d;
+    let at = match w.codes.iter().position(|(shape, _)| *shape == (d, bits)) {
+        Some(at) => at,
+        None => {
+            let mut codes = Vec::with_capacity(len);
+            for &pw in planes {
+                let m = 8 / usize::from(pw);
+                let mut c = 0;
+                while c < d {
+                    // A chunk of `r` codes in `s` bytes (`r` a multiple of 8: `s = r / m`).
+                    let r = (d - c).min(16 * m);
+                    let s = r / m;
+                    codes.extend((0..s).flat_map(|j| (0..m).map(move |k| (c + s * k + j) as u32)));
+                    c += r;
+                }
+            }
+            w.codes.push(((d, bits), codes));
+            w.codes.len() - 1
+        }
+    };
+    let codes = &w.codes[at].1;
+    w.q.resize(n_q * len, 0.0);
+    for (qi, o) in q.chunks_exact(d).zip(w.q.chunks_exact_mut(len)).take(n_q) {
+        let mut shift = 0;
+        for ((&pw, o), codes) in planes.iter().zip(o.chunks_exact_mut(d)).zip(codes.chunks_exact(d)) {
+            let factor = f32::from(1u16 << shift);
+            for (x, &c) in o.iter_mut().zip(codes) {
+                *x = qi[c as usize] * factor;
+            }
+            shift += pw;
+        }
+    }
+}
+
+/// [`group_dots`] for the blocks only [`generic`] takes, on the query rows in bit order
+/// ([`arrange_query`], `qa`): two rows per pass; each plane read `w` bytes (8 codes) at a time,
+/// broadcast, shifted lane by lane (`vpsrlvd`), masked and converted to 8 floats against 8
+/// arranged query floats: nothing is unpacked to memory and no lane is idle. One accumulator
+/// per (query row, row), the `2·NQ` sums reduced together (as [`dots_row_pairs`]).
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `generic(b)`; `q.len() == NQ · b.dim`.
+/// The CPU must support AVX2 and FMA; `generic(b)`; `qa.len() == NQ · planes · b.dim`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn generic_dots<const NQ: usize>(
     b: &QuantBlock<'_>,
-    q: &[f32],
+    qa: &[f32],
     mut emit: impl FnMut(usize, usize, f32),
 ) {
     let d = b.dim;
-    let (mut c0, mut c1, mut tmp) = ([0u8; GENERIC_BUF], [0u8; GENERIC_BUF], [0u8; GENERIC_BUF]);
+    let planes = kvq_quant_core::pack::planes(b.bits);
+    let len = planes.len() * d;
+    debug_assert_eq!(qa.len(), NQ * len);
+    // `w` bytes of a plane (8 fields of `w` bits) as 8 floats: 1-, 2- and 4-bit fields from one
+    // little-endian word broadcast and shifted lane by lane; bytes widened.
+    let fields = |x: &[u8], at: usize, w: usize, shifts: __m256i, mask: __m256i| -> __m256 {
+        let word = match w {
+            1 => i32::from(x[at]),
+            2 => i32::from(u16::from_le_bytes([x[at], x[at + 1]])),
+            4 => i32::from_le_bytes([x[at], x[at + 1], x[at + 2], x[at + 3]]),
+            _ => {
+                let b8 = u64::from_le_bytes(x[at..at + 8].try_into().expect("8 bytes"));
+                return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b8 as i64)));
+            }
+        };
+        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask))
+    };
     for r in (0..b.rows).step_by(2) {
         let r1 = (r + 1).min(b.rows - 1);
-        // SAFETY: rows r and r1 are whole packed rows of d codes; AVX2 is enabled.
-        unsafe {
-            unpack_any(b.row(r), d, b.bits, &mut c0, &mut tmp);
-            unpack_any(b.row(r1), d, b.bits, &mut c1, &mut tmp);
-        }
+        let (row0, row1) = (b.row(r), b.row(r1));
         // acc[2i + j]: query row i, block row r + j; the unused ones stay zero.
         let mut acc = [_mm256_setzero_ps(); 8];
-        for c in (0..d).step_by(8) {
-            // SAFETY: c + 8 <= d: the codes are in `c0` and `c1`, and query row i spans
-            // q[i·d .. (i + 1)·d].
-            unsafe {
-                let (x0, x1) = (codes8(c0.as_ptr().add(c)), codes8(c1.as_ptr().add(c)));
+        let (mut lane, mut byte) = (0, 0);
+        for &w in planes {
+            let w = usize::from(w);
+            let mask = _mm256_set1_epi32((1 << w) - 1);
+            let w32 = w as i32;
+            let shifts = _mm256_setr_epi32(0, w32, 2 * w32, 3 * w32, 4 * w32, 5 * w32, 6 * w32, 7 * w32);
+            for _ in 0..d / 8 {
+                let (x0, x1) = (fields(row0, byte, w, shifts, mask), fields(row1, byte, w, shifts, mask));
                 for i in 0..NQ {
-                    let qv = _mm256_loadu_ps(q.as_ptr().add(i * d + c));
+                    // SAFETY: lane + 8 <= len: query row i's 8 floats of these fields.
+                    let qv = unsafe { _mm256_loadu_ps(qa.as_ptr().add(i * len + lane)) };
                     acc[2 * i] = _mm256_fmadd_ps(x0, qv, acc[2 * i]);
                     acc[2 * i + 1] = _mm256_fmadd_ps(x1, qv, acc[2 * i + 1]);
                 }
+                lane += 8;
+                byte += w;
             }
         }
         // SAFETY: AVX2 is enabled.
@@ -922,13 +984,18 @@ fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &
         _ => q,
     };
     let any_width = !fast(b);
+    let len = kvq_quant_core::pack::planes(b.bits).len() * d;
+    if any_width {
+        arrange_query(q, n_q, d, b.bits, &mut w.arranged);
+    }
+    let arranged = &w.arranged.q;
     in_groups_of_4(n_q, |i0, n| {
         let qg = &q[i0 * d..(i0 + n) * d];
         // SAFETY: callers checked `supported(b)` (per-group blocks: groups of a multiple of
         // 16; blocks the chunked kernels do not take: `generic(b)`); `qg` holds n query rows.
         unsafe {
             if any_width {
-                by_group!(generic_dots, n, (b, qg, raw(i0)))
+                by_group!(generic_dots, n, (b, &arranged[i0 * len..(i0 + n) * len], raw(i0)))
             } else if matches!(b.params, Params::PerGroup { .. }) {
                 by_width!(group_dots_grouped, dots3, b.bits, n, (b, qg, raw(i0)))
             } else {

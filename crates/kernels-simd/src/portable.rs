@@ -212,6 +212,18 @@ pub(crate) struct Scratch {
     pub(crate) qw: Vec<f32>,
     pub(crate) cst: Vec<f32>,
     pub(crate) acc: Vec<f32>,
+    /// Query rows in a packed row's bit order (the AVX2 any-width score kernels).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) arranged: Arranged,
+}
+
+/// Query rows in the bit order of packed rows, and the code of each field per row length and
+/// width (computed once per shape: the width regions of `-qa` keys alternate block by block).
+#[derive(Default)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) struct Arranged {
+    pub(crate) q: Vec<f32>,
+    pub(crate) codes: Vec<((usize, u8), Vec<u32>)>,
 }
 
 /// See [`crate::scalar::dequantize`].
