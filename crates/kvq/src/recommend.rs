@@ -26,7 +26,8 @@ use crate::cache::{KvCacheConfig, KvqError};
 pub const BLOCK_SIZE: usize = 32;
 
 /// Candidate spec pairs: uniform and mixed precision, all streamable without calibration
-/// (the `-qa` ones fit their maps to the dump itself).
+/// (the `-qa` ones fit their maps to the dump itself; keys and values a bit apart fill the
+/// budgets between whole widths).
 pub fn default_candidates() -> Vec<KvSpec> {
     [
         "int8-token",
@@ -46,6 +47,10 @@ pub fn default_candidates() -> Vec<KvSpec> {
         "int4-channel32-qa/int4-token-mse-rot",
         "int3-channel32-qa/int3-token-mse-rot",
         "int2-channel32-qa/int2-token-mse-rot",
+        "int4-channel32-qa/int3-token-mse-rot",
+        "int3-channel32-qa/int4-token-mse-rot",
+        "int3-channel32-qa/int2-token-mse-rot",
+        "int2-channel32-qa/int3-token-mse-rot",
         "nf4-token",
         "fp8e4m3-token",
     ]
