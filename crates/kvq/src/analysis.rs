@@ -134,6 +134,9 @@ pub fn default_specs() -> Vec<KvSpec> {
             out.push(KvSpec::parse(&text).expect("built-in specs parse"));
         }
     }
+    // Between INT4 and INT2: query-aware INT3 keys with rotated INT3 values, the best of the
+    // real-model evaluations at about 4.3 bits (docs/quality.md).
+    out.push(KvSpec::parse("int3-channel-qa/int3-token-mse-rot").expect("built-in spec"));
     out.push(KvSpec::parse("fp8e4m3-token").expect("built-in spec"));
     out.push(KvSpec::parse("nf4-token").expect("built-in spec"));
     out
@@ -909,7 +912,7 @@ mod tests {
         for s in ["int4-channel/int4-token", "int8-tensor", "fp8e4m3-token", "nf4-token"] {
             assert_eq!(KvSpec::parse(s).unwrap().name(), s);
         }
-        assert_eq!(default_specs().len(), 18);
+        assert_eq!(default_specs().len(), 19);
         let whole = KvSpec::parse("int4-channel-mse/int2-channel-rot").unwrap();
         assert_eq!(whole.for_block(64).name(), "int4-channel64-mse/int2-channel64-rot");
         let fixed = KvSpec::parse("int4-channel16/int4-token").unwrap();
