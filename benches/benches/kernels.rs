@@ -22,6 +22,10 @@ use kvq::attention::{
 };
 use kvq::baseline::{DenseDims, DenseKv, DenseScratch, dense_attention};
 use kvq_benches::{best_float, layer_cache};
+
+/// How this file's group names begin: a filter that begins so names groups, and the groups it
+/// does not name are skipped before their inputs are built (`kvq_benches::wanted`).
+const GROUPS: &[&str] = &["scores_", "axpy_", "decode_", "stream_"];
 use kvq_kernels_simd::{
     Backend, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dense_axpy_with, dense_scores_with,
     dispatch, scores_int8_with, scores_with,
@@ -75,6 +79,9 @@ enum Read {
 fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: bool) {
     let what = if read == Read::Scores { "scores" } else { "axpy" };
     let name = if n > 1 << 20 { format!("{what}_dram_{n}x{d}") } else { format!("{what}_{n}x{d}") };
+    if !kvq_benches::wanted(&name, GROUPS) {
+        return;
+    }
     let mut group = c.benchmark_group(name);
     if n > 1 << 20 {
         group.sample_size(10);
@@ -258,12 +265,16 @@ fn decode(c: &mut Criterion) {
 }
 
 fn decode_at(c: &mut Criterion, len: usize) {
+    let name = format!("decode_llama3_8b_layer_{}k", len / 1024);
+    if !kvq_benches::wanted(&name, GROUPS) {
+        return;
+    }
     let (q_heads, kv_heads) = (32usize, 8usize);
     let mut rng = Rng::new(9);
     let kv = normal_tensor(Shape::new(kv_heads, len, D), 21);
     let vv = normal_tensor(Shape::new(kv_heads, len, D), 22);
     let q: Vec<f32> = (0..q_heads * D).map(|_| rng.normal() as f32).collect();
-    let mut group = c.benchmark_group(format!("decode_llama3_8b_layer_{}k", len / 1024));
+    let mut group = c.benchmark_group(name);
     group.sample_size(if len > 8192 { 10 } else { 20 });
 
     // Baselines: contiguous f32 and f16 K and V through `kvq::baseline::dense_attention`, which
@@ -349,11 +360,15 @@ fn decode_at(c: &mut Criterion, len: usize) {
 /// step), on one thread and on two.
 fn decode_batch(c: &mut Criterion) {
     for (seqs, len) in [(16usize, 4096usize), (64, 1024)] {
+        let name = format!("decode_batch_{seqs}x{}k", len / 1024);
+        if !kvq_benches::wanted(&name, GROUPS) {
+            continue;
+        }
         let (q_heads, kv_heads) = (32usize, 8usize);
         let mut rng = Rng::new(17);
         let kv = normal_tensor(Shape::new(kv_heads, len, D), 23);
         let vv = normal_tensor(Shape::new(kv_heads, len, D), 24);
-        let mut group = c.benchmark_group(format!("decode_batch_{seqs}x{}k", len / 1024));
+        let mut group = c.benchmark_group(name);
         group.sample_size(10);
         let (k, v) = ("int4-channel", "int4-token");
         let mut cache = layer_cache(kv_heads, D, seqs * kv_heads * len / 32, k, v);
@@ -397,6 +412,9 @@ fn decode_batch(c: &mut Criterion) {
 /// 512 MiB): the floor against which the DRAM-sized entries are read (bytes ÷ this rate).
 fn stream(c: &mut Criterion) {
     const BYTES: usize = 512 << 20;
+    if !kvq_benches::wanted("stream_read_512MiB", GROUPS) {
+        return;
+    }
     let data = in_huge_pages(&vec![1u64; BYTES / 8]);
     let mut group = c.benchmark_group("stream_read_512MiB");
     group.sample_size(10);

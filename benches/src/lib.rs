@@ -25,3 +25,98 @@ pub fn layer_cache(kv_heads: usize, head_dim: usize, blocks: usize, k: &str, v: 
     kvq_kernels_simd::advise_huge_pages(cache.pool().arena());
     cache
 }
+
+/// Criterion's options that take a value (the next argument is not a filter).
+const VALUED: &[&str] = &[
+    "--warm-up-time",
+    "--measurement-time",
+    "--sample-size",
+    "--save-baseline",
+    "--baseline",
+    "--baseline-lenient",
+    "--load-baseline",
+    "--output-format",
+    "--plotting-backend",
+    "--noise-threshold",
+    "--confidence-level",
+    "--significance-level",
+    "--nresamples",
+    "--profile-time",
+    "--color",
+    "--format",
+    "--logfile",
+    "-c",
+];
+
+/// The benchmark filter in a bench binary's arguments (`cargo bench -- FILTER`): the first
+/// argument that is neither an option nor an option's value.
+pub fn filter_in(args: &[String]) -> Option<&str> {
+    let mut value_next = false;
+    for a in args {
+        if value_next {
+            value_next = false;
+        } else if a.starts_with('-') {
+            value_next = VALUED.contains(&a.as_str());
+        } else {
+            return Some(a);
+        }
+    }
+    None
+}
+
+/// Whether a group named `group` can hold a benchmark that `filter` selects, for groups whose
+/// inputs take long to build (gigabytes of keys, whole caches): a filter that names a group
+/// (it starts with one of `prefixes`, as group names do, and is plain text, not a regex)
+/// selects only groups whose name contains it or that it starts with; any other filter (a
+/// spec name, say, which appears in many groups' entries) may select any group.
+pub fn group_wanted(filter: Option<&str>, group: &str, prefixes: &[&str]) -> bool {
+    let Some(f) = filter else { return true };
+    let plain = f.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '/'));
+    if !plain || !prefixes.iter().any(|p| f.starts_with(p)) {
+        return true;
+    }
+    group.contains(f) || f.starts_with(&format!("{group}/"))
+}
+
+/// [`group_wanted`] with this process's filter.
+pub fn wanted(group: &str, prefixes: &[&str]) -> bool {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    group_wanted(filter_in(&args), group, prefixes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_filter_is_the_first_argument_that_is_no_option_or_value() {
+        assert_eq!(filter_in(&args(&["--bench"])), None);
+        assert_eq!(filter_in(&args(&["--bench", "decode_llama3"])), Some("decode_llama3"));
+        assert_eq!(
+            filter_in(&args(&["--warm-up-time", "0.5", "--save-baseline", "x", "--bench", "scores_4096"])),
+            Some("scores_4096")
+        );
+        assert_eq!(filter_in(&args(&["--sample-size", "20", "--noplot"])), None);
+    }
+
+    #[test]
+    fn a_filter_naming_a_group_skips_the_others_and_no_other_filter_does() {
+        let p = &["decode_", "scores_", "axpy_", "stream_"];
+        let g4 = "decode_llama3_8b_layer_4k";
+        let g32 = "decode_llama3_8b_layer_32k";
+        assert!(group_wanted(None, g32, p));
+        assert!(group_wanted(Some(g4), g4, p));
+        assert!(!group_wanted(Some(g4), g32, p));
+        assert!(group_wanted(Some("decode_llama3"), g32, p));
+        assert!(!group_wanted(Some("decode_llama3"), "scores_dram_8388608x128", p));
+        assert!(group_wanted(Some("decode_llama3_8b_layer_4k/f16_gqa"), g4, p));
+        assert!(!group_wanted(Some("decode_llama3_8b_layer_4k/f16_gqa"), g32, p));
+        // Names of entries, and regexes, may select entries of any group.
+        assert!(group_wanted(Some("int4-channel"), g32, p));
+        assert!(group_wanted(Some("decode_.*4k"), g32, p));
+    }
+}
