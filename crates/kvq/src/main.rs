@@ -296,13 +296,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 )?;
                 config.save(&out)?;
                 let filled = source.iter().enumerate().filter(|&(m, &from)| m != from).count();
-                // Model layers that take a dumped layer's `-qa` spec without its maps.
-                let qa_from = |from: usize| {
-                    let at = layers.iter().position(|d| kvq::recommend::model_layer(&d.name) == Some(from));
-                    at.is_some_and(|i| specs[i].k.channel_bits())
-                };
-                let unfitted =
-                    source.iter().enumerate().filter(|&(m, &from)| m != from && qa_from(from)).count();
+                // Model layers that take a dumped layer's `-qa` spec without its maps (the
+                // dumped layer `from` is model layer `from` of the config).
+                let unfitted = source
+                    .iter()
+                    .enumerate()
+                    .filter(|&(m, &from)| m != from && config.layers[from].k.channel_bits())
+                    .count();
                 let unfitted = if unfitted > 0 {
                     format!(
                         " ({unfitted} of them without -qa: bits per key channel are fitted to a dumped layer only)"
