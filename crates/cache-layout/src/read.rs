@@ -178,6 +178,19 @@ impl<'a> BlockView<'a> {
     /// offsets stay empty for formats without them). Row parts store `tokens × groups per
     /// row` groups, channel parts `head_dim`; static parts store none (see `statics`).
     pub fn params_f32(&self, scales: &mut Vec<f32>, offsets: &mut Vec<f32>) {
+        self.params_f32_with(scales, offsets, widen_f16)
+    }
+
+    /// [`BlockView::params_f32`] with the caller's widening of little-endian f16 bytes into
+    /// f32 (`widen(bytes, out)`, `out.len()` values from `2 · out.len()` bytes at any
+    /// alignment): decode passes a kernel that converts with the CPU's instruction, once per
+    /// block it reads; this crate has no CPU-specific code.
+    pub fn params_f32_with(
+        &self,
+        scales: &mut Vec<f32>,
+        offsets: &mut Vec<f32>,
+        widen_f16: impl Fn(&[u8], &mut [f32]),
+    ) {
         let l = self.layout;
         let n = match l.mode() {
             crate::part::Mode::Row { seg } => self.tokens * (l.head_dim() / seg),

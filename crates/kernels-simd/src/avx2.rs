@@ -958,8 +958,66 @@ macro_rules! by_width {
     };
 }
 
-/// Scores of every query row, up to 4 at a time: see [`scores`].
-fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &mut portable::Scratch) {
+/// [`portable::fold_channels`] 8 lanes at a time: `qw = q · scale` row by row, and each row's
+/// `Σ q · offset` (0 without offsets) in `cst`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fold_channels(
+    q: &[f32],
+    n_q: usize,
+    scale: &[f32],
+    offset: Option<&[f32]>,
+    qw: &mut Vec<f32>,
+    cst: &mut Vec<f32>,
+) {
+    let d = scale.len();
+    assert!(q.len() >= n_q * d && offset.is_none_or(|o| o.len() == d), "one parameter per channel");
+    let body = d / 8 * 8;
+    qw.resize(n_q * d, 0.0);
+    cst.resize(n_q, 0.0);
+    for ((qi, wi), c) in q.chunks_exact(d).zip(qw.chunks_exact_mut(d)).zip(cst.iter_mut()).take(n_q) {
+        let mut acc = _mm256_setzero_ps();
+        for k in (0..body).step_by(8) {
+            // SAFETY: k + 8 <= body <= d, the length of `qi`, `wi`, `scale` and `offset`
+            // (callers pass a block's parameters: one per channel).
+            unsafe {
+                let x = _mm256_loadu_ps(qi.as_ptr().add(k));
+                _mm256_storeu_ps(
+                    wi.as_mut_ptr().add(k),
+                    _mm256_mul_ps(x, _mm256_loadu_ps(scale.as_ptr().add(k))),
+                );
+                if let Some(o) = offset {
+                    acc = _mm256_fmadd_ps(x, _mm256_loadu_ps(o.as_ptr().add(k)), acc);
+                }
+            }
+        }
+        for k in body..d {
+            wi[k] = qi[k] * scale[k];
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        let tail: f32 = offset.map_or(0.0, |o| (body..d).map(|k| qi[k] * o[k]).sum());
+        *c = lanes.iter().sum::<f32>() + tail;
+    }
+}
+
+/// Scores of every query row, up to 4 at a time: see [`scores`]. Compiled with AVX2, so that
+/// the per-block work around the kernels (the per-channel scales folded into the query, the
+/// parameters applied to the dots) runs 8 lanes wide.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `supported(b)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_group(
+    b: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    w: &mut portable::Scratch,
+) {
     let (d, rows) = (b.dim, b.rows);
     assert!(out.len() >= n_q * rows, "callers checked the output's length");
     // The kernels store raw dots, `out[i · rows + r]`; each block's parameters are applied
@@ -977,7 +1035,8 @@ fn scores_group(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &
     let qw;
     let q = match b.params {
         Params::PerChannel { scale, offset } => {
-            portable::fold_channels(q, n_q, scale, offset, &mut w.qw, &mut w.cst);
+            // SAFETY: AVX2 and FMA are enabled by this function's target features.
+            unsafe { fold_channels(q, n_q, scale, offset, &mut w.qw, &mut w.cst) };
             qw = &w.qw;
             qw.as_slice()
         }
@@ -1120,7 +1179,8 @@ pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f3
     if !supported(b) {
         return portable::scores_in(b, q, n_q, out, &mut w.wide);
     }
-    scores_group(b, q, n_q, out, &mut w.wide)
+    // SAFETY: `supported(b)` checked the CPU (AVX2, FMA, F16C) and the layout.
+    unsafe { scores_group(b, q, n_q, out, &mut w.wide) }
 }
 
 /// See [`crate::scalar::axpy`]. Falls back to the `wide` kernels for layouts it does not cover.
@@ -1189,6 +1249,28 @@ unsafe fn fma_dot(a: *const f32, b: *const f32, n: usize) -> f32 {
 }
 
 /// Whether the full-precision kernels can run: AVX2, FMA and F16C (every AVX2 CPU so far).
+/// The first multiple of 8 of `out`'s values widened from the f16 `bytes` with `vcvtph2ps`
+/// when the CPU has F16C (the count returned; 0 without it): [`crate::widen_f16`]'s fast part.
+pub(crate) fn widen_f16(bytes: &[u8], out: &mut [f32]) -> usize {
+    if !std::arch::is_x86_feature_detected!("f16c") {
+        return 0;
+    }
+    // SAFETY: F16C (which implies AVX) was checked just above.
+    unsafe { widen_f16_f16c(bytes, out) }
+}
+
+/// # Safety
+/// The CPU must support F16C.
+#[target_feature(enable = "avx,f16c")]
+unsafe fn widen_f16_f16c(bytes: &[u8], out: &mut [f32]) -> usize {
+    let n = out.len().min(bytes.len() / 2) / 8 * 8;
+    for (o, b) in out[..n].chunks_exact_mut(8).zip(bytes.chunks_exact(16)) {
+        // SAFETY: `b` holds 16 bytes (unaligned load) and `o` 8 floats (unaligned store).
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().cast()))) };
+    }
+    n
+}
+
 fn cpu_dense() -> bool {
     cpu_ok() && std::arch::is_x86_feature_detected!("f16c")
 }

@@ -500,6 +500,21 @@ fn axpy_int_fast(
     false
 }
 
+/// Widens little-endian f16 values (`bytes`, any alignment) into `out`: the first
+/// `min(out.len(), bytes.len() / 2)` values, whose count it returns. Exact (every f16 is an
+/// f32), NaN and infinities included. 8 at a time with F16C (`vcvtph2ps`) where the CPU has it,
+/// through `half` elsewhere and for the tail: decode widens every block's parameters with it.
+pub fn widen_f16(bytes: &[u8], out: &mut [f32]) -> usize {
+    let n = out.len().min(bytes.len() / 2);
+    let (bytes, out) = (&bytes[..2 * n], &mut out[..n]);
+    #[cfg(target_arch = "x86_64")]
+    let done = avx2::widen_f16(bytes, out);
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    scalar::widen_f16(&bytes[2 * done..], &mut out[done..]);
+    n
+}
+
 /// Asks the CPU to start loading `data` into cache (one prefetch per 64-byte line), so that a
 /// block read a little later does not wait on memory. A hint only: no effect on results, and
 /// a no-op where there is no prefetch instruction to use. On x86-64 the lines go to L2

@@ -133,3 +133,11 @@ pub fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out
         }
     }
 }
+
+/// Reference of [`crate::widen_f16`]: `out[i]` is the little-endian f16 at `bytes[2i..]`,
+/// through `half`.
+pub fn widen_f16(bytes: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+    }
+}

@@ -809,3 +809,39 @@ fn dense_kernels_match_the_reference() {
         assert!(dense_scores_with::<half::f16>(backend, &[], usize::MAX, 2, &[0.0; 2], 1, &mut out).is_err());
     }
 }
+
+#[test]
+fn f16_widening_equals_the_reference_at_every_length_and_alignment() {
+    use half::f16;
+    let mut rng = Rng::new(41);
+    // Normal, subnormal, zero, infinite and NaN halves, and random bit patterns.
+    let specials =
+        [0x0000u16, 0x8000, 0x0001, 0x83ff, 0x3c00, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x7e00, 0x7c01];
+    for len in 0..70usize {
+        for pad in [0usize, 1] {
+            let vals: Vec<u16> = (0..len)
+                .map(|i| {
+                    if i % 5 == 0 { specials[i / 5 % specials.len()] } else { (rng.next_u64() >> 48) as u16 }
+                })
+                .collect();
+            let mut bytes = vec![0u8; pad];
+            bytes.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+            let mut got = vec![-1f32; len + 3];
+            let n = kvq_kernels_simd::widen_f16(&bytes[pad..], &mut got);
+            assert_eq!(n, len, "converts what both sides hold");
+            for (i, &v) in vals.iter().enumerate() {
+                let want = f16::from_bits(v).to_f32();
+                if want.is_nan() {
+                    assert!(got[i].is_nan(), "{v:#06x} -> {}", got[i]);
+                } else {
+                    assert_eq!(got[i].to_bits(), want.to_bits(), "{v:#06x} at {i} of {len}");
+                }
+            }
+            assert!(got[len..].iter().all(|&x| x == -1.0), "nothing written past the values");
+            // A short byte slice converts only its whole values.
+            let mut few = vec![0f32; len];
+            let odd = &bytes[pad..pad + (2 * len).saturating_sub(1)];
+            assert_eq!(kvq_kernels_simd::widen_f16(odd, &mut few), len.saturating_sub(1));
+        }
+    }
+}

@@ -197,13 +197,17 @@ fn with_block<R>(
         Channel,
         Group(usize),
     }
+    // f16 parameters widened with F16C where the CPU has it.
+    let widen = |b: &[u8], o: &mut [f32]| {
+        kvq_kernels_simd::widen_f16(b, o);
+    };
     let place = match layout.mode() {
         Mode::Row { seg } => {
-            view.params_f32(scale, offset);
+            view.params_f32_with(scale, offset, widen);
             if seg == d { Place::Row } else { Place::Group(seg) }
         }
         Mode::Channel => {
-            view.params_f32(scale, offset);
+            view.params_f32_with(scale, offset, widen);
             Place::Channel
         }
         Mode::Static { seg: 1 } => {
@@ -785,6 +789,19 @@ impl Partial {
     }
 }
 
+/// The largest of `init` and `x`, NaNs in `x` ignored (as `f32::max` does), in 8 lanes that
+/// the compiler vectorizes (a fold over `f32::max` stays scalar: its NaN rule blocks it).
+fn max_lanes(x: &[f32], init: f32) -> f32 {
+    let mut lanes = [init; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    chunks.remainder().iter().chain(&lanes).fold(init, |m, &v| if v > m { v } else { m })
+}
+
 /// Attends the g query rows `qs` (already scaled) over `units` into `st`; row `i` sees
 /// tokens `spans[i].0 .. spans[i].1` only (its sliding window and its causal end), the
 /// others get no weight.
@@ -873,7 +890,7 @@ fn attend<'a>(
         // Online softmax: rescale what was accumulated when the running maximum grows.
         for i in 0..g {
             let scores = &mut s[i * n..(i + 1) * n];
-            let m = scores.iter().copied().fold(st.m[i], f32::max);
+            let m = max_lanes(scores, st.m[i]);
             if m == f32::NEG_INFINITY {
                 // Nothing of this row seen yet: no weight, and no 0 · ∞ in the rescaling.
                 scores.fill(0.0);
@@ -898,4 +915,27 @@ fn attend<'a>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::max_lanes;
+
+    #[test]
+    fn max_lanes_is_the_f32_max_fold() {
+        let mut rng = kvq_quant_core::synth::Rng::new(3);
+        for n in 0..40usize {
+            for init in [f32::NEG_INFINITY, -1.0, 0.5] {
+                let mut x: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+                if n > 2 {
+                    x[n / 2] = f32::NAN;
+                    x[n - 1] = f32::NEG_INFINITY;
+                }
+                let want = x.iter().copied().fold(init, f32::max);
+                assert_eq!(max_lanes(&x, init).to_bits(), want.to_bits(), "{n} {init}");
+            }
+        }
+        assert_eq!(max_lanes(&[f32::NAN; 9], f32::NEG_INFINITY), f32::NEG_INFINITY);
+        assert_eq!(max_lanes(&[1.0, f32::INFINITY, 2.0], 0.0), f32::INFINITY);
+    }
 }
