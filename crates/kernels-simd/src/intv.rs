@@ -87,8 +87,8 @@ pub(crate) fn axpy_by_block<K: IntAxpyKernel>(
                 }
                 scale[i] = round_weights(wf, w);
             }
-            acc.clear();
-            acc.resize(n * d, 0);
+            // Written in full by the kernel (see `int8::fresh`).
+            let acc = crate::int8::fresh(acc, n * d);
             K::sums(b, at.clone(), w, n, acc);
             for i in 0..n {
                 let (sw, add, a) = (scale[i], add[i], &acc[i * d..(i + 1) * d]);
@@ -120,6 +120,7 @@ impl IntAxpyKernel for Reference {
     fn sums(b: &QuantBlock<'_>, rows: Range<usize>, w: &[i16], n: usize, acc: &mut [i32]) {
         let (d, m) = (b.dim, rows.len());
         let mut codes = vec![0u8; d];
+        acc[..n * d].fill(0);
         for r in rows.clone() {
             kvq_quant_core::pack::unpack_row(b.row(r), b.bits, &mut codes)
                 .expect("QuantBlock::new checked the lengths");
