@@ -1586,6 +1586,11 @@ impl int8::IntKernel for Avx2Int {
         unsafe { round_query(q, out) }
     }
 
+    fn round_query_scaled(q: &[f32], scale: &[f32], _: &mut Vec<f32>, out: &mut Vec<i8>) -> f32 {
+        // SAFETY: as above.
+        unsafe { round_query_by::<true>(q, scale, out) }
+    }
+
     fn dot(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: as above.
         unsafe { dot_lanes(a, b) }
@@ -1617,21 +1622,52 @@ impl int8::IntKernel for Avx2Int {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) unsafe fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
+    // SAFETY: as this function's.
+    unsafe { round_query_by::<false>(q, &[], out) }
+}
+
+/// [`round_query`] of `q` (`SCALED = false`, `scale` unused) or of the products
+/// `q[d] · scale[d]` (`SCALED`, `scale` as long as `q`), computed in registers in both passes
+/// instead of stored: the same products, so the same bytes as rounding a stored copy.
+///
+/// # Safety
+/// The CPU must support AVX2; with `SCALED`, `scale.len() >= q.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn round_query_by<const SCALED: bool>(q: &[f32], scale: &[f32], out: &mut Vec<i8>) -> f32 {
     use int8::MAGIC;
+    assert!(!SCALED || scale.len() >= q.len(), "a scale per query value");
+    // Eight values from `at`, scaled when asked (a macro, so that the intrinsics sit in this
+    // function's AVX2 code).
+    macro_rules! load {
+        ($at:expr) => {{
+            let at: usize = $at;
+            // SAFETY: every use has at + 8 <= q.len() (<= scale.len() when scaled).
+            unsafe {
+                let x = _mm256_loadu_ps(q.as_ptr().add(at));
+                if SCALED { _mm256_mul_ps(x, _mm256_loadu_ps(scale.as_ptr().add(at))) } else { x }
+            }
+        }};
+    }
+    let value = |k: usize| if SCALED { q[k] * scale[k] } else { q[k] };
+    let body = q.len() / 8 * 8;
     let sign = _mm256_set1_ps(-0.0);
     let (mut m, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let mut chunks = q.chunks_exact(8);
-    for c in &mut chunks {
-        // SAFETY: `c` is 8 floats.
-        let x = unsafe { _mm256_loadu_ps(c.as_ptr()) };
+    for at in (0..body).step_by(8) {
+        let x = load!(at);
         m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x));
         nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
     }
     let mut lanes = [0f32; 8];
     // SAFETY: `lanes` holds 8 floats.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
-    let any_nan = _mm256_movemask_ps(nan) != 0 || chunks.remainder().iter().any(|v| v.is_nan());
-    let (scale, inv) = int8::scale_of(int8::lane_max(&lanes, chunks.remainder()), any_nan, 127.0);
+    let mut rest = [0f32; 8];
+    for k in body..q.len() {
+        rest[k - body] = value(k);
+    }
+    let rest = &rest[..q.len() - body];
+    let any_nan = _mm256_movemask_ps(nan) != 0 || rest.iter().any(|v| v.is_nan());
+    let (scale_q, inv) = int8::scale_of(int8::lane_max(&lanes, rest), any_nan, 127.0);
     let start = out.len();
     out.resize(start + q.len(), 0);
     let dst = &mut out[start..];
@@ -1639,22 +1675,20 @@ pub(crate) unsafe fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
     let (magic, magic_bits) = (_mm256_set1_ps(MAGIC), _mm256_set1_epi32(MAGIC.to_bits() as i32));
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     let full = q.len() / 32 * 32;
-    for (c, o) in q[..full].chunks_exact(32).zip(dst.chunks_exact_mut(32)) {
+    for (c, o) in dst[..full].chunks_exact_mut(32).enumerate() {
         let mut v = [_mm256_setzero_si256(); 4];
         for (k, v) in v.iter_mut().enumerate() {
-            // SAFETY: `c` is 32 floats.
-            let x = unsafe { _mm256_loadu_ps(c.as_ptr().add(8 * k)) };
-            let x = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(x, invv), hi), lo);
+            let x = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(load!(32 * c + 8 * k), invv), hi), lo);
             *v = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(x, magic)), magic_bits);
         }
         let packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
         // SAFETY: `o` is 32 bytes.
         unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_permutevar8x32_epi32(packed, order)) };
     }
-    for (o, &x) in dst[full..].iter_mut().zip(&q[full..]) {
-        *o = int8::round_code(x, inv, 127.0) as i8;
+    for (k, o) in dst.iter_mut().enumerate().skip(full) {
+        *o = int8::round_code(value(k), inv, 127.0) as i8;
     }
-    scale
+    scale_q
 }
 
 /// [`crate::portable::dot_lanes`] in AVX2: the same 8 lanes (multiply, then add: not fused),

@@ -47,6 +47,11 @@ impl int8::IntKernel for Vnni {
         unsafe { crate::avx2::round_query(q, out) }
     }
 
+    fn round_query_scaled(q: &[f32], scale: &[f32], _: &mut Vec<f32>, out: &mut Vec<i8>) -> f32 {
+        // SAFETY: as above.
+        unsafe { crate::avx2::round_query_by::<true>(q, scale, out) }
+    }
+
     fn dot(a: &[f32], b: &[f32]) -> f32 {
         <crate::avx2::Avx2Int as int8::IntKernel>::dot(a, b)
     }

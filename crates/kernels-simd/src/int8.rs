@@ -131,9 +131,7 @@ impl Prepared {
                 }
                 Params::PerGroup { .. } => unreachable!("the integer paths refuse per-group blocks"),
                 Params::PerChannel { scale, offset } => {
-                    self.qw.clear();
-                    self.qw.extend(qi.iter().zip(scale).map(|(x, s)| x * s));
-                    self.scale[i] = K::round_query(&self.qw, &mut self.q8);
+                    self.scale[i] = K::round_query_scaled(qi, scale, &mut self.qw, &mut self.q8);
                     self.add[i] = offset.map_or(0.0, |o| K::dot(qi, o));
                 }
             }
@@ -248,6 +246,15 @@ pub(crate) trait IntKernel {
     }
 
     /// [`dot_lanes`], or an implementation that gives the same bits.
+    /// [`IntKernel::round_query`] of the products `q[d] · scale[d]` (per-channel keys fold
+    /// the block's scales into the query), `qw` room for them; kernels may skip storing them.
+    #[inline(always)]
+    fn round_query_scaled(q: &[f32], scale: &[f32], qw: &mut Vec<f32>, out: &mut Vec<i8>) -> f32 {
+        qw.clear();
+        qw.extend(q.iter().zip(scale).map(|(x, s)| x * s));
+        Self::round_query(qw, out)
+    }
+
     #[inline(always)]
     fn dot(a: &[f32], b: &[f32]) -> f32 {
         dot_lanes(a, b)
