@@ -1,0 +1,66 @@
+//! A decode step of one Llama-3-8B-shaped layer (32 query heads over 8 KV heads of 128
+//! channels, blocks of 32 tokens) repeated in a plain loop, to run under `perf record` or
+//! valgrind (criterion's harness adds its own work to a profile), and to compare two builds
+//! of kvq alternately on a noisy machine.
+//!
+//! ```sh
+//! cargo run --release -p kvq-benches --example decode_loop -- int4-channel int4-token \
+//!     --steps 2000 [--tokens 4096] [--threads 1] [--integer]
+//! ```
+//! Prints the mean time per step; `--steps 0` builds the cache only (subtract it from a
+//! profile's totals).
+
+use kvq::attention::{ScorePath, decode_attention_path};
+use kvq_benches::{best_float, layer_cache};
+use kvq_kernels_simd::Backend;
+use kvq_quant_core::Shape;
+use kvq_quant_core::synth::{Rng, normal_tensor};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (Some(k), Some(v)) = (args.first(), args.get(1)) else {
+        return Err(
+            "usage: decode_loop KSPEC VSPEC [--steps N] [--tokens N] [--threads N] [--integer]".into()
+        );
+    };
+    let option = |name: &str, default: usize| -> Result<usize, Box<dyn std::error::Error>> {
+        match args.iter().position(|a| a == name) {
+            Some(i) => Ok(args.get(i + 1).ok_or(format!("{name} needs a value"))?.parse()?),
+            None => Ok(default),
+        }
+    };
+    let (steps, len, threads) =
+        (option("--steps", 1000)?, option("--tokens", 4096)?, option("--threads", 1)?);
+    let integer = args.iter().any(|a| a == "--integer");
+    // Checked here: the bench helper below unwraps them.
+    for spec in [k, v] {
+        spec.parse::<kvq_quant_core::QuantSpec>()?;
+    }
+    let (q_heads, kv_heads, d) = (32usize, 8usize, 128usize);
+    let kv = normal_tensor(Shape::new(kv_heads, len, d), 21);
+    let vv = normal_tensor(Shape::new(kv_heads, len, d), 22);
+    let mut rng = Rng::new(9);
+    let q: Vec<f32> = (0..q_heads * d).map(|_| rng.normal() as f32).collect();
+    let mut cache = layer_cache(kv_heads, d, kv_heads * len.div_ceil(32), k, v);
+    let seq = cache.create();
+    cache.extend(seq, 0, &kv, &vv)?;
+    let mut out = vec![0f32; q_heads * d];
+    let (backend, path) = if integer {
+        let best = if Backend::Avx512.is_available() { Backend::Avx512 } else { best_float() };
+        (best, ScorePath::Int8)
+    } else {
+        (best_float(), ScorePath::Float)
+    };
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    let start = std::time::Instant::now();
+    pool.install(|| {
+        for _ in 0..steps {
+            decode_attention_path(backend, path, &cache, seq, 0, &q, q_heads, &mut out)?;
+        }
+        Ok::<_, kvq::attention::AttentionError>(())
+    })?;
+    let ms = start.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64;
+    println!("{ms:.3} ms/step ({k}/{v}, {len} tokens, {threads} thread(s), {backend} {path:?})");
+    std::hint::black_box(&out);
+    Ok(())
+}
