@@ -104,6 +104,10 @@ enum Command {
         /// Leading tokens of each cache kept in full precision (f16).
         #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=4096))]
         sinks: u32,
+        /// Tokens per cache block: the unit decode works on, and the group of per-channel
+        /// specs (`kvq analyze --block-size` shows what it does to fidelity and bits).
+        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
+        block_size: u32,
     },
     /// Choose per-layer K and V specs that minimize attention error under an average bit
     /// budget (metadata counted), and write a cache config.
@@ -247,9 +251,13 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
-        Command::Bench { context, steps, specs, integer, residual_blocks, sinks } => {
-            bench(context, steps, &specs, integer, (residual_blocks as usize, sinks as usize))
-        }
+        Command::Bench { context, steps, specs, integer, residual_blocks, sinks, block_size } => bench(
+            context,
+            steps,
+            &specs,
+            integer,
+            (residual_blocks as usize, sinks as usize, block_size as usize),
+        ),
         Command::Recommend { file, budget_bits, out, model_layers, positions, rope_pairing, cache, json } => {
             if !(budget_bits.is_finite() && budget_bits > 0.0) {
                 return Err(format!("--budget-bits {budget_bits} is not a positive finite number").into());
@@ -456,7 +464,7 @@ fn bench(
     steps: usize,
     specs: &[String],
     integer: bool,
-    (residual_blocks, sinks): (usize, usize),
+    (residual_blocks, sinks, block_size): (usize, usize, usize),
 ) -> Result<(), Box<dyn std::error::Error>> {
     use kvq::attention::{ScorePath, decode_attention_path};
     use kvq::layout::{CacheConfig, PagedCache};
@@ -530,7 +538,7 @@ fn bench(
     let floor = |bytes: usize| bytes as f64 / rate;
     let f32_bytes = 2 * kv_heads * context * d * 4;
     println!(
-        "decode attention, {q_heads} query / {kv_heads} KV heads × {d}, {context} tokens, {steps} steps, backend {backend} (float kernels: {}), one thread",
+        "decode attention, {q_heads} query / {kv_heads} KV heads × {d}, {context} tokens, {steps} steps, blocks of {block_size} tokens, backend {backend} (float kernels: {}), one thread",
         kvq::kernels::implementation(backend)
     );
     println!(
@@ -560,9 +568,9 @@ fn bench(
         );
     }
     for spec in &specs {
-        let mut config = CacheConfig::new(1, kv_heads, d, kv_heads * context.div_ceil(32))
+        let mut config = CacheConfig::new(1, kv_heads, d, kv_heads * context.div_ceil(block_size))
             .with_specs(spec.k.clone(), spec.v.clone())
-            .with_block_size(32)
+            .with_block_size(block_size)
             .with_residual_blocks(residual_blocks)
             .with_sink_tokens(sinks)
             .with_row_kernels(kvq::kernels::row_kernels()?);

@@ -388,4 +388,8 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
     };
     let (plain, tails) = (mib(&[]), mib(&["--residual-blocks", "1", "--sinks", "4"]));
     assert!(tails > plain, "{plain} MiB without tails, {tails} with");
+    // Larger blocks: per-channel keys store one scale and offset per channel per block.
+    let big = mib(&["--block-size", "128"]);
+    assert!(big < plain, "{plain} MiB in blocks of 32, {big} in blocks of 128");
+    assert_ne!(kvq(&["bench", "--block-size", "0"]).status.code(), Some(0));
 }
