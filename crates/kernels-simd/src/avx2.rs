@@ -1248,7 +1248,6 @@ unsafe fn fma_dot(a: *const f32, b: *const f32, n: usize) -> f32 {
     sum
 }
 
-/// Whether the full-precision kernels can run: AVX2, FMA and F16C (every AVX2 CPU so far).
 /// The first multiple of 8 of `out`'s values widened from the f16 `bytes` with `vcvtph2ps`
 /// when the CPU has F16C (the count returned; 0 without it): [`crate::widen_f16`]'s fast part.
 pub(crate) fn widen_f16(bytes: &[u8], out: &mut [f32]) -> usize {
@@ -1271,6 +1270,7 @@ unsafe fn widen_f16_f16c(bytes: &[u8], out: &mut [f32]) -> usize {
     n
 }
 
+/// Whether the full-precision kernels can run: AVX2, FMA and F16C (every AVX2 CPU so far).
 fn cpu_dense() -> bool {
     cpu_ok() && std::arch::is_x86_feature_detected!("f16c")
 }

@@ -245,7 +245,6 @@ pub(crate) trait IntKernel {
         quantize_query(q, out)
     }
 
-    /// [`dot_lanes`], or an implementation that gives the same bits.
     /// [`IntKernel::round_query`] of the products `q[d] · scale[d]` (per-channel keys fold
     /// the block's scales into the query), `qw` room for them; kernels may skip storing them.
     #[inline(always)]
@@ -255,6 +254,7 @@ pub(crate) trait IntKernel {
         Self::round_query(qw, out)
     }
 
+    /// [`dot_lanes`], or an implementation that gives the same bits.
     #[inline(always)]
     fn dot(a: &[f32], b: &[f32]) -> f32 {
         dot_lanes(a, b)
