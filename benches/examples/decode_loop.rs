@@ -5,12 +5,16 @@
 //!
 //! ```sh
 //! cargo run --release -p kvq-benches --example decode_loop -- int4-channel int4-token \
-//!     --steps 2000 [--tokens 4096] [--threads 1] [--integer]
+//!     --steps 2000 [--tokens 4096] [--threads 1] [--integer] [--seqs 16]
 //! ```
 //! Prints the mean time per step; `--steps 0` builds the cache only (subtract it from a
-//! profile's totals).
+//! profile's totals). With `--seqs N` a step is one `decode_attention_batch` call over N
+//! sequences of `--tokens` each (one workspace kept across steps), as the `decode_batch`
+//! bench runs it.
 
-use kvq::attention::{ScorePath, decode_attention_path};
+use kvq::attention::{
+    AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch, decode_attention_path,
+};
 use kvq_benches::{best_float, layer_cache};
 use kvq_kernels_simd::Backend;
 use kvq_quant_core::Shape;
@@ -20,7 +24,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(k), Some(v)) = (args.first(), args.get(1)) else {
         return Err(
-            "usage: decode_loop KSPEC VSPEC [--steps N] [--tokens N] [--threads N] [--integer]".into()
+            "usage: decode_loop KSPEC VSPEC [--steps N] [--tokens N] [--threads N] [--integer] [--seqs N]"
+                .into(),
         );
     };
     let option = |name: &str, default: usize| -> Result<usize, Box<dyn std::error::Error>> {
@@ -31,6 +36,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let (steps, len, threads) =
         (option("--steps", 1000)?, option("--tokens", 4096)?, option("--threads", 1)?);
+    let seqs = option("--seqs", 0)?;
     let integer = args.iter().any(|a| a == "--integer");
     // Checked here: the bench helper below unwraps them.
     for spec in [k, v] {
@@ -41,10 +47,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let vv = normal_tensor(Shape::new(kv_heads, len, d), 22);
     let mut rng = Rng::new(9);
     let q: Vec<f32> = (0..q_heads * d).map(|_| rng.normal() as f32).collect();
-    let mut cache = layer_cache(kv_heads, d, kv_heads * len.div_ceil(32), k, v);
-    let seq = cache.create();
-    cache.extend(seq, 0, &kv, &vv)?;
-    let mut out = vec![0f32; q_heads * d];
+    let n = seqs.max(1);
+    let mut cache = layer_cache(kv_heads, d, n * kv_heads * len.div_ceil(32), k, v);
+    let all: Vec<BatchSeq> = (0..n)
+        .map(|_| {
+            let seq = cache.create();
+            cache.extend(seq, 0, &kv, &vv).map(|()| BatchSeq::decode(seq))
+        })
+        .collect::<Result<_, _>>()?;
+    let seq = all[0].seq;
+    let q: Vec<f32> = q.iter().cycle().take(n * q.len()).copied().collect();
+    let mut out = vec![0f32; q.len()];
+    let mut ws = DecodeWorkspace::new();
     let (backend, path) = if integer {
         let best = if Backend::Avx512.is_available() { Backend::Avx512 } else { best_float() };
         (best, ScorePath::Int8)
@@ -54,13 +68,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
     let start = std::time::Instant::now();
     pool.install(|| {
+        let options = AttentionOptions::with_path(path);
         for _ in 0..steps {
-            decode_attention_path(backend, path, &cache, seq, 0, &q, q_heads, &mut out)?;
+            if seqs == 0 {
+                decode_attention_path(backend, path, &cache, seq, 0, &q, q_heads, &mut out)?;
+            } else {
+                decode_attention_batch(backend, &options, &cache, 0, &all, &q, q_heads, &mut out, &mut ws)?;
+            }
         }
         Ok::<_, kvq::attention::AttentionError>(())
     })?;
     let ms = start.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64;
-    println!("{ms:.3} ms/step ({k}/{v}, {len} tokens, {threads} thread(s), {backend} {path:?})");
+    println!("{ms:.3} ms/step ({k}/{v}, {n} x {len} tokens, {threads} thread(s), {backend} {path:?})");
     std::hint::black_box(&out);
     Ok(())
 }
