@@ -225,6 +225,11 @@ impl CacheConfig {
 
         self.check_channel_bits()?;
         for (name, spec) in [("K", &self.k_spec), ("V", &self.v_spec)] {
+            if spec.pre_rope() {
+                return bad(format!(
+                    "{name} spec {spec}: keys quantized before RoPE are measured by `kvq analyze` only; the cache has no RoPE frequencies and no kernels for them yet"
+                ));
+            }
             if spec.rotated() {
                 if name == "K" {
                     return bad(format!(

@@ -89,6 +89,8 @@ fn bad_configs_and_inputs() {
         base.clone().with_specs(spec("int4-channel8"), spec("int4-token")).with_block_size(4),
         base.clone().with_specs(spec("int4-g3"), spec("int4-token")),
         base.clone().with_specs(spec("int4-token-rot"), spec("int4-token")),
+        base.clone().with_specs(spec("int4-channel-prerope"), spec("int4-token")),
+        base.clone().with_specs(spec("int4-channel"), spec("int4-token-prerope")),
         CacheConfig::new(1, 2, 12, 4).with_specs(spec("int4-channel"), spec("int4-token-rot")),
         base.clone().with_block_size(0),
         CacheConfig::new(0, 2, 8, 4),

@@ -16,7 +16,7 @@ use kvq_quant_core::metrics::{
 };
 use kvq_quant_core::synth::normal_tensor;
 use kvq_quant_core::{
-    ChannelBits, Granularity, QuantError, QuantSpec, RopePairing, Shape, Tensor, quantize,
+    ChannelBits, Granularity, QuantError, QuantSpec, Rope, RopePairing, Shape, Tensor, quantize,
     quantize_channel_bits,
 };
 use rayon::prelude::*;
@@ -286,6 +286,11 @@ pub struct Options {
     /// layout of Hugging Face checkpoints and of dumps taken from them (the README's snippet);
     /// `None` treats every channel on its own.
     pub rope_pairing: Option<RopePairing>,
+    /// The model's RoPE, for key specs quantized before it (`-prerope`): the keys are taken
+    /// out of RoPE (token `j` at position `j`), quantized, and rotated back. `kvq analyze`
+    /// reads it from the file's `rope.inv_freq` or builds it from `--rope-theta`; without it
+    /// such specs are an error.
+    pub rope: Option<Rope>,
 }
 
 impl Default for Options {
@@ -297,6 +302,7 @@ impl Default for Options {
             block_size: DEFAULT_BLOCK_SIZE,
             cache: None,
             rope_pairing: Some(RopePairing::Half),
+            rope: None,
         }
     }
 }
@@ -533,15 +539,40 @@ fn offline(
     layer: &LayerInput,
     spec: &KvSpec,
     positions: &[usize],
-    pairing: Option<RopePairing>,
+    options: &Options,
 ) -> Result<Reconstruction, QuantError> {
-    let (k_hat, k_memory) = if spec.k.channel_bits() {
-        let maps = fit_channel_bits(layer, &spec.k, positions, pairing)?;
-        let qk = quantize_channel_bits(&layer.k, &spec.k, &maps)?;
+    if spec.v.pre_rope() {
+        return Err(QuantError::InvalidSpec(format!("V spec {}: values do not go through RoPE", spec.v)));
+    }
+    // Keys quantized before RoPE: the same quantizer on the keys taken out of it (and, for the
+    // query energy that `-qa` weights channels by, the queries too).
+    let pre = if spec.k.pre_rope() {
+        let rope = options.rope.as_ref().ok_or_else(|| {
+            QuantError::InvalidArgument(format!(
+                "{}: keys quantized before RoPE need the model's frequencies and channel pairs (a rope.inv_freq tensor in the file or --rope-theta, and --rope-pairing half or interleaved)",
+                spec.k
+            ))
+        })?;
+        let (k, q) = (rope.undo(&layer.k, 0)?, rope.undo(&layer.q, 0)?);
+        Some((LayerInput { k, q, ..layer.clone() }, rope))
+    } else {
+        None
+    };
+    let (keys, k_spec) = match &pre {
+        Some((l, _)) => (l, spec.k.clone().with_pre_rope(false)),
+        None => (layer, spec.k.clone()),
+    };
+    let (k_hat, k_memory) = if k_spec.channel_bits() {
+        let maps = fit_channel_bits(keys, &k_spec, positions, options.rope_pairing)?;
+        let qk = quantize_channel_bits(&keys.k, &k_spec, &maps)?;
         (qk.dequantize(), qk.memory())
     } else {
-        let qk = quantize(&layer.k, &spec.k)?;
+        let qk = quantize(&keys.k, &k_spec)?;
         (qk.dequantize(), qk.memory())
+    };
+    let k_hat = match &pre {
+        Some((_, rope)) => rope.apply(&k_hat, 0)?,
+        None => k_hat,
     };
     let qv = quantize(&layer.v, &spec.v)?;
     let v_hat = qv.dequantize();
@@ -693,7 +724,7 @@ fn analyze_spec(
 ) -> Result<Row, AnalyzeError> {
     let spec_err = |source| AnalyzeError::Spec { layer: layer.name.clone(), spec: spec.name(), source };
     let r = match &options.cache {
-        None => offline(layer, spec, positions, options.rope_pairing).map_err(spec_err)?,
+        None => offline(layer, spec, positions, options).map_err(spec_err)?,
         Some(run) => through_cache(layer, spec, positions, options, run)?,
     };
     let ke = error_stats(layer.k.data(), r.k_hat.data()).map_err(spec_err)?;
@@ -905,6 +936,29 @@ mod tests {
             matches!(err, AnalyzeError::Cache { .. }) && err.to_string().contains("calibration"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn keys_before_rope_need_the_models_rope_and_are_measured_at_the_same_bits() {
+        let layer = sample_layer0();
+        let err = |spec: &str, options: &Options| {
+            let spec = KvSpec::parse(spec).unwrap();
+            analyze("sample", std::slice::from_ref(&layer), &[spec], options, |_, _| {}).unwrap_err()
+        };
+        let e = err("int4-channel-prerope/int4-token", &Options::default());
+        assert!(matches!(e, AnalyzeError::Spec { .. }) && e.to_string().contains("frequencies"), "{e}");
+        let d = layer.k.shape().head_dim;
+        let rope = Rope::from_theta(100_000.0, d, RopePairing::Half).unwrap();
+        let options = Options { positions: 8, rope: Some(rope), ..Options::default() };
+        let e = err("int4-channel/int4-token-prerope", &options);
+        assert!(e.to_string().contains("values do not go through RoPE"), "{e}");
+        let plain = one_row(&layer, "int2-channel/int8-token", &options);
+        let pre = one_row(&layer, "int2-channel-prerope/int8-token", &options);
+        assert_eq!(pre.bits_per_element, plain.bits_per_element);
+        assert!(pre.attn_kl != plain.attn_kl && pre.attn_kl.is_finite(), "{pre:?}");
+        // The cache refuses them (no frequencies, no kernels), with its reason.
+        let cached = Options { cache: Some(CacheRun::default()), ..options };
+        assert!(matches!(err("int4-channel-prerope/int4-token", &cached), AnalyzeError::Cache { .. }));
     }
 
     #[test]

@@ -183,6 +183,10 @@ enum Command {
         /// bits per channel (`-qa`): both channels of a pair get the same width.
         #[arg(long, default_value = "half", value_parser = parse_pairing)]
         rope_pairing: Pairing,
+        /// RoPE base of the model, for key specs quantized before RoPE (`-prerope`):
+        /// frequencies `theta^(-2i/head_dim)`. Default: the file's `rope.inv_freq` tensor.
+        #[arg(long)]
+        rope_theta: Option<f64>,
         #[command(flatten)]
         cache: CacheArgs,
         /// Write SVG figures into this directory: error-histograms.svg (per bit width, K and
@@ -404,15 +408,27 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             per_head,
             block_size,
             rope_pairing,
+            rope_theta,
             cache,
             plot,
             json,
         } => {
-            let (source, layers) = if synthetic {
-                ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), vec![analysis::synthetic_layer()])
+            let (source, layers, inv_freq) = if synthetic {
+                ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), vec![analysis::synthetic_layer()], None)
             } else {
                 let tf = open_input(file.as_deref())?;
-                (tf.label().to_string(), analysis::layers_from_file(&tf)?)
+                let inv_freq =
+                    if tf.contains("rope.inv_freq") { Some(tf.read_vector("rope.inv_freq")?) } else { None };
+                (tf.label().to_string(), analysis::layers_from_file(&tf)?, inv_freq)
+            };
+            // The model's RoPE, for `-prerope` key specs: --rope-theta, else the file's.
+            let rope = match (rope_pairing.0, rope_theta, inv_freq) {
+                (None, ..) => None,
+                (Some(p), Some(theta), _) => {
+                    Some(kvq::quant::Rope::from_theta(theta, layers[0].k.shape().head_dim, p)?)
+                }
+                (Some(p), None, Some(f)) => Some(kvq::quant::Rope::new(&f, p)?),
+                (Some(_), None, None) => None,
             };
             let options = Options {
                 positions,
@@ -421,6 +437,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 block_size: block_size as usize,
                 cache: cache.run(),
                 rope_pairing: rope_pairing.0,
+                rope,
             };
             let specs = if specs.is_empty() {
                 // The built-in list applies to any model: what cannot apply is skipped, said so.

@@ -34,6 +34,28 @@ fn analyze_embedded_sample_structure() {
 }
 
 #[test]
+fn analyze_keys_before_rope_takes_the_models_rope() {
+    // The embedded sample has no rope.inv_freq: the spec needs --rope-theta (or a pairing).
+    let specs = "--specs=int4-channel-prerope/int4-token,int4-channel/int4-token";
+    let out = kvq(&["analyze", specs, "--positions", "4"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--rope-theta"), "{err}");
+    let out =
+        kvq(&["analyze", specs, "--positions", "4", "--rope-theta", "100000", "--rope-pairing", "none"]);
+    assert!(!out.status.success());
+    let out = kvq(&["analyze", specs, "--positions", "4", "--rope-theta", "100000"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = stdout(&out);
+    let bits = |name: &str| -> Vec<String> {
+        let rows = text.lines().filter(|l| l.starts_with(&format!("{name} ")));
+        rows.map(|l| l.split_whitespace().nth(1).unwrap().to_string()).collect()
+    };
+    let pre = bits("int4-channel32-prerope/int4-token");
+    assert_eq!(pre.len(), 3, "{text}");
+    assert_eq!(pre, bits("int4-channel32/int4-token"), "the same bytes");
+}
+
+#[test]
 fn analyze_through_the_cache_counts_its_full_precision_tokens() {
     let bits = |args: &[&str]| -> Vec<f64> {
         let out = kvq(args);

@@ -247,6 +247,7 @@ fn units(err: &[[f64; 9]], d: usize, bits: u8, pairing: Option<RopePairing>) -> 
 /// Refuses specs that cannot have bits per channel (the rule of
 /// [`QuantSpec::with_channel_bits`]).
 fn check_spec(spec: &QuantSpec) -> Result<()> {
+    crate::quantize::refuse_pre_rope(spec)?;
     spec.clone().with_channel_bits(true).map(|_| ())
 }
 

@@ -5,7 +5,7 @@
 //! [`QuantSpec::from_str`](std::str::FromStr) and printed by `Display`:
 //!
 //! ```text
-//! spec  := kind [ "-" granularity ] [ "-mse" ] [ "-rot" ] [ "-f32" ]
+//! spec  := kind [ "-" granularity ] [ "-mse" ] [ "-rot" ] [ "-qa" ] [ "-prerope" ] [ "-f32" ]
 //! kind  := "int" BITS        affine (asymmetric min/max), 1..=8 bits
 //!        | "sym" BITS        symmetric (absmax, zero point 0), 2..=8 bits
 //!        | "fp8e4m3" | "fp8e5m2"
@@ -18,7 +18,9 @@
 //! from its minimum and maximum unless `-mse` asks for the range that minimizes the group's
 //! squared error ([`RangeRule::Mse`]): `int2-channel-mse`, `int3-token-mse-f32`. `-rot`
 //! quantizes each row after a fixed randomized Hadamard rotation
-//! ([`rotation`](crate::rotation)): `int2-token-mse-rot`.
+//! ([`rotation`](crate::rotation)): `int2-token-mse-rot`. `-qa` gives each key channel its
+//! own width ([`QuantSpec::with_channel_bits`]); `-prerope` quantizes keys in their frame
+//! before RoPE ([`QuantSpec::with_pre_rope`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -133,6 +135,7 @@ pub struct QuantSpec {
     ranges: RangeRule,
     rotated: bool,
     channel_bits: bool,
+    pre_rope: bool,
 }
 
 impl QuantSpec {
@@ -172,6 +175,7 @@ impl QuantSpec {
             ranges: RangeRule::MinMax,
             rotated: false,
             channel_bits: false,
+            pre_rope: false,
         })
     }
 
@@ -256,6 +260,24 @@ impl QuantSpec {
         self.channel_bits
     }
 
+    /// The same spec for keys quantized in their frame before RoPE (`-prerope`) or as given.
+    /// Keys arrive after RoPE; such a spec undoes the rotation of each token by its position
+    /// ([`Rope::undo`](crate::rope::Rope::undo)) before quantizing and applies it again after
+    /// decoding. A channel's constant offset before RoPE, which RoPE turns into an oscillation
+    /// that per-channel groups must span, then stays constant within a group. The codes and
+    /// parameters take the bytes of the spec without it; quantizing needs the model's
+    /// frequencies, so [`quantize`](crate::quantize::quantize) refuses it and the caller undoes
+    /// and reapplies the rotation around it.
+    pub fn with_pre_rope(mut self, on: bool) -> Self {
+        self.pre_rope = on;
+        self
+    }
+
+    /// Whether keys are quantized in their frame before RoPE (`-prerope`).
+    pub fn pre_rope(&self) -> bool {
+        self.pre_rope
+    }
+
     /// The format kind.
     pub fn kind(&self) -> &Kind {
         &self.kind
@@ -333,6 +355,9 @@ impl fmt::Display for QuantSpec {
         if self.channel_bits {
             f.write_str("-qa")?;
         }
+        if self.pre_rope {
+            f.write_str("-prerope")?;
+        }
         if self.param_dtype == ParamDtype::F32 {
             f.write_str("-f32")?;
         }
@@ -368,6 +393,7 @@ impl FromStr for QuantSpec {
         let mut ranges = RangeRule::MinMax;
         let mut rotated = false;
         let mut channel_bits = false;
+        let mut pre_rope = false;
         for part in parts {
             let part = part.to_ascii_lowercase();
             let size = |text: &str| text.parse::<usize>().map_err(|_| bad("expected a size"));
@@ -396,6 +422,10 @@ impl FromStr for QuantSpec {
                     channel_bits = true;
                     continue;
                 }
+                "prerope" => {
+                    pre_rope = true;
+                    continue;
+                }
                 "tensor" => Granularity::PerTensor,
                 "head" => Granularity::PerHead,
                 "channel" => Granularity::PerChannel { token_group: None },
@@ -406,7 +436,7 @@ impl FromStr for QuantSpec {
                 p if p.starts_with('g') => Granularity::Group(size(&p[1..])?),
                 _ => {
                     return Err(bad(
-                        "unknown granularity (tensor, head, channel[N], token, gN) or option (mse, rot, qa, f32)",
+                        "unknown granularity (tensor, head, channel[N], token, gN) or option (mse, rot, qa, prerope, f32)",
                     ));
                 }
             };
@@ -415,5 +445,6 @@ impl FromStr for QuantSpec {
             .with_ranges(ranges)
             .with_rotation(rotated)
             .with_channel_bits(channel_bits)
+            .map(|spec| spec.with_pre_rope(pre_rope))
     }
 }

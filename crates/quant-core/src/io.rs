@@ -205,12 +205,8 @@ impl TensorFile {
             .unwrap_or_default()
     }
 
-    /// Reads tensor `name` as f32 in `[batch, heads, tokens, head_dim]` layout.
-    ///
-    /// # Errors
-    /// [`TensorFileError::MissingTensor`], [`TensorFileError::UnsupportedDtype`],
-    /// [`TensorFileError::WrongRank`].
-    pub fn read(&self, name: &str) -> Result<Tensor, TensorFileError> {
+    /// Tensor `name`'s values as f32 and its shape.
+    fn values(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), TensorFileError> {
         let st = self.parsed();
         let view = st.tensor(name).map_err(|_| TensorFileError::MissingTensor {
             file: self.label.clone(),
@@ -230,15 +226,40 @@ impl TensorFile {
                 });
             }
         };
-        let dims = view.shape();
-        let shape = match *dims {
+        Ok((data, view.shape().to_vec()))
+    }
+
+    /// Reads the one-dimensional tensor `name` as f32 (`rope.inv_freq`, say).
+    ///
+    /// # Errors
+    /// As [`TensorFile::read`], [`TensorFileError::WrongRank`] for any other rank.
+    pub fn read_vector(&self, name: &str) -> Result<Vec<f32>, TensorFileError> {
+        let (data, dims) = self.values(name)?;
+        if dims.len() != 1 {
+            return Err(TensorFileError::WrongRank {
+                file: self.label.clone(),
+                name: name.into(),
+                shape: dims,
+            });
+        }
+        Ok(data)
+    }
+
+    /// Reads tensor `name` as f32 in `[batch, heads, tokens, head_dim]` layout.
+    ///
+    /// # Errors
+    /// [`TensorFileError::MissingTensor`], [`TensorFileError::UnsupportedDtype`],
+    /// [`TensorFileError::WrongRank`].
+    pub fn read(&self, name: &str) -> Result<Tensor, TensorFileError> {
+        let (data, dims) = self.values(name)?;
+        let shape = match *dims.as_slice() {
             [h, t, d] => Shape::new(h, t, d),
             [b, h, t, d] => Shape::with_batch(b, h, t, d),
             _ => {
                 return Err(TensorFileError::WrongRank {
                     file: self.label.clone(),
                     name: name.into(),
-                    shape: dims.to_vec(),
+                    shape: dims,
                 });
             }
         };

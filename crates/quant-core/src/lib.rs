@@ -57,6 +57,6 @@ pub use quantize::{
     GroupLayout, QuantizedTensor, encode_row_with, quantize, quantize_row, quantize_row_with,
     quantize_with_ranges, row_params_with, row_stats,
 };
-pub use rope::RopePairing;
+pub use rope::{Rope, RopePairing};
 pub use rowkernels::{Linear, RowKernels};
 pub use tensor::{Shape, Tensor};

@@ -113,11 +113,22 @@ pub fn quantize(tensor: &Tensor, spec: &QuantSpec) -> Result<QuantizedTensor> {
     encode_tensor(tensor, spec, &layout, &mins, &maxs, true)
 }
 
-/// Refuses a `-qa` spec: its widths come from a map ([`crate::channel_bits`]).
+/// Refuses a `-qa` spec (its widths come from a map, [`crate::channel_bits`]) and a
+/// `-prerope` one (its rows must first be taken out of RoPE, [`crate::rope::Rope::undo`]).
 fn needs_no_map(spec: &QuantSpec) -> Result<()> {
     if spec.channel_bits() {
         return Err(QuantError::InvalidSpec(format!(
             "{spec}: bits per channel need a fitted map (quantize_channel_bits)"
+        )));
+    }
+    refuse_pre_rope(spec)
+}
+
+/// Refuses a `-prerope` spec: quantizing it needs the model's RoPE frequencies.
+pub(crate) fn refuse_pre_rope(spec: &QuantSpec) -> Result<()> {
+    if spec.pre_rope() {
+        return Err(QuantError::InvalidSpec(format!(
+            "{spec}: keys quantized before RoPE need the model's frequencies: undo RoPE (Rope::undo), quantize with the spec without -prerope, and apply it again after decoding"
         )));
     }
     Ok(())

@@ -163,6 +163,10 @@ fn real_file_rejects_non_kv_tensors() {
     if f.contains("input_ids") {
         assert!(matches!(f.read("input_ids"), Err(TensorFileError::UnsupportedDtype { .. })));
         assert!(matches!(f.read("rope.inv_freq"), Err(TensorFileError::WrongRank { .. })));
+        let inv_freq = f.read_vector("rope.inv_freq").unwrap();
+        assert_eq!((inv_freq.len(), inv_freq[0]), (32, 1.0));
+        assert!(matches!(f.read_vector("layer9.k"), Err(TensorFileError::WrongRank { .. })));
+        assert!(matches!(f.read_vector("nothing"), Err(TensorFileError::MissingTensor { .. })));
     }
     let k = f.read("layer9.k").unwrap();
     assert_eq!((k.shape().heads, k.shape().head_dim), (3, 64));
