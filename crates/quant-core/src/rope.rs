@@ -44,10 +44,35 @@ impl RopePairing {
 /// [`RopePairing::channels`]) rotates by `position · inv_freq[i]` radians, `(a, b)` becoming
 /// `(a cos − b sin, b cos + a sin)`. Angles are computed in f64; the rotation is orthonormal,
 /// so [`Rope::undo`] followed by [`Rope::apply`] gives a tensor back to f32 rounding.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serialized (cache configs, offload headers) as `{ "inv_freq": [...], "pairing": "half" }`,
+/// checked as [`Rope::new`] checks it when read.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "RopeWire", into = "RopeWire")]
 pub struct Rope {
     inv_freq: Vec<f64>,
     pairing: RopePairing,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RopeWire {
+    inv_freq: Vec<f64>,
+    pairing: RopePairing,
+}
+
+impl TryFrom<RopeWire> for Rope {
+    type Error = QuantError;
+
+    fn try_from(w: RopeWire) -> Result<Self> {
+        Rope::from_f64(w.inv_freq, w.pairing)
+    }
+}
+
+impl From<Rope> for RopeWire {
+    fn from(r: Rope) -> Self {
+        RopeWire { inv_freq: r.inv_freq, pairing: r.pairing }
+    }
 }
 
 impl Rope {
@@ -59,15 +84,31 @@ impl Rope {
     /// [`QuantError::InvalidArgument`] for no frequency, or one that is negative, NaN or
     /// infinite.
     pub fn new(inv_freq: &[f32], pairing: RopePairing) -> Result<Self> {
-        if inv_freq.is_empty() {
-            return Err(QuantError::InvalidArgument("RoPE needs at least one frequency".into()));
+        Self::from_f64(inv_freq.iter().map(|&f| f64::from(f)).collect(), pairing)
+    }
+
+    /// [`Rope::new`] with f64 frequencies.
+    ///
+    /// # Errors
+    /// As [`Rope::new`], and for more than 2^15 frequencies.
+    pub fn from_f64(inv_freq: Vec<f64>, pairing: RopePairing) -> Result<Self> {
+        if inv_freq.is_empty() || inv_freq.len() > 1 << 15 {
+            return Err(QuantError::InvalidArgument(format!(
+                "RoPE needs 1 to 32768 frequencies, got {}",
+                inv_freq.len()
+            )));
         }
         if let Some((i, f)) = inv_freq.iter().enumerate().find(|(_, f)| !f.is_finite() || **f < 0.0) {
             return Err(QuantError::InvalidArgument(format!(
                 "RoPE frequency {i} is {f}: frequencies are finite and not negative"
             )));
         }
-        Ok(Self { inv_freq: inv_freq.iter().map(|&f| f64::from(f)).collect(), pairing })
+        Ok(Self { inv_freq, pairing })
+    }
+
+    /// The inverse frequency of each pair.
+    pub fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
     }
 
     /// The standard frequencies of a base `theta`: `inv_freq[i] = theta^(-2i / head_dim)`.
@@ -127,17 +168,50 @@ impl Rope {
             });
         }
         let mut data = t.data().to_vec();
-        for (r, row) in data.chunks_exact_mut(d).enumerate() {
-            let pos = (first_position + r % s.tokens) as f64;
-            for (i, &f) in self.inv_freq.iter().enumerate() {
-                let (sin, cos) = (sign * pos * f).sin_cos();
-                let (a, b) = self.pairing.channels(i, d);
-                let (x, y) = (f64::from(row[a]), f64::from(row[b]));
-                row[a] = (x * cos - y * sin) as f32;
-                row[b] = (y * cos + x * sin) as f32;
-            }
+        if s.tokens == 0 {
+            return Tensor::new(s, data);
+        }
+        // Each head's run of tokens starts again at `first_position`.
+        for run in data.chunks_exact_mut(s.tokens * d) {
+            self.turn(run, first_position, sign);
         }
         Tensor::new(s, data)
+    }
+
+    /// Applies RoPE in place to consecutive rows of [`Rope::head_dim`] values, row `r` at
+    /// position `first_position + r` (a trailing partial row is left alone).
+    pub fn apply_rows(&self, rows: &mut [f32], first_position: usize) {
+        self.turn(rows, first_position, 1.0);
+    }
+
+    /// Undoes [`Rope::apply_rows`].
+    pub fn undo_rows(&self, rows: &mut [f32], first_position: usize) {
+        self.turn(rows, first_position, -1.0);
+    }
+
+    fn turn(&self, rows: &mut [f32], first_position: usize, sign: f64) {
+        let d = self.head_dim();
+        // Each pair's angle steps by its frequency from row to row: one complex product per
+        // pair and row, re-anchored on a direct sin_cos every 64 rows (f64 keeps the drift
+        // far below f32 rounding).
+        let mut turn: Vec<(f64, f64)> = vec![(1.0, 0.0); self.inv_freq.len()];
+        let step: Vec<(f64, f64)> =
+            self.inv_freq.iter().map(|&f| (sign * f).sin_cos()).map(|(s, c)| (c, s)).collect();
+        for (r, row) in rows.chunks_exact_mut(d).enumerate() {
+            let pos = (first_position + r) as f64;
+            for (i, ((c, s), &(sc, ss))) in turn.iter_mut().zip(&step).enumerate() {
+                (*c, *s) = if r % 64 == 0 {
+                    let (sin, cos) = (sign * pos * self.inv_freq[i]).sin_cos();
+                    (cos, sin)
+                } else {
+                    (*c * sc - *s * ss, *s * sc + *c * ss)
+                };
+                let (a, b) = self.pairing.channels(i, d);
+                let (x, y) = (f64::from(row[a]), f64::from(row[b]));
+                row[a] = (x * *c - y * *s) as f32;
+                row[b] = (y * *c + x * *s) as f32;
+            }
+        }
     }
 }
 
@@ -196,6 +270,19 @@ mod tests {
         assert!((rope.inv_freq[16] - 0.01).abs() < 1e-12, "10000^(-1/2)");
         let t = Tensor::new(Shape::new(1, 1, 4), vec![0.0; 4]).unwrap();
         assert!(matches!(rope.apply(&t, 0), Err(QuantError::ShapeMismatch { .. })));
+        // Serialized with its frequencies, checked when read back.
+        let json = serde_json::to_string(&rope).unwrap();
+        assert_eq!(serde_json::from_str::<Rope>(&json).unwrap(), rope);
+        for bad in [r#"{"inv_freq":[1.0,-2.0],"pairing":"half"}"#, r#"{"inv_freq":[],"pairing":"half"}"#] {
+            assert!(serde_json::from_str::<Rope>(bad).is_err(), "{bad}");
+        }
+        // Rows in place: undo after apply gives them back; a partial row is left alone.
+        let mut rows: Vec<f32> = (0..64 * 3 + 5).map(|i| (i as f32 * 0.37).sin()).collect();
+        let before = rows.clone();
+        rope.apply_rows(&mut rows, 1000);
+        assert!(rows[64..128] != before[64..128] && rows[192..] == before[192..]);
+        rope.undo_rows(&mut rows, 1000);
+        assert!(rows.iter().zip(&before).all(|(a, b)| (a - b).abs() < 1e-5));
     }
 
     #[test]
