@@ -1270,6 +1270,90 @@ unsafe fn widen_f16_f16c(bytes: &[u8], out: &mut [f32]) -> usize {
     n
 }
 
+/// [`crate::decode_turn_with`] with AVX2 and FMA, when the CPU has them and the rows are a
+/// multiple of 16 channels (false, nothing written, otherwise). The caller checked the lengths.
+pub(crate) fn decode_turn(t: &crate::TurnRows<'_>, out: &mut [f32]) -> bool {
+    let d = t.dim;
+    if !cpu_ok() || !d.is_multiple_of(16) {
+        return false;
+    }
+    let rows = out.len() / d;
+    assert!(
+        t.codes.len() == rows * d
+            && t.scale.len() == d
+            && t.offset.len() == d
+            && t.table.len() >= rows * 2 * d
+    );
+    let half = matches!(t.pairing, kvq_quant_core::RopePairing::Half);
+    for (r, (c, y)) in t.codes.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
+        let tab = &t.table[r * 2 * d..(r + 1) * 2 * d];
+        // SAFETY: AVX2 and FMA were checked above; `c`, `y`, `tab` and the parameters hold
+        // the row's `d` (a multiple of 16) and `2d` values.
+        unsafe {
+            if half {
+                turn_row_half(c, t.scale, t.offset, tab, y);
+            } else {
+                turn_row_interleaved(c, t.scale, t.offset, tab, y);
+            }
+        }
+    }
+    true
+}
+
+/// Eight codes from `at` widened to floats and decoded as `code · scale + offset`.
+///
+/// # Safety
+/// AVX2 and FMA; `c`, `s` and `o` hold 8 elements from `at`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn decode8(c: *const u8, s: *const f32, o: *const f32, at: usize) -> __m256 {
+    // SAFETY: as this function's.
+    unsafe {
+        let codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(c.add(at).cast())));
+        _mm256_fmadd_ps(codes, _mm256_loadu_ps(s.add(at)), _mm256_loadu_ps(o.add(at)))
+    }
+}
+
+/// One row, pairs `(j, j + d/2)`: eight of each half at a time.
+///
+/// # Safety
+/// AVX2 and FMA; `codes`, `scale`, `offset` and `out` hold `d` values (a multiple of 16),
+/// `table` `2d`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn turn_row_half(codes: &[u8], scale: &[f32], offset: &[f32], table: &[f32], out: &mut [f32]) {
+    let (d, h) = (out.len(), out.len() / 2);
+    let (c, s, o, t, y) = (codes.as_ptr(), scale.as_ptr(), offset.as_ptr(), table.as_ptr(), out.as_mut_ptr());
+    for j in (0..h).step_by(8) {
+        // SAFETY: j + 8 <= h: every access lies within the row, its parameters and its table.
+        unsafe {
+            let (lo, hi) = (decode8(c, s, o, j), decode8(c, s, o, h + j));
+            let (cl, ch) = (_mm256_loadu_ps(t.add(j)), _mm256_loadu_ps(t.add(h + j)));
+            let (sl, sh) = (_mm256_loadu_ps(t.add(d + j)), _mm256_loadu_ps(t.add(d + h + j)));
+            _mm256_storeu_ps(y.add(j), _mm256_fmadd_ps(hi, sl, _mm256_mul_ps(lo, cl)));
+            _mm256_storeu_ps(y.add(h + j), _mm256_fmadd_ps(lo, sh, _mm256_mul_ps(hi, ch)));
+        }
+    }
+}
+
+/// One row, pairs `(2i, 2i + 1)`: eight channels at a time, each with its neighbour swapped in.
+///
+/// # Safety
+/// As [`turn_row_half`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn turn_row_interleaved(codes: &[u8], scale: &[f32], offset: &[f32], table: &[f32], out: &mut [f32]) {
+    let d = out.len();
+    let (c, s, o, t, y) = (codes.as_ptr(), scale.as_ptr(), offset.as_ptr(), table.as_ptr(), out.as_mut_ptr());
+    for j in (0..d).step_by(8) {
+        // SAFETY: j + 8 <= d: within the row, its parameters and its table.
+        unsafe {
+            let x = decode8(c, s, o, j);
+            let swapped = _mm256_permute_ps::<0b10_11_00_01>(x);
+            let (cos, sin) = (_mm256_loadu_ps(t.add(j)), _mm256_loadu_ps(t.add(d + j)));
+            _mm256_storeu_ps(y.add(j), _mm256_fmadd_ps(swapped, sin, _mm256_mul_ps(x, cos)));
+        }
+    }
+}
+
 /// Whether the full-precision kernels can run: AVX2, FMA and F16C (every AVX2 CPU so far).
 fn cpu_dense() -> bool {
     cpu_ok() && std::arch::is_x86_feature_detected!("f16c")

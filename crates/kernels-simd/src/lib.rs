@@ -515,6 +515,67 @@ pub fn widen_f16(bytes: &[u8], out: &mut [f32]) -> usize {
     n
 }
 
+/// Rows of per-channel affine codes to decode and turn by RoPE ([`decode_turn_with`]): the
+/// keys of a block stored in their frame before RoPE (`-prerope` specs), brought to their
+/// positions for scoring. For row `r` of `dim` unpacked codes, `x_c = code_c · scale_c +
+/// offset_c`, then `out_c = x_c · table[r][c] + x_p · table[r][dim + c]`, `p` being the channel
+/// that `c` turns with under `pairing`: `table[r]` holds the `dim` cosines of the channels'
+/// pairs, then their sines, negative on the first channel of each pair (`(x_a, x_b)` becomes
+/// `(x_a cos − x_b sin, x_b cos + x_a sin)`).
+#[derive(Debug, Clone, Copy)]
+pub struct TurnRows<'a> {
+    /// Unpacked codes, whole rows of `dim`.
+    pub codes: &'a [u8],
+    /// Per channel.
+    pub scale: &'a [f32],
+    /// Per channel.
+    pub offset: &'a [f32],
+    /// `2 · dim` values per row: cosines, then signed sines.
+    pub table: &'a [f32],
+    /// Which channels turn together.
+    pub pairing: kvq_quant_core::RopePairing,
+    /// Channels per row.
+    pub dim: usize,
+}
+
+impl TurnRows<'_> {
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.codes.len() / self.dim.max(1)
+    }
+}
+
+/// Decodes and turns `t`'s rows into `out` ([`TurnRows`]). The AVX2 and AVX-512 backends run
+/// an AVX2 and FMA kernel when `dim` is a multiple of 16; the others (and other widths) an f32
+/// loop that the compiler vectorizes for the target (SSE2, NEON); [`Backend::Scalar`] the f64
+/// reference.
+///
+/// # Errors
+/// [`KernelError::Shape`] for an odd or zero `dim`, codes that are not whole rows or not as
+/// many as `out`, a scale or offset not `dim` long, or a table shorter than `2 · dim` per row.
+pub fn decode_turn_with(backend: Backend, t: &TurnRows<'_>, out: &mut [f32]) -> Result<(), KernelError> {
+    let d = t.dim;
+    check(d > 0 && d.is_multiple_of(2), || format!("rows of {d} channels do not hold whole RoPE pairs"))?;
+    check(t.codes.len() == out.len() && t.codes.len().is_multiple_of(d), || {
+        format!("{} codes and {} outputs for rows of {d}", t.codes.len(), out.len())
+    })?;
+    check(t.scale.len() == d && t.offset.len() == d, || {
+        format!("{} scales and {} offsets for {d} channels", t.scale.len(), t.offset.len())
+    })?;
+    check(t.table.len() >= t.rows() * 2 * d, || {
+        format!("a table of {} values for {} rows of {d}", t.table.len(), t.rows())
+    })?;
+    #[cfg(target_arch = "x86_64")]
+    if matches!(backend, Backend::Avx2 | Backend::Avx512) && avx2::decode_turn(t, out) {
+        return Ok(());
+    }
+    match backend {
+        Backend::Scalar => scalar::decode_turn(t, out),
+        _ => portable::decode_turn(t, out),
+    }
+    Ok(())
+}
+
 /// Asks the CPU to start loading `data` into cache (one prefetch per 64-byte line), so that a
 /// block read a little later does not wait on memory. A hint only: no effect on results, and
 /// a no-op where there is no prefetch instruction to use. On x86-64 the lines go to L2

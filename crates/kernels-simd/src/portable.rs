@@ -252,6 +252,34 @@ fn dequantize_in(b: &QuantBlock<'_>, out: &mut [f32], codes: &mut Vec<u8>) {
     }
 }
 
+/// See [`crate::decode_turn_with`]: f32 loops, which the compiler vectorizes for the target.
+pub fn decode_turn(t: &crate::TurnRows<'_>, out: &mut [f32]) {
+    let (d, h) = (t.dim, t.dim / 2);
+    let (scale, offset) = (&t.scale[..d], &t.offset[..d]);
+    for (r, (c, y)) in t.codes.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
+        let (cos, sin) = t.table[r * 2 * d..(r + 1) * 2 * d].split_at(d);
+        let x = |k: usize| f32::from(c[k]) * scale[k] + offset[k];
+        match t.pairing {
+            kvq_quant_core::RopePairing::Half => {
+                let (yl, yh) = y.split_at_mut(h);
+                for j in 0..h {
+                    let (lo, hi) = (x(j), x(h + j));
+                    yl[j] = lo * cos[j] + hi * sin[j];
+                    yh[j] = hi * cos[h + j] + lo * sin[h + j];
+                }
+            }
+            kvq_quant_core::RopePairing::Interleaved => {
+                for (j, pair) in y.chunks_exact_mut(2).enumerate() {
+                    let (a, b) = (2 * j, 2 * j + 1);
+                    let (xa, xb) = (x(a), x(b));
+                    pair[0] = xa * cos[a] + xb * sin[a];
+                    pair[1] = xb * cos[b] + xa * sin[b];
+                }
+            }
+        }
+    }
+}
+
 /// See [`crate::scalar::scores`].
 pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
     crate::with_scratch(|w| scores_in(b, q, n_q, out, &mut w.wide))

@@ -134,6 +134,20 @@ pub fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out
     }
 }
 
+/// Reference of [`crate::decode_turn_with`], in f64 (one rounding to f32 per output).
+pub fn decode_turn(t: &crate::TurnRows<'_>, out: &mut [f32]) {
+    let d = t.dim;
+    for (r, (c, o)) in t.codes.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
+        let x = |k: usize| f64::from(c[k]) * f64::from(t.scale[k]) + f64::from(t.offset[k]);
+        let tab = &t.table[r * 2 * d..(r + 1) * 2 * d];
+        for i in 0..d / 2 {
+            let (a, b) = t.pairing.channels(i, d);
+            o[a] = (x(a) * f64::from(tab[a]) + x(b) * f64::from(tab[d + a])) as f32;
+            o[b] = (x(b) * f64::from(tab[b]) + x(a) * f64::from(tab[d + b])) as f32;
+        }
+    }
+}
+
 /// Reference of [`crate::widen_f16`]: `out[i]` is the little-endian f16 at `bytes[2i..]`,
 /// through `half`.
 pub fn widen_f16(bytes: &[u8], out: &mut [f32]) {

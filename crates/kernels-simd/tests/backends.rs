@@ -845,3 +845,92 @@ fn f16_widening_equals_the_reference_at_every_length_and_alignment() {
         }
     }
 }
+
+/// Keys stored before RoPE, decoded and turned: every backend against the f64 reference, on
+/// widths with and without a vector body, both pairings, codes at both ends of their range,
+/// zero, large and negative parameters, and a table of real (cos, sin) pairs.
+#[test]
+fn decode_turn_matches_the_reference() {
+    use kvq_kernels_simd::{TurnRows, decode_turn_with};
+    use kvq_quant_core::RopePairing;
+    let mut rng = Rng::new(43);
+    for d in (2..=144usize).step_by(2) {
+        for rows in [0usize, 1, 3, 5] {
+            for pairing in [RopePairing::Half, RopePairing::Interleaved] {
+                let partner = |c: usize| {
+                    let i = (0..d / 2)
+                        .find(|&i| [pairing.channels(i, d).0, pairing.channels(i, d).1].contains(&c));
+                    pairing.channels(i.unwrap(), d)
+                };
+                let codes: Vec<u8> = (0..rows * d)
+                    .map(|i| match i % 7 {
+                        0 => 0,
+                        1 => 255,
+                        _ => (rng.next_u64() % 256) as u8,
+                    })
+                    .collect();
+                let scale: Vec<f32> =
+                    (0..d).map(|c| if c % 9 == 4 { 0.0 } else { (rng.normal() * 3.0) as f32 }).collect();
+                let offset: Vec<f32> =
+                    (0..d).map(|c| if c % 11 == 3 { -1e4 } else { rng.normal() as f32 }).collect();
+                let mut table = Vec::new();
+                for _ in 0..rows {
+                    let angles: Vec<f64> = (0..d).map(|_| rng.normal() * 4.0).collect();
+                    // Both channels of a pair take the angle of its first channel.
+                    let angle = |c: usize| angles[partner(c).0];
+                    table.extend((0..d).map(|c| angle(c).cos() as f32));
+                    table.extend((0..d).map(|c| {
+                        let s = angle(c).sin() as f32;
+                        if partner(c).0 == c { -s } else { s }
+                    }));
+                }
+                let t = TurnRows {
+                    codes: &codes,
+                    scale: &scale,
+                    offset: &offset,
+                    table: &table,
+                    pairing,
+                    dim: d,
+                };
+                let mut want = vec![0f32; rows * d];
+                kvq_kernels_simd::scalar::decode_turn(&t, &mut want);
+                for backend in available() {
+                    let mut got = vec![f32::NAN; rows * d];
+                    decode_turn_with(backend, &t, &mut got).unwrap();
+                    for (k, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                        // f32 products of terms as large as |x_a| and |x_b| (cos and sin ≤ 1).
+                        let (r, c) = (k / d, k % d);
+                        let x = |j: usize| (f32::from(codes[r * d + j]) * scale[j]).abs() + offset[j].abs();
+                        let (a, b) = partner(c);
+                        let tol = 4.0 * f32::EPSILON * (x(a) + x(b));
+                        assert!(
+                            (g - w).abs() <= tol,
+                            "{backend} {pairing:?} d {d} row {r} channel {c}: {g} vs {w}"
+                        );
+                    }
+                }
+                // Bad shapes are errors, not panics.
+                if rows > 0 {
+                    let mut out = vec![0f32; rows * d];
+                    let bad = [
+                        TurnRows { table: &table[..rows * 2 * d - 1], ..t },
+                        TurnRows { scale: &scale[1..], ..t },
+                        TurnRows { codes: &codes[1..], ..t },
+                    ];
+                    for b in bad {
+                        assert!(decode_turn_with(Backend::Scalar, &b, &mut out).is_err());
+                    }
+                }
+            }
+        }
+    }
+    let odd = TurnRows {
+        codes: &[0; 3],
+        scale: &[0.0; 3],
+        offset: &[0.0; 3],
+        table: &[0.0; 6],
+        pairing: RopePairing::Half,
+        dim: 3,
+    };
+    assert!(decode_turn_with(Backend::Scalar, &odd, &mut [0f32; 3]).is_err());
+}
