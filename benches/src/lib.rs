@@ -21,6 +21,12 @@ pub fn layer_cache(kv_heads: usize, head_dim: usize, blocks: usize, k: &str, v: 
     if k.channel_bits() {
         config = config.with_channel_bits(vec![ChannelBits::spread(head_dim, k.bits()).unwrap(); kv_heads]);
     }
+    if k.pre_rope() {
+        // Keys stored before RoPE: Llama's frequencies, rotate-half pairs.
+        let rope =
+            kvq_quant_core::Rope::from_theta(10_000.0, head_dim, kvq_quant_core::RopePairing::Half).unwrap();
+        config = config.with_rope(rope);
+    }
     let cache = PagedCache::new(config).unwrap();
     kvq_kernels_simd::advise_huge_pages(cache.pool().arena());
     cache

@@ -610,6 +610,13 @@ impl PagedCache {
                             for tail in &ls.tails[i] {
                                 tail.extend_f32(0..bs * d, &mut rows);
                             }
+                            if let (0, Some(rope)) = (i, &config.rope) {
+                                // `-prerope` keys: the block's tokens turned back by their
+                                // positions, quantized in the frame before RoPE.
+                                for block in rows.chunks_exact_mut(bs * d) {
+                                    rope.undo_rows(block, sinks + fb * bs);
+                                }
+                            }
                             let params = rows
                                 .chunks_exact(bs * d)
                                 .enumerate()

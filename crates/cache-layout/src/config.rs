@@ -1,7 +1,9 @@
 //! What a cache holds and how: model shape, K and V specs, block size, residual window,
 //! attention sinks, tail precision, capacity and calibration.
 
-use kvq_quant_core::{Calibration, ChannelBits, CodebookSource, Granularity, Kind, QuantSpec, RowKernels};
+use kvq_quant_core::{
+    Calibration, ChannelBits, CodebookSource, Granularity, Kind, QuantSpec, Rope, RowKernels,
+};
 
 use crate::error::{CacheError, Result};
 
@@ -66,6 +68,11 @@ pub struct CacheConfig {
     /// their channels in the map's [`ChannelBits::permutation`] order, each width's channels
     /// a per-channel region of its own in the block.
     pub channel_bits: Option<Vec<ChannelBits>>,
+    /// The model's RoPE, for a `-prerope` K spec: a block's keys are taken out of RoPE
+    /// (token at sequence position `p` turned back by `p`) when the block is quantized, so its
+    /// codes and parameters are those of the keys before RoPE. Readers turn decoded rows of
+    /// quantized blocks forward again; sinks and the residual window hold the keys as given.
+    pub rope: Option<Rope>,
     /// The range scan, encoding and packing used to quantize rows as they arrive. All
     /// implementations give the same codes; `kvq-kernels-simd`'s `row_kernels()` returns the
     /// fastest for the CPU (the `kvq` facade sets it), the default is the portable one.
@@ -89,6 +96,7 @@ impl CacheConfig {
             capacity_blocks,
             calibration: None,
             channel_bits: None,
+            rope: None,
             row_kernels: RowKernels::PORTABLE,
         }
     }
@@ -140,6 +148,48 @@ impl CacheConfig {
     pub fn with_channel_bits(mut self, maps: Vec<ChannelBits>) -> Self {
         self.channel_bits = Some(maps);
         self
+    }
+
+    /// Sets the model's RoPE for a `-prerope` K spec (see [`CacheConfig::rope`]).
+    pub fn with_rope(mut self, rope: Rope) -> Self {
+        self.rope = Some(rope);
+        self
+    }
+
+    /// Checks a `-prerope` K spec and its RoPE: per-channel keys quantized as blocks leave the
+    /// window, the model's frequencies for this head_dim.
+    fn check_pre_rope(&self) -> Result<()> {
+        let bad = |m: String| Err(CacheError::Config(m));
+        if self.v_spec.pre_rope() {
+            return bad(format!("V spec {}: values do not go through RoPE", self.v_spec));
+        }
+        let k = &self.k_spec;
+        let Some(rope) = &self.rope else {
+            if k.pre_rope() {
+                return bad(format!("K spec {k}: keys quantized before RoPE need the model's RoPE"));
+            }
+            return Ok(());
+        };
+        if !k.pre_rope() {
+            return bad(format!("a RoPE is given but K spec {k} has no -prerope"));
+        }
+        if !matches!(k.granularity(), Granularity::PerChannel { .. }) || self.calibration.is_some() {
+            return bad(format!(
+                "K spec {k}: keys are taken out of RoPE for per-channel groups over a block, with ranges from the data (no calibration)"
+            ));
+        }
+        if k.channel_bits() || k.rotated() {
+            return bad(format!("K spec {k}: -prerope with -qa or -rot is measured by `kvq analyze` only"));
+        }
+        if rope.head_dim() != self.head_dim {
+            return bad(format!(
+                "RoPE of {} frequencies turns {} channels, head_dim is {}",
+                rope.inv_freq().len(),
+                rope.head_dim(),
+                self.head_dim
+            ));
+        }
+        Ok(())
     }
 
     /// Checks the maps of a `-qa` K spec: one per layer and head, `head_dim` channels, summing
@@ -224,12 +274,8 @@ impl CacheConfig {
         }
 
         self.check_channel_bits()?;
+        self.check_pre_rope()?;
         for (name, spec) in [("K", &self.k_spec), ("V", &self.v_spec)] {
-            if spec.pre_rope() {
-                return bad(format!(
-                    "{name} spec {spec}: keys quantized before RoPE are measured by `kvq analyze` only; the cache has no RoPE frequencies and no kernels for them yet"
-                ));
-            }
             if spec.rotated() {
                 if name == "K" {
                     return bad(format!(

@@ -48,6 +48,9 @@ struct ConfigWire {
     /// Widths per key channel, per layer and head (`-qa` K specs only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     channel_bits: Option<Vec<Vec<u8>>>,
+    /// The model's RoPE (`-prerope` K specs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope: Option<kvq_quant_core::Rope>,
 }
 
 fn to_wire(c: &CacheConfig) -> Result<ConfigWire> {
@@ -70,6 +73,7 @@ fn to_wire(c: &CacheConfig) -> Result<ConfigWire> {
         capacity_blocks: c.capacity_blocks,
         calibration: c.calibration.clone(),
         channel_bits: c.channel_bits.as_ref().map(|m| m.iter().map(|b| b.widths().to_vec()).collect()),
+        rope: c.rope.clone(),
     })
 }
 
@@ -93,6 +97,7 @@ fn from_wire(w: ConfigWire) -> Result<CacheConfig> {
         capacity_blocks: w.capacity_blocks,
         calibration: w.calibration,
         channel_bits,
+        rope: w.rope,
         // Not stored: every implementation writes the same codes. A loaded cache can take
         // faster ones with `PagedCache::set_row_kernels`.
         row_kernels: kvq_quant_core::RowKernels::PORTABLE,

@@ -369,8 +369,8 @@ impl PagedCache {
     }
 
     /// K or V of `(seq, layer, head)` decoded to f32, `tokens × head_dim` (reference path),
-    /// unrotated for a `-rot` spec and in the model's channel order for a `-qa` one: the values
-    /// as appended, up to quantization. (Segments and block views give the stored rows,
+    /// unrotated for a `-rot` spec, in the model's channel order for a `-qa` one and turned
+    /// back into RoPE for a `-prerope` one: the values as appended, up to quantization. (Segments and block views give the stored rows,
     /// rotated or permuted.)
     ///
     /// # Errors
@@ -385,9 +385,14 @@ impl PagedCache {
                 }
                 Segment::Quantized(b) => {
                     let mut row = vec![0f32; d];
+                    let at = out.len();
                     for r in 0..b.tokens {
                         b.decode_row(r, &mut row);
                         out.extend_from_slice(&row);
+                    }
+                    if let (Part::K, Some(rope)) = (part, &self.config.rope) {
+                        // Keys stored before RoPE: turned forward to their positions.
+                        rope.apply_rows(&mut out[at..], b.first_token);
                     }
                 }
             }

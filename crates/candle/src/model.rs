@@ -199,10 +199,16 @@ impl LlamaConfig {
     }
 
     /// A kvq cache config builder for this model's shape (layers, KV heads, query heads,
-    /// head_dim), with the RoPE pairing recorded.
+    /// head_dim), with its RoPE (frequencies and pairing) recorded, which layers with keys
+    /// quantized before RoPE (`-prerope`) use.
     pub fn cache_builder(&self) -> kvq::cache::KvCacheConfigBuilder {
-        kvq::cache::KvCacheConfig::builder(self.layers, self.kv_heads, self.heads, self.head_dim)
-            .rope_pairing(self.rope_pairing)
+        let builder =
+            kvq::cache::KvCacheConfig::builder(self.layers, self.kv_heads, self.heads, self.head_dim);
+        match kvq::quant::Rope::new(&inv_freq(self.head_dim, self.rope_theta), self.rope_pairing) {
+            Ok(rope) => builder.rope(rope),
+            // No frequencies (a head_dim under 2): the pairing alone.
+            Err(_) => builder.rope_pairing(self.rope_pairing),
+        }
     }
 
     /// Checks that a cache config was made for this model.
@@ -231,6 +237,16 @@ impl LlamaConfig {
                 p.name(),
                 self.rope_pairing.name()
             )));
+        }
+        if let Some(r) = &c.rope {
+            let model = inv_freq(self.head_dim, self.rope_theta);
+            let same = r.inv_freq().len() == model.len()
+                && r.inv_freq().iter().zip(&model).all(|(&a, &b)| (a - f64::from(b)).abs() <= 1e-6 * a.abs());
+            if !same || r.pairing() != self.rope_pairing {
+                return Err(Error::ConfigMismatch(
+                    "the config's RoPE frequencies or pairing are not the model's".to_string(),
+                ));
+            }
         }
         Ok(())
     }
@@ -261,11 +277,15 @@ struct Rope {
     pairing: RopePairing,
 }
 
+/// The RoPE frequencies of a head, `theta^(-2i/d)`, in f32 as llama.cpp and candle compute
+/// them.
+fn inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
+    (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect()
+}
+
 impl Rope {
     fn new(head_dim: usize, theta: f32, pairing: RopePairing) -> Self {
-        let inv_freq =
-            (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
-        Self { inv_freq, pairing }
+        Self { inv_freq: inv_freq(head_dim, theta), pairing }
     }
 
     /// `(cos, sin)` of every pair at `pos`.

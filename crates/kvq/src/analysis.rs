@@ -184,7 +184,7 @@ pub fn applicable_with(
                 return Some(spec_err(e));
             }
             let run = options.cache?;
-            let config = run.config(l, &blocked, options.block_size, None);
+            let config = run.config(l, &blocked, options.block_size, None, options.rope.as_ref());
             config.err().map(|source| AnalyzeError::Cache {
                 layer: l.name.clone(),
                 spec: spec.name(),
@@ -336,6 +336,7 @@ impl CacheRun {
         spec: &KvSpec,
         block_size: usize,
         maps: Option<Vec<ChannelBits>>,
+        rope: Option<&Rope>,
     ) -> Result<KvCacheConfig, KvqError> {
         let (ks, qs) = (layer.k.shape(), layer.q.shape());
         // Blocks hold one head's tokens.
@@ -355,6 +356,9 @@ impl CacheRun {
                     .map_err(|e| KvqError::Config(e.to_string()))?,
             };
             builder = builder.channel_bits(0, maps);
+        }
+        if let (true, Some(rope)) = (spec.k.pre_rope(), rope) {
+            builder = builder.rope(rope.clone());
         }
         builder.build()
     }
@@ -652,7 +656,8 @@ fn through_cache(
     } else {
         None
     };
-    let config = run.config(layer, spec, options.block_size, maps).map_err(cache_err)?;
+    let config =
+        run.config(layer, spec, options.block_size, maps, options.rope.as_ref()).map_err(cache_err)?;
     let mut cache = QuantizedKvCache::new(config).map_err(cache_err)?;
     let s = layer.k.shape();
     let seqs: Vec<_> = (0..s.batch).map(|_| cache.create()).collect();
@@ -956,9 +961,16 @@ mod tests {
         let pre = one_row(&layer, "int2-channel-prerope/int8-token", &options);
         assert_eq!(pre.bits_per_element, plain.bits_per_element);
         assert!(pre.attn_kl != plain.attn_kl && pre.attn_kl.is_finite(), "{pre:?}");
-        // The cache refuses them (no frequencies, no kernels), with its reason.
+        // Through the cache, with its residual window and sinks: the same bits as the plain
+        // keys there, and an error that is not the plain keys' error.
         let cached = Options { cache: Some(CacheRun::default()), ..options };
-        assert!(matches!(err("int4-channel-prerope/int4-token", &cached), AnalyzeError::Cache { .. }));
+        let plain = one_row(&layer, "int2-channel/int8-token", &cached);
+        let pre = one_row(&layer, "int2-channel-prerope/int8-token", &cached);
+        assert_eq!(pre.bits_per_element, plain.bits_per_element);
+        assert!(pre.attn_kl != plain.attn_kl && pre.attn_kl.is_finite(), "{pre:?}");
+        // Without the frequencies the cache refuses them, with its reason.
+        let blind = Options { rope: None, ..cached };
+        assert!(matches!(err("int4-channel-prerope/int4-token", &blind), AnalyzeError::Cache { .. }));
     }
 
     #[test]

@@ -406,6 +406,7 @@ struct Task {
     bufs: (Vec<f32>, Vec<f32>),
     s: Vec<f32>,
     widths: (Vec<f32>, Vec<f32>),
+    rope: RopeScratch,
     kernel: kvq_kernels_simd::Scratch,
 }
 
@@ -629,9 +630,23 @@ impl Task {
             bufs: &mut self.bufs,
             s: &mut self.s,
             widths: &mut self.widths,
+            rope: &mut self.rope,
             kernel: &mut self.kernel,
         };
-        attend(backend, options, readers, mine, &self.q, rows, d, &self.spans, &mut self.st, &mut scratch)
+        let rope = cache.config().rope.as_ref().map(|r| (r, cache.config().block_size));
+        attend(
+            backend,
+            options,
+            readers,
+            rope,
+            mine,
+            &self.q,
+            rows,
+            d,
+            &self.spans,
+            &mut self.st,
+            &mut scratch,
+        )
     }
 }
 
@@ -641,7 +656,132 @@ struct Scratch<'w> {
     s: &'w mut Vec<f32>,
     /// Keys with bits per channel: one width's query columns, and its scores.
     widths: &'w mut (Vec<f32>, Vec<f32>),
+    rope: &'w mut RopeScratch,
     kernel: &'w mut kvq_kernels_simd::Scratch,
+}
+
+/// What scoring keys stored before RoPE (`-prerope`) keeps across blocks.
+#[derive(Default)]
+struct RopeScratch {
+    /// The frequencies and pairing `table` is for.
+    freq: Vec<f64>,
+    pairing: Option<kvq_quant_core::RopePairing>,
+    /// Per offset `τ` in a block: every channel's `cos(τ θ)`, then its `± sin(τ θ)`.
+    table: Vec<f32>,
+    /// The turn of the last block's first position `p`, per pair: `(cos, sin)` of `−p θ_i`,
+    /// and that position.
+    base: Vec<(f64, f64)>,
+    base_at: Option<usize>,
+    /// `(cos, sin)` of `−block_size · θ_i`: from one block's turn to the next one's.
+    step: Vec<(f64, f64)>,
+    /// The group's queries turned back by the block's first position.
+    q: Vec<f32>,
+    /// The block's keys, decoded and turned by their offsets in the block.
+    rows: Vec<f32>,
+    codes: Vec<u8>,
+}
+
+impl RopeScratch {
+    /// The offset table and block step for `rope` and blocks of `bs` tokens (kept while they
+    /// stay the same).
+    fn prepare(&mut self, rope: &kvq_quant_core::Rope, bs: usize) {
+        let pairs = rope.inv_freq().len();
+        if self.freq == rope.inv_freq()
+            && self.pairing == Some(rope.pairing())
+            && self.table.len() == bs * 4 * pairs
+        {
+            return;
+        }
+        self.pairing = Some(rope.pairing());
+        self.freq.clear();
+        self.freq.extend_from_slice(rope.inv_freq());
+        // Per offset, in the channel form `decode_turn_with` takes: each channel's cosine,
+        // then its sine, negative on the first channel of a pair.
+        let d = 2 * pairs;
+        self.table.clear();
+        self.table.resize(bs * 2 * d, 0.0);
+        // Offset after offset by one complex product per pair (a sin_cos per entry would cost
+        // more than the block's scores when a step starts with a fresh workspace); f64 keeps
+        // the drift over 4096 offsets near 1e-13.
+        for (i, &f) in rope.inv_freq().iter().enumerate() {
+            let (a, b) = rope.pairing().channels(i, d);
+            let (ss, sc) = f.sin_cos();
+            let (mut cos, mut sin) = (1f64, 0f64);
+            for t in self.table.chunks_exact_mut(2 * d) {
+                (t[a], t[b], t[d + a], t[d + b]) = (cos as f32, cos as f32, -sin as f32, sin as f32);
+                (cos, sin) = (cos * sc - sin * ss, sin * sc + cos * ss);
+            }
+        }
+        self.step.clear();
+        self.step.extend(rope.inv_freq().iter().map(|&f| (-(bs as f64) * f).sin_cos()).map(|(s, c)| (c, s)));
+        self.base_at = None;
+    }
+
+    /// `(cos, sin)` of `−p θ_i` for block start `p`: one complex product per pair from the
+    /// previous block's, a direct `sin_cos` when blocks are not consecutive (and every 64
+    /// blocks, so that rounding cannot drift).
+    fn turn_to(&mut self, rope: &kvq_quant_core::Rope, p: usize, bs: usize) {
+        let next = self.base_at.and_then(|b| b.checked_add(bs)) == Some(p) && !(p / bs).is_multiple_of(64);
+        if next {
+            for (b, &(sc, ss)) in self.base.iter_mut().zip(&self.step) {
+                *b = (b.0 * sc - b.1 * ss, b.1 * sc + b.0 * ss);
+            }
+        } else {
+            self.base.clear();
+            self.base
+                .extend(rope.inv_freq().iter().map(|&f| (-(p as f64) * f).sin_cos()).map(|(s, c)| (c, s)));
+        }
+        self.base_at = Some(p);
+    }
+}
+
+/// Scores of the `g` query rows `qs` against a block of keys stored before RoPE: `q · R(p + τ)
+/// k̂ = (R(−p) q) · (R(τ) k̂)` for the block's first position `p`: each query is turned back
+/// once per block, each decoded key row turned by its offset `τ` from a table, and the rows
+/// scored with the dense kernels.
+#[allow(clippy::too_many_arguments)]
+fn pre_rope_scores(
+    backend: Backend,
+    (rope, bs): (&kvq_quant_core::Rope, usize),
+    view: &BlockView<'_>,
+    params: &mut (Vec<f32>, Vec<f32>),
+    rs: &mut RopeScratch,
+    qs: &[f32],
+    g: usize,
+    d: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let n = view.tokens;
+    rs.prepare(rope, bs);
+    rs.turn_to(rope, view.first_token, bs);
+    let (scale, offset) = params;
+    view.params_f32_with(scale, offset, |b, o| {
+        kvq_kernels_simd::widen_f16(b, o);
+    });
+    let pairing = rope.pairing();
+    // The queries turned back by the block's first position.
+    rs.q.clear();
+    rs.q.extend_from_slice(&qs[..g * d]);
+    for row in rs.q.chunks_exact_mut(d) {
+        for (i, &(c, s)) in rs.base.iter().enumerate() {
+            let (a, b) = pairing.channels(i, d);
+            let (x, y) = (f64::from(row[a]), f64::from(row[b]));
+            row[a] = (x * c - y * s) as f32;
+            row[b] = (y * c + x * s) as f32;
+        }
+    }
+    // Each key row decoded and turned by its offset in the block.
+    rs.rows.resize(n * d, 0.0);
+    rs.codes.resize(n * d, 0);
+    let bits = view.layout.spec().bits();
+    for (tau, codes) in rs.codes.chunks_exact_mut(d).enumerate() {
+        kvq_quant_core::pack::unpack_row(view.row_codes(tau), bits, codes)
+            .map_err(|e| KernelError::Shape(e.to_string()))?;
+    }
+    let rows =
+        kvq_kernels_simd::TurnRows { codes: &rs.codes, scale, offset, table: &rs.table, pairing, dim: d };
+    kvq_kernels_simd::decode_turn_with(backend, &rows, &mut rs.rows)?;
+    dense_scores_with(backend, &rs.rows[..n * d], n, d, &rs.q, g, out)
 }
 
 /// One run of tokens of one part: full-precision rows, or a whole quantized block.
@@ -810,6 +950,7 @@ fn attend<'a>(
     backend: Backend,
     options: &AttentionOptions,
     readers: &[PartReader; 2],
+    rope: Option<(&kvq_quant_core::Rope, usize)>,
     units: impl Iterator<Item = Unit<'a>>,
     qs: &[f32],
     g: usize,
@@ -821,7 +962,7 @@ fn attend<'a>(
     let latest_start = spans.iter().map(|s| s.0).max().unwrap_or(0);
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
-    let Scratch { bufs, s, widths, kernel } = w;
+    let Scratch { bufs, s, widths, rope: rs, kernel } = w;
     // The width regions' query columns are gathered at the first block (`-qa` keys only).
     widths.0.clear();
     let mut units = units.peekable();
@@ -837,9 +978,11 @@ fn attend<'a>(
         }
         let n = b - a;
         s.resize(g * n, 0.0);
-        match k {
-            Run::Full { rows, offset } => dense_run(backend, true, rows, offset, n, d, qs, g, s)?,
-            Run::Block(view) => match view.width_views() {
+        match (k, rope) {
+            (Run::Full { rows, offset }, _) => dense_run(backend, true, rows, offset, n, d, qs, g, s)?,
+            // Keys stored before RoPE (the cache holds them so only as per-channel blocks).
+            (Run::Block(view), Some(rope)) => pre_rope_scores(backend, rope, &view, bufs, rs, qs, g, d, s)?,
+            (Run::Block(view), None) => match view.width_views() {
                 // Keys with bits per channel: each width's region is a per-channel block of
                 // its own, scored with its columns of the (permuted) query and summed.
                 Some(views) => {

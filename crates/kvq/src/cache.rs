@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use kvq_cache_layout::{CacheConfig, CacheError, CacheMemory, PagedCache, SeqId, TailDtype};
-use kvq_quant_core::{Calibration, ChannelBits, QuantSpec, RopePairing, Tensor};
+use kvq_quant_core::{Calibration, ChannelBits, QuantSpec, Rope, RopePairing, Tensor};
 
 use crate::attention::{
     AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch,
@@ -101,6 +101,10 @@ pub struct KvCacheConfig {
     /// that writes the keys sets it: GGUF Llama weights pair `(2i, 2i + 1)`, Hugging Face
     /// checkpoints `(i, i + d/2)`). Recorded for quantizers that work on RoPE pairs.
     pub rope_pairing: Option<RopePairing>,
+    /// The model's RoPE (frequencies and pairing), which layers with a `-prerope` K spec need:
+    /// their key blocks are quantized in the frame before RoPE, token positions being the
+    /// positions in the sequence ([`KvCacheConfigBuilder::rope`]).
+    pub rope: Option<Rope>,
 }
 
 /// Builds a [`KvCacheConfig`] with sensible defaults: INT4 per-channel keys and INT4 per-token
@@ -135,6 +139,7 @@ impl KvCacheConfig {
                 layers: vec![LayerSpecs { k, v, k_channel_bits: None }; layers],
                 calibration: None,
                 rope_pairing: None,
+                rope: None,
             },
             error: None,
         }
@@ -153,6 +158,9 @@ impl KvCacheConfig {
         }
         if let Some(maps) = &specs.k_channel_bits {
             c = c.with_channel_bits(maps.clone());
+        }
+        if let (true, Some(rope)) = (specs.k.pre_rope(), &self.rope) {
+            c = c.with_rope(rope.clone());
         }
         c
     }
@@ -184,6 +192,15 @@ impl KvCacheConfig {
                 "calibration covers {} layers, the config {}",
                 cal.layers(),
                 self.layers.len()
+            )));
+        }
+        if let (Some(rope), Some(p)) = (&self.rope, self.rope_pairing)
+            && rope.pairing() != p
+        {
+            return Err(KvqError::Config(format!(
+                "the RoPE pairs channels {}, rope_pairing says {}",
+                rope.pairing().name(),
+                p.name()
             )));
         }
         for l in 0..self.layers.len() {
@@ -343,6 +360,14 @@ impl KvCacheConfigBuilder {
         self
     }
 
+    /// The model's RoPE, for layers whose K spec is quantized before it (`-prerope`); sets the
+    /// pairing too.
+    pub fn rope(mut self, rope: Rope) -> Self {
+        self.config.rope_pairing = Some(rope.pairing());
+        self.config.rope = Some(rope);
+        self
+    }
+
     /// Validates and returns the config.
     ///
     /// # Errors
@@ -383,6 +408,8 @@ struct Wire {
     calibration: Option<Calibration>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     rope_pairing: Option<RopePairing>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rope: Option<Rope>,
 }
 
 impl From<&KvCacheConfig> for Wire {
@@ -411,6 +438,7 @@ impl From<&KvCacheConfig> for Wire {
                 .collect(),
             calibration: c.calibration.clone(),
             rope_pairing: c.rope_pairing,
+            rope: c.rope.clone(),
         }
     }
 }
@@ -453,6 +481,7 @@ impl TryFrom<Wire> for KvCacheConfig {
             layers,
             calibration: w.calibration,
             rope_pairing: w.rope_pairing,
+            rope: w.rope,
         };
         c.validate()?;
         Ok(c)

@@ -596,6 +596,11 @@ fn bench(
             config =
                 config.with_channel_bits(vec![kvq::quant::ChannelBits::spread(d, spec.k.bits())?; kv_heads]);
         }
+        if spec.k.pre_rope() {
+            // Llama's frequencies; random keys are no better or worse in any frame.
+            config =
+                config.with_rope(kvq::quant::Rope::from_theta(10_000.0, d, kvq::quant::RopePairing::Half)?);
+        }
         let mut cache = PagedCache::new(config)?;
         // As QuantizedKvCache does: 2 MiB pages for the pool where the system allows it.
         kvq::kernels::advise_huge_pages(cache.pool().arena());

@@ -67,6 +67,7 @@ fn decode_steps_do_not_allocate() {
         ("nf4-token", "nf4-token"),
         ("int8-head", "int4-channel"),
         ("int3-channel-qa", "int4-token"), // keys in width regions, queries permuted per step
+        ("int4-channel-prerope", "int4-token"), // keys before RoPE: turned per block and row
     ];
     let mut checked = 0;
     for (i, (k, v)) in specs.iter().enumerate() {
@@ -84,6 +85,12 @@ fn decode_steps_do_not_allocate() {
         let widths: Vec<u8> = (0..d).map(|c| [2, 4, 3, 3][c % 4]).collect();
         let config = if k.contains("-qa") {
             config.with_channel_bits(vec![kvq::quant::ChannelBits::new(widths).unwrap(); kv_heads])
+        } else {
+            config
+        };
+        let config = if k.contains("-prerope") {
+            let rope = kvq::quant::Rope::from_theta(10_000.0, d, kvq::quant::RopePairing::Half).unwrap();
+            config.with_rope(rope)
         } else {
             config
         };

@@ -484,3 +484,45 @@ fn keys_with_bits_per_channel() {
         check_random(config, i, group, &mut rng, "int3-channel-qa keys");
     }
 }
+
+#[test]
+fn keys_stored_before_rope() {
+    // `-prerope` keys: blocks hold the keys turned back by their positions; decode turns the
+    // query back by each block's first position and each decoded row by its offset. The result
+    // must equal attention over the dequantized keys (turned forward again), for both pairings,
+    // GQA shapes, sinks and windows, and far positions (the block turns are stepped from one
+    // block to the next and re-anchored every 64 blocks).
+    use kvq::quant::{Rope, RopePairing};
+    let mut rng = Rng::new(29);
+    let spec = |s: &str| s.parse::<kvq::quant::QuantSpec>().unwrap();
+    for (i, (kv_heads, group, d)) in
+        [(2usize, 3usize, 64usize), (1, 4, 32), (3, 1, 128)].into_iter().enumerate()
+    {
+        for (pairing, theta) in [(RopePairing::Half, 10_000.0), (RopePairing::Interleaved, 500_000.0)] {
+            let config = CacheConfig::new(1, kv_heads, d, 64)
+                .with_specs(spec("int4-channel-prerope"), spec("int4-token"))
+                .with_rope(Rope::from_theta(theta, d, pairing).unwrap());
+            check_random(config, i, group, &mut rng, &format!("int4-channel-prerope keys, {pairing:?}"));
+        }
+    }
+    // A long sequence: 150 blocks of 16 after 3 sinks.
+    let d = 64;
+    let config = CacheConfig::new(1, 1, d, 200)
+        .with_specs(spec("int3-channel-prerope"), spec("int4-token"))
+        .with_block_size(16)
+        .with_sink_tokens(3)
+        .with_rope(Rope::from_theta(10_000.0, d, RopePairing::Half).unwrap());
+    let mut cache = PagedCache::new(config).unwrap();
+    let seq = cache.create();
+    let shape = Shape::new(1, 2420, d);
+    let mut random = || Tensor::new(shape, (0..shape.len()).map(|_| rng.normal() as f32).collect()).unwrap();
+    let (kt, vt) = (random(), random());
+    cache.extend(seq, 0, &kt, &vt).unwrap();
+    let q: Vec<f32> = (0..2 * d).map(|_| 2.0 * rng.normal() as f32).collect();
+    check(&cache, seq, 0, &q, 2, "int3-channel-prerope keys, 2420 tokens");
+    // Without a RoPE, or with one of another width, the cache refuses the spec.
+    let bare = CacheConfig::new(1, 1, d, 8).with_specs(spec("int4-channel-prerope"), spec("int4-token"));
+    assert!(PagedCache::new(bare.clone()).is_err());
+    let narrow = bare.with_rope(Rope::from_theta(10_000.0, 32, RopePairing::Half).unwrap());
+    assert!(PagedCache::new(narrow).is_err());
+}

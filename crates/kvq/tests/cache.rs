@@ -469,3 +469,68 @@ fn layers_with_bits_per_key_channel() {
     // Layer 0 holds INT4 keys, layer 1 the same keys at 3 bits on average: close, not equal.
     assert!(rel > 0.0 && rel < 0.2, "{rel}");
 }
+
+#[test]
+fn layers_with_keys_before_rope() {
+    // A model's RoPE in the config: layers with `-prerope` keys quantize their key blocks in
+    // the frame before it. The RoPE goes through TOML, JSON, save/load and sequence files;
+    // a config without it, or whose pairing disagrees, is refused.
+    use kvq::quant::{Rope, RopePairing};
+    let (heads, d) = (2usize, 32usize);
+    let rope = Rope::from_theta(10_000.0, d, RopePairing::Interleaved).unwrap();
+    let pre: QuantSpec = "int4-channel-prerope".parse().unwrap();
+    let v: QuantSpec = "int4-token".parse().unwrap();
+    let builder = || {
+        KvCacheConfig::builder(2, heads, 2 * heads, d).block_size(8).layer_specs(1, pre.clone(), v.clone())
+    };
+    assert!(matches!(builder().blocks_per_layer(64).build(), Err(KvqError::Config(_))));
+    let other_pairs = builder().rope(rope.clone()).rope_pairing(RopePairing::Half).build();
+    assert!(matches!(other_pairs, Err(KvqError::Config(_))));
+    let c = builder().rope(rope.clone()).blocks_per_layer(64).build().unwrap();
+    assert_eq!(KvCacheConfig::from_toml(&c.to_toml()).unwrap(), c);
+    assert_eq!(KvCacheConfig::from_json(&c.to_json()).unwrap(), c);
+    let toml = c.to_toml();
+    assert!(toml.contains("inv_freq"), "{toml}");
+    // The first frequency (1.0) made negative.
+    let (head, freqs) = toml.split_at(toml.find("inv_freq").unwrap());
+    let negative = format!("{head}{}", freqs.replacen("1.0", "-1.0", 1));
+    assert!(negative != toml && KvCacheConfig::from_toml(&negative).is_err(), "{negative}");
+
+    let mut cache = QuantizedKvCache::new(c.clone()).unwrap();
+    let seq = cache.create();
+    for t in 0..40 {
+        // Keys with a constant offset per channel, turned by RoPE as a model's are.
+        let mut k: Vec<f32> =
+            token(heads * d, t).iter().enumerate().map(|(i, x)| x + (i % 7) as f32).collect();
+        rope.apply_rows(&mut k, t);
+        let v = token(heads * d, t + 1);
+        cache.append_all_layers(seq, &[k.clone(), k].concat(), &[v.clone(), v].concat()).unwrap();
+    }
+    let q = token(2 * heads * d, 99);
+    let attend = |cache: &QuantizedKvCache, s: SeqId, l: usize| {
+        let mut out = vec![0f32; q.len()];
+        cache.attention(s, l, &q, &mut out).unwrap();
+        out
+    };
+    // The same keys, plain INT4 in layer 0 and before RoPE in layer 1: close, not equal.
+    let (plain, before) = (attend(&cache, seq, 0), attend(&cache, seq, 1));
+    let rel = plain.iter().zip(&before).map(|(a, b)| (a - b).powi(2)).sum::<f32>().sqrt()
+        / plain.iter().map(|a| a * a).sum::<f32>().sqrt();
+    assert!(rel > 0.0 && rel < 0.2, "{rel}");
+    // Through a sequence file and a saved cache, bit for bit.
+    let file = cache.export_sequence(seq).unwrap();
+    let mut other = QuantizedKvCache::new(c.clone()).unwrap();
+    let back = other.import_sequence(&file).unwrap();
+    assert_eq!(attend(&other, back, 1), before);
+    let path = std::env::temp_dir().join(format!("kvq-prerope-{}.kvq", std::process::id()));
+    let layer = cache.layer(1).unwrap();
+    layer.save(&path).unwrap();
+    let loaded = kvq::layout::PagedCache::load(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(loaded.config().rope.as_ref(), Some(&rope));
+    for h in 0..heads {
+        let keys =
+            |c: &kvq::layout::PagedCache| c.dequantize(seq, 0, h, kvq::quant::calibration::Part::K).unwrap();
+        assert_eq!(keys(&loaded), keys(layer));
+    }
+}
