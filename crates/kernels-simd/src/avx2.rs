@@ -1270,88 +1270,195 @@ unsafe fn widen_f16_f16c(bytes: &[u8], out: &mut [f32]) -> usize {
     n
 }
 
-/// [`crate::decode_turn_with`] with AVX2 and FMA, when the CPU has them and the rows are a
-/// multiple of 16 channels (false, nothing written, otherwise). The caller checked the lengths.
+/// Whether the AVX2 turn kernels take `t`: the CPU features, rows of a multiple of 32
+/// channels, codes of 8 bits (a byte each) or 4 (two per byte, in whole 32-code chunks).
+fn turn_supported(t: &crate::TurnRows<'_>) -> bool {
+    cpu_ok() && t.dim.is_multiple_of(32) && matches!(t.bits, 4 | 8)
+}
+
+/// [`crate::decode_turn_with`] with AVX2 and FMA, reading 4- and 8-bit rows where they are
+/// packed; false (nothing written) when [`turn_supported`] says no. The caller checked the
+/// lengths.
 pub(crate) fn decode_turn(t: &crate::TurnRows<'_>, out: &mut [f32]) -> bool {
-    let d = t.dim;
-    if !cpu_ok() || !d.is_multiple_of(16) {
+    if !turn_supported(t) {
         return false;
     }
+    let (d, rb) = (t.dim, t.row_bytes());
     let rows = out.len() / d;
     assert!(
-        t.codes.len() == rows * d
+        t.codes.len() == rows * rb
             && t.scale.len() == d
             && t.offset.len() == d
             && t.table.len() >= rows * 2 * d
     );
     let half = matches!(t.pairing, kvq_quant_core::RopePairing::Half);
-    for (r, (c, y)) in t.codes.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
-        let tab = &t.table[r * 2 * d..(r + 1) * 2 * d];
-        // SAFETY: AVX2 and FMA were checked above; `c`, `y`, `tab` and the parameters hold
-        // the row's `d` (a multiple of 16) and `2d` values.
-        unsafe {
-            if half {
-                turn_row_half(c, t.scale, t.offset, tab, y);
-            } else {
-                turn_row_interleaved(c, t.scale, t.offset, tab, y);
+    for (r, y) in out.chunks_exact_mut(d).enumerate() {
+        let (c, tab) = (t.codes[r * rb..].as_ptr(), t.table[r * 2 * d..].as_ptr());
+        for j in (0..if half { d / 2 } else { d }).step_by(8) {
+            // SAFETY: AVX2, FMA and F16C were checked; channels j..j+8 (and h+j..h+j+8 for
+            // rotate-half rows) lie within the row's codes, its parameters, its table and `y`.
+            unsafe {
+                let (s, o) = (t.scale.as_ptr(), t.offset.as_ptr());
+                let (lo, hi) = match (t.bits == 4, half) {
+                    (true, true) => turned8::<true, true>(c, s, o, tab, d, j),
+                    (true, false) => turned8::<true, false>(c, s, o, tab, d, j),
+                    (false, true) => turned8::<false, true>(c, s, o, tab, d, j),
+                    (false, false) => turned8::<false, false>(c, s, o, tab, d, j),
+                };
+                _mm256_storeu_ps(y.as_mut_ptr().add(j), lo);
+                if half {
+                    _mm256_storeu_ps(y.as_mut_ptr().add(d / 2 + j), hi);
+                }
             }
         }
     }
     true
 }
 
-/// Eight codes from `at` widened to floats and decoded as `code · scale + offset`.
+/// [`crate::scores_turn_with`] with AVX2 and FMA: two rows against four query rows at a time,
+/// each row decoded and turned in registers and never stored; false (nothing written) when
+/// [`turn_supported`] says no.
+pub(crate) fn scores_turn(t: &crate::TurnRows<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    if !turn_supported(t) {
+        return false;
+    }
+    let (d, rb, n) = (t.dim, t.row_bytes(), t.rows());
+    assert!(
+        t.codes.len() == n * rb && t.scale.len() == d && t.offset.len() == d && t.table.len() >= n * 2 * d
+    );
+    assert!(q.len() == n_q * d && out.len() == n_q * n);
+    let half = matches!(t.pairing, kvq_quant_core::RopePairing::Half);
+    for i0 in (0..n_q).step_by(4) {
+        let m = (n_q - i0).min(4);
+        // Missing query rows repeat the first; their sums are dropped.
+        let qs: [&[f32]; 4] = std::array::from_fn(|k| &q[(i0 + if k < m { k } else { 0 }) * d..][..d]);
+        for r0 in (0..n).step_by(2) {
+            let r1 = if r0 + 1 < n { r0 + 1 } else { r0 };
+            let row = |r: usize| (&t.codes[r * rb..(r + 1) * rb], &t.table[r * 2 * d..(r + 1) * 2 * d]);
+            // SAFETY: AVX2, FMA and F16C were checked; each row holds its packed codes of d
+            // channels (a multiple of 32) and 2d table values, each query row and the
+            // parameters d values.
+            let sums = unsafe {
+                match (t.bits == 4, half) {
+                    (true, true) => turn_dot2::<true, true>(row(r0), row(r1), t.scale, t.offset, qs, d),
+                    (true, false) => turn_dot2::<true, false>(row(r0), row(r1), t.scale, t.offset, qs, d),
+                    (false, true) => turn_dot2::<false, true>(row(r0), row(r1), t.scale, t.offset, qs, d),
+                    (false, false) => turn_dot2::<false, false>(row(r0), row(r1), t.scale, t.offset, qs, d),
+                }
+            };
+            for k in 0..m {
+                out[(i0 + k) * n + r0] = sums[k];
+                if r1 != r0 {
+                    out[(i0 + k) * n + r1] = sums[4 + k];
+                }
+            }
+        }
+    }
+    true
+}
+
+/// Channels `at..at + 8` of a packed row decoded as `code · scale + offset`: bytes
+/// (`NIB = false`), or 4-bit codes (`NIB = true`: chunks of 32 codes in 16 bytes, code
+/// `j < 16` in the low nibble of byte `j`, code `16 + j` in its high nibble).
 ///
 /// # Safety
-/// AVX2 and FMA; `c`, `s` and `o` hold 8 elements from `at`.
-#[target_feature(enable = "avx2,fma")]
+/// AVX2 and FMA; `at` is a multiple of 8 and the row holds channel `at + 7` (in whole 32-code
+/// chunks for nibbles); `s` and `o` hold 8 values from `at`.
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn decode8(c: *const u8, s: *const f32, o: *const f32, at: usize) -> __m256 {
-    // SAFETY: as this function's.
+unsafe fn decode8<const NIB: bool>(c: *const u8, s: *const f32, o: *const f32, at: usize) -> __m256 {
+    // SAFETY: as this function's; 8 bytes from `at` (bytes) or from the chunk's byte `at % 16`
+    // (nibbles, which stays within the chunk's 16 bytes).
     unsafe {
-        let codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(c.add(at).cast())));
+        let bytes = if NIB {
+            let within = at % 32;
+            let raw = _mm_loadl_epi64(c.add(at / 32 * 16 + within % 16).cast());
+            let raw = if within >= 16 { _mm_srli_epi16::<4>(raw) } else { raw };
+            _mm_and_si128(raw, _mm_set1_epi8(0x0f))
+        } else {
+            _mm_loadl_epi64(c.add(at).cast())
+        };
+        let codes = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
         _mm256_fmadd_ps(codes, _mm256_loadu_ps(s.add(at)), _mm256_loadu_ps(o.add(at)))
     }
 }
 
-/// One row, pairs `(j, j + d/2)`: eight of each half at a time.
+/// Eight channels from `j` of a row decoded and turned: `(lo, hi)` for rotate-half pairs (the
+/// channels `j..j+8` and `h+j..h+j+8`), or the eight channels `j..j+8` twice for interleaved
+/// pairs (`HALF` false).
 ///
 /// # Safety
-/// AVX2 and FMA; `codes`, `scale`, `offset` and `out` hold `d` values (a multiple of 16),
-/// `table` `2d`.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn turn_row_half(codes: &[u8], scale: &[f32], offset: &[f32], table: &[f32], out: &mut [f32]) {
-    let (d, h) = (out.len(), out.len() / 2);
-    let (c, s, o, t, y) = (codes.as_ptr(), scale.as_ptr(), offset.as_ptr(), table.as_ptr(), out.as_mut_ptr());
-    for j in (0..h).step_by(8) {
-        // SAFETY: j + 8 <= h: every access lies within the row, its parameters and its table.
-        unsafe {
-            let (lo, hi) = (decode8(c, s, o, j), decode8(c, s, o, h + j));
+/// As [`decode8`] for every channel read; `t` holds the row's `2d` table values.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn turned8<const NIB: bool, const HALF: bool>(
+    c: *const u8,
+    s: *const f32,
+    o: *const f32,
+    t: *const f32,
+    d: usize,
+    j: usize,
+) -> (__m256, __m256) {
+    // SAFETY: as this function's.
+    unsafe {
+        if HALF {
+            let h = d / 2;
+            let (lo, hi) = (decode8::<NIB>(c, s, o, j), decode8::<NIB>(c, s, o, h + j));
             let (cl, ch) = (_mm256_loadu_ps(t.add(j)), _mm256_loadu_ps(t.add(h + j)));
             let (sl, sh) = (_mm256_loadu_ps(t.add(d + j)), _mm256_loadu_ps(t.add(d + h + j)));
-            _mm256_storeu_ps(y.add(j), _mm256_fmadd_ps(hi, sl, _mm256_mul_ps(lo, cl)));
-            _mm256_storeu_ps(y.add(h + j), _mm256_fmadd_ps(lo, sh, _mm256_mul_ps(hi, ch)));
+            (_mm256_fmadd_ps(hi, sl, _mm256_mul_ps(lo, cl)), _mm256_fmadd_ps(lo, sh, _mm256_mul_ps(hi, ch)))
+        } else {
+            let x = decode8::<NIB>(c, s, o, j);
+            let swapped = _mm256_permute_ps::<0b10_11_00_01>(x);
+            let (cos, sin) = (_mm256_loadu_ps(t.add(j)), _mm256_loadu_ps(t.add(d + j)));
+            let y = _mm256_fmadd_ps(swapped, sin, _mm256_mul_ps(x, cos));
+            (y, y)
         }
     }
 }
 
-/// One row, pairs `(2i, 2i + 1)`: eight channels at a time, each with its neighbour swapped in.
+/// The dots of two decoded and turned rows (`(packed codes, table)` each) with four query
+/// rows: `[row 0 · q0..q3, row 1 · q0..q3]`.
 ///
 /// # Safety
-/// As [`turn_row_half`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn turn_row_interleaved(codes: &[u8], scale: &[f32], offset: &[f32], table: &[f32], out: &mut [f32]) {
-    let d = out.len();
-    let (c, s, o, t, y) = (codes.as_ptr(), scale.as_ptr(), offset.as_ptr(), table.as_ptr(), out.as_mut_ptr());
-    for j in (0..d).step_by(8) {
-        // SAFETY: j + 8 <= d: within the row, its parameters and its table.
+/// AVX2, FMA and F16C; each row holds the packed codes of `d` channels (a multiple of 32) and
+/// `2d` table values; `scale`, `offset` and every query row `d` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn turn_dot2<const NIB: bool, const HALF: bool>(
+    a: (&[u8], &[f32]),
+    b: (&[u8], &[f32]),
+    scale: &[f32],
+    offset: &[f32],
+    qs: [&[f32]; 4],
+    d: usize,
+) -> [f32; 8] {
+    let (s, o) = (scale.as_ptr(), offset.as_ptr());
+    let q = qs.map(|x| x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 8];
+    // Rotate-half rows take 8 channels of each half per step; interleaved rows 8 in a row.
+    let (end, h) = if HALF { (d / 2, d / 2) } else { (d, 0) };
+    let mut j = 0;
+    while j < end {
+        // SAFETY: j + 8 <= end: every channel read lies within the rows, the parameters, the
+        // tables and the query rows.
         unsafe {
-            let x = decode8(c, s, o, j);
-            let swapped = _mm256_permute_ps::<0b10_11_00_01>(x);
-            let (cos, sin) = (_mm256_loadu_ps(t.add(j)), _mm256_loadu_ps(t.add(d + j)));
-            _mm256_storeu_ps(y.add(j), _mm256_fmadd_ps(swapped, sin, _mm256_mul_ps(x, cos)));
+            let (lo0, hi0) = turned8::<NIB, HALF>(a.0.as_ptr(), s, o, a.1.as_ptr(), d, j);
+            let (lo1, hi1) = turned8::<NIB, HALF>(b.0.as_ptr(), s, o, b.1.as_ptr(), d, j);
+            for k in 0..4 {
+                let ql = _mm256_loadu_ps(q[k].add(j));
+                acc[k] = _mm256_fmadd_ps(lo0, ql, acc[k]);
+                acc[4 + k] = _mm256_fmadd_ps(lo1, ql, acc[4 + k]);
+                if HALF {
+                    let qh = _mm256_loadu_ps(q[k].add(h + j));
+                    acc[k] = _mm256_fmadd_ps(hi0, qh, acc[k]);
+                    acc[4 + k] = _mm256_fmadd_ps(hi1, qh, acc[4 + k]);
+                }
+            }
         }
+        j += 8;
     }
+    // SAFETY: AVX2 is enabled.
+    unsafe { reduce8(&acc) }
 }
 
 /// Whether the full-precision kernels can run: AVX2, FMA and F16C (every AVX2 CPU so far).

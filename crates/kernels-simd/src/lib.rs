@@ -517,15 +517,18 @@ pub fn widen_f16(bytes: &[u8], out: &mut [f32]) -> usize {
 
 /// Rows of per-channel affine codes to decode and turn by RoPE ([`decode_turn_with`]): the
 /// keys of a block stored in their frame before RoPE (`-prerope` specs), brought to their
-/// positions for scoring. For row `r` of `dim` unpacked codes, `x_c = code_c · scale_c +
-/// offset_c`, then `out_c = x_c · table[r][c] + x_p · table[r][dim + c]`, `p` being the channel
-/// that `c` turns with under `pairing`: `table[r]` holds the `dim` cosines of the channels'
-/// pairs, then their sines, negative on the first channel of each pair (`(x_a, x_b)` becomes
+/// positions for scoring. For row `r` of `dim` codes, `x_c = code_c · scale_c + offset_c`,
+/// then `out_c = x_c · table[r][c] + x_p · table[r][dim + c]`, `p` being the channel that `c`
+/// turns with under `pairing`: `table[r]` holds the `dim` cosines of the channels' pairs, then
+/// their sines, negative on the first channel of each pair (`(x_a, x_b)` becomes
 /// `(x_a cos − x_b sin, x_b cos + x_a sin)`).
 #[derive(Debug, Clone, Copy)]
 pub struct TurnRows<'a> {
-    /// Unpacked codes, whole rows of `dim`.
+    /// Packed rows as a block stores them: `packed_len(dim, bits)` bytes each, the bit planes
+    /// of `kvq_quant_core::pack`.
     pub codes: &'a [u8],
+    /// Bits per code, 1 to 8.
+    pub bits: u8,
     /// Per channel.
     pub scale: &'a [f32],
     /// Per channel.
@@ -539,32 +542,51 @@ pub struct TurnRows<'a> {
 }
 
 impl TurnRows<'_> {
+    /// Bytes per packed row (0 for a width out of range).
+    pub fn row_bytes(&self) -> usize {
+        kvq_quant_core::pack::packed_len(self.dim, self.bits).unwrap_or(0)
+    }
+
     /// Rows held.
     pub fn rows(&self) -> usize {
-        self.codes.len() / self.dim.max(1)
+        self.codes.len() / self.row_bytes().max(1)
+    }
+
+    /// Row `r`'s codes, one byte each, in `out` (`dim` long).
+    pub(crate) fn unpack(&self, r: usize, out: &mut [u8]) {
+        let rb = self.row_bytes();
+        kvq_quant_core::pack::unpack_row(&self.codes[r * rb..(r + 1) * rb], self.bits, out)
+            .expect("checked by check_turn");
     }
 }
 
-/// Decodes and turns `t`'s rows into `out` ([`TurnRows`]). The AVX2 and AVX-512 backends run
-/// an AVX2 and FMA kernel when `dim` is a multiple of 16; the others (and other widths) an f32
-/// loop that the compiler vectorizes for the target (SSE2, NEON); [`Backend::Scalar`] the f64
-/// reference.
-///
-/// # Errors
-/// [`KernelError::Shape`] for an odd or zero `dim`, codes that are not whole rows or not as
-/// many as `out`, a scale or offset not `dim` long, or a table shorter than `2 · dim` per row.
-pub fn decode_turn_with(backend: Backend, t: &TurnRows<'_>, out: &mut [f32]) -> Result<(), KernelError> {
+/// The shape checks of [`decode_turn_with`] for `out` outputs.
+fn check_turn(t: &TurnRows<'_>, out: usize) -> Result<(), KernelError> {
     let d = t.dim;
     check(d > 0 && d.is_multiple_of(2), || format!("rows of {d} channels do not hold whole RoPE pairs"))?;
-    check(t.codes.len() == out.len() && t.codes.len().is_multiple_of(d), || {
-        format!("{} codes and {} outputs for rows of {d}", t.codes.len(), out.len())
+    check((1..=8).contains(&t.bits), || format!("{}-bit codes", t.bits))?;
+    let rb = t.row_bytes();
+    check(t.codes.len().is_multiple_of(rb) && t.rows().checked_mul(d) == Some(out), || {
+        format!("{} code bytes (rows of {rb}) and {out} outputs for rows of {d}", t.codes.len())
     })?;
     check(t.scale.len() == d && t.offset.len() == d, || {
         format!("{} scales and {} offsets for {d} channels", t.scale.len(), t.offset.len())
     })?;
     check(t.table.len() >= t.rows() * 2 * d, || {
         format!("a table of {} values for {} rows of {d}", t.table.len(), t.rows())
-    })?;
+    })
+}
+
+/// Decodes and turns `t`'s rows into `out` ([`TurnRows`]). The AVX2 and AVX-512 backends run
+/// an AVX2 and FMA kernel for 4- and 8-bit rows of a multiple of 32 channels, read where they
+/// are packed; the others (and other shapes) unpack each row and run an f32 loop that the
+/// compiler vectorizes for the target (SSE2, NEON); [`Backend::Scalar`] is the f64 reference.
+///
+/// # Errors
+/// [`KernelError::Shape`] for an odd or zero `dim`, codes that are not whole rows or not as
+/// many as `out`, a scale or offset not `dim` long, or a table shorter than `2 · dim` per row.
+pub fn decode_turn_with(backend: Backend, t: &TurnRows<'_>, out: &mut [f32]) -> Result<(), KernelError> {
+    check_turn(t, out.len())?;
     #[cfg(target_arch = "x86_64")]
     if matches!(backend, Backend::Avx2 | Backend::Avx512) && avx2::decode_turn(t, out) {
         return Ok(());
@@ -574,6 +596,58 @@ pub fn decode_turn_with(backend: Backend, t: &TurnRows<'_>, out: &mut [f32]) -> 
         _ => portable::decode_turn(t, out),
     }
     Ok(())
+}
+
+/// Scores of `n_q` query rows of `q` against `t`'s rows decoded and turned by RoPE:
+/// `out[i · rows + r] = q_i · turned_r`, with `turned_r` what [`decode_turn_with`] gives. AVX2
+/// and AVX-512 backends fuse the decode, the turn and the dots, never writing the rows out (two
+/// rows against four query rows at a time; 4- and 8-bit rows of a multiple of 32 channels, read
+/// where they are packed); the others decode the rows into this thread's [`Scratch`] and score
+/// them with [`dense_scores_with`]; [`Backend::Scalar`] is the f64 reference.
+///
+/// # Errors
+/// As [`decode_turn_with`], and [`KernelError::Shape`] when `q` is not `n_q × dim` or `out`
+/// not `n_q × rows` long.
+pub fn scores_turn_with(
+    backend: Backend,
+    t: &TurnRows<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    with_scratch(|w| scores_turn_in(backend, w, t, q, n_q, out))
+}
+
+/// [`scores_turn_with`] with the caller's [`Scratch`]: no allocation once it has held a block
+/// of this size.
+///
+/// # Errors
+/// As [`scores_turn_with`].
+pub fn scores_turn_in(
+    backend: Backend,
+    scratch: &mut Scratch,
+    t: &TurnRows<'_>,
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_turn(t, t.rows() * t.dim)?;
+    let n = t.rows();
+    check(n_q.checked_mul(t.dim) == Some(q.len()) && n_q.checked_mul(n) == Some(out.len()), || {
+        format!("{n_q} query rows of {} values and {} outputs for {n} rows of {}", q.len(), out.len(), t.dim)
+    })?;
+    #[cfg(target_arch = "x86_64")]
+    if matches!(backend, Backend::Avx2 | Backend::Avx512) && avx2::scores_turn(t, q, n_q, out) {
+        return Ok(());
+    }
+    if backend == Backend::Scalar {
+        scalar::scores_turn(t, q, n_q, out);
+        return Ok(());
+    }
+    let rows = &mut scratch.w;
+    rows.resize(n * t.dim, 0.0);
+    portable::decode_turn_in(t, rows, &mut scratch.wide.codes);
+    dense_scores_with(backend, &rows[..], n, t.dim, q, n_q, out)
 }
 
 /// Asks the CPU to start loading `data` into cache (one prefetch per 64-byte line), so that a

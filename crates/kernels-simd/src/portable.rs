@@ -252,11 +252,18 @@ fn dequantize_in(b: &QuantBlock<'_>, out: &mut [f32], codes: &mut Vec<u8>) {
     }
 }
 
-/// See [`crate::decode_turn_with`]: f32 loops, which the compiler vectorizes for the target.
+/// See [`crate::decode_turn_with`]: each row unpacked into this thread's scratch, then f32
+/// loops that the compiler vectorizes for the target.
 pub fn decode_turn(t: &crate::TurnRows<'_>, out: &mut [f32]) {
+    crate::with_scratch(|w| decode_turn_in(t, out, &mut w.wide.codes));
+}
+
+pub(crate) fn decode_turn_in(t: &crate::TurnRows<'_>, out: &mut [f32], c: &mut Vec<u8>) {
     let (d, h) = (t.dim, t.dim / 2);
     let (scale, offset) = (&t.scale[..d], &t.offset[..d]);
-    for (r, (c, y)) in t.codes.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
+    c.resize(d, 0);
+    for (r, y) in out.chunks_exact_mut(d).enumerate() {
+        t.unpack(r, c);
         let (cos, sin) = t.table[r * 2 * d..(r + 1) * 2 * d].split_at(d);
         let x = |k: usize| f32::from(c[k]) * scale[k] + offset[k];
         match t.pairing {

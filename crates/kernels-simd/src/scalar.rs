@@ -134,16 +134,39 @@ pub fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out
     }
 }
 
+/// One row of `t` decoded and turned in f64, the reference of [`crate::decode_turn_with`].
+fn turned_row(t: &crate::TurnRows<'_>, r: usize, codes: &mut [u8], row: &mut [f64]) {
+    let d = t.dim;
+    t.unpack(r, codes);
+    let x = |k: usize| f64::from(codes[k]) * f64::from(t.scale[k]) + f64::from(t.offset[k]);
+    let tab = &t.table[r * 2 * d..(r + 1) * 2 * d];
+    for i in 0..d / 2 {
+        let (a, b) = t.pairing.channels(i, d);
+        row[a] = x(a) * f64::from(tab[a]) + x(b) * f64::from(tab[d + a]);
+        row[b] = x(b) * f64::from(tab[b]) + x(a) * f64::from(tab[d + b]);
+    }
+}
+
 /// Reference of [`crate::decode_turn_with`], in f64 (one rounding to f32 per output).
 pub fn decode_turn(t: &crate::TurnRows<'_>, out: &mut [f32]) {
     let d = t.dim;
-    for (r, (c, o)) in t.codes.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
-        let x = |k: usize| f64::from(c[k]) * f64::from(t.scale[k]) + f64::from(t.offset[k]);
-        let tab = &t.table[r * 2 * d..(r + 1) * 2 * d];
-        for i in 0..d / 2 {
-            let (a, b) = t.pairing.channels(i, d);
-            o[a] = (x(a) * f64::from(tab[a]) + x(b) * f64::from(tab[d + a])) as f32;
-            o[b] = (x(b) * f64::from(tab[b]) + x(a) * f64::from(tab[d + b])) as f32;
+    let (mut codes, mut row) = (vec![0u8; d], vec![0f64; d]);
+    for (r, o) in out.chunks_exact_mut(d).enumerate() {
+        turned_row(t, r, &mut codes, &mut row);
+        o.iter_mut().zip(&row).for_each(|(o, &v)| *o = v as f32);
+    }
+}
+
+/// Reference of [`crate::scores_turn_with`]: the rows of [`decode_turn`] kept in f64 and
+/// dotted in f64.
+pub fn scores_turn(t: &crate::TurnRows<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
+    let (d, n) = (t.dim, t.rows());
+    let (mut codes, mut row) = (vec![0u8; d], vec![0f64; d]);
+    for r in 0..n {
+        turned_row(t, r, &mut codes, &mut row);
+        for i in 0..n_q {
+            let qi = &q[i * d..(i + 1) * d];
+            out[i * n + r] = qi.iter().zip(&row).map(|(&w, &v)| f64::from(w) * v).sum::<f64>() as f32;
         }
     }
 }

@@ -846,29 +846,33 @@ fn f16_widening_equals_the_reference_at_every_length_and_alignment() {
     }
 }
 
-/// Keys stored before RoPE, decoded and turned: every backend against the f64 reference, on
-/// widths with and without a vector body, both pairings, codes at both ends of their range,
-/// zero, large and negative parameters, and a table of real (cos, sin) pairs.
+/// Keys stored before RoPE, decoded and turned, and scored: every backend against the f64
+/// reference, on widths with and without a vector body, 2-, 3-, 4- and 8-bit rows packed as a
+/// block holds them, both pairings, codes at both ends of their range, zero, large and negative
+/// parameters, a table of real (cos, sin) pairs, and 1 to 9 query rows.
 #[test]
 fn decode_turn_matches_the_reference() {
-    use kvq_kernels_simd::{TurnRows, decode_turn_with};
+    use kvq_kernels_simd::{TurnRows, decode_turn_with, scores_turn_with};
     use kvq_quant_core::RopePairing;
     let mut rng = Rng::new(43);
-    for d in (2..=144usize).step_by(2) {
-        for rows in [0usize, 1, 3, 5] {
+    for d in (2..=160usize).step_by(2) {
+        for (rows, bits) in [(0usize, 4u8), (1, 8), (3, 4), (5, 2), (4, 3), (2, 8), (7, 4)] {
             for pairing in [RopePairing::Half, RopePairing::Interleaved] {
                 let partner = |c: usize| {
                     let i = (0..d / 2)
                         .find(|&i| [pairing.channels(i, d).0, pairing.channels(i, d).1].contains(&c));
                     pairing.channels(i.unwrap(), d)
                 };
+                let top = (1u16 << bits) - 1;
                 let codes: Vec<u8> = (0..rows * d)
                     .map(|i| match i % 7 {
                         0 => 0,
-                        1 => 255,
-                        _ => (rng.next_u64() % 256) as u8,
+                        1 => top as u8,
+                        _ => (rng.next_u64() % (u64::from(top) + 1)) as u8,
                     })
                     .collect();
+                let packed: Vec<u8> =
+                    codes.chunks(d.max(1)).flat_map(|row| pack(row, bits).unwrap()).collect();
                 let scale: Vec<f32> =
                     (0..d).map(|c| if c % 9 == 4 { 0.0 } else { (rng.normal() * 3.0) as f32 }).collect();
                 let offset: Vec<f32> =
@@ -885,29 +889,47 @@ fn decode_turn_matches_the_reference() {
                     }));
                 }
                 let t = TurnRows {
-                    codes: &codes,
+                    codes: &packed,
+                    bits,
                     scale: &scale,
                     offset: &offset,
                     table: &table,
                     pairing,
                     dim: d,
                 };
+                let what = format!("{pairing:?} d {d}, {rows} rows of {bits} bits");
+                // |x| of a channel of row r: the decode's two terms.
+                let x = |r: usize, j: usize| (f32::from(codes[r * d + j]) * scale[j]).abs() + offset[j].abs();
                 let mut want = vec![0f32; rows * d];
                 kvq_kernels_simd::scalar::decode_turn(&t, &mut want);
                 for backend in available() {
                     let mut got = vec![f32::NAN; rows * d];
                     decode_turn_with(backend, &t, &mut got).unwrap();
                     for (k, (&g, &w)) in got.iter().zip(&want).enumerate() {
-                        // f32 products of terms as large as |x_a| and |x_b| (cos and sin ≤ 1).
                         let (r, c) = (k / d, k % d);
-                        let x = |j: usize| (f32::from(codes[r * d + j]) * scale[j]).abs() + offset[j].abs();
                         let (a, b) = partner(c);
-                        let tol = 4.0 * f32::EPSILON * (x(a) + x(b));
-                        assert!(
-                            (g - w).abs() <= tol,
-                            "{backend} {pairing:?} d {d} row {r} channel {c}: {g} vs {w}"
-                        );
+                        let tol = 4.0 * f32::EPSILON * (x(r, a) + x(r, b));
+                        assert!((g - w).abs() <= tol, "{backend} {what}: row {r} channel {c}: {g} vs {w}");
                     }
+                }
+                for n_q in [1usize, 3, 4, 5, 9] {
+                    let q: Vec<f32> = (0..n_q * d).map(|_| rng.normal() as f32).collect();
+                    let mut want = vec![0f32; n_q * rows];
+                    kvq_kernels_simd::scalar::scores_turn(&t, &q, n_q, &mut want);
+                    for backend in available() {
+                        let mut got = vec![f32::NAN; n_q * rows];
+                        scores_turn_with(backend, &t, &q, n_q, &mut got).unwrap();
+                        for (k, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                            let (i, r) = (k / rows, k % rows);
+                            let mag: f32 = (0..d)
+                                .map(|c| q[i * d + c].abs() * (x(r, partner(c).0) + x(r, partner(c).1)))
+                                .sum();
+                            let tol = 8.0 * f32::EPSILON * mag + 1e-30;
+                            assert!((g - w).abs() <= tol, "{backend} {what}: q {i} row {r}: {g} vs {w}");
+                        }
+                    }
+                    let mut short = vec![0f32; n_q * rows + 1];
+                    assert!(scores_turn_with(Backend::Scalar, &t, &q, n_q, &mut short).is_err());
                 }
                 // Bad shapes are errors, not panics.
                 if rows > 0 {
@@ -915,7 +937,9 @@ fn decode_turn_matches_the_reference() {
                     let bad = [
                         TurnRows { table: &table[..rows * 2 * d - 1], ..t },
                         TurnRows { scale: &scale[1..], ..t },
-                        TurnRows { codes: &codes[1..], ..t },
+                        TurnRows { codes: &packed[1..], ..t },
+                        TurnRows { bits: 9, ..t },
+                        TurnRows { bits: 0, ..t },
                     ];
                     for b in bad {
                         assert!(decode_turn_with(Backend::Scalar, &b, &mut out).is_err());
@@ -926,6 +950,7 @@ fn decode_turn_matches_the_reference() {
     }
     let odd = TurnRows {
         codes: &[0; 3],
+        bits: 8,
         scale: &[0.0; 3],
         offset: &[0.0; 3],
         table: &[0.0; 6],

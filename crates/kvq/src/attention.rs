@@ -674,11 +674,9 @@ struct RopeScratch {
     base_at: Option<usize>,
     /// `(cos, sin)` of `−block_size · θ_i`: from one block's turn to the next one's.
     step: Vec<(f64, f64)>,
-    /// The group's queries turned back by the block's first position.
+    /// The group's queries turned back by the block's first position, and that turn in f32.
     q: Vec<f32>,
-    /// The block's keys, decoded and turned by their offsets in the block.
-    rows: Vec<f32>,
-    codes: Vec<u8>,
+    qturn: Vec<f32>,
 }
 
 impl RopeScratch {
@@ -737,15 +735,15 @@ impl RopeScratch {
 
 /// Scores of the `g` query rows `qs` against a block of keys stored before RoPE: `q · R(p + τ)
 /// k̂ = (R(−p) q) · (R(τ) k̂)` for the block's first position `p`: each query is turned back
-/// once per block, each decoded key row turned by its offset `τ` from a table, and the rows
-/// scored with the dense kernels.
+/// once per block, each key row decoded and turned by its offset `τ` from a table and dotted
+/// in registers (`scores_turn_with`).
 #[allow(clippy::too_many_arguments)]
 fn pre_rope_scores(
     backend: Backend,
     (rope, bs): (&kvq_quant_core::Rope, usize),
     view: &BlockView<'_>,
     params: &mut (Vec<f32>, Vec<f32>),
-    rs: &mut RopeScratch,
+    (rs, kernel): (&mut RopeScratch, &mut kvq_kernels_simd::Scratch),
     qs: &[f32],
     g: usize,
     d: usize,
@@ -759,29 +757,44 @@ fn pre_rope_scores(
         kvq_kernels_simd::widen_f16(b, o);
     });
     let pairing = rope.pairing();
-    // The queries turned back by the block's first position.
-    rs.q.clear();
-    rs.q.extend_from_slice(&qs[..g * d]);
-    for row in rs.q.chunks_exact_mut(d) {
-        for (i, &(c, s)) in rs.base.iter().enumerate() {
-            let (a, b) = pairing.channels(i, d);
-            let (x, y) = (f64::from(row[a]), f64::from(row[b]));
-            row[a] = (x * c - y * s) as f32;
-            row[b] = (y * c + x * s) as f32;
+    // The queries turned back by the block's first position, in f32 from the f64 turn (in
+    // the table's channel form: cosines, then signed sines).
+    rs.qturn.resize(2 * d, 0.0);
+    let (cos, sin) = rs.qturn.split_at_mut(d);
+    for (i, &(c, s)) in rs.base.iter().enumerate() {
+        let (a, b) = pairing.channels(i, d);
+        (cos[a], cos[b], sin[a], sin[b]) = (c as f32, c as f32, -s as f32, s as f32);
+    }
+    rs.q.resize(g * d, 0.0);
+    let h = d / 2;
+    for (row, src) in rs.q.chunks_exact_mut(d).zip(qs.chunks_exact(d)) {
+        match pairing {
+            kvq_quant_core::RopePairing::Half => {
+                for j in 0..h {
+                    row[j] = src[j] * cos[j] + src[h + j] * sin[j];
+                    row[h + j] = src[h + j] * cos[h + j] + src[j] * sin[h + j];
+                }
+            }
+            kvq_quant_core::RopePairing::Interleaved => {
+                for j in (0..d).step_by(2) {
+                    row[j] = src[j] * cos[j] + src[j + 1] * sin[j];
+                    row[j + 1] = src[j + 1] * cos[j + 1] + src[j] * sin[j + 1];
+                }
+            }
         }
     }
-    // Each key row decoded and turned by its offset in the block.
-    rs.rows.resize(n * d, 0.0);
-    rs.codes.resize(n * d, 0);
-    let bits = view.layout.spec().bits();
-    for (tau, codes) in rs.codes.chunks_exact_mut(d).enumerate() {
-        kvq_quant_core::pack::unpack_row(view.row_codes(tau), bits, codes)
-            .map_err(|e| KernelError::Shape(e.to_string()))?;
-    }
-    let rows =
-        kvq_kernels_simd::TurnRows { codes: &rs.codes, scale, offset, table: &rs.table, pairing, dim: d };
-    kvq_kernels_simd::decode_turn_with(backend, &rows, &mut rs.rows)?;
-    dense_scores_with(backend, &rs.rows[..n * d], n, d, &rs.q, g, out)
+    // Each key row decoded from where it is packed, turned by its offset in the block, and
+    // scored.
+    let rows = kvq_kernels_simd::TurnRows {
+        codes: &view.region[..n * view.layout.row_bytes()],
+        bits: view.layout.spec().bits(),
+        scale,
+        offset,
+        table: &rs.table,
+        pairing,
+        dim: d,
+    };
+    kvq_kernels_simd::scores_turn_in(backend, kernel, &rows, &rs.q, g, out)
 }
 
 /// One run of tokens of one part: full-precision rows, or a whole quantized block.
@@ -981,7 +994,9 @@ fn attend<'a>(
         match (k, rope) {
             (Run::Full { rows, offset }, _) => dense_run(backend, true, rows, offset, n, d, qs, g, s)?,
             // Keys stored before RoPE (the cache holds them so only as per-channel blocks).
-            (Run::Block(view), Some(rope)) => pre_rope_scores(backend, rope, &view, bufs, rs, qs, g, d, s)?,
+            (Run::Block(view), Some(rope)) => {
+                pre_rope_scores(backend, rope, &view, bufs, (rs, kernel), qs, g, d, s)?
+            }
             (Run::Block(view), None) => match view.width_views() {
                 // Keys with bits per channel: each width's region is a per-channel block of
                 // its own, scored with its columns of the (permuted) query and summed.
