@@ -258,6 +258,28 @@ mod tests {
     }
 
     #[test]
+    fn stepped_turns_match_direct_ones_far_out() {
+        // 200 rows from position 10^6 (three re-anchors): each value as a direct sin_cos of its
+        // own angle gives it, to f32 rounding.
+        let rope = Rope::from_theta(500_000.0, 128, RopePairing::Interleaved).unwrap();
+        let rows: Vec<f32> = (0..200 * 128).map(|i| ((i * 7919) % 1000) as f32 / 100.0 - 5.0).collect();
+        let mut stepped = rows.clone();
+        rope.apply_rows(&mut stepped, 1_000_000);
+        for (r, (row, got)) in rows.chunks_exact(128).zip(stepped.chunks_exact(128)).enumerate() {
+            let pos = (1_000_000 + r) as f64;
+            for (i, &f) in rope.inv_freq().iter().enumerate() {
+                let (sin, cos) = (pos * f).sin_cos();
+                let (x, y) = (f64::from(row[2 * i]), f64::from(row[2 * i + 1]));
+                let (a, b) = ((x * cos - y * sin) as f32, (y * cos + x * sin) as f32);
+                assert!(
+                    (got[2 * i] - a).abs() <= 1e-5 && (got[2 * i + 1] - b).abs() <= 1e-5,
+                    "row {r} pair {i}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn rope_frequencies_and_shapes_are_checked() {
         assert!(Rope::new(&[], RopePairing::Half).is_err());
         assert!(Rope::new(&[1.0, f32::NAN], RopePairing::Half).is_err());
