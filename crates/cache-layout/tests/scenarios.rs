@@ -83,6 +83,14 @@ fn truncating_into_a_quantized_block_is_refused() {
 fn bad_configs_and_inputs() {
     let base = CacheConfig::new(1, 2, 8, 4);
     let spec = |s: &str| s.parse::<QuantSpec>().unwrap();
+    let rope = kvq_quant_core::Rope::from_theta(10_000.0, 8, kvq_quant_core::RopePairing::Half).unwrap();
+    let keys = Tensor::new(Shape::new(2, 4, 8), (0..64).map(|i| i as f32).collect()).unwrap();
+    let calibration =
+        Calibration::from_tensors(std::slice::from_ref(&keys), std::slice::from_ref(&keys), None).unwrap();
+    // The same spec with its RoPE is a good config.
+    let good =
+        base.clone().with_specs(spec("int4-channel-prerope"), spec("int4-token")).with_rope(rope.clone());
+    assert!(PagedCache::new(good).is_ok());
     for cfg in [
         base.clone().with_specs(spec("int4-head"), spec("int4-token")),
         base.clone().with_specs(spec("lloyd4-token"), spec("int4-token")),
@@ -91,6 +99,17 @@ fn bad_configs_and_inputs() {
         base.clone().with_specs(spec("int4-token-rot"), spec("int4-token")),
         base.clone().with_specs(spec("int4-channel-prerope"), spec("int4-token")),
         base.clone().with_specs(spec("int4-channel"), spec("int4-token-prerope")),
+        // A RoPE for plain keys, for per-token keys, or beside -qa or a calibration.
+        base.clone().with_rope(rope.clone()),
+        base.clone().with_specs(spec("int4-token-prerope"), spec("int4-token")).with_rope(rope.clone()),
+        base.clone()
+            .with_specs(spec("int2-channel-qa-prerope"), spec("int4-token"))
+            .with_channel_bits(vec![kvq_quant_core::ChannelBits::uniform(8, 2).unwrap(); 2])
+            .with_rope(rope.clone()),
+        base.clone()
+            .with_specs(spec("int4-channel-prerope"), spec("int4-token"))
+            .with_calibration(calibration.clone())
+            .with_rope(rope.clone()),
         CacheConfig::new(1, 2, 12, 4).with_specs(spec("int4-channel"), spec("int4-token-rot")),
         base.clone().with_block_size(0),
         CacheConfig::new(0, 2, 8, 4),

@@ -184,7 +184,8 @@ enum Command {
         #[arg(long, default_value = "half", value_parser = parse_pairing)]
         rope_pairing: Pairing,
         /// RoPE base of the model, for key specs quantized before RoPE (`-prerope`):
-        /// frequencies `theta^(-2i/head_dim)`. Default: the file's `rope.inv_freq` tensor.
+        /// frequencies `theta^(-2i/head_dim)`. Default: the file's `rope.inv_freq` tensor, else
+        /// its `rope_theta` metadata (the embedded sample has it).
         #[arg(long)]
         rope_theta: Option<f64>,
         #[command(flatten)]
@@ -413,22 +414,25 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             plot,
             json,
         } => {
-            let (source, layers, inv_freq) = if synthetic {
-                ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), vec![analysis::synthetic_layer()], None)
+            let (source, layers, inv_freq, file_theta) = if synthetic {
+                let synthetic = vec![analysis::synthetic_layer()];
+                ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), synthetic, None, None)
             } else {
                 let tf = open_input(file.as_deref())?;
                 let inv_freq =
                     if tf.contains("rope.inv_freq") { Some(tf.read_vector("rope.inv_freq")?) } else { None };
-                (tf.label().to_string(), analysis::layers_from_file(&tf)?, inv_freq)
+                let theta = tf.metadata().get("rope_theta").and_then(|t| t.parse::<f64>().ok());
+                (tf.label().to_string(), analysis::layers_from_file(&tf)?, inv_freq, theta)
             };
-            // The model's RoPE, for `-prerope` key specs: --rope-theta, else the file's.
-            let rope = match (rope_pairing.0, rope_theta, inv_freq) {
+            // The model's RoPE, for `-prerope` key specs: --rope-theta, else the file's
+            // frequencies, else its base.
+            let d = layers[0].k.shape().head_dim;
+            let rope = match (rope_pairing.0, rope_theta, inv_freq, file_theta) {
                 (None, ..) => None,
-                (Some(p), Some(theta), _) => {
-                    Some(kvq::quant::Rope::from_theta(theta, layers[0].k.shape().head_dim, p)?)
-                }
-                (Some(p), None, Some(f)) => Some(kvq::quant::Rope::new(&f, p)?),
-                (Some(_), None, None) => None,
+                (Some(p), Some(theta), ..) => Some(kvq::quant::Rope::from_theta(theta, d, p)?),
+                (Some(p), None, Some(f), _) => Some(kvq::quant::Rope::new(&f, p)?),
+                (Some(p), None, None, Some(theta)) => Some(kvq::quant::Rope::from_theta(theta, d, p)?),
+                (Some(_), None, None, None) => None,
             };
             let options = Options {
                 positions,

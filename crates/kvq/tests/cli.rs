@@ -35,17 +35,19 @@ fn analyze_embedded_sample_structure() {
 
 #[test]
 fn analyze_keys_before_rope_takes_the_models_rope() {
-    // The embedded sample has no rope.inv_freq: the spec needs --rope-theta (or a pairing).
+    // The embedded sample has no rope.inv_freq but its rope_theta metadata; --rope-theta
+    // overrides it (another base gives other numbers); no pairing, no RoPE.
     let specs = "--specs=int4-channel-prerope/int4-token,int4-channel/int4-token";
-    let out = kvq(&["analyze", specs, "--positions", "4"]);
+    let out = kvq(&["analyze", specs, "--positions", "4", "--rope-pairing", "none"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--rope-theta"), "{err}");
-    let out =
-        kvq(&["analyze", specs, "--positions", "4", "--rope-theta", "100000", "--rope-pairing", "none"]);
-    assert!(!out.status.success());
     let out = kvq(&["analyze", specs, "--positions", "4", "--rope-theta", "100000"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = stdout(&out);
+    let from_metadata = kvq(&["analyze", specs, "--positions", "4"]);
+    assert_eq!(stdout(&from_metadata), text, "the sample's rope_theta is 100000");
+    let other = kvq(&["analyze", specs, "--positions", "4", "--rope-theta", "10000"]);
+    assert!(other.status.success() && stdout(&other) != text);
     let bits = |name: &str| -> Vec<String> {
         let rows = text.lines().filter(|l| l.starts_with(&format!("{name} ")));
         rows.map(|l| l.split_whitespace().nth(1).unwrap().to_string()).collect()
