@@ -370,6 +370,10 @@ fn cross() -> Result<(), String> {
             let mut cmd = Command::new("qemu-aarch64");
             cmd.args(["-cpu", cpu])
                 .arg(exe)
+                // One test at a time: qemu-user can deadlock a child forked while other guest
+                // threads run (seen once: a hostile-input test's `kvq` child hung before exec,
+                // both processes idle), and several of these tests spawn the kvq binary.
+                .arg("--test-threads=1")
                 // Tests that spawn the kvq binary run it through the same emulator.
                 .env("KVQ_TEST_RUNNER", format!("qemu-aarch64 -cpu {cpu}"))
                 .env("EXPECT_ARCH", "aarch64")
