@@ -733,7 +733,8 @@ impl RopeScratch {
     }
 }
 
-/// Scores of the `g` query rows `qs` against a block of keys stored before RoPE: `q · R(p + τ)
+/// Scores of the `g` query rows `qs` against a block of keys stored before RoPE (`rs`
+/// prepared for `rope` by the caller): `q · R(p + τ)
 /// k̂ = (R(−p) q) · (R(τ) k̂)` for the block's first position `p`: each query is turned back
 /// once per block, each key row decoded and turned by its offset `τ` from a table and dotted
 /// in registers (`scores_turn_with`).
@@ -750,7 +751,6 @@ fn pre_rope_scores(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     let n = view.tokens;
-    rs.prepare(rope, bs);
     rs.turn_to(rope, view.first_token, bs);
     let (scale, offset) = params;
     view.params_f32_with(scale, offset, |b, o| {
@@ -976,6 +976,10 @@ fn attend<'a>(
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
     let Scratch { bufs, s, widths, rope: rs, kernel } = w;
+    // The offset table of keys stored before RoPE: checked once per call, not per block.
+    if let Some((rope, bs)) = rope {
+        rs.prepare(rope, bs);
+    }
     // The width regions' query columns are gathered at the first block (`-qa` keys only).
     widths.0.clear();
     let mut units = units.peekable();
