@@ -15,7 +15,7 @@ use kvq_quant_core::{GroupParams, ParamDtype, Tensor};
 
 use crate::config::CacheConfig;
 use crate::error::{CacheError, Result};
-use crate::part::{HeadSegments, Mode, PartLayout, TailBuf};
+use crate::part::{ChannelBlock, HeadSegments, Mode, PartLayout, TailBuf};
 use crate::pool::{BlockId, BlockPool};
 use crate::reserve::Reservation;
 
@@ -86,7 +86,8 @@ pub const MAX_SEQ_ID: u64 = 1 << 62;
 /// value is quantized (the bounds under which no format's scale or offset can).
 pub(crate) fn value_limit(layout: &PartLayout, tail: crate::config::TailDtype, stored_as_tail: bool) -> f32 {
     let params: f32 = match layout.dtype {
-        ParamDtype::F16 => 32752.0,
+        // One-byte parameters sit on a grid between f16 ends.
+        ParamDtype::F16 | ParamDtype::U8 => 32752.0,
         ParamDtype::F32 => 1e37,
     };
     if stored_as_tail && tail == crate::config::TailDtype::F16 { params.min(65504.0) } else { params }
@@ -621,7 +622,9 @@ impl PagedCache {
                                 .chunks_exact(bs * d)
                                 .enumerate()
                                 .map(|(h, block)| match segments(i, h) {
-                                    Some(seg) => seg.channel_block_params(block, &mut columns),
+                                    Some(seg) => seg
+                                        .channel_block_params(block, &mut columns)
+                                        .map(|params| ChannelBlock { params, grid: None }),
                                     None => layout.channel_block_params(block),
                                 })
                                 .collect::<Result<Vec<_>>>()?;
@@ -632,7 +635,7 @@ impl PagedCache {
                                     Some(seg) => seg.write_channel_block(
                                         &config.row_kernels,
                                         block,
-                                        params,
+                                        &params.params,
                                         region,
                                         &mut columns,
                                         &mut scratch,

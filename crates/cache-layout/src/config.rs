@@ -296,6 +296,14 @@ impl CacheConfig {
                     ));
                 }
             }
+            if let Err(e) = spec.check_shape(kvq_quant_core::Shape::new(1, 1, self.head_dim)) {
+                return bad(format!("{name} spec {spec}: {e}"));
+            }
+            if spec.param_dtype() == kvq_quant_core::ParamDtype::U8 && self.calibration.is_some() {
+                return bad(format!(
+                    "{name} spec {spec}: one-byte parameters (-p8) are a block's own; calibrated ranges are held once per cache"
+                ));
+            }
             if let Kind::Codebook(CodebookSource::LloydMax) = spec.kind() {
                 return bad(format!(
                     "{name} spec {spec}: a streaming cache needs fixed codebook levels (fit them on a calibration set and pass a fixed codebook)"

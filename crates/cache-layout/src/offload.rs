@@ -256,6 +256,16 @@ impl PagedCache {
         }
     }
 
+    /// A block's contents from a file: what the readers assume of its bytes (the grid of
+    /// one-byte parameters is a range), checked before the block is used.
+    fn check_block_bytes(&self, block: &[u8]) -> Result<()> {
+        let k_bytes = self.parts[0].bytes();
+        for (layout, region) in self.parts.iter().zip([&block[..k_bytes], &block[k_bytes..]]) {
+            layout.check_block(region).map_err(|e| CacheError::Offload(format!("block contents: {e}")))?;
+        }
+        Ok(())
+    }
+
     fn read_layer<'a>(
         &self,
         r: &mut Reader<'a>,
@@ -407,7 +417,9 @@ impl PagedCache {
         let mut arena: Vec<u8> = zeroed(arena_len, "the block pool's arena")?;
         for (id, &rc) in refcount.iter().enumerate() {
             if rc > 0 {
-                arena[id * bb..(id + 1) * bb].copy_from_slice(r.take(bb)?);
+                let block = r.take(bb)?;
+                cache.check_block_bytes(block)?;
+                arena[id * bb..(id + 1) * bb].copy_from_slice(block);
             }
         }
         // A sequence costs at least its id and four counters per layer.
@@ -514,6 +526,7 @@ impl PagedCache {
                 if b.len() != bb {
                     return Err(CacheError::Offload(format!("block of {} bytes, expected {bb}", b.len())));
                 }
+                self.check_block_bytes(b)?;
                 contents.push(b);
                 // A placeholder: real ids are allocated once the whole file has been read.
                 Ok(0)

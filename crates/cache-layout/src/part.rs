@@ -13,8 +13,8 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use kvq_quant_core::pack::{packed_len, unpack_row};
 use kvq_quant_core::{
-    ChannelBits, ChannelParams, Codec, Granularity, GroupParams, ParamDtype, QuantSpec, RangeRule,
-    RowKernels, encode_row_with, row_params_with,
+    ChannelBits, ChannelParams, Codec, GRID_BYTES, Granularity, GroupParams, ParamDtype, ParamGrid,
+    QuantSpec, RangeRule, RowKernels, encode_row_with, row_params_with,
 };
 
 use crate::config::TailDtype;
@@ -91,7 +91,8 @@ impl PartLayout {
 
     /// Bytes of parameters in a block.
     pub fn param_bytes(&self) -> usize {
-        self.groups * self.dtype.size() * if self.has_offset { 2 } else { 1 }
+        let grid = if self.dtype == ParamDtype::U8 { GRID_BYTES } else { 0 };
+        self.groups * self.dtype.size() * if self.has_offset { 2 } else { 1 } + grid
     }
 
     /// Bytes of the whole region.
@@ -129,12 +130,15 @@ impl PartLayout {
         self.mode == Mode::Channel
     }
 
+    /// Writes group `g`'s parameters (f16 or f32; one-byte parameters are written a block at
+    /// a time by [`PartLayout::write_channel_block`]).
     fn write_param(&self, region: &mut [u8], g: usize, p: GroupParams) {
         let base = self.code_bytes();
         let size = self.dtype.size();
         let put = |region: &mut [u8], at: usize, v: f32| match self.dtype {
             ParamDtype::F16 => region[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
             ParamDtype::F32 => region[at..at + 4].copy_from_slice(&v.to_le_bytes()),
+            ParamDtype::U8 => unreachable!("one-byte parameters are written per block"),
         };
         put(region, base + g * size, p.scale);
         if self.has_offset {
@@ -144,7 +148,42 @@ impl PartLayout {
 
     /// Parameters of group `g` of a block region.
     pub fn read_param(&self, region: &[u8], g: usize) -> GroupParams {
-        read_params(&region[self.code_bytes()..], self.dtype, self.groups, self.has_offset, g)
+        let area = &region[self.code_bytes()..];
+        if self.dtype == ParamDtype::U8 {
+            let (grid, levels) = (self.grid(area), self.levels());
+            return grid.params(area[GRID_BYTES + g], area[GRID_BYTES + self.groups + g], levels);
+        }
+        read_params(area, self.dtype, self.groups, self.has_offset, g)
+    }
+
+    /// Affine levels `2^b − 1` of the spec.
+    pub(crate) fn levels(&self) -> f32 {
+        ((1u32 << self.spec.bits()) - 1) as f32
+    }
+
+    /// The grid of a block's one-byte parameters, from the start of its parameter area
+    /// (`[grid; 4][minimum indices; groups][maximum indices; groups]`). The cache wrote it
+    /// ([`ParamGrid::fit`] checks the ends) and imports check every block's grid
+    /// ([`PartLayout::check_block`]), so it is a range here.
+    pub(crate) fn grid(&self, area: &[u8]) -> ParamGrid {
+        ParamGrid::from_bytes([area[0], area[1], area[2], area[3]]).unwrap_or_else(|_| {
+            // Unreachable for blocks this crate wrote or imported; an empty grid decodes to
+            // constant groups rather than propagating NaN.
+            ParamGrid::fit([(0.0, 0.0)]).expect("a zero range fits")
+        })
+    }
+
+    /// Checks a block region read from outside (an offload file): the grid of one-byte
+    /// parameters must be a range.
+    ///
+    /// # Errors
+    /// [`kvq_quant_core::QuantError::InvalidArgument`] for a grid that is not.
+    pub(crate) fn check_block(&self, region: &[u8]) -> kvq_quant_core::Result<()> {
+        if self.dtype == ParamDtype::U8 {
+            let a = &region[self.code_bytes()..];
+            ParamGrid::from_bytes([a[0], a[1], a[2], a[3]])?;
+        }
+        Ok(())
     }
 
     /// The parameters of one row of a row-mode part (`head_dim / seg` groups) into `params`.
@@ -214,7 +253,7 @@ impl PartLayout {
 
     /// The per-channel parameters of a whole block of `block_size` rows (row-major in `rows`),
     /// as [`kvq_quant_core::quantize`] finds them with `channel{block_size}`.
-    pub(crate) fn channel_block_params(&self, rows: &[f32]) -> Result<Vec<GroupParams>> {
+    pub(crate) fn channel_block_params(&self, rows: &[f32]) -> Result<ChannelBlock> {
         let d = self.head_dim;
         let mut lo = vec![f32::INFINITY; d];
         let mut hi = vec![f32::NEG_INFINITY; d];
@@ -237,7 +276,14 @@ impl PartLayout {
                 params.push(self.codec.group_params(&channel, l, h)?);
             }
         }
-        Ok(params)
+        let grid = if self.dtype == ParamDtype::U8 {
+            // The block's channels share one grid: snapped here, as `quantize` snaps a set.
+            let mut indices = Vec::with_capacity(d);
+            Some((ParamGrid::snap_set(&mut params, self.levels(), &mut indices)?, indices))
+        } else {
+            None
+        };
+        Ok(ChannelBlock { params, grid })
     }
 
     /// Writes a block quantized with [`PartLayout::channel_block_params`]'s parameters; it
@@ -246,13 +292,26 @@ impl PartLayout {
         &self,
         kernels: &RowKernels,
         rows: &[f32],
-        params: &[GroupParams],
+        block: &ChannelBlock,
         region: &mut [u8],
         scratch: &mut [u8],
     ) {
         let d = self.head_dim;
-        for (g, &p) in params.iter().enumerate() {
-            self.write_param(region, g, p);
+        let params = &block.params;
+        match &block.grid {
+            Some((grid, indices)) => {
+                let base = self.code_bytes();
+                region[base..base + GRID_BYTES].copy_from_slice(&grid.to_bytes());
+                for (g, &(a, b)) in indices.iter().enumerate() {
+                    region[base + GRID_BYTES + g] = a;
+                    region[base + GRID_BYTES + self.groups + g] = b;
+                }
+            }
+            None => {
+                for (g, &p) in params.iter().enumerate() {
+                    self.write_param(region, g, p);
+                }
+            }
         }
         let channels = ChannelParams::new(params);
         for (r, x) in rows.chunks_exact(d).enumerate() {
@@ -293,6 +352,14 @@ impl PartLayout {
     }
 }
 
+/// The parameters of one block of a per-channel part, found before anything is written.
+pub(crate) struct ChannelBlock {
+    /// One per channel, as the codes are chosen with them.
+    pub(crate) params: Vec<GroupParams>,
+    /// One-byte parameters: the block's grid and each channel's (minimum, maximum) indices.
+    pub(crate) grid: Option<(ParamGrid, Vec<(u8, u8)>)>,
+}
+
 /// Reads group `g` from a parameter area laid out as `[scales; groups][offsets; groups]`.
 pub(crate) fn read_params(
     area: &[u8],
@@ -302,6 +369,7 @@ pub(crate) fn read_params(
     g: usize,
 ) -> GroupParams {
     let get = |i: usize| match dtype {
+        ParamDtype::U8 => unreachable!("one-byte parameters are read with their grid"),
         ParamDtype::F16 => f16::from_le_bytes([area[2 * i], area[2 * i + 1]]).to_f32(),
         ParamDtype::F32 => {
             f32::from_le_bytes([area[4 * i], area[4 * i + 1], area[4 * i + 2], area[4 * i + 3]])
@@ -481,7 +549,7 @@ impl HeadSegments {
         let mut params = Vec::with_capacity(self.permutation.len());
         for s in &self.segments {
             gather_columns(rows, self.permutation.len(), s.first_channel, s.layout.head_dim, buf);
-            params.extend(s.layout.channel_block_params(buf)?);
+            params.extend(s.layout.channel_block_params(buf)?.params);
         }
         Ok(params)
     }
@@ -503,7 +571,7 @@ impl HeadSegments {
             s.layout.write_channel_block(
                 kernels,
                 buf,
-                &params[s.first_channel..s.first_channel + n],
+                &ChannelBlock { params: params[s.first_channel..s.first_channel + n].to_vec(), grid: None },
                 &mut region[s.byte_offset..s.byte_offset + s.layout.bytes()],
                 &mut scratch[..n],
             );

@@ -198,12 +198,24 @@ impl<'a> BlockView<'a> {
             crate::part::Mode::Static { .. } => 0,
         };
         let area = &self.region[l.code_bytes()..];
+        if l.spec().param_dtype() == kvq_quant_core::ParamDtype::U8 {
+            // One-byte parameters: the grid's offset and scale of each channel's indices.
+            let (grid, levels) = (l.grid(area), l.levels());
+            let (lo, hi) = area[kvq_quant_core::GRID_BYTES..].split_at(l.groups);
+            scales.clear();
+            scales.resize(n, 0.0);
+            offsets.clear();
+            offsets.resize(n, 0.0);
+            grid.widen(&lo[..n], &hi[..n], levels, scales, offsets);
+            return;
+        }
         // Into a slice of the final length (not `extend`), so the loops vectorize.
         let widen = |from: usize, out: &mut Vec<f32>| {
             out.clear();
             out.resize(n, 0.0);
             match l.spec().param_dtype() {
                 kvq_quant_core::ParamDtype::F16 => widen_f16(&area[2 * from..2 * (from + n)], out),
+                kvq_quant_core::ParamDtype::U8 => unreachable!("read above"),
                 kvq_quant_core::ParamDtype::F32 => {
                     for (o, b) in out.iter_mut().zip(area[4 * from..4 * (from + n)].chunks_exact(4)) {
                         *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);

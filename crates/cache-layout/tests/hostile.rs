@@ -10,6 +10,7 @@ use kvq_cache_layout::cache::MAX_SEQ_ID;
 use kvq_cache_layout::config::MAX_WINDOW_TOKENS;
 use kvq_cache_layout::{CacheConfig, CacheError, PagedCache, SeqId, TailDtype};
 use kvq_quant_core::QuantSpec;
+use kvq_quant_core::calibration::Part;
 
 fn spec(s: &str) -> QuantSpec {
     s.parse().unwrap()
@@ -327,4 +328,40 @@ fn channel_bit_maps_that_do_not_fit_are_refused() {
     assert!(matches!(PagedCache::from_bytes(&crafted), Err(CacheError::Offload(_))));
     let crafted = with_header(&bytes, |h| h.replacen("[2,4,", "[4,4,", 1));
     assert!(matches!(PagedCache::from_bytes(&crafted), Err(CacheError::Offload(_))));
+}
+
+#[test]
+fn one_byte_parameter_grids_that_are_not_ranges_are_refused() {
+    // Blocks of `-p8` keys hold their grid (two f16 ends) after the codes: a file whose grid
+    // is reversed or not finite is refused on import, and the cache is left as it was.
+    let c = seq_config().with_specs(spec("int4-channel-p8"), spec("int4-token")).with_residual_blocks(0);
+    let (cache, seq) = filled(c.clone(), 11);
+    let file = cache.export_sequence(seq).unwrap();
+    let bb = cache.memory().block_bytes as u64;
+    // Each block: its length (u64) then its contents, K codes (4 rows of 8 INT4 codes) first.
+    let code_bytes = 4 * 4;
+    let at = file.windows(8).position(|w| w == bb.to_le_bytes()).expect("a block in the file") + 8;
+    let grid = at + code_bytes;
+    let (lo, hi) = (&file[grid..grid + 2], &file[grid + 2..grid + 4]);
+    let lo = half::f16::from_le_bytes([lo[0], lo[1]]);
+    let hi = half::f16::from_le_bytes([hi[0], hi[1]]);
+    assert!(lo < hi, "the grid of the first block: [{lo}, {hi}]");
+    let mut target = PagedCache::new(c).unwrap();
+    let empty = target.clone();
+    for bad_grid in [[hi, lo], [half::f16::NAN, hi], [lo, half::f16::INFINITY]] {
+        let mut bad = file.clone();
+        bad[grid..grid + 2].copy_from_slice(&bad_grid[0].to_le_bytes());
+        bad[grid + 2..grid + 4].copy_from_slice(&bad_grid[1].to_le_bytes());
+        reseal(&mut bad);
+        let e = target.import_sequence(&bad).unwrap_err();
+        assert!(e.to_string().contains("parameter grid"), "{e}");
+        assert_eq!(target, empty, "a refused import changed the cache");
+    }
+    let imported = target.import_sequence(&file).unwrap();
+    for h in 0..2 {
+        assert_eq!(
+            target.dequantize(imported, 0, h, Part::K).unwrap(),
+            cache.dequantize(seq, 0, h, Part::K).unwrap()
+        );
+    }
 }

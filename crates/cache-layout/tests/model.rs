@@ -115,6 +115,8 @@ fn setup() -> impl Strategy<Value = Setup> {
             "int8-g4",
             "sym4-token",
             "int4-channel-f32",
+            "int3-channel-p8",
+            "int2-channel-mse-p8",
             "int4-head",
             "int8-tensor",
             "int3-channel-qa",
@@ -135,11 +137,9 @@ fn setup() -> impl Strategy<Value = Setup> {
         .prop_map(|(heads, d, bs, residual, sinks, f16_tail, k, v, capacity, calibrate)| {
             // Bits per key channel take their ranges from the data: no calibration, so no
             // per-head or per-tensor values beside them.
-            let v = if k.contains("-qa") && (v.contains("-head") || v.contains("-tensor")) {
-                "int4-token"
-            } else {
-                v
-            };
+            // One-byte parameters are a block's own: no calibration either.
+            let own = k.contains("-qa") || k.contains("-p8");
+            let v = if own && (v.contains("-head") || v.contains("-tensor")) { "int4-token" } else { v };
             Setup {
                 heads,
                 d,
@@ -151,7 +151,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 v,
                 capacity,
                 // Bits per channel take their ranges from the data: never calibrated.
-                calibrated: !k.contains("-qa")
+                calibrated: !own
                     && (calibrate || [k, v].iter().any(|s| s.contains("-head") || s.contains("-tensor"))),
             }
         })

@@ -116,9 +116,9 @@ impl KvSpec {
 }
 
 /// The default comparison: INT8, INT4 and INT2 per tensor, per head, per-channel keys with
-/// per-token values (INT4 and INT2 also with rotated values in error-minimizing ranges, and
-/// then with query-aware bits per key channel, `-qa`), and groups of 32; FP8 e4m3 and NF4 per
-/// token. Per-channel keys group over the cache's block
+/// per-token values (INT4 and INT2 also with rotated values in error-minimizing ranges, then
+/// with one-byte key parameters, `-p8`, and with query-aware bits per key channel, `-qa`),
+/// and groups of 32; FP8 e4m3 and NF4 per token. Per-channel keys group over the cache's block
 /// ([`Options::block_size`]).
 pub fn default_specs() -> Vec<KvSpec> {
     let mut out = Vec::new();
@@ -126,6 +126,7 @@ pub fn default_specs() -> Vec<KvSpec> {
         let mut forms = vec!["tensor", "head", "channel/int{b}-token"];
         if bits < 8 {
             forms.push("channel/int{b}-token-mse-rot");
+            forms.push("channel-p8/int{b}-token-mse-rot");
             forms.push("channel-qa/int{b}-token-mse-rot");
         }
         forms.push("g32");
@@ -978,7 +979,9 @@ mod tests {
         for s in ["int4-channel/int4-token", "int8-tensor", "fp8e4m3-token", "nf4-token"] {
             assert_eq!(KvSpec::parse(s).unwrap().name(), s);
         }
-        assert_eq!(default_specs().len(), 19);
+        assert_eq!(default_specs().len(), 21);
+        let p8 = KvSpec::parse("int4-channel-p8/int4-token").unwrap();
+        assert_eq!(p8.for_block(32).name(), "int4-channel32-p8/int4-token");
         let whole = KvSpec::parse("int4-channel-mse/int2-channel-rot").unwrap();
         assert_eq!(whole.for_block(64).name(), "int4-channel64-mse/int2-channel64-rot");
         let fixed = KvSpec::parse("int4-channel16/int4-token").unwrap();

@@ -5,7 +5,7 @@
 //! [`QuantSpec::from_str`](std::str::FromStr) and printed by `Display`:
 //!
 //! ```text
-//! spec  := kind [ "-" granularity ] [ "-mse" ] [ "-rot" ] [ "-qa" ] [ "-prerope" ] [ "-f32" ]
+//! spec  := kind [ "-" granularity ] [ "-mse" ] [ "-rot" ] [ "-qa" ] [ "-prerope" ] [ "-f32" | "-p8" ]
 //! kind  := "int" BITS        affine (asymmetric min/max), 1..=8 bits
 //!        | "sym" BITS        symmetric (absmax, zero point 0), 2..=8 bits
 //!        | "fp8e4m3" | "fp8e5m2"
@@ -20,7 +20,8 @@
 //! quantizes each row after a fixed randomized Hadamard rotation
 //! ([`rotation`](crate::rotation)): `int2-token-mse-rot`. `-qa` gives each key channel its
 //! own width ([`QuantSpec::with_channel_bits`]); `-prerope` quantizes keys in their frame
-//! before RoPE ([`QuantSpec::with_pre_rope`]).
+//! before RoPE ([`QuantSpec::with_pre_rope`]); `-p8` stores the parameters of affine
+//! per-channel groups in one byte each on a grid per block ([`ParamDtype::U8`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -61,6 +62,13 @@ pub enum ParamDtype {
     F16,
     /// IEEE single precision: 4 bytes per parameter.
     F32,
+    /// One byte per parameter (`-p8`), for affine per-channel groups: the groups of one head
+    /// over one block of tokens (a *set*, one cache block) store their minimum and maximum
+    /// as steps of a 255-step grid between the set's f16 minimum and maximum (4 bytes per
+    /// set), rounded outward so that no value clips; see
+    /// [`ParamGrid`](crate::params::ParamGrid). Half the bytes of f16 for a range a fraction
+    /// of a step wider.
+    U8,
 }
 
 impl ParamDtype {
@@ -69,14 +77,16 @@ impl ParamDtype {
         match self {
             ParamDtype::F16 => 2,
             ParamDtype::F32 => 4,
+            ParamDtype::U8 => 1,
         }
     }
 
-    /// Lower-case name (`"f16"`, `"f32"`).
+    /// Lower-case name (`"f16"`, `"f32"`, `"u8"`).
     pub const fn name(self) -> &'static str {
         match self {
             ParamDtype::F16 => "f16",
             ParamDtype::F32 => "f32",
+            ParamDtype::U8 => "u8",
         }
     }
 }
@@ -125,6 +135,26 @@ fn check_granularity(granularity: Granularity) -> Result<()> {
     }
 }
 
+/// Refuses one-byte parameters (`-p8`) outside affine per-channel groups, and with bits per
+/// channel (whose width regions hold their parameters apart).
+fn check_param_dtype(
+    kind: &Kind,
+    granularity: Granularity,
+    dtype: ParamDtype,
+    channel_bits: bool,
+) -> Result<()> {
+    if dtype == ParamDtype::U8
+        && (!matches!(kind, Kind::Affine)
+            || !matches!(granularity, Granularity::PerChannel { .. })
+            || channel_bits)
+    {
+        return Err(QuantError::InvalidSpec(
+            "one-byte parameters (-p8) apply to affine per-channel specs without -qa".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// A full quantization spec: format kind, bit width, granularity and parameter storage.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantSpec {
@@ -167,6 +197,7 @@ impl QuantSpec {
             )));
         }
         check_granularity(granularity)?;
+        check_param_dtype(&kind, granularity, param_dtype, false)?;
         Ok(Self {
             kind,
             bits,
@@ -185,6 +216,7 @@ impl QuantSpec {
     /// [`QuantError::GroupSize`] for a zero group or token-group size.
     pub fn with_granularity(mut self, granularity: Granularity) -> Result<Self> {
         check_granularity(granularity)?;
+        check_param_dtype(&self.kind, granularity, self.param_dtype, self.channel_bits)?;
         self.granularity = granularity;
         Ok(self)
     }
@@ -204,7 +236,8 @@ impl QuantSpec {
         Self::new(Kind::Fp8(format), 8, granularity, ParamDtype::F16)
     }
 
-    /// The same spec with parameters stored as `dtype`.
+    /// The same spec with parameters stored as `dtype`. [`ParamDtype::U8`] on a spec other than
+    /// affine per-channel is refused when the spec is used ([`QuantSpec::check_shape`]).
     pub fn with_param_dtype(mut self, dtype: ParamDtype) -> Self {
         self.param_dtype = dtype;
         self
@@ -250,6 +283,7 @@ impl QuantSpec {
                 "{self}: bits per channel (-qa) apply to affine per-channel specs without rotation"
             )));
         }
+        check_param_dtype(&self.kind, self.granularity, self.param_dtype, on)?;
         self.channel_bits = on;
         Ok(self)
     }
@@ -312,6 +346,7 @@ impl QuantSpec {
         if shape.checked_len().is_none_or(|n| n == 0) {
             return Err(QuantError::EmptyTensor(shape));
         }
+        check_param_dtype(&self.kind, self.granularity, self.param_dtype, self.channel_bits)?;
         if self.rotated && !crate::rotation::rotatable(shape.head_dim) {
             return Err(QuantError::InvalidSpec(format!(
                 "{self}: rotation needs a power-of-two head_dim, got {}",
@@ -358,8 +393,10 @@ impl fmt::Display for QuantSpec {
         if self.pre_rope {
             f.write_str("-prerope")?;
         }
-        if self.param_dtype == ParamDtype::F32 {
-            f.write_str("-f32")?;
+        match self.param_dtype {
+            ParamDtype::F16 => {}
+            ParamDtype::F32 => f.write_str("-f32")?,
+            ParamDtype::U8 => f.write_str("-p8")?,
         }
         Ok(())
     }
@@ -406,6 +443,10 @@ impl FromStr for QuantSpec {
                     dtype = ParamDtype::F16;
                     continue;
                 }
+                "p8" => {
+                    dtype = ParamDtype::U8;
+                    continue;
+                }
                 "mse" => {
                     ranges = RangeRule::Mse;
                     continue;
@@ -436,7 +477,7 @@ impl FromStr for QuantSpec {
                 p if p.starts_with('g') => Granularity::Group(size(&p[1..])?),
                 _ => {
                     return Err(bad(
-                        "unknown granularity (tensor, head, channel[N], token, gN) or option (mse, rot, qa, prerope, f32)",
+                        "unknown granularity (tensor, head, channel[N], token, gN) or option (mse, rot, qa, prerope, f32, p8)",
                     ));
                 }
             };

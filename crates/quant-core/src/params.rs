@@ -1,9 +1,156 @@
-//! Storage of per-group parameters (scales and offsets) as f16 or f32.
+//! Storage of per-group parameters (scales and offsets) as f16, f32, or one byte each on a
+//! grid per set of groups ([`ParamGrid`]).
 
 use half::f16;
 
+use crate::codec::GroupParams;
 use crate::error::{QuantError, Result};
 use crate::format::ParamDtype;
+
+/// Bytes a set of one-byte parameters ([`ParamDtype::U8`]) adds: its grid's two f16 ends.
+pub const GRID_BYTES: usize = 4;
+
+/// The grid of one set of affine groups with one-byte parameters ([`ParamDtype::U8`]): 256
+/// points from `lo` to `hi` (both f16), 255 steps apart. Each group stores two grid indices,
+/// the highest point not above its minimum and the lowest not below its maximum; its offset
+/// and scale are [`ParamGrid::params`] of them, computed the same way (in f32, unfused) by the
+/// quantizer and by every reader, so that the codes were chosen with the parameters the
+/// readers see. A group's range grows by less than two steps, `(hi − lo) / 255` each: for
+/// per-channel keys, whose channels span a set's range together, a small part of a channel's
+/// own step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ParamGrid {
+    lo: f16,
+    hi: f16,
+}
+
+impl ParamGrid {
+    /// The grid spanning the ranges `(min, max)` of a set: its minimum rounded down and its
+    /// maximum rounded up to f16.
+    ///
+    /// # Errors
+    /// [`QuantError::ParamOverflow`] when an end is not finite or beyond f16, and
+    /// [`QuantError::InvalidArgument`] for an empty set or a range with min > max.
+    pub fn fit(ranges: impl IntoIterator<Item = (f32, f32)>) -> Result<Self> {
+        let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+        for (a, b) in ranges {
+            if a.is_nan() || b.is_nan() || a > b {
+                return Err(QuantError::InvalidArgument(format!(
+                    "a group's range [{a}, {b}] is not ordered"
+                )));
+            }
+            lo = lo.min(a);
+            hi = hi.max(b);
+        }
+        if lo > hi {
+            return Err(QuantError::InvalidArgument("a parameter grid needs at least one group".into()));
+        }
+        let lo = round_param(lo, ParamDtype::F16, Round::Down)?;
+        let hi = round_param(hi, ParamDtype::F16, Round::Up)?;
+        Ok(Self { lo: f16::from_f32(lo), hi: f16::from_f32(hi) })
+    }
+
+    /// The grid stored as `lo`, `hi` (little-endian f16 bytes, as [`ParamGrid::to_bytes`]).
+    ///
+    /// # Errors
+    /// [`QuantError::InvalidArgument`] when an end is not finite or `lo > hi` (a corrupt
+    /// block).
+    pub fn from_bytes(bytes: [u8; GRID_BYTES]) -> Result<Self> {
+        let lo = f16::from_le_bytes([bytes[0], bytes[1]]);
+        let hi = f16::from_le_bytes([bytes[2], bytes[3]]);
+        if !lo.is_finite() || !hi.is_finite() || lo > hi {
+            return Err(QuantError::InvalidArgument(format!("parameter grid [{lo}, {hi}] is not a range")));
+        }
+        Ok(Self { lo, hi })
+    }
+
+    /// The two ends as little-endian f16 bytes.
+    pub fn to_bytes(&self) -> [u8; GRID_BYTES] {
+        let (a, b) = (self.lo.to_le_bytes(), self.hi.to_le_bytes());
+        [a[0], a[1], b[0], b[1]]
+    }
+
+    /// The ends as f32.
+    pub fn ends(&self) -> (f32, f32) {
+        (self.lo.to_f32(), self.hi.to_f32())
+    }
+
+    /// Distance between grid points.
+    #[inline]
+    pub fn step(&self) -> f32 {
+        (self.hi.to_f32() - self.lo.to_f32()) / 255.0
+    }
+
+    /// The grid indices of a group with range `[min, max]` (inside the grid): the highest point
+    /// not above `min`, the lowest not below `max` (with `levels` the affine levels `2^b − 1`,
+    /// so that the decoded range `offset + scale · levels` covers `max` too).
+    pub fn snap(&self, min: f32, max: f32, levels: f32) -> (u8, u8) {
+        let (lo, step) = (self.lo.to_f32(), self.step());
+        if step == 0.0 || !step.is_finite() {
+            return (0, 0);
+        }
+        let mut a = ((min - lo) / step).floor().clamp(0.0, 255.0) as u8;
+        while a > 0 && self.params(a, a, levels).offset > min {
+            a -= 1;
+        }
+        let mut b = ((max - lo) / step).ceil().clamp(f32::from(a), 255.0) as u8;
+        loop {
+            let p = self.params(a, b, levels);
+            if b == 255 || p.offset + p.scale * levels >= max {
+                break;
+            }
+            b += 1;
+        }
+        (a, b)
+    }
+
+    /// Offset and scale of the group with grid indices `a` (minimum) and `b` (maximum):
+    /// `offset = lo + step · a`, `scale = (b − a) · (step / levels)`.
+    #[inline]
+    pub fn params(&self, a: u8, b: u8, levels: f32) -> GroupParams {
+        let step = self.step();
+        GroupParams {
+            offset: self.lo.to_f32() + step * f32::from(a),
+            scale: f32::from(b.saturating_sub(a)) * (step / levels),
+        }
+    }
+
+    /// [`ParamGrid::params`] of every pair `(mins[i], maxs[i])` into `scales` and `offsets`
+    /// (the same values, with the grid's constants computed once: a block's parameters in a
+    /// loop that vectorizes).
+    ///
+    /// # Panics
+    /// When the four slices differ in length.
+    pub fn widen(&self, mins: &[u8], maxs: &[u8], levels: f32, scales: &mut [f32], offsets: &mut [f32]) {
+        assert!(
+            mins.len() == maxs.len() && scales.len() == mins.len() && offsets.len() == mins.len(),
+            "one scale and offset per pair of indices"
+        );
+        let (lo, step) = (self.lo.to_f32(), self.step());
+        let unit = step / levels;
+        for (((s, o), &a), &b) in scales.iter_mut().zip(offsets.iter_mut()).zip(mins).zip(maxs) {
+            *o = lo + step * f32::from(a);
+            *s = f32::from(b.saturating_sub(a)) * unit;
+        }
+    }
+
+    /// Snaps the affine parameters of one set onto its grid: each group's range
+    /// `[offset, offset + scale · levels]` widened to grid points, the parameters replaced by
+    /// the grid's, and the indices (minimum, maximum) written to `codes`.
+    ///
+    /// # Errors
+    /// As [`ParamGrid::fit`].
+    pub fn snap_set(params: &mut [GroupParams], levels: f32, codes: &mut Vec<(u8, u8)>) -> Result<Self> {
+        let grid = Self::fit(params.iter().map(|p| (p.offset, p.offset + p.scale * levels)))?;
+        codes.clear();
+        for p in params.iter_mut() {
+            let (a, b) = grid.snap(p.offset, p.offset + p.scale * levels, levels);
+            codes.push((a, b));
+            *p = grid.params(a, b, levels);
+        }
+        Ok(grid)
+    }
+}
 
 /// A vector of parameters held in their storage type, so that byte counts are real.
 #[derive(Debug, Clone, PartialEq)]
@@ -12,6 +159,14 @@ pub enum ParamVec {
     F16(Vec<f16>),
     /// Single-precision parameters.
     F32(Vec<f32>),
+    /// One-byte parameters ([`ParamDtype::U8`]), held decoded; `sets` grids of
+    /// [`GRID_BYTES`] are counted, half with the scales and half with the offsets.
+    U8 {
+        /// The parameters as decoded from their grid indices.
+        values: Vec<f32>,
+        /// Sets (grids) the parameters belong to.
+        sets: usize,
+    },
 }
 
 impl ParamVec {
@@ -20,6 +175,8 @@ impl ParamVec {
         match dtype {
             ParamDtype::F16 => ParamVec::F16(values.iter().map(|&v| f16::from_f32(v)).collect()),
             ParamDtype::F32 => ParamVec::F32(values.to_vec()),
+            // Callers with one-byte parameters build the variant with its set count.
+            ParamDtype::U8 => ParamVec::U8 { values: values.to_vec(), sets: 0 },
         }
     }
 
@@ -28,7 +185,7 @@ impl ParamVec {
     pub fn get(&self, i: usize) -> f32 {
         match self {
             ParamVec::F16(v) => v[i].to_f32(),
-            ParamVec::F32(v) => v[i],
+            ParamVec::F32(v) | ParamVec::U8 { values: v, .. } => v[i],
         }
     }
 
@@ -36,7 +193,7 @@ impl ParamVec {
     pub fn to_f32(&self) -> Vec<f32> {
         match self {
             ParamVec::F16(v) => v.iter().map(|h| h.to_f32()).collect(),
-            ParamVec::F32(v) => v.clone(),
+            ParamVec::F32(v) | ParamVec::U8 { values: v, .. } => v.clone(),
         }
     }
 
@@ -44,7 +201,7 @@ impl ParamVec {
     pub fn len(&self) -> usize {
         match self {
             ParamVec::F16(v) => v.len(),
-            ParamVec::F32(v) => v.len(),
+            ParamVec::F32(v) | ParamVec::U8 { values: v, .. } => v.len(),
         }
     }
 
@@ -58,6 +215,7 @@ impl ParamVec {
         match self {
             ParamVec::F16(v) => v.len() * 2,
             ParamVec::F32(v) => v.len() * 4,
+            ParamVec::U8 { values, sets } => values.len() + sets * GRID_BYTES / 2,
         }
     }
 
@@ -66,6 +224,7 @@ impl ParamVec {
         match self {
             ParamVec::F16(_) => ParamDtype::F16,
             ParamVec::F32(_) => ParamDtype::F32,
+            ParamVec::U8 { .. } => ParamDtype::U8,
         }
     }
 }
@@ -93,7 +252,8 @@ pub(crate) fn round_param(x: f32, dtype: ParamDtype, dir: Round) -> Result<f32> 
     if !x.is_finite() {
         return Err(overflow());
     }
-    if dtype == ParamDtype::F32 || x == 0.0 {
+    // One-byte parameters are snapped to their set's grid afterwards ([`ParamGrid::snap_set`]).
+    if matches!(dtype, ParamDtype::F32 | ParamDtype::U8) || x == 0.0 {
         return Ok(x);
     }
     const F16_MAX: f32 = 65504.0;
@@ -128,7 +288,7 @@ pub(crate) fn round_param(x: f32, dtype: ParamDtype, dir: Round) -> Result<f32> 
 pub(crate) fn round_param_reference(x: f32, dtype: ParamDtype, dir: Round) -> Result<f32> {
     let overflow = || QuantError::ParamOverflow { value: x, dtype: dtype.name() };
     match dtype {
-        ParamDtype::F32 => x.is_finite().then_some(x).ok_or_else(overflow),
+        ParamDtype::F32 | ParamDtype::U8 => x.is_finite().then_some(x).ok_or_else(overflow),
         ParamDtype::F16 => {
             let h = f16::from_f32(x);
             let v = h.to_f32();
@@ -176,6 +336,65 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn grid_parameters_cover_each_range_and_read_back() {
+        let mut rng = crate::synth::Rng::new(17);
+        for levels in [1.0f32, 3.0, 15.0, 255.0] {
+            for scale in [1e-3f64, 1.0, 30.0, 1e3] {
+                // Channels with a large constant offset and a small spread, as keys have.
+                let ranges: Vec<(f32, f32)> = (0..64)
+                    .map(|c| {
+                        let mid = scale * rng.normal() * if c % 9 == 0 { 8.0 } else { 1.0 };
+                        let half = (scale * 0.3 * rng.normal().abs()) as f32;
+                        (mid as f32 - half, mid as f32 + half)
+                    })
+                    .collect();
+                let mut params: Vec<GroupParams> =
+                    ranges.iter().map(|&(a, b)| GroupParams { offset: a, scale: (b - a) / levels }).collect();
+                let mut codes = Vec::new();
+                let grid = ParamGrid::snap_set(&mut params, levels, &mut codes).unwrap();
+                let back = ParamGrid::from_bytes(grid.to_bytes()).unwrap();
+                assert_eq!(back, grid);
+                let (lo, hi) = grid.ends();
+                for ((&(a, b), p), &(i, j)) in ranges.iter().zip(&params).zip(&codes) {
+                    assert!(p.offset <= a, "{a} below {}", p.offset);
+                    let top = p.offset + p.scale * levels;
+                    assert!(top >= b || j == 255, "{b} above {top}");
+                    // Widened by less than two grid steps (and f32 rounding).
+                    assert!(
+                        top - p.offset <= (b - a) + 2.0 * grid.step() * 1.0001 + 1e-6 * (hi - lo),
+                        "{levels}"
+                    );
+                    assert_eq!(back.params(i, j, levels), *p);
+                }
+                let (mins, maxs): (Vec<u8>, Vec<u8>) = codes.iter().copied().unzip();
+                let (mut s, mut o) = (vec![0f32; mins.len()], vec![0f32; mins.len()]);
+                grid.widen(&mins, &maxs, levels, &mut s, &mut o);
+                for ((p, s), o) in params.iter().zip(&s).zip(&o) {
+                    assert_eq!((p.scale.to_bits(), p.offset.to_bits()), (s.to_bits(), o.to_bits()));
+                }
+            }
+        }
+        // A constant set: step 0, every group its value.
+        let mut params = vec![GroupParams { offset: 2.5, scale: 0.0 }; 3];
+        let grid = ParamGrid::snap_set(&mut params, 15.0, &mut Vec::new()).unwrap();
+        assert_eq!(grid.step(), 0.0);
+        assert!(params.iter().all(|p| p.offset == 2.5 && p.scale == 0.0));
+    }
+
+    #[test]
+    fn bad_grids_are_errors() {
+        assert!(ParamGrid::fit([(f32::NAN, 1.0)]).is_err());
+        assert!(ParamGrid::fit([(2.0, 1.0)]).is_err());
+        assert!(ParamGrid::fit([(0.0, 70000.0)]).is_err());
+        assert!(ParamGrid::fit(std::iter::empty()).is_err());
+        let (one, two) = (f16::from_f32(1.0).to_le_bytes(), f16::from_f32(2.0).to_le_bytes());
+        assert!(ParamGrid::from_bytes([two[0], two[1], one[0], one[1]]).is_err());
+        let nan = f16::NAN.to_le_bytes();
+        assert!(ParamGrid::from_bytes([nan[0], nan[1], one[0], one[1]]).is_err());
+        assert!(ParamGrid::from_bytes([one[0], one[1], two[0], two[1]]).is_ok());
     }
 
     #[test]

@@ -10,10 +10,10 @@
 use crate::codebook::Codebook;
 use crate::codec::{ChannelParams, Codec, GroupParams};
 use crate::error::{QuantError, Result};
-use crate::format::{CodebookSource, Granularity, Kind, QuantSpec, RangeRule};
+use crate::format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec, RangeRule};
 use crate::memory::MemoryReport;
 use crate::pack::{pack_into, packed_len_unchecked, unpack_into};
-use crate::params::ParamVec;
+use crate::params::{ParamGrid, ParamVec};
 use crate::rowkernels::RowKernels;
 use crate::tensor::{Shape, Tensor, check_finite};
 
@@ -214,6 +214,17 @@ fn encode_tensor(
     }
 
     let d = shape.head_dim;
+    // One-byte parameters: each set (the channels of one head over one token group, the
+    // order of `layout`'s groups) snapped onto its grid before any code is chosen.
+    let mut sets = 0;
+    if spec.param_dtype() == ParamDtype::U8 {
+        let levels = ((1u32 << spec.bits()) - 1) as f32;
+        let mut indices = Vec::with_capacity(d);
+        for set in params.chunks_mut(d) {
+            ParamGrid::snap_set(set, levels, &mut indices)?;
+            sets += 1;
+        }
+    }
     let row_bytes = packed_len_unchecked(d, spec.bits());
     let mut codes = vec![0u8; row_bytes * shape.rows()];
     let mut row_codes = vec![0u8; d];
@@ -234,17 +245,18 @@ fn encode_tensor(
     }
 
     let dtype = spec.param_dtype();
+    let store = |values: Vec<f32>| match dtype {
+        ParamDtype::U8 => ParamVec::U8 { values, sets },
+        _ => ParamVec::from_rounded(dtype, &values),
+    };
     let scales: Vec<f32> = params.iter().map(|p| p.scale).collect();
-    let offsets = spec.has_offset().then(|| {
-        let o: Vec<f32> = params.iter().map(|p| p.offset).collect();
-        ParamVec::from_rounded(dtype, &o)
-    });
+    let offsets = spec.has_offset().then(|| store(params.iter().map(|p| p.offset).collect()));
     Ok(QuantizedTensor {
         spec: spec.clone(),
         shape,
         row_bytes,
         codes,
-        scales: ParamVec::from_rounded(dtype, &scales),
+        scales: store(scales),
         offsets,
         fitted,
     })

@@ -50,6 +50,22 @@ proptest! {
     }
 
     #[test]
+    fn one_byte_parameters_keep_half_a_step_and_cost_less(x in tensor(), bits in 1u8..=8, g in 2usize..4, mse in any::<bool>()) {
+        let base = format!("int{bits}-{}{}", GRANULARITIES[g], if mse { "-mse" } else { "" });
+        let spec: QuantSpec = format!("{base}-p8").parse().unwrap();
+        // Ranges widened onto the grid still cover every value (min/max): half a step.
+        if !mse {
+            check_elements(&x, &spec, |a, b, step| (a - b).abs() <= 0.5 * step * (1.0 + 1e-4) + 4.0 * f32::EPSILON * a.abs().max(b.abs()))?;
+        }
+        let (q8, q16) = (quantize(&x, &spec).unwrap(), quantize(&x, &base.parse().unwrap()).unwrap());
+        // One byte per parameter and 4 per set (one head over one token group) against 2 each.
+        let (groups, d) = (q16.scales().len(), x.shape().head_dim);
+        prop_assert_eq!(q8.memory().param_bytes, 2 * groups + 4 * (groups / d));
+        prop_assert_eq!(q16.memory().param_bytes, 4 * groups);
+        prop_assert!(q8.dequantize().data().iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
     fn affine_error_is_at_most_half_a_step(x in tensor(), bits in 1u8..=8, g in 0usize..6, f32_params in any::<bool>()) {
         let suffix = if f32_params { "-f32" } else { "" };
         let spec: QuantSpec = format!("int{bits}-{}{suffix}", GRANULARITIES[g]).parse().unwrap();

@@ -54,6 +54,32 @@ fn granularity_order_on_real_layers() {
     }
 }
 
+/// One captured layer with its exact attention at every 16th position of the second half.
+struct Layer {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Vec<usize>,
+    reference: kvq_quant_core::metrics::AttentionOutputs,
+}
+
+impl Layer {
+    fn read(file: &kvq_quant_core::io::TensorFile, layer: usize) -> Self {
+        let read = |s: &str| file.read(&format!("layer{layer}.{s}")).unwrap();
+        let (q, k, v) = (read("q"), read("k"), read("v"));
+        let tokens = k.shape().tokens;
+        let positions: Vec<usize> = (tokens / 2..tokens).step_by(16).collect();
+        let reference = attention(&q, &k, &v, &positions).unwrap();
+        Self { q, k, v, positions, reference }
+    }
+
+    /// Mean KL of the attention probabilities with keys `k_hat` (values exact).
+    fn key_kl(&self, k_hat: &Tensor) -> f64 {
+        let got = attention(&self.q, k_hat, &self.v, &self.positions).unwrap();
+        compare_attention(&self.reference, &got).unwrap().kl_mean
+    }
+}
+
 #[test]
 fn error_minimizing_value_ranges_beat_min_max_on_real_layers() {
     // Per-token values at 2, 3 and 4 bits: the searched ranges must lower the values' MSE on
@@ -124,15 +150,11 @@ fn query_aware_channel_bits_beat_uniform_keys_on_real_layers() {
     use kvq_quant_core::{ChannelBits, RopePairing, Shape, quantize_channel_bits};
     let Some(file) = common::full_capture() else { return };
     for layer in [0, 9, 29] {
-        let read = |s: &str| file.read(&format!("layer{layer}.{s}")).unwrap();
-        let (q, k, v) = (read("q"), read("k"), read("v"));
+        let l = Layer::read(&file, layer);
+        let (q, k) = (&l.q, &l.k);
         let (ks, qs) = (k.shape(), q.shape());
         let (half, d, group) = (ks.tokens / 2, ks.head_dim, qs.heads / ks.heads);
-        let positions: Vec<usize> = (half..ks.tokens).step_by(16).collect();
-        let reference = attention(&q, &k, &v, &positions).unwrap();
-        let kl = |k_hat: &Tensor| {
-            compare_attention(&reference, &attention(&q, k_hat, &v, &positions).unwrap()).unwrap().kl_mean
-        };
+        let kl = |k_hat: &Tensor| l.key_kl(k_hat);
         for bits in [2, 3, 4] {
             let spec: QuantSpec = format!("int{bits}-channel64-qa").parse().unwrap();
             let maps: Vec<ChannelBits> = (0..ks.heads)
@@ -150,8 +172,8 @@ fn query_aware_channel_bits_beat_uniform_keys_on_real_layers() {
                     ChannelBits::fit(&keys, &energy, &spec, Some(RopePairing::Half)).unwrap()
                 })
                 .collect();
-            let fitted = quantize_channel_bits(&k, &spec, &maps).unwrap();
-            let plain = quantize(&k, &format!("int{bits}-channel64").parse().unwrap()).unwrap();
+            let fitted = quantize_channel_bits(k, &spec, &maps).unwrap();
+            let plain = quantize(k, &format!("int{bits}-channel64").parse().unwrap()).unwrap();
             assert_eq!(fitted.memory().code_bytes, plain.memory().code_bytes);
             let (a, b) = (kl(&plain.dequantize()), kl(&fitted.dequantize()));
             // Measured: layer 0 5.46e-2 -> 5.17e-2 (2 bits), 1.05e-2 -> 8.73e-3, 2.23e-3 ->
@@ -172,23 +194,18 @@ fn keys_quantized_before_rope_beat_keys_after_it_on_real_layers() {
     let Some(file) = common::full_capture() else { return };
     let rope = Rope::new(&file.read_vector("rope.inv_freq").unwrap(), RopePairing::Half).unwrap();
     for layer in [0, 9, 29] {
-        let read = |s: &str| file.read(&format!("layer{layer}.{s}")).unwrap();
-        let (q, k, v) = (read("q"), read("k"), read("v"));
+        let l = Layer::read(&file, layer);
+        let k = &l.k;
         // Undoing RoPE gives the model's own keys before it (f16 rounding of both apart).
-        let pre = rope.undo(&k, 0).unwrap();
-        let k_pre = read("k_pre");
+        let pre = rope.undo(k, 0).unwrap();
+        let k_pre = file.read(&format!("layer{layer}.k_pre")).unwrap();
         let scale = k_pre.data().iter().fold(0f32, |m, x| m.max(x.abs()));
         let worst = pre.data().iter().zip(k_pre.data()).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(worst < 2e-3 * scale, "layer {layer}: undone RoPE is {worst} from k_pre (max {scale})");
-        let tokens = k.shape().tokens;
-        let positions: Vec<usize> = (tokens / 2..tokens).step_by(16).collect();
-        let reference = attention(&q, &k, &v, &positions).unwrap();
-        let kl = |k_hat: &Tensor| {
-            compare_attention(&reference, &attention(&q, k_hat, &v, &positions).unwrap()).unwrap().kl_mean
-        };
+        let kl = |k_hat: &Tensor| l.key_kl(k_hat);
         for bits in [2, 3, 4] {
             let plain_spec: QuantSpec = format!("int{bits}-channel64").parse().unwrap();
-            let plain = quantize(&k, &plain_spec).unwrap();
+            let plain = quantize(k, &plain_spec).unwrap();
             let before = quantize(&pre, &plain_spec).unwrap();
             assert_eq!(before.memory(), plain.memory());
             let (a, b) = (kl(&plain.dequantize()), kl(&rope.apply(&before.dequantize(), 0).unwrap()));
@@ -200,6 +217,31 @@ fn keys_quantized_before_rope_beat_keys_after_it_on_real_layers() {
         // The spec form says so, and the plain quantizer refuses it (it has no frequencies).
         let spec: QuantSpec = "int4-channel64-prerope".parse().unwrap();
         assert!(spec.pre_rope() && spec.to_string() == "int4-channel64-prerope");
-        assert!(quantize(&k, &spec).is_err());
+        assert!(quantize(k, &spec).is_err());
+    }
+}
+
+#[test]
+fn one_byte_parameters_over_shorter_groups_beat_f16_ones_at_the_same_bytes() {
+    // Per-channel keys, values exact: `-p8` parameters over 32-token groups take the bytes of
+    // f16 ones over 64-token groups (plus a 4-byte grid per group of 32 tokens), and the
+    // shorter groups' tighter ranges must lower the attention KL on every layer and width.
+    let Some(file) = common::full_capture() else { return };
+    for layer in [0, 9, 29] {
+        let l = Layer::read(&file, layer);
+        let (k, kl) = (&l.k, |k_hat: &Tensor| l.key_kl(k_hat));
+        for bits in [2, 3, 4] {
+            let f16 = quantize(k, &format!("int{bits}-channel64").parse().unwrap()).unwrap();
+            let p8 = quantize(k, &format!("int{bits}-channel32-p8").parse().unwrap()).unwrap();
+            let (m16, m8) = (f16.memory(), p8.memory());
+            assert_eq!(m8.code_bytes, m16.code_bytes);
+            let groups_of_32 = m16.param_bytes / (2 * 2 * k.shape().head_dim) * 2;
+            assert_eq!(m8.param_bytes, m16.param_bytes + 4 * groups_of_32, "layer {layer}");
+            let (a, b) = (kl(&f16.dequantize()), kl(&p8.dequantize()));
+            // Measured: layer 0 5.46e-2 -> 4.51e-2 (2 bits), 1.05e-2 -> 8.14e-3, 2.23e-3 ->
+            // 1.81e-3; layer 9 0.394 -> 0.240, 6.36e-2 -> 4.40e-2, 1.51e-2 -> 9.62e-3; layer 29
+            // 0.226 -> 0.139, 3.19e-2 -> 2.59e-2, 7.48e-3 -> 5.74e-3.
+            assert!(b < a, "layer {layer}, {bits} bits: KL {b} with -p8 vs {a}");
+        }
     }
 }
