@@ -561,7 +561,7 @@ impl PagedCache {
             for (i, layout) in parts.iter().enumerate() {
                 let span = if i == 0 { 0..k_bytes } else { k_bytes..k_bytes + layout.bytes() };
                 match layout.mode {
-                    Mode::Row { seg } => {
+                    Mode::Row { seg } if !layout.has_tail() => {
                         // Every head's parameters first, then every head's codes: the heads'
                         // range → parameters → reciprocal chains overlap instead of queueing.
                         let per_row = d / seg;
@@ -599,7 +599,9 @@ impl PagedCache {
                         }
                         ls.done[i] = p + 1;
                     }
-                    Mode::Channel => {
+                    // Parts that wait in a tail until a block leaves the residual window:
+                    // per-channel ones, and row ones with one-byte parameters (a grid per block).
+                    Mode::Channel | Mode::Row { .. } => {
                         for (h, tail) in ls.tails[i].iter_mut().enumerate() {
                             tail.push(row(i, h, t));
                         }
@@ -625,7 +627,7 @@ impl PagedCache {
                                     Some(seg) => seg
                                         .channel_block_params(block, &mut columns)
                                         .map(|params| ChannelBlock { params, grid: None }),
-                                    None => layout.channel_block_params(block),
+                                    None => layout.block_params(&config.row_kernels, block),
                                 })
                                 .collect::<Result<Vec<_>>>()?;
                             for (h, (block, params)) in rows.chunks_exact(bs * d).zip(&params).enumerate() {
@@ -640,7 +642,7 @@ impl PagedCache {
                                         &mut columns,
                                         &mut scratch,
                                     ),
-                                    None => layout.write_channel_block(
+                                    None => layout.write_block(
                                         &config.row_kernels,
                                         block,
                                         params,

@@ -127,7 +127,8 @@ impl PartLayout {
 
     /// Whether tokens wait in a full-precision tail before they are quantized.
     pub fn has_tail(&self) -> bool {
-        self.mode == Mode::Channel
+        // Row parts with one-byte parameters wait for their block too: its rows share a grid.
+        self.mode == Mode::Channel || (matches!(self.mode, Mode::Row { .. }) && self.dtype == ParamDtype::U8)
     }
 
     /// Writes group `g`'s parameters (f16 or f32; one-byte parameters are written a block at
@@ -251,9 +252,20 @@ impl PartLayout {
         Ok(clamped)
     }
 
-    /// The per-channel parameters of a whole block of `block_size` rows (row-major in `rows`),
-    /// as [`kvq_quant_core::quantize`] finds them with `channel{block_size}`.
-    pub(crate) fn channel_block_params(&self, rows: &[f32]) -> Result<ChannelBlock> {
+    /// The parameters of a whole block of `block_size` rows (row-major in `rows`) of a part
+    /// that waits for its blocks ([`PartLayout::has_tail`]): per channel, as
+    /// [`kvq_quant_core::quantize`] finds them with `channel{block_size}`, or per row group
+    /// (one-byte parameters of a row part), each row's as [`PartLayout::row_params`] finds
+    /// them; with one-byte parameters, snapped onto the block's grid.
+    pub(crate) fn block_params(&self, kernels: &RowKernels, rows: &[f32]) -> Result<ChannelBlock> {
+        if let Mode::Row { seg } = self.mode {
+            let per_row = self.head_dim / seg;
+            let mut params = vec![GroupParams::default(); self.groups];
+            for (x, p) in rows.chunks_exact(self.head_dim).zip(params.chunks_exact_mut(per_row)) {
+                row_params_with(kernels, &self.codec, x, seg, p)?;
+            }
+            return self.on_grid(params);
+        }
         let d = self.head_dim;
         let mut lo = vec![f32::INFINITY; d];
         let mut hi = vec![f32::NEG_INFINITY; d];
@@ -276,9 +288,14 @@ impl PartLayout {
                 params.push(self.codec.group_params(&channel, l, h)?);
             }
         }
+        self.on_grid(params)
+    }
+
+    /// A block's parameters, snapped onto one grid when they are one-byte ones (as `quantize`
+    /// snaps a set).
+    fn on_grid(&self, mut params: Vec<GroupParams>) -> Result<ChannelBlock> {
         let grid = if self.dtype == ParamDtype::U8 {
-            // The block's channels share one grid: snapped here, as `quantize` snaps a set.
-            let mut indices = Vec::with_capacity(d);
+            let mut indices = Vec::with_capacity(params.len());
             Some((ParamGrid::snap_set(&mut params, self.levels(), &mut indices)?, indices))
         } else {
             None
@@ -286,9 +303,9 @@ impl PartLayout {
         Ok(ChannelBlock { params, grid })
     }
 
-    /// Writes a block quantized with [`PartLayout::channel_block_params`]'s parameters; it
-    /// cannot fail, so a caller that found every head's parameters changes all heads or none.
-    pub(crate) fn write_channel_block(
+    /// Writes a block quantized with [`PartLayout::block_params`]'s parameters; it cannot
+    /// fail, so a caller that found every head's parameters changes all heads or none.
+    pub(crate) fn write_block(
         &self,
         kernels: &RowKernels,
         rows: &[f32],
@@ -312,6 +329,15 @@ impl PartLayout {
                     self.write_param(region, g, p);
                 }
             }
+        }
+        if let Mode::Row { seg } = self.mode {
+            let per_row = d / seg;
+            for (r, (x, p)) in rows.chunks_exact(d).zip(params.chunks_exact(per_row)).enumerate() {
+                let packed = &mut region[r * self.row_bytes..(r + 1) * self.row_bytes];
+                encode_row_with(kernels, &self.codec, self.spec.bits(), x, seg, p, scratch, packed)
+                    .expect("a block region holds whole rows of head_dim codes");
+            }
+            return;
         }
         let channels = ChannelParams::new(params);
         for (r, x) in rows.chunks_exact(d).enumerate() {
@@ -549,7 +575,7 @@ impl HeadSegments {
         let mut params = Vec::with_capacity(self.permutation.len());
         for s in &self.segments {
             gather_columns(rows, self.permutation.len(), s.first_channel, s.layout.head_dim, buf);
-            params.extend(s.layout.channel_block_params(buf)?.params);
+            params.extend(s.layout.block_params(&RowKernels::PORTABLE, buf)?.params);
         }
         Ok(params)
     }
@@ -568,7 +594,7 @@ impl HeadSegments {
         for s in &self.segments {
             let n = s.layout.head_dim;
             gather_columns(rows, self.permutation.len(), s.first_channel, n, buf);
-            s.layout.write_channel_block(
+            s.layout.write_block(
                 kernels,
                 buf,
                 &ChannelBlock { params: params[s.first_channel..s.first_channel + n].to_vec(), grid: None },

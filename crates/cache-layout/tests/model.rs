@@ -128,6 +128,8 @@ fn setup() -> impl Strategy<Value = Setup> {
             "fp8e4m3-token",
             "nf4-channel",
             "int4-token-f32",
+            "int4-token-p8",
+            "int2-g4-mse-p8",
             "int4-head-f32",
             "sym8-g4-f32",
         ]),
@@ -138,8 +140,10 @@ fn setup() -> impl Strategy<Value = Setup> {
             // Bits per key channel take their ranges from the data: no calibration, so no
             // per-head or per-tensor values beside them.
             // One-byte parameters are a block's own: no calibration either.
-            let own = k.contains("-qa") || k.contains("-p8");
-            let v = if own && (v.contains("-head") || v.contains("-tensor")) { "int4-token" } else { v };
+            let own = k.contains("-qa") || k.contains("-p8") || v.contains("-p8");
+            let fixed = |s: &str| s.contains("-head") || s.contains("-tensor");
+            let k = if own && fixed(k) { "int4-channel" } else { k };
+            let v = if own && fixed(v) { "int4-token" } else { v };
             Setup {
                 heads,
                 d,
@@ -208,8 +212,11 @@ impl World {
     }
 
     /// Whether the part streams through a full-precision tail (per-channel, uncalibrated).
+    /// Whether the part's tokens wait in a tail for their block: per-channel specs without
+    /// calibration, and row specs with one-byte parameters (a grid per block).
     fn channel(&self, part: usize) -> bool {
-        (if part == 0 { self.s.k } else { self.s.v }).contains("channel") && self.calibration.is_none()
+        let text = if part == 0 { self.s.k } else { self.s.v };
+        (text.contains("channel") && self.calibration.is_none()) || text.ends_with("-p8")
     }
 
     /// The calibrated ranges of the part's groups for `(layer, head)`, when it is static.

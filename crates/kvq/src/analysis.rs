@@ -117,7 +117,7 @@ impl KvSpec {
 
 /// The default comparison: INT8, INT4 and INT2 per tensor, per head, per-channel keys with
 /// per-token values (INT4 and INT2 also with rotated values in error-minimizing ranges, then
-/// with one-byte key parameters, `-p8`, and with query-aware bits per key channel, `-qa`),
+/// with one-byte parameters, `-p8`, and with query-aware bits per key channel, `-qa`),
 /// and groups of 32; FP8 e4m3 and NF4 per token. Per-channel keys group over the cache's block
 /// ([`Options::block_size`]).
 pub fn default_specs() -> Vec<KvSpec> {
@@ -126,7 +126,7 @@ pub fn default_specs() -> Vec<KvSpec> {
         let mut forms = vec!["tensor", "head", "channel/int{b}-token"];
         if bits < 8 {
             forms.push("channel/int{b}-token-mse-rot");
-            forms.push("channel-p8/int{b}-token-mse-rot");
+            forms.push("channel-p8/int{b}-token-mse-rot-p8");
             forms.push("channel-qa/int{b}-token-mse-rot");
         }
         forms.push("g32");

@@ -96,6 +96,8 @@ fn random_caches_of_every_layout() {
         ("int8-token-mse", "sym4-g16-rot"),
         ("int4-channel-p8", "int4-token"),
         ("int2-channel-mse-p8", "int8-token"),
+        ("int4-channel-p8", "int3-token-mse-rot-p8"), // values wait for their block's grid
+        ("int8-token", "int4-g16-p8"),
     ];
     for (i, (k, v)) in specs.iter().enumerate() {
         for (kv_heads, group, d) in [(2usize, 3usize, 64usize), (1, 4, 32), (3, 1, 128)] {

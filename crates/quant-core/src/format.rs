@@ -20,8 +20,8 @@
 //! quantizes each row after a fixed randomized Hadamard rotation
 //! ([`rotation`](crate::rotation)): `int2-token-mse-rot`. `-qa` gives each key channel its
 //! own width ([`QuantSpec::with_channel_bits`]); `-prerope` quantizes keys in their frame
-//! before RoPE ([`QuantSpec::with_pre_rope`]); `-p8` stores the parameters of affine
-//! per-channel groups in one byte each on a grid per block ([`ParamDtype::U8`]).
+//! before RoPE ([`QuantSpec::with_pre_rope`]); `-p8` stores the parameters of affine groups
+//! in one byte each on a grid per block ([`ParamDtype::U8`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -62,12 +62,14 @@ pub enum ParamDtype {
     F16,
     /// IEEE single precision: 4 bytes per parameter.
     F32,
-    /// One byte per parameter (`-p8`), for affine per-channel groups: the groups of one head
-    /// over one block of tokens (a *set*, one cache block) store their minimum and maximum
-    /// as steps of a 255-step grid between the set's f16 minimum and maximum (4 bytes per
-    /// set), rounded outward so that no value clips; see
-    /// [`ParamGrid`](crate::params::ParamGrid). Half the bytes of f16 for a range a fraction
-    /// of a step wider.
+    /// One byte per parameter (`-p8`), for affine groups per channel, per token or of `N`
+    /// channels: the groups of one head over one block of tokens (a *set*: one cache block;
+    /// offline, one token group of a per-channel spec, or [`ROW_SET_TOKENS`] rows of a row
+    /// spec) store their minimum and maximum as the nearest points of a 255-step grid
+    /// between the set's f16 minimum and maximum (4 bytes per set); see
+    /// [`ParamGrid`](crate::params::ParamGrid). Half the bytes of f16 parameters.
+    ///
+    /// [`ROW_SET_TOKENS`]: crate::params::ROW_SET_TOKENS
     U8,
 }
 
@@ -135,21 +137,20 @@ fn check_granularity(granularity: Granularity) -> Result<()> {
     }
 }
 
-/// Refuses one-byte parameters (`-p8`) outside affine per-channel groups, and with bits per
-/// channel (whose width regions hold their parameters apart).
+/// Refuses one-byte parameters (`-p8`) outside affine groups per channel, per token or of
+/// `N` channels, and with bits per channel (whose width regions hold their parameters apart).
 fn check_param_dtype(
     kind: &Kind,
     granularity: Granularity,
     dtype: ParamDtype,
     channel_bits: bool,
 ) -> Result<()> {
-    if dtype == ParamDtype::U8
-        && (!matches!(kind, Kind::Affine)
-            || !matches!(granularity, Granularity::PerChannel { .. })
-            || channel_bits)
-    {
+    let grouped =
+        matches!(granularity, Granularity::PerChannel { .. } | Granularity::PerToken | Granularity::Group(_));
+    if dtype == ParamDtype::U8 && (!matches!(kind, Kind::Affine) || !grouped || channel_bits) {
         return Err(QuantError::InvalidSpec(
-            "one-byte parameters (-p8) apply to affine per-channel specs without -qa".into(),
+            "one-byte parameters (-p8) apply to affine per-channel, per-token and gN specs without -qa"
+                .into(),
         ));
     }
     Ok(())

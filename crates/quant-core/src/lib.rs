@@ -52,7 +52,7 @@ pub use error::{QuantError, Result};
 pub use format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec, RangeRule};
 pub use fp8::Fp8Format;
 pub use memory::MemoryReport;
-pub use params::{GRID_BYTES, ParamGrid, ParamVec};
+pub use params::{GRID_BYTES, ParamGrid, ParamVec, ROW_SET_TOKENS};
 pub use quantize::{
     GroupLayout, QuantizedTensor, encode_row_with, quantize, quantize_row, quantize_row_with,
     quantize_with_ranges, row_params_with, row_stats,

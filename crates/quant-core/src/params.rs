@@ -10,6 +10,11 @@ use crate::format::ParamDtype;
 /// Bytes a set of one-byte parameters ([`ParamDtype::U8`]) adds: its grid's two f16 ends.
 pub const GRID_BYTES: usize = 4;
 
+/// Rows of one head that share a grid when [`quantize`](crate::quantize::quantize) stores the
+/// one-byte parameters of a per-token or `gN` spec: a cache block of the default size (a
+/// cache's set is its block, of whatever size).
+pub const ROW_SET_TOKENS: usize = 32;
+
 /// The grid of one set of affine groups with one-byte parameters ([`ParamDtype::U8`]): 256
 /// points from `lo` to `hi` (both f16), 255 steps apart. Each group stores two grid indices,
 /// the highest point not above its minimum and the lowest not below its maximum; its offset

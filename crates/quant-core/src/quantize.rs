@@ -13,7 +13,7 @@ use crate::error::{QuantError, Result};
 use crate::format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec, RangeRule};
 use crate::memory::MemoryReport;
 use crate::pack::{pack_into, packed_len_unchecked, unpack_into};
-use crate::params::{ParamGrid, ParamVec};
+use crate::params::{ParamGrid, ParamVec, ROW_SET_TOKENS};
 use crate::rowkernels::RowKernels;
 use crate::tensor::{Shape, Tensor, check_finite};
 
@@ -214,15 +214,25 @@ fn encode_tensor(
     }
 
     let d = shape.head_dim;
-    // One-byte parameters: each set (the channels of one head over one token group, the
-    // order of `layout`'s groups) snapped onto its grid before any code is chosen.
+    // One-byte parameters: each set snapped onto its grid before any code is chosen. Groups
+    // are in `layout`'s order: per channel, the channels of one head over one token group
+    // (sets of `d`); per row, the rows of one head together, taken `ROW_SET_TOKENS` at a time.
     let mut sets = 0;
     if spec.param_dtype() == ParamDtype::U8 {
         let levels = ((1u32 << spec.bits()) - 1) as f32;
-        let mut indices = Vec::with_capacity(d);
-        for set in params.chunks_mut(d) {
-            ParamGrid::snap_set(set, levels, &mut indices)?;
-            sets += 1;
+        let (per_head, set_len) = match spec.granularity() {
+            Granularity::PerChannel { .. } => (params.len(), d),
+            _ => {
+                let per_row = d / layout.row_groups(0).1;
+                (shape.tokens * per_row, ROW_SET_TOKENS * per_row)
+            }
+        };
+        let mut indices = Vec::new();
+        for head in params.chunks_mut(per_head) {
+            for set in head.chunks_mut(set_len) {
+                ParamGrid::snap_set(set, levels, &mut indices)?;
+                sets += 1;
+            }
         }
     }
     let row_bytes = packed_len_unchecked(d, spec.bits());

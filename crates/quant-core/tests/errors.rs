@@ -65,22 +65,19 @@ fn group_sizes() {
     check_quantize(&x, "int4-g32", |e| matches!(e, QuantError::GroupSize { group: 32, head_dim: 48 }));
     assert!("int4-g0".parse::<QuantSpec>().is_err());
     assert!("int4-channel0".parse::<QuantSpec>().is_err());
-    // One-byte parameters: affine per-channel groups only, not with bits per channel.
-    for bad in [
-        "int4-token-p8",
-        "int4-g32-p8",
-        "sym4-channel-p8",
-        "nf4-channel-p8",
-        "int4-head-p8",
-        "int3-channel-qa-p8",
-    ] {
+    // One-byte parameters: affine groups per channel, token or of N channels, not with bits
+    // per channel.
+    for good in ["int4-token-p8", "int4-g32-mse-rot-p8", "int2-channel-p8"] {
+        assert_eq!(good.parse::<QuantSpec>().unwrap().to_string(), good);
+    }
+    for bad in ["sym4-channel-p8", "nf4-token-p8", "int4-head-p8", "int4-tensor-p8", "int3-channel-qa-p8"] {
         assert!(matches!(bad.parse::<QuantSpec>(), Err(QuantError::InvalidSpec(_))), "{bad}");
     }
     let p8: QuantSpec = "int4-channel32-mse-prerope-p8".parse().unwrap();
     assert_eq!(p8.to_string(), "int4-channel32-mse-prerope-p8");
-    assert!(matches!(p8.clone().with_granularity(Granularity::PerToken), Err(QuantError::InvalidSpec(_))));
+    assert!(matches!(p8.clone().with_granularity(Granularity::PerHead), Err(QuantError::InvalidSpec(_))));
     // Set past the constructor's check: refused when used.
-    let sneaky = QuantSpec::affine(4, Granularity::PerToken).unwrap().with_param_dtype(ParamDtype::U8);
+    let sneaky = QuantSpec::affine(4, Granularity::PerHead).unwrap().with_param_dtype(ParamDtype::U8);
     let x = kvq_quant_core::Tensor::new(kvq_quant_core::Shape::new(1, 2, 4), vec![0.0; 8]).unwrap();
     assert!(matches!(kvq_quant_core::quantize(&x, &sneaky), Err(QuantError::InvalidSpec(_))));
     assert!("int4-g16".parse::<QuantSpec>().is_ok());

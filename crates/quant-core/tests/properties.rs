@@ -1,7 +1,7 @@
 //! Property tests: packing round-trips, and per-element error bounds of every format.
 
 use kvq_quant_core::pack::{pack, packed_len, unpack};
-use kvq_quant_core::{Codebook, Fp8Format, QuantSpec, Shape, Tensor, quantize};
+use kvq_quant_core::{Codebook, Fp8Format, QuantSpec, ROW_SET_TOKENS, Shape, Tensor, quantize};
 use proptest::prelude::*;
 
 /// A small tensor with head_dim a multiple of 8 and values of varied scale and offset.
@@ -50,7 +50,7 @@ proptest! {
     }
 
     #[test]
-    fn one_byte_parameters_keep_half_a_step_and_cost_less(x in tensor(), bits in 1u8..=8, g in 2usize..4, mse in any::<bool>()) {
+    fn one_byte_parameters_keep_half_a_step_and_cost_less(x in tensor(), bits in 1u8..=8, g in 2usize..6, mse in any::<bool>()) {
         let base = format!("int{bits}-{}{}", GRANULARITIES[g], if mse { "-mse" } else { "" });
         let spec: QuantSpec = format!("{base}-p8").parse().unwrap();
         // Range ends on the nearest grid points (min/max): half a step, plus at most half a
@@ -64,9 +64,11 @@ proptest! {
             })?;
         }
         let (q8, q16) = (quantize(&x, &spec).unwrap(), quantize(&x, &base.parse().unwrap()).unwrap());
-        // One byte per parameter and 4 per set (one head over one token group) against 2 each.
-        let (groups, d) = (q16.scales().len(), x.shape().head_dim);
-        prop_assert_eq!(q8.memory().param_bytes, 2 * groups + 4 * (groups / d));
+        // One byte per parameter and 4 per set against 2 each: a set is one head over one token
+        // group (per channel) or over up to ROW_SET_TOKENS rows (per token, gN).
+        let (groups, s) = (q16.scales().len(), x.shape());
+        let sets = if g < 4 { groups / s.head_dim } else { s.batch * s.heads * s.tokens.div_ceil(ROW_SET_TOKENS) };
+        prop_assert_eq!(q8.memory().param_bytes, 2 * groups + 4 * sets);
         prop_assert_eq!(q16.memory().param_bytes, 4 * groups);
         prop_assert!(q8.dequantize().data().iter().all(|v| v.is_finite()));
     }

@@ -246,3 +246,29 @@ fn one_byte_parameters_over_shorter_groups_beat_f16_ones_at_the_same_bytes() {
         }
     }
 }
+
+#[test]
+fn one_byte_value_parameters_cost_less_for_the_same_error() {
+    // Rotated per-token values in error-minimizing ranges: `-p8` parameters (a grid per 32
+    // tokens of a head) must keep the values' error of f16 ones within 2% for fewer bytes, and
+    // `-g32-…-p8`, at about the bytes of f16 per-token parameters, must lower it.
+    let Some(file) = common::full_capture() else { return };
+    for layer in [0, 9, 29] {
+        let v = file.read(&format!("layer{layer}.v")).unwrap();
+        for bits in [2, 3, 4] {
+            let (f16, f16_hat) = mse(&v, &format!("int{bits}-token-mse-rot"));
+            let (p8, p8_hat) = mse(&v, &format!("int{bits}-token-mse-rot-p8"));
+            let (g32, g32_hat) = mse(&v, &format!("int{bits}-g32-mse-rot-p8"));
+            let bytes = |t: &str| quantize(&v, &t.parse().unwrap()).unwrap().memory().param_bytes;
+            let (b16, b8, bg) = (
+                bytes(&format!("int{bits}-token-mse-rot")),
+                bytes(&format!("int{bits}-token-mse-rot-p8")),
+                bytes(&format!("int{bits}-g32-mse-rot-p8")),
+            );
+            assert!(b8 < b16 && bg <= b16 + b16 / 16, "layer {layer}: {b8} {bg} vs {b16} bytes");
+            assert!(p8 <= f16 * 1.02, "layer {layer}, {bits} bits: V MSE {p8} with -p8 vs {f16}");
+            assert!(g32 < f16, "layer {layer}, {bits} bits: V MSE {g32} in groups of 32 vs {f16}");
+            assert!(f16_hat.data().iter().chain(p8_hat.data()).chain(g32_hat.data()).all(|x| x.is_finite()));
+        }
+    }
+}
