@@ -122,7 +122,10 @@ impl PagedCache {
     pub(crate) fn unallocated(config: CacheConfig) -> Result<Self> {
         config.validate()?;
         let calibrated = config.calibration.is_some();
-        let make = |spec| PartLayout::new(spec, config.head_dim, config.block_size, calibrated);
+        let make = |spec| {
+            PartLayout::new(spec, config.head_dim, config.block_size, calibrated)
+                .map(|l| l.with_row_window(config.row_window))
+        };
         let parts = [make(&config.k_spec)?, make(&config.v_spec)?];
         let mut statics: [Vec<Vec<GroupParams>>; 2] = Default::default();
         let mut static_ranges: [Vec<Vec<(f32, f32)>>; 2] = Default::default();

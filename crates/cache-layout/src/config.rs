@@ -73,6 +73,12 @@ pub struct CacheConfig {
     /// codes and parameters are those of the keys before RoPE. Readers turn decoded rows of
     /// quantized blocks forward again; sinks and the residual window hold the keys as given.
     pub rope: Option<Rope>,
+    /// Row specs (per-token, `gN`) wait in the full-precision tail until their block leaves
+    /// the residual window, as per-channel specs do, instead of being quantized as they
+    /// arrive: the latest tokens' values (and per-token keys) stay exact, as in KIVI, for the
+    /// tail's bytes. Always so for row specs with one-byte parameters (`-p8`), whose block
+    /// shares a grid. Default off.
+    pub row_window: bool,
     /// The range scan, encoding and packing used to quantize rows as they arrive. All
     /// implementations give the same codes; `kvq-kernels-simd`'s `row_kernels()` returns the
     /// fastest for the CPU (the `kvq` facade sets it), the default is the portable one.
@@ -97,8 +103,15 @@ impl CacheConfig {
             calibration: None,
             channel_bits: None,
             rope: None,
+            row_window: false,
             row_kernels: RowKernels::PORTABLE,
         }
+    }
+
+    /// Sets [`CacheConfig::row_window`]: row specs keep the residual window too.
+    pub fn with_row_window(mut self, on: bool) -> Self {
+        self.row_window = on;
+        self
     }
 
     /// Sets the row quantization kernels (see [`CacheConfig::row_kernels`]).

@@ -51,6 +51,9 @@ struct ConfigWire {
     /// The model's RoPE (`-prerope` K specs only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     rope: Option<kvq_quant_core::Rope>,
+    /// Row specs keep the residual window (absent in files of caches without it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    row_window: bool,
 }
 
 fn to_wire(c: &CacheConfig) -> Result<ConfigWire> {
@@ -74,6 +77,7 @@ fn to_wire(c: &CacheConfig) -> Result<ConfigWire> {
         calibration: c.calibration.clone(),
         channel_bits: c.channel_bits.as_ref().map(|m| m.iter().map(|b| b.widths().to_vec()).collect()),
         rope: c.rope.clone(),
+        row_window: c.row_window,
     })
 }
 
@@ -98,6 +102,7 @@ fn from_wire(w: ConfigWire) -> Result<CacheConfig> {
         calibration: w.calibration,
         channel_bits,
         rope: w.rope,
+        row_window: w.row_window,
         // Not stored: every implementation writes the same codes. A loaded cache can take
         // faster ones with `PagedCache::set_row_kernels`.
         row_kernels: kvq_quant_core::RowKernels::PORTABLE,

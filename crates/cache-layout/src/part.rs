@@ -49,6 +49,8 @@ pub struct PartLayout {
     /// Parameter groups stored in each block.
     pub(crate) groups: usize,
     pub(crate) dtype: ParamDtype,
+    /// Row parts wait in the residual window ([`PartLayout::with_row_window`]).
+    windowed: bool,
     pub(crate) has_offset: bool,
 }
 
@@ -81,6 +83,7 @@ impl PartLayout {
             groups,
             dtype: spec.param_dtype(),
             has_offset: spec.has_offset(),
+            windowed: false,
         })
     }
 
@@ -127,8 +130,17 @@ impl PartLayout {
 
     /// Whether tokens wait in a full-precision tail before they are quantized.
     pub fn has_tail(&self) -> bool {
-        // Row parts with one-byte parameters wait for their block too: its rows share a grid.
-        self.mode == Mode::Channel || (matches!(self.mode, Mode::Row { .. }) && self.dtype == ParamDtype::U8)
+        // Row parts wait for their block too when it shares a grid (one-byte parameters) or
+        // when the cache keeps them in the residual window.
+        self.mode == Mode::Channel
+            || (matches!(self.mode, Mode::Row { .. }) && (self.dtype == ParamDtype::U8 || self.windowed))
+    }
+
+    /// The same layout for a cache that keeps row parts in the residual window
+    /// ([`crate::CacheConfig::row_window`]).
+    pub fn with_row_window(mut self, on: bool) -> Self {
+        self.windowed = on;
+        self
     }
 
     /// Writes group `g`'s parameters (f16 or f32; one-byte parameters are written a block at

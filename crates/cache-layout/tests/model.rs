@@ -98,6 +98,8 @@ struct Setup {
     /// Static ranges for every layer and head (needed by `head` and `tensor` specs; a
     /// `channel` spec with them quantizes at once instead of through the residual window).
     calibrated: bool,
+    /// Row specs (per-token, `gN`) keep the residual window too.
+    row_window: bool,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -135,8 +137,9 @@ fn setup() -> impl Strategy<Value = Setup> {
         ]),
         6..30usize,
         any::<bool>(),
+        any::<bool>(),
     )
-        .prop_map(|(heads, d, bs, residual, sinks, f16_tail, k, v, capacity, calibrate)| {
+        .prop_map(|(heads, d, bs, residual, sinks, f16_tail, k, v, capacity, calibrate, row_window)| {
             // Bits per key channel take their ranges from the data: no calibration, so no
             // per-head or per-tensor values beside them.
             // One-byte parameters are a block's own: no calibration either.
@@ -157,6 +160,7 @@ fn setup() -> impl Strategy<Value = Setup> {
                 // Bits per channel take their ranges from the data: never calibrated.
                 calibrated: !own
                     && (calibrate || [k, v].iter().any(|s| s.contains("-head") || s.contains("-tensor"))),
+                row_window,
             }
         })
 }
@@ -211,12 +215,15 @@ impl World {
         text.parse().unwrap()
     }
 
-    /// Whether the part streams through a full-precision tail (per-channel, uncalibrated).
     /// Whether the part's tokens wait in a tail for their block: per-channel specs without
-    /// calibration, and row specs with one-byte parameters (a grid per block).
+    /// calibration, row specs with one-byte parameters (a grid per block), and every row spec
+    /// when the cache keeps them in the residual window.
     fn channel(&self, part: usize) -> bool {
         let text = if part == 0 { self.s.k } else { self.s.v };
-        (text.contains("channel") && self.calibration.is_none()) || text.ends_with("-p8")
+        let row = text.contains("-token") || text.contains("-g");
+        (text.contains("channel") && self.calibration.is_none())
+            || text.ends_with("-p8")
+            || (row && self.s.row_window)
     }
 
     /// The calibrated ranges of the part's groups for `(layer, head)`, when it is static.
@@ -589,7 +596,8 @@ proptest! {
             .with_block_size(s.bs)
             .with_residual_blocks(s.residual)
             .with_sink_tokens(s.sinks)
-            .with_tail_dtype(s.tail);
+            .with_tail_dtype(s.tail)
+            .with_row_window(s.row_window);
         if s.k.contains("-qa") {
             config = config.with_channel_bits((0..LAYERS * s.heads).map(|i| channel_bits(s.d, i)).collect());
         }

@@ -318,12 +318,15 @@ pub struct CacheRun {
     pub residual_blocks: usize,
     /// Leading tokens kept in full precision, as [`KvCacheConfig::sink_tokens`].
     pub sink_tokens: usize,
+    /// Per-token and `gN` specs keep the residual window too, as [`KvCacheConfig::row_window`].
+    pub row_window: bool,
 }
 
 impl Default for CacheRun {
-    /// The cache's defaults ([`KvCacheConfig::builder`]): one residual block, 4 sinks.
+    /// The cache's defaults ([`KvCacheConfig::builder`]): one residual block, 4 sinks, row
+    /// specs quantized as they arrive.
     fn default() -> Self {
-        Self { residual_blocks: DEFAULT_RESIDUAL_BLOCKS, sink_tokens: DEFAULT_SINK_TOKENS }
+        Self { residual_blocks: DEFAULT_RESIDUAL_BLOCKS, sink_tokens: DEFAULT_SINK_TOKENS, row_window: false }
     }
 }
 
@@ -347,6 +350,7 @@ impl CacheRun {
             .block_size(block_size)
             .residual_blocks(self.residual_blocks)
             .sink_tokens(self.sink_tokens)
+            .row_window(self.row_window)
             .blocks_per_layer(per_seq.saturating_mul(ks.batch).saturating_mul(ks.heads));
         if spec.k.channel_bits() {
             let maps = match maps {
@@ -804,8 +808,10 @@ impl Report {
             let block = self.block_size;
             let _ = writeln!(
                 s,
-                "through QuantizedKvCache: blocks of {block} tokens, {} residual block(s), {} sink token(s) in f16 (counted in bits)",
-                run.residual_blocks, run.sink_tokens
+                "through QuantizedKvCache: blocks of {block} tokens, {} residual block(s){}, {} sink token(s) in f16 (counted in bits)",
+                run.residual_blocks,
+                if run.row_window { " for every part" } else { "" },
+                run.sink_tokens
             );
         }
         for layer in &self.layers {
@@ -884,7 +890,7 @@ mod tests {
     fn a_cache_holding_every_token_in_f16_is_exact() {
         // The sample is f16 data, which the cache's f16 sinks hold exactly; their bytes count.
         let layer = sample_layer0();
-        let run = CacheRun { residual_blocks: 0, sink_tokens: layer.k.shape().tokens };
+        let run = CacheRun { residual_blocks: 0, sink_tokens: layer.k.shape().tokens, row_window: false };
         let options = Options { positions: 5, cache: Some(run), ..Options::default() };
         let row = one_row(&layer, "int2-channel/int2-token", &options);
         assert_eq!((row.k_mse, row.v_mse, row.attn_rel_err, row.attn_kl), (0.0, 0.0, 0.0, 0.0));
@@ -898,8 +904,10 @@ mod tests {
         // sees them; only the block tables add bytes.
         let layer = sample_layer0();
         let offline = Options { positions: 1, ..Options::default() };
-        let cached =
-            Options { cache: Some(CacheRun { residual_blocks: 0, sink_tokens: 0 }), ..offline.clone() };
+        let cached = Options {
+            cache: Some(CacheRun { residual_blocks: 0, sink_tokens: 0, row_window: false }),
+            ..offline.clone()
+        };
         for spec in ["int4-channel/int4-token", "int2-channel-mse/int3-token-mse-rot", "int4-g16"] {
             let (a, b) = (one_row(&layer, spec, &offline), one_row(&layer, spec, &cached));
             assert_eq!(

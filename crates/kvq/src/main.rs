@@ -232,6 +232,10 @@ struct CacheArgs {
     #[arg(long, requires = "cache", default_value_t = kvq::cache::DEFAULT_SINK_TOKENS as u32,
           value_parser = clap::value_parser!(u32).range(0..=1_048_576))]
     sinks: u32,
+    /// With --cache: per-token and gN specs (values) keep the residual window too, instead of
+    /// being quantized as they arrive (specs with `-p8` always do).
+    #[arg(long, requires = "cache")]
+    row_window: bool,
 }
 
 impl CacheArgs {
@@ -239,6 +243,7 @@ impl CacheArgs {
         self.cache.then_some(analysis::CacheRun {
             residual_blocks: self.residual_blocks as usize,
             sink_tokens: self.sinks as usize,
+            row_window: self.row_window,
         })
     }
 }

@@ -254,7 +254,8 @@ pub fn config_with(
     let mut b = KvCacheConfig::builder(n, k.heads, q.heads, k.head_dim)
         .block_size(BLOCK_SIZE)
         .residual_blocks(run.residual_blocks)
-        .sink_tokens(run.sink_tokens);
+        .sink_tokens(run.sink_tokens)
+        .row_window(run.row_window);
     let config_err = |e: kvq_quant_core::QuantError| RecommendError::Config(KvqError::Config(e.to_string()));
     for (m, &from) in source.iter().enumerate() {
         let at = ids.iter().position(|&id| id == from).expect("a dumped layer");

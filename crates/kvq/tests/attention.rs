@@ -60,8 +60,8 @@ fn check(cache: &PagedCache, seq: SeqId, layer: usize, q: &[f32], query_heads: u
     }
 }
 
-/// A one-layer cache of `config` (its `i`-th variant: residual blocks, sinks and tail type
-/// vary with `i`) holding 70 random tokens, checked against the reference for `group` query
+/// A one-layer cache of `config` (its `i`-th variant: residual blocks, sinks, tail type and
+/// the row window vary with `i`) holding 70 random tokens, checked against the reference for `group` query
 /// heads per KV head.
 fn check_random(config: CacheConfig, i: usize, group: usize, rng: &mut Rng, what: &str) {
     let (kv_heads, d) = (config.kv_heads, config.head_dim);
@@ -69,7 +69,8 @@ fn check_random(config: CacheConfig, i: usize, group: usize, rng: &mut Rng, what
         .with_block_size(16)
         .with_residual_blocks(i % 2)
         .with_sink_tokens(i % 3)
-        .with_tail_dtype(if i.is_multiple_of(2) { TailDtype::F16 } else { TailDtype::F32 });
+        .with_tail_dtype(if i.is_multiple_of(2) { TailDtype::F16 } else { TailDtype::F32 })
+        .with_row_window(i % 4 >= 2);
     let mut cache = PagedCache::new(config).unwrap();
     let seq = cache.create();
     let shape = Shape::new(kv_heads, 70, d);

@@ -21,6 +21,13 @@ fn config_round_trips_through_toml_and_json() {
     assert!(toml.contains("rope_pairing = \"interleaved\""), "{toml}");
     assert_eq!(KvCacheConfig::from_toml(&toml).unwrap(), c);
     assert_eq!(KvCacheConfig::from_json(&c.to_json()).unwrap(), c);
+    // The row window is written only when on; files without it load with it off.
+    assert!(!toml.contains("row_window"), "{toml}");
+    let windowed = KvCacheConfig { row_window: true, ..c.clone() };
+    let text = windowed.to_toml();
+    assert!(text.contains("row_window = true"), "{text}");
+    assert_eq!(KvCacheConfig::from_toml(&text).unwrap(), windowed);
+    assert_eq!(KvCacheConfig::from_json(&windowed.to_json()).unwrap(), windowed);
     let dir = std::env::temp_dir().join(format!("kvq-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for (name, text) in [("c.toml", toml.clone()), ("c.json", c.to_json())] {

@@ -79,6 +79,10 @@ struct Args {
     /// Leading tokens kept in full precision (for --specs).
     #[arg(long, default_value_t = 4)]
     sinks: usize,
+    /// Per-token and gN specs (values) keep the residual window too (for --specs; `-p8` ones
+    /// always do).
+    #[arg(long)]
+    row_window: bool,
     /// Weight matrices: `f32` (dequantized at load, so that the caches alone differ) or
     /// `native` (candle's quantized matmuls, which round activations to 8 bits: a noise floor
     /// of its own under every cache's figures).
@@ -227,7 +231,8 @@ fn candidates(
                 .specs(spec.k, spec.v)
                 .block_size(args.block_size)
                 .residual_blocks(args.residual_blocks)
-                .sink_tokens(args.sinks);
+                .sink_tokens(args.sinks)
+                .row_window(args.row_window);
             for (layer, m) in maps.into_iter().enumerate() {
                 builder = builder.channel_bits(layer, m);
             }
