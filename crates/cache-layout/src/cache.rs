@@ -15,7 +15,7 @@ use kvq_quant_core::{GroupParams, ParamDtype, Tensor};
 
 use crate::config::CacheConfig;
 use crate::error::{CacheError, Result};
-use crate::part::{ChannelBlock, HeadSegments, Mode, PartLayout, TailBuf};
+use crate::part::{BlockParams, HeadSegments, Mode, PartLayout, TailBuf};
 use crate::pool::{BlockId, BlockPool};
 use crate::reserve::Reservation;
 
@@ -603,7 +603,8 @@ impl PagedCache {
                         ls.done[i] = p + 1;
                     }
                     // Parts that wait in a tail until a block leaves the residual window:
-                    // per-channel ones, and row ones with one-byte parameters (a grid per block).
+                    // per-channel ones, and row ones with one-byte parameters (a grid per block) or
+                    // in a cache that keeps them in the window (`row_window`).
                     Mode::Channel | Mode::Row { .. } => {
                         for (h, tail) in ls.tails[i].iter_mut().enumerate() {
                             tail.push(row(i, h, t));
@@ -629,7 +630,7 @@ impl PagedCache {
                                 .map(|(h, block)| match segments(i, h) {
                                     Some(seg) => seg
                                         .channel_block_params(block, &mut columns)
-                                        .map(|params| ChannelBlock { params, grid: None }),
+                                        .map(|params| BlockParams { params, grid: None }),
                                     None => layout.block_params(&config.row_kernels, block),
                                 })
                                 .collect::<Result<Vec<_>>>()?;
@@ -648,7 +649,8 @@ impl PagedCache {
                                     None => layout.write_block(
                                         &config.row_kernels,
                                         block,
-                                        params,
+                                        &params.params,
+                                        params.grid.as_ref(),
                                         region,
                                         &mut scratch,
                                     ),

@@ -144,7 +144,7 @@ impl PartLayout {
     }
 
     /// Writes group `g`'s parameters (f16 or f32; one-byte parameters are written a block at
-    /// a time by [`PartLayout::write_channel_block`]).
+    /// a time by [`PartLayout::write_block`]).
     fn write_param(&self, region: &mut [u8], g: usize, p: GroupParams) {
         let base = self.code_bytes();
         let size = self.dtype.size();
@@ -169,17 +169,22 @@ impl PartLayout {
         read_params(area, self.dtype, self.groups, self.has_offset, g)
     }
 
-    /// Affine levels `2^b − 1` of the spec.
+    /// Affine levels `2^b − 1` of the spec (one-byte parameters are affine only).
     pub(crate) fn levels(&self) -> f32 {
-        ((1u32 << self.spec.bits()) - 1) as f32
+        self.codec.affine_levels().expect("one-byte parameters are affine (checked by the spec)")
     }
 
-    /// The grid of a block's one-byte parameters, from the start of its parameter area
-    /// (`[grid; 4][minimum indices; groups][maximum indices; groups]`). The cache wrote it
-    /// ([`ParamGrid::fit`] checks the ends) and imports check every block's grid
-    /// ([`PartLayout::check_block`]), so it is a range here.
+    /// The grid stored at the start of a block's parameter area (`[grid; 4][minimum indices;
+    /// groups][maximum indices; groups]`).
+    fn stored_grid(area: &[u8]) -> kvq_quant_core::Result<ParamGrid> {
+        ParamGrid::from_bytes([area[0], area[1], area[2], area[3]])
+    }
+
+    /// The grid of a block's one-byte parameters, from the start of its parameter area. The
+    /// cache wrote it ([`ParamGrid::fit`] checks the ends) and imports check every block's
+    /// grid ([`PartLayout::check_block`]), so it is a range here.
     pub(crate) fn grid(&self, area: &[u8]) -> ParamGrid {
-        ParamGrid::from_bytes([area[0], area[1], area[2], area[3]]).unwrap_or_else(|_| {
+        Self::stored_grid(area).unwrap_or_else(|_| {
             // Unreachable for blocks this crate wrote or imported; an empty grid decodes to
             // constant groups rather than propagating NaN.
             ParamGrid::fit([(0.0, 0.0)]).expect("a zero range fits")
@@ -193,8 +198,7 @@ impl PartLayout {
     /// [`kvq_quant_core::QuantError::InvalidArgument`] for a grid that is not.
     pub(crate) fn check_block(&self, region: &[u8]) -> kvq_quant_core::Result<()> {
         if self.dtype == ParamDtype::U8 {
-            let a = &region[self.code_bytes()..];
-            ParamGrid::from_bytes([a[0], a[1], a[2], a[3]])?;
+            Self::stored_grid(&region[self.code_bytes()..])?;
         }
         Ok(())
     }
@@ -269,7 +273,7 @@ impl PartLayout {
     /// [`kvq_quant_core::quantize`] finds them with `channel{block_size}`, or per row group
     /// (one-byte parameters of a row part), each row's as [`PartLayout::row_params`] finds
     /// them; with one-byte parameters, snapped onto the block's grid.
-    pub(crate) fn block_params(&self, kernels: &RowKernels, rows: &[f32]) -> Result<ChannelBlock> {
+    pub(crate) fn block_params(&self, kernels: &RowKernels, rows: &[f32]) -> Result<BlockParams> {
         if let Mode::Row { seg } = self.mode {
             let per_row = self.head_dim / seg;
             let mut params = vec![GroupParams::default(); self.groups];
@@ -305,14 +309,14 @@ impl PartLayout {
 
     /// A block's parameters, snapped onto one grid when they are one-byte ones (as `quantize`
     /// snaps a set).
-    fn on_grid(&self, mut params: Vec<GroupParams>) -> Result<ChannelBlock> {
+    fn on_grid(&self, mut params: Vec<GroupParams>) -> Result<BlockParams> {
         let grid = if self.dtype == ParamDtype::U8 {
             let mut indices = Vec::with_capacity(params.len());
             Some((ParamGrid::snap_set(&mut params, self.levels(), &mut indices)?, indices))
         } else {
             None
         };
-        Ok(ChannelBlock { params, grid })
+        Ok(BlockParams { params, grid })
     }
 
     /// Writes a block quantized with [`PartLayout::block_params`]'s parameters; it cannot
@@ -321,13 +325,13 @@ impl PartLayout {
         &self,
         kernels: &RowKernels,
         rows: &[f32],
-        block: &ChannelBlock,
+        params: &[GroupParams],
+        grid: Option<&GridIndices>,
         region: &mut [u8],
         scratch: &mut [u8],
     ) {
         let d = self.head_dim;
-        let params = &block.params;
-        match &block.grid {
+        match grid {
             Some((grid, indices)) => {
                 let base = self.code_bytes();
                 region[base..base + GRID_BYTES].copy_from_slice(&grid.to_bytes());
@@ -390,12 +394,16 @@ impl PartLayout {
     }
 }
 
-/// The parameters of one block of a per-channel part, found before anything is written.
-pub(crate) struct ChannelBlock {
-    /// One per channel, as the codes are chosen with them.
+/// One-byte parameters of a block: its grid and each group's (minimum, maximum) indices.
+pub(crate) type GridIndices = (ParamGrid, Vec<(u8, u8)>);
+
+/// The parameters of one block of a part that waits for its blocks, found before anything is
+/// written.
+pub(crate) struct BlockParams {
+    /// One per group (channel, or row group), as the codes are chosen with them.
     pub(crate) params: Vec<GroupParams>,
-    /// One-byte parameters: the block's grid and each channel's (minimum, maximum) indices.
-    pub(crate) grid: Option<(ParamGrid, Vec<(u8, u8)>)>,
+    /// With one-byte parameters, where they sit on the block's grid.
+    pub(crate) grid: Option<GridIndices>,
 }
 
 /// Reads group `g` from a parameter area laid out as `[scales; groups][offsets; groups]`.
@@ -609,7 +617,8 @@ impl HeadSegments {
             s.layout.write_block(
                 kernels,
                 buf,
-                &ChannelBlock { params: params[s.first_channel..s.first_channel + n].to_vec(), grid: None },
+                &params[s.first_channel..s.first_channel + n],
+                None,
                 &mut region[s.byte_offset..s.byte_offset + s.layout.bytes()],
                 &mut scratch[..n],
             );

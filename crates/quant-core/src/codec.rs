@@ -232,6 +232,15 @@ impl Codec {
         Self { math, dtype: spec.param_dtype(), ranges: spec.ranges() }
     }
 
+    /// The highest affine code, `2^b − 1` (what one-byte parameter grids divide a range by);
+    /// `None` for the other kinds.
+    pub fn affine_levels(&self) -> Option<f32> {
+        match self.math {
+            Math::Affine { levels } => Some(levels),
+            _ => None,
+        }
+    }
+
     /// The parameters of a group holding `xs`, whose minimum and maximum are `min` and `max`
     /// (finite), by the spec's [`RangeRule`]: [`Codec::params`] for min/max ranges, the
     /// search of [`Codec::fit_mse`] for error-minimizing ones. Every layout calls this, so

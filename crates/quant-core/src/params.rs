@@ -17,12 +17,12 @@ pub const ROW_SET_TOKENS: usize = 32;
 
 /// The grid of one set of affine groups with one-byte parameters ([`ParamDtype::U8`]): 256
 /// points from `lo` to `hi` (both f16), 255 steps apart. Each group stores two grid indices,
-/// the highest point not above its minimum and the lowest not below its maximum; its offset
-/// and scale are [`ParamGrid::params`] of them, computed the same way (in f32, unfused) by the
+/// the points nearest to its minimum and to its maximum ([`ParamGrid::snap`]); its offset and
+/// scale are [`ParamGrid::params`] of them, computed the same way (in f32, unfused) by the
 /// quantizer and by every reader, so that the codes were chosen with the parameters the
-/// readers see. A group's range grows by less than two steps, `(hi − lo) / 255` each: for
-/// per-channel keys, whose channels span a set's range together, a small part of a channel's
-/// own step.
+/// readers see. Each end of a group's range moves by at most half a step, `(hi − lo) / 510`:
+/// for per-channel keys, whose channels span a set's range together, a small part of a
+/// channel's own step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ParamGrid {
     lo: f16,

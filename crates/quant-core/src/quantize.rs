@@ -219,7 +219,7 @@ fn encode_tensor(
     // (sets of `d`); per row, the rows of one head together, taken `ROW_SET_TOKENS` at a time.
     let mut sets = 0;
     if spec.param_dtype() == ParamDtype::U8 {
-        let levels = ((1u32 << spec.bits()) - 1) as f32;
+        let levels = codec.affine_levels().expect("one-byte parameters are affine (checked by the spec)");
         let (per_head, set_len) = match spec.granularity() {
             Granularity::PerChannel { .. } => (params.len(), d),
             _ => {
