@@ -118,7 +118,8 @@ impl KvSpec {
 /// The default comparison: INT8, INT4 and INT2 per tensor, per head, per-channel keys with
 /// per-token values (INT4 and INT2 also with rotated values in error-minimizing ranges, then
 /// with one-byte parameters, `-p8`, and with query-aware bits per key channel, `-qa`),
-/// and groups of 32; FP8 e4m3 and NF4 per token. Per-channel keys group over the cache's block
+/// and groups of 32; query-aware INT3 keys with rotated INT3 values; `-p8` keys one width
+/// above their values (INT4/INT3, INT3/INT2); FP8 e4m3 and NF4 per token. Per-channel keys group over the cache's block
 /// ([`Options::block_size`]).
 pub fn default_specs() -> Vec<KvSpec> {
     let mut out = Vec::new();
@@ -138,6 +139,10 @@ pub fn default_specs() -> Vec<KvSpec> {
     // Between INT4 and INT2: query-aware INT3 keys with rotated INT3 values, the best of the
     // real-model evaluations at about 4.3 bits (docs/quality.md).
     out.push(KvSpec::parse("int3-channel-qa/int3-token-mse-rot").expect("built-in spec"));
+    // Keys a width above their values: the keys alone set the attention KL, and on the real
+    // model these halve it against the values a width above the keys (docs/quality.md).
+    out.push(KvSpec::parse("int4-channel-p8/int3-token-mse-rot-p8").expect("built-in spec"));
+    out.push(KvSpec::parse("int3-channel-p8/int2-token-mse-rot-p8").expect("built-in spec"));
     out.push(KvSpec::parse("fp8e4m3-token").expect("built-in spec"));
     out.push(KvSpec::parse("nf4-token").expect("built-in spec"));
     out
@@ -987,7 +992,7 @@ mod tests {
         for s in ["int4-channel/int4-token", "int8-tensor", "fp8e4m3-token", "nf4-token"] {
             assert_eq!(KvSpec::parse(s).unwrap().name(), s);
         }
-        assert_eq!(default_specs().len(), 21);
+        assert_eq!(default_specs().len(), 23);
         let p8 = KvSpec::parse("int4-channel-p8/int4-token").unwrap();
         assert_eq!(p8.for_block(32).name(), "int4-channel32-p8/int4-token");
         let whole = KvSpec::parse("int4-channel-mse/int2-channel-rot").unwrap();

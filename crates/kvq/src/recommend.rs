@@ -47,6 +47,8 @@ pub fn default_candidates() -> Vec<KvSpec> {
         "int4-channel32-p8/int4-token-mse-rot-p8",
         "int3-channel32-p8/int3-token-mse-rot-p8",
         "int2-channel32-p8/int2-token-mse-rot-p8",
+        "int4-channel32-p8/int3-token-mse-rot-p8",
+        "int3-channel32-p8/int2-token-mse-rot-p8",
         "int4-channel32-p8/int2-token-mse-rot-p8",
         "int4-channel32-p8/int4-g32-mse-rot-p8",
         "int4-channel32-qa/int4-token-mse-rot",

@@ -262,7 +262,7 @@ fn calibrate_writes_a_file_a_cache_accepts() {
 fn recommend_respects_the_budget_and_writes_a_loadable_config() {
     let out = std::env::temp_dir().join(format!("kvq-rec-{}.toml", std::process::id()));
     let mut qa_chosen = false;
-    for budget in ["3.0", "4.6", "9"] {
+    for budget in ["3.2", "4.6", "9"] {
         let o = kvq(&[
             "recommend",
             "--budget-bits",
