@@ -232,13 +232,14 @@ impl PagedCache {
 
     fn empty_layer(&self) -> LayerSeq {
         let heads = self.config.kv_heads;
-        let bufs = || (0..heads).map(|_| TailBuf::new(self.config.tail_dtype)).collect::<Vec<_>>();
+        let bufs = |t| (0..heads).map(|_| TailBuf::new(t, self.config.head_dim)).collect::<Vec<_>>();
+        let [kt, vt] = self.config.tail_dtypes();
         LayerSeq {
             len: 0,
             blocks: Vec::new(),
-            sinks: [bufs(), bufs()],
+            sinks: [bufs(kt), bufs(vt)],
             done: [0, 0],
-            tails: [bufs(), bufs()],
+            tails: [bufs(kt), bufs(vt)],
             reserved: Reservation::default(),
         }
     }
@@ -399,7 +400,7 @@ impl PagedCache {
             if !layout.has_tail() || p1 - ls.done[i] < window {
                 continue;
             }
-            let limit = value_limit(layout, self.config.tail_dtype, true);
+            let limit = value_limit(layout, self.config.tail_dtypes()[i], true);
             for (h, tail) in ls.tails[i].iter().enumerate() {
                 if let Some((at, value)) = tail.first_beyond(limit) {
                     return Err(CacheError::NonFinite {
@@ -416,8 +417,11 @@ impl PagedCache {
         for (i, layout) in self.parts.iter().enumerate() {
             for h in 0..self.config.kv_heads {
                 for t in 0..n {
-                    let limit =
-                        value_limit(layout, self.config.tail_dtype, start + t < sinks || layout.has_tail());
+                    let limit = value_limit(
+                        layout,
+                        self.config.tail_dtypes()[i],
+                        start + t < sinks || layout.has_tail(),
+                    );
                     let x = row(i, h, t);
                     let (lo, hi, finite) = self.config.row_kernels.stats(x);
                     if finite && lo.abs().max(hi.abs()) <= limit {

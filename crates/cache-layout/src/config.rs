@@ -7,7 +7,8 @@ use kvq_quant_core::{
 
 use crate::error::{CacheError, Result};
 
-/// Storage type of full-precision tokens (residual tails and attention sinks).
+/// Storage type of the tokens kept out of the quantized blocks (residual tails and attention
+/// sinks).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TailDtype {
@@ -15,14 +16,49 @@ pub enum TailDtype {
     F16,
     /// 4 bytes per value (exact).
     F32,
+    /// 1 byte per value and an f32 scale per row (`head_dim + 4` bytes a row): each row
+    /// rounded symmetrically to 8 bits on arrival, `x̂ = round(x / s) · s` with
+    /// `s = max|x| / 127` (see [`crate::Int8Rows`]). Half an f16 window's bytes at head_dim 64
+    /// and more; a per-channel block is quantized from these rounded rows.
+    Int8,
 }
 
 impl TailDtype {
-    /// Bytes per value.
+    /// Bytes per value, not counting an [`TailDtype::Int8`] row's scale (see
+    /// [`TailDtype::row_bytes`]).
     pub fn size(self) -> usize {
         match self {
             TailDtype::F16 => 2,
             TailDtype::F32 => 4,
+            TailDtype::Int8 => 1,
+        }
+    }
+
+    /// Bytes one row of `dim` values takes, scale included (`None` on overflow).
+    pub fn row_bytes(self, dim: usize) -> Option<usize> {
+        let scale = if self == TailDtype::Int8 { 4 } else { 0 };
+        dim.checked_mul(self.size())?.checked_add(scale)
+    }
+
+    /// The name used in config files and on the command line (`f16`, `f32`, `int8`).
+    pub fn name(self) -> &'static str {
+        match self {
+            TailDtype::F16 => "f16",
+            TailDtype::F32 => "f32",
+            TailDtype::Int8 => "int8",
+        }
+    }
+}
+
+impl std::str::FromStr for TailDtype {
+    type Err = CacheError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f16" => Ok(TailDtype::F16),
+            "f32" => Ok(TailDtype::F32),
+            "int8" => Ok(TailDtype::Int8),
+            _ => Err(CacheError::Config(format!("tail dtype {s:?}: expected f16, f32 or int8"))),
         }
     }
 }
@@ -56,8 +92,13 @@ pub struct CacheConfig {
     pub residual_blocks: usize,
     /// The first tokens of every sequence kept in full precision (attention sinks).
     pub sink_tokens: usize,
-    /// Storage type of full-precision tokens.
+    /// Storage type of the tokens kept out of the blocks (residual window and sinks): of the
+    /// keys, and of the values unless [`CacheConfig::value_tail_dtype`] says otherwise.
     pub tail_dtype: TailDtype,
+    /// Storage type of the values' window and sinks when it differs from
+    /// [`CacheConfig::tail_dtype`]. Values take 8 bits ([`TailDtype::Int8`]) with no error
+    /// measurable on the shared capture, keys' outlier channels do not (docs/formats.md).
+    pub value_tail_dtype: Option<TailDtype>,
     /// Blocks in the pool (one block: `block_size` tokens of one layer and KV head, K and V).
     pub capacity_blocks: usize,
     /// Static ranges for per-tensor and per-head specs (and per-channel specs that should
@@ -99,6 +140,7 @@ impl CacheConfig {
             residual_blocks: 0,
             sink_tokens: 0,
             tail_dtype: TailDtype::F16,
+            value_tail_dtype: None,
             capacity_blocks,
             calibration: None,
             channel_bits: None,
@@ -145,10 +187,22 @@ impl CacheConfig {
         self
     }
 
-    /// Sets the tail storage type.
+    /// Sets the storage type of the window and sinks (keys and values; see
+    /// [`CacheConfig::with_value_tail_dtype`]).
     pub fn with_tail_dtype(mut self, dtype: TailDtype) -> Self {
         self.tail_dtype = dtype;
         self
+    }
+
+    /// Sets the storage type of the values' window and sinks alone.
+    pub fn with_value_tail_dtype(mut self, dtype: TailDtype) -> Self {
+        self.value_tail_dtype = Some(dtype);
+        self
+    }
+
+    /// The storage types of the window and sinks, `[keys, values]`.
+    pub fn tail_dtypes(&self) -> [TailDtype; 2] {
+        [self.tail_dtype, self.value_tail_dtype.unwrap_or(self.tail_dtype)]
     }
 
     /// Sets the calibration.

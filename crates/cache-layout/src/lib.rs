@@ -44,7 +44,7 @@ pub mod reserve;
 pub use cache::{CacheStats, PagedCache, SeqId};
 pub use config::{CacheConfig, TailDtype};
 pub use error::{CacheError, Result};
-pub use part::{Mode, PartLayout, TailBuf};
+pub use part::{INT8_ROWS_ZERO, Int8Rows, Mode, PartLayout, TailBuf};
 pub use pool::{BlockId, BlockPool};
 pub use read::{BlockView, CacheMemory, LayerMemory, Segment, Segments};
 pub use reserve::Reservation;

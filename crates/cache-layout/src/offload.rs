@@ -43,6 +43,9 @@ struct ConfigWire {
     residual_blocks: usize,
     sink_tokens: usize,
     tail_dtype: TailDtype,
+    /// The values' own (absent when they share `tail_dtype`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    value_tail_dtype: Option<TailDtype>,
     capacity_blocks: usize,
     calibration: Option<Calibration>,
     /// Widths per key channel, per layer and head (`-qa` K specs only).
@@ -73,6 +76,7 @@ fn to_wire(c: &CacheConfig) -> Result<ConfigWire> {
         residual_blocks: c.residual_blocks,
         sink_tokens: c.sink_tokens,
         tail_dtype: c.tail_dtype,
+        value_tail_dtype: c.value_tail_dtype,
         capacity_blocks: c.capacity_blocks,
         calibration: c.calibration.clone(),
         channel_bits: c.channel_bits.as_ref().map(|m| m.iter().map(|b| b.widths().to_vec()).collect()),
@@ -98,6 +102,7 @@ fn from_wire(w: ConfigWire) -> Result<CacheConfig> {
         residual_blocks: w.residual_blocks,
         sink_tokens: w.sink_tokens,
         tail_dtype: w.tail_dtype,
+        value_tail_dtype: w.value_tail_dtype,
         capacity_blocks: w.capacity_blocks,
         calibration: w.calibration,
         channel_bits,
@@ -180,12 +185,14 @@ impl<'a> Reader<'a> {
         }
         Ok(n)
     }
-    fn tail(&mut self, dtype: TailDtype) -> Result<TailBuf> {
+    fn tail(&mut self, dtype: TailDtype, dim: usize) -> Result<TailBuf> {
         let b = self.bytes()?;
-        if !b.len().is_multiple_of(dtype.size()) {
-            return Err(CacheError::Offload("tail of a partial value".into()));
+        let row =
+            dtype.row_bytes(dim).filter(|&r| r > 0).ok_or_else(|| CacheError::Offload("tail rows".into()))?;
+        if !b.len().is_multiple_of(row) {
+            return Err(CacheError::Offload("tail of a partial row".into()));
         }
-        Ok(TailBuf::from_le_bytes(dtype, b))
+        Ok(TailBuf::from_le_bytes(dtype, dim, b))
     }
 }
 
@@ -292,11 +299,12 @@ impl PagedCache {
         for _ in 0..n_blocks {
             ids.push(blocks(r)?);
         }
-        let read_bufs = |r: &mut Reader<'a>| -> Result<Vec<TailBuf>> {
-            (0..c.kv_heads).map(|_| r.tail(c.tail_dtype)).collect()
+        let [kt, vt] = c.tail_dtypes();
+        let read_bufs = |r: &mut Reader<'a>, t| -> Result<Vec<TailBuf>> {
+            (0..c.kv_heads).map(|_| r.tail(t, c.head_dim)).collect()
         };
-        let sinks = [read_bufs(r)?, read_bufs(r)?];
-        let tails = [read_bufs(r)?, read_bufs(r)?];
+        let sinks = [read_bufs(r, kt)?, read_bufs(r, vt)?];
+        let tails = [read_bufs(r, kt)?, read_bufs(r, vt)?];
         let ls =
             LayerSeq { len, blocks: ids, sinks, done: [done_k, done_v], tails, reserved: Default::default() };
         self.check_layer_state(&ls)?;
@@ -315,7 +323,7 @@ impl PagedCache {
             return bad("sink lengths");
         }
         for (i, layout) in self.parts.iter().enumerate() {
-            let limit = value_limit(layout, c.tail_dtype, true);
+            let limit = value_limit(layout, c.tail_dtypes()[i], true);
             for buf in ls.sinks[i].iter().chain(&ls.tails[i]) {
                 if let Some((_, v)) = buf.first_beyond(limit) {
                     return Err(CacheError::Offload(format!(

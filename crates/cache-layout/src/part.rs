@@ -424,23 +424,82 @@ pub(crate) fn read_params(
     GroupParams { scale: get(g), offset: if has_offset { get(groups + g) } else { 0.0 } }
 }
 
-/// Full-precision rows (tails and sinks) in their storage type.
+/// Rows of a tail or sink rounded to 8 bits ([`TailDtype::Int8`]): per row of `dim` values
+/// one f32 scale `s = max|x| / 127` and `dim` codes `round(x / s) + 128` (a zero row: scale 0,
+/// codes 128), read back as `(code − 128) · s`. The quantized kernels read them as a
+/// symmetric 8-bit block with per-row scales.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Int8Rows {
+    dim: usize,
+    codes: Vec<u8>,
+    scales: Vec<f32>,
+}
+
+/// The zero point of [`Int8Rows`] codes.
+pub const INT8_ROWS_ZERO: u8 = 128;
+
+impl Int8Rows {
+    fn new(dim: usize) -> Self {
+        Self { dim: dim.max(1), codes: Vec::new(), scales: Vec::new() }
+    }
+
+    /// Values per row.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The codes of rows `rows` (`dim` bytes a row).
+    pub fn codes(&self, rows: std::ops::Range<usize>) -> &[u8] {
+        &self.codes[rows.start * self.dim..rows.end * self.dim]
+    }
+
+    /// The scales of rows `rows`.
+    pub fn scales(&self, rows: std::ops::Range<usize>) -> &[f32] {
+        &self.scales[rows]
+    }
+
+    /// Rounds one row of finite values (the cache checks them first) and appends it.
+    fn push_row(&mut self, x: &[f32]) {
+        let m = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = m / 127.0;
+        self.scales.push(scale);
+        let zero = f32::from(INT8_ROWS_ZERO);
+        if scale > 0.0 {
+            // |x / scale| ≤ 127 (up to rounding, which the clamp absorbs): codes 1..=255.
+            self.codes
+                .extend(x.iter().map(|&v| ((v / scale).round_ties_even().clamp(-127.0, 127.0) + zero) as u8));
+        } else {
+            self.codes.extend(std::iter::repeat_n(INT8_ROWS_ZERO, x.len()));
+        }
+    }
+
+    fn value(&self, i: usize) -> f32 {
+        (f32::from(self.codes[i]) - f32::from(INT8_ROWS_ZERO)) * self.scales[i / self.dim]
+    }
+}
+
+/// Rows kept out of the quantized blocks (tails and sinks) in their storage type.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TailBuf {
     /// Half precision.
     F16(Vec<f16>),
     /// Single precision.
     F32(Vec<f32>),
+    /// Symmetric 8-bit rows with a scale each.
+    Int8(Int8Rows),
 }
 
 impl TailBuf {
-    pub(crate) fn new(dtype: TailDtype) -> Self {
+    /// An empty buffer of rows of `dim` values.
+    pub(crate) fn new(dtype: TailDtype, dim: usize) -> Self {
         match dtype {
             TailDtype::F16 => TailBuf::F16(Vec::new()),
             TailDtype::F32 => TailBuf::F32(Vec::new()),
+            TailDtype::Int8 => TailBuf::Int8(Int8Rows::new(dim)),
         }
     }
 
+    /// Appends whole rows (`x.len()` a multiple of the row length).
     pub(crate) fn push(&mut self, x: &[f32]) {
         match self {
             TailBuf::F16(v) => {
@@ -450,6 +509,10 @@ impl TailBuf {
                 v[start..].convert_from_f32_slice(x);
             }
             TailBuf::F32(v) => v.extend_from_slice(x),
+            TailBuf::Int8(r) => {
+                let dim = r.dim;
+                x.chunks(dim).for_each(|row| r.push_row(row));
+            }
         }
     }
 
@@ -458,6 +521,7 @@ impl TailBuf {
         match self {
             TailBuf::F16(v) => v.len(),
             TailBuf::F32(v) => v.len(),
+            TailBuf::Int8(r) => r.codes.len(),
         }
     }
 
@@ -473,6 +537,7 @@ impl TailBuf {
         match self {
             TailBuf::F16(v) => v.iter().map(|h| h.to_f32()).enumerate().find(|(_, x)| bad(x)),
             TailBuf::F32(v) => v.iter().copied().enumerate().find(|(_, x)| bad(x)),
+            TailBuf::Int8(r) => (0..r.codes.len()).map(|i| (i, r.value(i))).find(|(_, x)| bad(x)),
         }
     }
 
@@ -481,6 +546,7 @@ impl TailBuf {
         match self {
             TailBuf::F16(v) => v.len() * 2,
             TailBuf::F32(v) => v.len() * 4,
+            TailBuf::Int8(r) => r.codes.len() + r.scales.len() * 4,
         }
     }
 
@@ -493,16 +559,23 @@ impl TailBuf {
                 v[range].convert_to_f32_slice(&mut out[start..]);
             }
             TailBuf::F32(v) => out.extend_from_slice(&v[range]),
+            TailBuf::Int8(r) => out.extend(range.map(|i| r.value(i))),
         }
     }
 
+    /// Keeps the first `n` values (whole rows).
     pub(crate) fn truncate(&mut self, n: usize) {
         match self {
             TailBuf::F16(v) => v.truncate(n),
             TailBuf::F32(v) => v.truncate(n),
+            TailBuf::Int8(r) => {
+                r.codes.truncate(n);
+                r.scales.truncate(n / r.dim);
+            }
         }
     }
 
+    /// Drops the first `n` values (whole rows).
     pub(crate) fn drain_front(&mut self, n: usize) {
         match self {
             TailBuf::F16(v) => {
@@ -511,17 +584,31 @@ impl TailBuf {
             TailBuf::F32(v) => {
                 v.drain(..n);
             }
+            TailBuf::Int8(r) => {
+                r.codes.drain(..n);
+                r.scales.drain(..n / r.dim);
+            }
         }
     }
 
+    /// The stored bytes: values in little-endian order; for [`TailBuf::Int8`] each row's
+    /// scale, then its codes.
     pub(crate) fn to_le_bytes(&self, out: &mut Vec<u8>) {
         match self {
             TailBuf::F16(v) => v.iter().for_each(|h| out.extend_from_slice(&h.to_le_bytes())),
             TailBuf::F32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            TailBuf::Int8(r) => {
+                for (scale, codes) in r.scales.iter().zip(r.codes.chunks_exact(r.dim)) {
+                    out.extend_from_slice(&scale.to_le_bytes());
+                    out.extend_from_slice(codes);
+                }
+            }
         }
     }
 
-    pub(crate) fn from_le_bytes(dtype: TailDtype, bytes: &[u8]) -> Self {
+    /// Reads what [`TailBuf::to_le_bytes`] wrote; `bytes` must be whole rows of `dim` values
+    /// ([`TailDtype::row_bytes`]), which the caller checks.
+    pub(crate) fn from_le_bytes(dtype: TailDtype, dim: usize, bytes: &[u8]) -> Self {
         match dtype {
             TailDtype::F16 => {
                 TailBuf::F16(bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]])).collect())
@@ -529,6 +616,14 @@ impl TailBuf {
             TailDtype::F32 => TailBuf::F32(
                 bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             ),
+            TailDtype::Int8 => {
+                let mut r = Int8Rows::new(dim);
+                for row in bytes.chunks_exact(dim.max(1) + 4) {
+                    r.scales.push(f32::from_le_bytes([row[0], row[1], row[2], row[3]]));
+                    r.codes.extend_from_slice(&row[4..]);
+                }
+                TailBuf::Int8(r)
+            }
         }
     }
 }
@@ -631,5 +726,66 @@ fn gather_columns(rows: &[f32], d: usize, first: usize, n: usize, out: &mut Vec<
     out.clear();
     for row in rows.chunks_exact(d) {
         out.extend_from_slice(&row[first..first + n]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(n: usize, d: usize, seed: u64) -> Vec<f32> {
+        let mut rng = kvq_quant_core::synth::Rng::new(seed);
+        (0..n * d).map(|i| rng.normal() as f32 * if i % d == 3 { 40.0 } else { 1.0 }).collect()
+    }
+
+    #[test]
+    fn int8_rows_round_within_half_a_step_and_keep_their_rows() {
+        let d = 24;
+        let x = rows(5, d, 1);
+        let mut t = TailBuf::new(TailDtype::Int8, d);
+        t.push(&x[..d]);
+        t.push(&x[d..]);
+        let zero = vec![0.0; d];
+        t.push(&zero);
+        assert_eq!((t.len(), t.bytes()), (6 * d, 6 * (d + 4)));
+        let mut back = Vec::new();
+        t.extend_f32(0..6 * d, &mut back);
+        for (r, (row, got)) in x.chunks(d).chain([zero.as_slice()]).zip(back.chunks(d)).enumerate() {
+            let step = row.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            for (a, b) in row.iter().zip(got) {
+                assert!((a - b).abs() <= step * 0.5 * (1.0 + 1e-6), "row {r}: {a} -> {b}, step {step}");
+            }
+        }
+        let TailBuf::Int8(r) = &t else { unreachable!("int8 rows") };
+        assert_eq!(r.codes(5..6), &[INT8_ROWS_ZERO; 24][..]);
+        assert_eq!(r.scales(5..6), &[0.0]);
+        // The largest value of a row takes the extreme code.
+        assert!(r.codes(0..1).iter().any(|&c| c == 1 || c == 255));
+
+        // Bytes round trip, then the same rows after dropping the first and the last.
+        let mut bytes = Vec::new();
+        t.to_le_bytes(&mut bytes);
+        assert_eq!(bytes.len(), t.bytes());
+        let mut u = TailBuf::from_le_bytes(TailDtype::Int8, d, &bytes);
+        assert_eq!(u, t);
+        u.drain_front(d);
+        u.truncate(4 * d);
+        let mut mid = Vec::new();
+        u.extend_f32(0..4 * d, &mut mid);
+        assert_eq!(mid, back[d..5 * d]);
+        assert_eq!(u.bytes(), 4 * (d + 4));
+        assert_eq!(u.first_beyond(f32::MAX), None);
+        assert!(u.first_beyond(1.0).is_some());
+    }
+
+    #[test]
+    fn tail_dtype_names_and_row_bytes() {
+        for t in [TailDtype::F16, TailDtype::F32, TailDtype::Int8] {
+            assert_eq!(t.name().parse::<TailDtype>().unwrap(), t);
+        }
+        assert!("f8".parse::<TailDtype>().is_err());
+        assert_eq!(TailDtype::Int8.row_bytes(64), Some(68));
+        assert_eq!(TailDtype::F16.row_bytes(64), Some(128));
+        assert_eq!(TailDtype::F32.row_bytes(usize::MAX), None);
     }
 }

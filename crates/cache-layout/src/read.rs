@@ -301,9 +301,9 @@ pub struct LayerMemory {
     /// Calibrated parameters of static parts, and the channel bit maps of `-qa` keys (4 bits
     /// per channel): held once per layer and head.
     pub static_param_bytes: usize,
-    /// Full-precision residual tails.
+    /// Residual tails (the window), in their storage type (an 8-bit row's scale included).
     pub tail_bytes: usize,
-    /// Full-precision attention sinks.
+    /// Attention sinks, likewise.
     pub sink_bytes: usize,
     /// Block tables (4 bytes per entry).
     pub table_bytes: usize,

@@ -365,3 +365,41 @@ fn one_byte_parameter_grids_that_are_not_ranges_are_refused() {
         );
     }
 }
+
+#[test]
+fn int8_tails_with_bad_scales_or_another_type_are_refused() {
+    // Keys in f16, values in 8 bits: the values' sinks and window hold a scale per row.
+    let c = seq_config().with_value_tail_dtype(TailDtype::Int8);
+    let (cache, seq) = filled(c.clone(), 7);
+    let file = cache.export_sequence(seq).unwrap();
+    let mut target = PagedCache::new(c.clone()).unwrap();
+    target.import_sequence(&file).unwrap();
+    // The scale of the first value row of head 0 (token 1's values, as `filled` appends them).
+    let row = &token(&c, 1)[..c.head_dim];
+    let scale = row.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+    let at = file.windows(4).position(|w| w == scale.to_le_bytes()).expect("the scale of a sink row");
+    for bad_scale in [f32::NAN, f32::INFINITY, 1e38] {
+        let mut bad = file.clone();
+        bad[at..at + 4].copy_from_slice(&bad_scale.to_le_bytes());
+        reseal(&mut bad);
+        let before = target.clone();
+        let e = quick(|| target.import_sequence(&bad)).unwrap_err();
+        assert!(e.to_string().contains("full-precision value"), "scale {bad_scale}: {e}");
+        assert_eq!(target, before, "a refused import changed the cache");
+    }
+    // A whole cache whose header names another storage type than its bytes were written in:
+    // rows of another length, refused by their count.
+    let whole = cache.to_bytes().unwrap();
+    assert_eq!(PagedCache::from_bytes(&whole).unwrap(), cache);
+    for (from, to) in [
+        ("\"value_tail_dtype\":\"int8\"", "\"value_tail_dtype\":\"f16\""),
+        ("\"tail_dtype\":\"f16\"", "\"tail_dtype\":\"int8\""),
+    ] {
+        let bad = with_header(&whole, |h| {
+            assert!(h.contains(from), "{h}");
+            h.replace(from, to)
+        });
+        let e = quick(|| PagedCache::from_bytes(&bad)).unwrap_err();
+        assert!(e.to_string().contains("partial row") || e.to_string().contains("lengths"), "{to}: {e}");
+    }
+}

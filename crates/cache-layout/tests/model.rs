@@ -84,6 +84,26 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+const TAILS: [TailDtype; 3] = [TailDtype::F16, TailDtype::F32, TailDtype::Int8];
+
+/// A row as a tail of `dtype` stores it (the documented rounding of each type, written out
+/// again here).
+fn stored(dtype: TailDtype, x: &[f32], d: usize) -> Vec<f32> {
+    match dtype {
+        TailDtype::F32 => x.to_vec(),
+        TailDtype::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+        TailDtype::Int8 => x
+            .chunks(d)
+            .flat_map(|row| {
+                let scale = row.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                // An integer level, so that −0.0 comes back as 0.
+                let level = move |v: f32| (v / scale).round_ties_even().clamp(-127.0, 127.0) as i32;
+                row.iter().map(move |&v| if scale > 0.0 { level(v) as f32 * scale } else { 0.0 })
+            })
+            .collect(),
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Setup {
     heads: usize,
@@ -91,7 +111,8 @@ struct Setup {
     bs: usize,
     residual: usize,
     sinks: usize,
-    tail: TailDtype,
+    /// Storage of the window and sinks, `[keys, values]`.
+    tail: [TailDtype; 2],
     k: &'static str,
     v: &'static str,
     capacity: usize,
@@ -109,7 +130,7 @@ fn setup() -> impl Strategy<Value = Setup> {
         prop::sample::select(vec![2usize, 4]),
         0..3usize,
         0..3usize,
-        any::<bool>(),
+        (0..3usize, 0..4usize),
         prop::sample::select(vec![
             "int4-channel",
             "int3-channel",
@@ -139,7 +160,7 @@ fn setup() -> impl Strategy<Value = Setup> {
         any::<bool>(),
         any::<bool>(),
     )
-        .prop_map(|(heads, d, bs, residual, sinks, f16_tail, k, v, capacity, calibrate, row_window)| {
+        .prop_map(|(heads, d, bs, residual, sinks, (kt, vt), k, v, capacity, calibrate, row_window)| {
             // Bits per key channel take their ranges from the data: no calibration, so no
             // per-head or per-tensor values beside them.
             // One-byte parameters are a block's own: no calibration either.
@@ -153,7 +174,8 @@ fn setup() -> impl Strategy<Value = Setup> {
                 bs,
                 residual,
                 sinks,
-                tail: if f16_tail { TailDtype::F16 } else { TailDtype::F32 },
+                // Values the keys' storage (3) or one of their own.
+                tail: [TAILS[kt], TAILS.get(vt).copied().unwrap_or(TAILS[kt])],
                 k,
                 v,
                 capacity,
@@ -278,12 +300,7 @@ impl World {
         let rows = &m.rows[layer][part][head];
         let len = rows.len() / d;
         let done = m.done[layer][part];
-        let full = |x: &[f32]| -> Vec<f32> {
-            match self.s.tail {
-                TailDtype::F32 => x.to_vec(),
-                TailDtype::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
-            }
-        };
+        let full = |x: &[f32]| stored(self.s.tail[part], x, d);
         let n_sinks = len.min(sinks);
         let mut out = full(&rows[..n_sinks * d]);
         let spec = self.spec(part);
@@ -596,7 +613,8 @@ proptest! {
             .with_block_size(s.bs)
             .with_residual_blocks(s.residual)
             .with_sink_tokens(s.sinks)
-            .with_tail_dtype(s.tail)
+            .with_tail_dtype(s.tail[0])
+            .with_value_tail_dtype(s.tail[1])
             .with_row_window(s.row_window);
         if s.k.contains("-qa") {
             config = config.with_channel_bits((0..LAYERS * s.heads).map(|i| channel_bits(s.d, i)).collect());

@@ -25,6 +25,7 @@ use crate::cache::{
     DEFAULT_BLOCK_SIZE, DEFAULT_RESIDUAL_BLOCKS, DEFAULT_SINK_TOKENS, KvCacheConfig, KvqError,
     QuantizedKvCache,
 };
+use kvq_cache_layout::TailDtype;
 
 /// Why an analysis could not run.
 #[derive(Debug, thiserror::Error)]
@@ -325,13 +326,23 @@ pub struct CacheRun {
     pub sink_tokens: usize,
     /// Per-token and `gN` specs keep the residual window too, as [`KvCacheConfig::row_window`].
     pub row_window: bool,
+    /// Storage type of the window and sinks, as [`KvCacheConfig::tail_dtype`].
+    pub tail_dtype: TailDtype,
+    /// The values' own, as [`KvCacheConfig::value_tail_dtype`].
+    pub value_tail_dtype: Option<TailDtype>,
 }
 
 impl Default for CacheRun {
     /// The cache's defaults ([`KvCacheConfig::builder`]): one residual block, 4 sinks, row
-    /// specs quantized as they arrive.
+    /// specs quantized as they arrive, window and sinks in f16.
     fn default() -> Self {
-        Self { residual_blocks: DEFAULT_RESIDUAL_BLOCKS, sink_tokens: DEFAULT_SINK_TOKENS, row_window: false }
+        Self {
+            residual_blocks: DEFAULT_RESIDUAL_BLOCKS,
+            sink_tokens: DEFAULT_SINK_TOKENS,
+            row_window: false,
+            tail_dtype: TailDtype::F16,
+            value_tail_dtype: None,
+        }
     }
 }
 
@@ -356,7 +367,11 @@ impl CacheRun {
             .residual_blocks(self.residual_blocks)
             .sink_tokens(self.sink_tokens)
             .row_window(self.row_window)
+            .tail_dtype(self.tail_dtype)
             .blocks_per_layer(per_seq.saturating_mul(ks.batch).saturating_mul(ks.heads));
+        if let Some(v) = self.value_tail_dtype {
+            builder = builder.value_tail_dtype(v);
+        }
         if spec.k.channel_bits() {
             let maps = match maps {
                 Some(m) => m,
@@ -813,10 +828,11 @@ impl Report {
             let block = self.block_size;
             let _ = writeln!(
                 s,
-                "through QuantizedKvCache: blocks of {block} tokens, {} residual block(s){}, {} sink token(s) in f16 (counted in bits)",
+                "through QuantizedKvCache: blocks of {block} tokens, {} residual block(s){}, {} sink token(s) in {} (counted in bits)",
                 run.residual_blocks,
                 if run.row_window { " for every part" } else { "" },
-                run.sink_tokens
+                run.sink_tokens,
+                crate::cache::tail_dtypes_text(run.tail_dtype, run.value_tail_dtype)
             );
         }
         for layer in &self.layers {
@@ -895,7 +911,13 @@ mod tests {
     fn a_cache_holding_every_token_in_f16_is_exact() {
         // The sample is f16 data, which the cache's f16 sinks hold exactly; their bytes count.
         let layer = sample_layer0();
-        let run = CacheRun { residual_blocks: 0, sink_tokens: layer.k.shape().tokens, row_window: false };
+        let run = CacheRun {
+            residual_blocks: 0,
+            sink_tokens: layer.k.shape().tokens,
+            row_window: false,
+            tail_dtype: TailDtype::F16,
+            value_tail_dtype: None,
+        };
         let options = Options { positions: 5, cache: Some(run), ..Options::default() };
         let row = one_row(&layer, "int2-channel/int2-token", &options);
         assert_eq!((row.k_mse, row.v_mse, row.attn_rel_err, row.attn_kl), (0.0, 0.0, 0.0, 0.0));
@@ -910,7 +932,13 @@ mod tests {
         let layer = sample_layer0();
         let offline = Options { positions: 1, ..Options::default() };
         let cached = Options {
-            cache: Some(CacheRun { residual_blocks: 0, sink_tokens: 0, row_window: false }),
+            cache: Some(CacheRun {
+                residual_blocks: 0,
+                sink_tokens: 0,
+                row_window: false,
+                tail_dtype: TailDtype::F16,
+                value_tail_dtype: None,
+            }),
             ..offline.clone()
         };
         for spec in ["int4-channel/int4-token", "int2-channel-mse/int3-token-mse-rot", "int4-g16"] {

@@ -808,11 +808,13 @@ enum Run<'a> {
     Block(BlockView<'a>),
 }
 
-/// Scores (`scores = true`) or values of a full-precision run through the dense kernels: f32
-/// rows read in place, f16 rows widened in registers.
+/// Scores (`scores = true`) or values of a run of tail or sink rows: f32 rows read in place
+/// and f16 rows widened in registers by the dense kernels; 8-bit rows through the quantized
+/// kernels, as a symmetric 8-bit block with a scale per row.
 #[allow(clippy::too_many_arguments)]
 fn dense_run(
     backend: Backend,
+    kernel: &mut kvq_kernels_simd::Scratch,
     scores: bool,
     rows: &TailBuf,
     offset: usize,
@@ -839,6 +841,17 @@ fn dense_run(
     match rows {
         TailBuf::F32(v) => run(backend, scores, &v[range], (n, d, w, g), out),
         TailBuf::F16(v) => run(backend, scores, &v[range], (n, d, w, g), out),
+        TailBuf::Int8(r) => {
+            let rows = offset / d..offset / d + n;
+            let zero = f32::from(kvq_cache_layout::INT8_ROWS_ZERO);
+            let params = Params::PerRow { scale: r.scales(rows.clone()), offset: None };
+            let block = QuantBlock::new(r.codes(rows), n, d, 8, Levels::Symmetric { zero }, params)?;
+            if scores {
+                scores_in(backend, kernel, &block, w, g, out)
+            } else {
+                axpy_in(backend, kernel, &block, w, g, out)
+            }
+        }
     }
 }
 
@@ -996,7 +1009,9 @@ fn attend<'a>(
         let n = b - a;
         s.resize(g * n, 0.0);
         match (k, rope) {
-            (Run::Full { rows, offset }, _) => dense_run(backend, true, rows, offset, n, d, qs, g, s)?,
+            (Run::Full { rows, offset }, _) => {
+                dense_run(backend, kernel, true, rows, offset, n, d, qs, g, s)?
+            }
             // Keys stored before RoPE (the cache holds them so only as per-channel blocks).
             (Run::Block(view), Some(rope)) => {
                 pre_rope_scores(backend, rope, &view, bufs, (rs, kernel), qs, g, d, s)?
@@ -1067,7 +1082,9 @@ fn attend<'a>(
             }
         }
         match v {
-            Run::Full { rows, offset } => dense_run(backend, false, rows, offset, n, d, s, g, &mut st.o)?,
+            Run::Full { rows, offset } => {
+                dense_run(backend, kernel, false, rows, offset, n, d, s, g, &mut st.o)?
+            }
             Run::Block(view) => {
                 with_block(&view, &readers[1], bufs, |blk| match path {
                     ScorePath::Float => axpy_in(backend, kernel, blk, s, g, &mut st.o),

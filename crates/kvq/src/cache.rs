@@ -89,8 +89,12 @@ pub struct KvCacheConfig {
     pub residual_blocks: usize,
     /// Leading tokens kept in full precision.
     pub sink_tokens: usize,
-    /// Storage of full-precision tokens.
+    /// Storage of the tokens kept out of the blocks (window and sinks): of the keys, and of
+    /// the values unless `value_tail_dtype` is set.
     pub tail_dtype: TailDtype,
+    /// Storage of the values' window and sinks when it differs
+    /// ([`KvCacheConfigBuilder::value_tail_dtype`]).
+    pub value_tail_dtype: Option<TailDtype>,
     /// Blocks in each layer's pool.
     pub blocks_per_layer: usize,
     /// One entry per layer.
@@ -139,6 +143,7 @@ impl KvCacheConfig {
                 residual_blocks: DEFAULT_RESIDUAL_BLOCKS,
                 sink_tokens: DEFAULT_SINK_TOKENS,
                 tail_dtype: TailDtype::F16,
+                value_tail_dtype: None,
                 blocks_per_layer: 1024,
                 layers: vec![LayerSpecs { k, v, k_channel_bits: None }; layers],
                 calibration: None,
@@ -159,6 +164,9 @@ impl KvCacheConfig {
             .with_sink_tokens(self.sink_tokens)
             .with_tail_dtype(self.tail_dtype)
             .with_row_window(self.row_window);
+        if let Some(t) = self.value_tail_dtype {
+            c = c.with_value_tail_dtype(t);
+        }
         if let Some(cal) = &self.calibration {
             c = c.with_calibration(cal.layer_subset(l));
         }
@@ -351,9 +359,19 @@ impl KvCacheConfigBuilder {
         self
     }
 
-    /// Storage of full-precision tokens.
+    /// Storage of the window and sinks, keys and values (f16 by default; see
+    /// [`KvCacheConfigBuilder::value_tail_dtype`]).
     pub fn tail_dtype(mut self, t: TailDtype) -> Self {
         self.config.tail_dtype = t;
+        self
+    }
+
+    /// Storage of the values' window and sinks alone: `TailDtype::Int8` halves their bytes at
+    /// head_dim 64 with no error measurable on the shared capture (`int4-channel-p8/
+    /// int3-token-mse-rot-p8`: 0.12 fewer bits at 2048 tokens for the same attention error),
+    /// where 8-bit keys raise the attention KL by up to a quarter (docs/formats.md).
+    pub fn value_tail_dtype(mut self, t: TailDtype) -> Self {
+        self.config.value_tail_dtype = Some(t);
         self
     }
 
@@ -417,6 +435,8 @@ struct Wire {
     residual_blocks: usize,
     sink_tokens: usize,
     tail_dtype: TailDtype,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    value_tail_dtype: Option<TailDtype>,
     blocks_per_layer: usize,
     layers: Vec<WireLayer>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -440,6 +460,7 @@ impl From<&KvCacheConfig> for Wire {
             residual_blocks: c.residual_blocks,
             sink_tokens: c.sink_tokens,
             tail_dtype: c.tail_dtype,
+            value_tail_dtype: c.value_tail_dtype,
             blocks_per_layer: c.blocks_per_layer,
             layers: c
                 .layers
@@ -495,6 +516,7 @@ impl TryFrom<Wire> for KvCacheConfig {
             residual_blocks: w.residual_blocks,
             sink_tokens: w.sink_tokens,
             tail_dtype: w.tail_dtype,
+            value_tail_dtype: w.value_tail_dtype,
             blocks_per_layer: w.blocks_per_layer,
             layers,
             calibration: w.calibration,
@@ -504,6 +526,32 @@ impl TryFrom<Wire> for KvCacheConfig {
         };
         c.validate()?;
         Ok(c)
+    }
+}
+
+/// Reads the command-line form of the window's storage: `DTYPE` for keys and values, or
+/// `KDTYPE/VDTYPE` (`f16/int8`: keys in f16, values in 8 bits); each of `f16`, `f32`,
+/// `int8`. Returns the keys' (and values' unless they differ: `None`) storage.
+///
+/// # Errors
+/// [`KvqError::Config`] for another name.
+pub fn parse_tail_dtypes(s: &str) -> Result<(TailDtype, Option<TailDtype>), KvqError> {
+    let one = |t: &str| t.parse::<TailDtype>().map_err(|e| KvqError::Config(e.to_string()));
+    match s.split_once('/') {
+        None => Ok((one(s)?, None)),
+        Some((k, v)) => {
+            let (k, v) = (one(k)?, one(v)?);
+            Ok((k, (v != k).then_some(v)))
+        }
+    }
+}
+
+/// The command-line form of the window's storage ([`parse_tail_dtypes`] reads it back):
+/// `f16`, or `f16/int8` when the values' differs.
+pub fn tail_dtypes_text(k: TailDtype, v: Option<TailDtype>) -> String {
+    match v {
+        Some(v) if v != k => format!("{}/{}", k.name(), v.name()),
+        _ => k.name().to_string(),
     }
 }
 

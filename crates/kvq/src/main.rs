@@ -218,7 +218,7 @@ fn parse_pairing(s: &str) -> Result<Pairing, String> {
 #[derive(clap::Args, Debug)]
 struct CacheArgs {
     /// Append the tokens to a `QuantizedKvCache` and compare each query against what the
-    /// cache holds at its position, residual window and sinks included (their f16 bytes
+    /// cache holds at its position, residual window and sinks included (their bytes
     /// counted in the bits, at the file's length), instead of quantizing whole tensors
     /// offline. Specs the cache cannot hold are refused (skipped from built-in lists, with
     /// the reason).
@@ -236,6 +236,17 @@ struct CacheArgs {
     /// being quantized as they arrive (specs with `-p8` always do).
     #[arg(long, requires = "cache")]
     row_window: bool,
+    /// With --cache: storage of the residual window and sinks, `DTYPE` or `KDTYPE/VDTYPE`,
+    /// each `f16`, `f32` or `int8` (8 bits and a scale per row: about half of f16's bytes);
+    /// `f16/int8` keeps the keys' in f16.
+    #[arg(long, requires = "cache", default_value = "f16", value_parser = parse_tail_dtypes)]
+    tail_dtype: TailDtypes,
+}
+
+type TailDtypes = (kvq::layout::TailDtype, Option<kvq::layout::TailDtype>);
+
+fn parse_tail_dtypes(s: &str) -> Result<TailDtypes, String> {
+    kvq::cache::parse_tail_dtypes(s).map_err(|e| e.to_string())
 }
 
 impl CacheArgs {
@@ -244,6 +255,8 @@ impl CacheArgs {
             residual_blocks: self.residual_blocks as usize,
             sink_tokens: self.sinks as usize,
             row_window: self.row_window,
+            tail_dtype: self.tail_dtype.0,
+            value_tail_dtype: self.tail_dtype.1,
         })
     }
 }
@@ -335,12 +348,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 };
                 eprintln!(
                     "kvq: wrote {} ({} layers; {filled} not in the dump take the specs of the nearest dumped layer{unfitted}; \
-                     f16 residual window of {} block(s) of {} and {} sink tokens: {counted})",
+                     residual window of {} block(s) of {} and {} sink tokens in {}: {counted})",
                     out.display(),
                     config.layers.len(),
                     config.residual_blocks,
                     config.block_size,
                     config.sink_tokens,
+                    kvq::cache::tail_dtypes_text(config.tail_dtype, config.value_tail_dtype),
                 );
             }
             Ok(())

@@ -7,7 +7,7 @@
 //! reduction per extra bit that still fits the budget (a greedy multiple-choice knapsack).
 //! Candidates stream in a paged cache with blocks of 32 tokens: per-channel keys are grouped
 //! per 32-token block, exactly as the cache will store them. With [`Options::cache`] the
-//! candidates are measured through the cache itself, so the bits include its f16 residual
+//! candidates are measured through the cache itself, so the bits include its residual
 //! window and sinks (write the config with [`config_with`] and the same [`CacheRun`]).
 //!
 //! Candidates with bits per key channel (`-qa`) are measured with maps fitted on the tokens
@@ -257,7 +257,11 @@ pub fn config_with(
         .block_size(BLOCK_SIZE)
         .residual_blocks(run.residual_blocks)
         .sink_tokens(run.sink_tokens)
-        .row_window(run.row_window);
+        .row_window(run.row_window)
+        .tail_dtype(run.tail_dtype);
+    if let Some(v) = run.value_tail_dtype {
+        b = b.value_tail_dtype(v);
+    }
     let config_err = |e: kvq_quant_core::QuantError| RecommendError::Config(KvqError::Config(e.to_string()));
     for (m, &from) in source.iter().enumerate() {
         let at = ids.iter().position(|&id| id == from).expect("a dumped layer");

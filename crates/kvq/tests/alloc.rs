@@ -80,7 +80,8 @@ fn decode_steps_do_not_allocate() {
             .with_block_size(32)
             .with_residual_blocks(i % 2)
             .with_sink_tokens(4 * (i % 2))
-            .with_tail_dtype(if i % 3 == 0 { TailDtype::F32 } else { TailDtype::F16 });
+            .with_tail_dtype([TailDtype::F32, TailDtype::F16, TailDtype::Int8][i % 3])
+            .with_value_tail_dtype([TailDtype::Int8, TailDtype::F16][i % 2]);
         let config = if k.contains("-head") { config.with_calibration(calibration) } else { config };
         // Widths 2, 3 and 4 over interleaved channels: three regions, a real permutation.
         let widths: Vec<u8> = (0..d).map(|c| [2, 4, 3, 3][c % 4]).collect();

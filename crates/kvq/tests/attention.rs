@@ -60,7 +60,9 @@ fn check(cache: &PagedCache, seq: SeqId, layer: usize, q: &[f32], query_heads: u
     }
 }
 
-/// A one-layer cache of `config` (its `i`-th variant: residual blocks, sinks, tail type and
+const TAILS: [TailDtype; 3] = [TailDtype::F16, TailDtype::F32, TailDtype::Int8];
+
+/// A one-layer cache of `config` (its `i`-th variant: residual blocks, sinks, tail types and
 /// the row window vary with `i`) holding 70 random tokens, checked against the reference for `group` query
 /// heads per KV head.
 fn check_random(config: CacheConfig, i: usize, group: usize, rng: &mut Rng, what: &str) {
@@ -69,7 +71,8 @@ fn check_random(config: CacheConfig, i: usize, group: usize, rng: &mut Rng, what
         .with_block_size(16)
         .with_residual_blocks(i % 2)
         .with_sink_tokens(i % 3)
-        .with_tail_dtype(if i.is_multiple_of(2) { TailDtype::F16 } else { TailDtype::F32 })
+        .with_tail_dtype(TAILS[i % 3])
+        .with_value_tail_dtype(TAILS[(i / 3 + i) % 3])
         .with_row_window(i % 4 >= 2);
     let mut cache = PagedCache::new(config).unwrap();
     let seq = cache.create();

@@ -28,6 +28,13 @@ fn config_round_trips_through_toml_and_json() {
     assert!(text.contains("row_window = true"), "{text}");
     assert_eq!(KvCacheConfig::from_toml(&text).unwrap(), windowed);
     assert_eq!(KvCacheConfig::from_json(&windowed.to_json()).unwrap(), windowed);
+    // So is the values' own window storage.
+    assert!(!toml.contains("value_tail_dtype"), "{toml}");
+    let int8 = KvCacheConfig { value_tail_dtype: Some(TailDtype::Int8), ..c.clone() };
+    let text = int8.to_toml();
+    assert!(text.contains("tail_dtype = \"f16\"") && text.contains("value_tail_dtype = \"int8\""), "{text}");
+    assert_eq!(KvCacheConfig::from_toml(&text).unwrap(), int8);
+    assert_eq!(KvCacheConfig::from_json(&int8.to_json()).unwrap(), int8);
     let dir = std::env::temp_dir().join(format!("kvq-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for (name, text) in [("c.toml", toml.clone()), ("c.json", c.to_json())] {
@@ -46,6 +53,7 @@ fn bad_configs_are_errors() {
         ("k = \"int8-token\"", "k = \"int9-token\""),
         ("block_size = 8", "block_size = 0"),
         ("k = \"int8-token\"", "k = \"int4-head\""),
+        ("tail_dtype = \"f16\"", "tail_dtype = \"int4\""),
     ] {
         let bad = good.replacen(from, to, 1);
         assert!(matches!(KvCacheConfig::from_toml(&bad), Err(KvqError::Config(_))), "{to}");
@@ -540,4 +548,37 @@ fn layers_with_keys_before_rope() {
             |c: &kvq::layout::PagedCache| c.dequantize(seq, 0, h, kvq::quant::calibration::Part::K).unwrap();
         assert_eq!(keys(&loaded), keys(layer));
     }
+}
+
+#[test]
+fn window_storage_reads_from_the_command_line_form() {
+    use kvq::cache::parse_tail_dtypes;
+    assert_eq!(parse_tail_dtypes("int8").unwrap(), (TailDtype::Int8, None));
+    assert_eq!(parse_tail_dtypes("f16/int8").unwrap(), (TailDtype::F16, Some(TailDtype::Int8)));
+    assert_eq!(parse_tail_dtypes("f32/f32").unwrap(), (TailDtype::F32, None));
+    for text in ["f16", "int8", "f16/int8", "f32/f16"] {
+        let (k, v) = parse_tail_dtypes(text).unwrap();
+        assert_eq!(kvq::cache::tail_dtypes_text(k, v), text);
+    }
+    for bad in ["", "f8", "f16/", "/int8", "f16/int8/f32", "INT8"] {
+        assert!(matches!(parse_tail_dtypes(bad), Err(KvqError::Config(_))), "{bad:?}");
+    }
+    // A cache with 8-bit values in its window holds fewer bytes than with f16, same tokens.
+    let memory = |v: TailDtype| {
+        let config = KvCacheConfig::builder(1, 2, 4, 64)
+            .specs("int4-channel".parse().unwrap(), "int4-token-p8".parse().unwrap())
+            .value_tail_dtype(v)
+            .build()
+            .unwrap();
+        let mut cache = QuantizedKvCache::new(config).unwrap();
+        let seq = cache.create();
+        for t in 0..50 {
+            let x: Vec<f32> = (0..2 * 64).map(|i| ((i + t) % 13) as f32 - 6.0).collect();
+            cache.append(seq, 0, &x, &x).unwrap();
+        }
+        cache.memory().iter().flat_map(|m| &m.layers).map(|l| l.tail_bytes + l.sink_bytes).sum::<usize>()
+    };
+    let (f16, int8) = (memory(TailDtype::F16), memory(TailDtype::Int8));
+    // Keys' rows in f16 (128 bytes), values' in 8 bits (64 + 4).
+    assert_eq!(f16 * (128 + 68), int8 * (128 + 128), "{f16} {int8}");
 }

@@ -78,6 +78,16 @@ fn analyze_through_the_cache_counts_its_full_precision_tokens() {
         // 256 tokens: 4 sinks and a 32..63-token window in f16 add about 2 bits; more, more.
         assert!(a + 1.0 < *b && b + 2.0 < *c, "{offline:?} {cached:?} {more_sinks:?}");
     }
+    // The same window in 8 bits (a scale per row of 64: 8.5 bits), or only the values':
+    // keys wait in the window, values (per-token, no `row_window`) only in the sinks.
+    let int8 = bits(&[&spec[..], &["--cache", "--tail-dtype", "int8"]].concat());
+    let values = bits(&[&spec[..], &["--cache", "--tail-dtype", "f16/int8"]].concat());
+    for (((a, b), c), d) in offline.iter().zip(&cached).zip(&int8).zip(&values) {
+        let (f16, eight) = (b - a, c - a);
+        // Rows of 68 bytes instead of 128, less the quantized bits they stand in for: 0.53.
+        assert!((0.45..0.6).contains(&(eight / f16)), "{cached:?} {int8:?}");
+        assert!(d < b && b - d < 0.1, "{cached:?} {values:?}");
+    }
     // The built-in list drops what the cache cannot stream, and says why on stderr.
     let out = kvq(&["analyze", "--cache", "--positions", "2"]);
     assert!(out.status.success());
@@ -208,6 +218,7 @@ fn errors_are_one_line_with_exit_code_1() {
     }
     assert_eq!(kvq(&["analyze", "--bogus"]).status.code(), Some(2));
     assert_eq!(kvq(&["analyze", "--sinks", "2"]).status.code(), Some(2), "--sinks needs --cache");
+    assert_eq!(kvq(&["analyze", "--cache", "--tail-dtype", "f8"]).status.code(), Some(2));
 }
 
 #[test]

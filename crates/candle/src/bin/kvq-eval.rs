@@ -83,6 +83,11 @@ struct Args {
     /// always do).
     #[arg(long)]
     row_window: bool,
+    /// Storage of the residual window and sinks (for --specs), `DTYPE` or `KDTYPE/VDTYPE`,
+    /// each `f16`, `f32` or `int8` (8 bits and a scale per row); `f16/int8` keeps the keys'
+    /// in f16.
+    #[arg(long, default_value = "f16", value_parser = parse_tail_dtypes)]
+    tail_dtype: (TailDtype, Option<TailDtype>),
     /// Weight matrices: `f32` (dequantized at load, so that the caches alone differ) or
     /// `native` (candle's quantized matmuls, which round activations to 8 bits: a noise floor
     /// of its own under every cache's figures).
@@ -96,6 +101,10 @@ struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+fn parse_tail_dtypes(s: &str) -> Result<(TailDtype, Option<TailDtype>), String> {
+    kvq::cache::parse_tail_dtypes(s).map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {
@@ -232,7 +241,11 @@ fn candidates(
                 .block_size(args.block_size)
                 .residual_blocks(args.residual_blocks)
                 .sink_tokens(args.sinks)
-                .row_window(args.row_window);
+                .row_window(args.row_window)
+                .tail_dtype(args.tail_dtype.0);
+            if let Some(v) = args.tail_dtype.1 {
+                builder = builder.value_tail_dtype(v);
+            }
             for (layer, m) in maps.into_iter().enumerate() {
                 builder = builder.channel_bits(layer, m);
             }
