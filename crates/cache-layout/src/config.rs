@@ -368,7 +368,7 @@ impl CacheConfig {
             }
             if spec.param_dtype() == kvq_quant_core::ParamDtype::U8 && self.calibration.is_some() {
                 return bad(format!(
-                    "{name} spec {spec}: one-byte parameters (-p8) are a block's own; calibrated ranges are held once per cache"
+                    "{name} spec {spec}: one-byte parameters (-p8) are a block's own, calibrated ranges are held once per cache: give a calibration with specs without -p8"
                 ));
             }
             if let Kind::Codebook(CodebookSource::LloydMax) = spec.kind() {

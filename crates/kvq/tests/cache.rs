@@ -28,13 +28,15 @@ fn config_round_trips_through_toml_and_json() {
     assert!(text.contains("row_window = true"), "{text}");
     assert_eq!(KvCacheConfig::from_toml(&text).unwrap(), windowed);
     assert_eq!(KvCacheConfig::from_json(&windowed.to_json()).unwrap(), windowed);
-    // So is the values' own window storage.
-    assert!(!toml.contains("value_tail_dtype"), "{toml}");
-    let int8 = KvCacheConfig { value_tail_dtype: Some(TailDtype::Int8), ..c.clone() };
-    let text = int8.to_toml();
-    assert!(text.contains("tail_dtype = \"f16\"") && text.contains("value_tail_dtype = \"int8\""), "{text}");
-    assert_eq!(KvCacheConfig::from_toml(&text).unwrap(), int8);
-    assert_eq!(KvCacheConfig::from_json(&int8.to_json()).unwrap(), int8);
+    // So is the values' own window storage (8 bits by default): files without it have the
+    // keys' storage for both.
+    assert!(toml.contains("tail_dtype = \"f16\"") && toml.contains("value_tail_dtype = \"int8\""), "{toml}");
+    let same = KvCacheConfig { value_tail_dtype: None, ..c.clone() };
+    let text = same.to_toml();
+    assert!(!text.contains("value_tail_dtype"), "{text}");
+    assert_eq!(KvCacheConfig::from_toml(&text).unwrap(), same);
+    assert_eq!(KvCacheConfig::from_json(&same.to_json()).unwrap(), same);
+    assert_eq!(KvCacheConfig::from_toml(&toml.replace("value_tail_dtype = \"int8\"\n", "")).unwrap(), same);
     let dir = std::env::temp_dir().join(format!("kvq-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for (name, text) in [("c.toml", toml.clone()), ("c.json", c.to_json())] {
@@ -563,6 +565,26 @@ fn window_storage_reads_from_the_command_line_form() {
     for bad in ["", "f8", "f16/", "/int8", "f16/int8/f32", "INT8"] {
         assert!(matches!(parse_tail_dtypes(bad), Err(KvqError::Config(_))), "{bad:?}");
     }
+    // The default: one-byte parameters, values' window in 8 bits; `tail_dtype` sets both.
+    let b = || KvCacheConfig::builder(1, 2, 4, 64);
+    let d = b().build().unwrap();
+    assert_eq!(
+        (d.layers[0].k.to_string(), d.layers[0].v.to_string()),
+        ("int4-channel-p8".into(), "int4-token-p8".into())
+    );
+    assert_eq!((d.tail_dtype, d.value_tail_dtype), (TailDtype::F16, Some(TailDtype::Int8)));
+    assert_eq!(b().tail_dtype(TailDtype::F32).build().unwrap().value_tail_dtype, None);
+    let both = b().tail_dtype(TailDtype::F32).value_tail_dtype(TailDtype::F16).build().unwrap();
+    assert_eq!((both.tail_dtype, both.value_tail_dtype), (TailDtype::F32, Some(TailDtype::F16)));
+    // The default's specs take no calibration, and say so.
+    let cal = kvq::quant::Calibration::from_tensors(
+        &[kvq::quant::synth::normal_tensor(kvq::quant::Shape::new(2, 8, 64), 1)],
+        &[kvq::quant::synth::normal_tensor(kvq::quant::Shape::new(2, 8, 64), 2)],
+        None,
+    )
+    .unwrap();
+    let e = b().calibration(cal).build().unwrap_err();
+    assert!(matches!(e, KvqError::Config(_)) && e.to_string().contains("p8"), "{e}");
     // A cache with 8-bit values in its window holds fewer bytes than with f16, same tokens.
     let memory = |v: TailDtype| {
         let config = KvCacheConfig::builder(1, 2, 4, 64)
