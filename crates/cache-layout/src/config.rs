@@ -187,10 +187,11 @@ impl CacheConfig {
         self
     }
 
-    /// Sets the storage type of the window and sinks (keys and values; see
-    /// [`CacheConfig::with_value_tail_dtype`]).
+    /// Sets the storage type of the window and sinks of keys and values alike (clearing a
+    /// values' own: set it after this with [`CacheConfig::with_value_tail_dtype`]).
     pub fn with_tail_dtype(mut self, dtype: TailDtype) -> Self {
         self.tail_dtype = dtype;
+        self.value_tail_dtype = None;
         self
     }
 

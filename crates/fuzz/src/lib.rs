@@ -352,7 +352,14 @@ fn seed_caches() -> Vec<PagedCache> {
         .with_block_size(4)
         .with_specs(spec("int8-token"), spec("int2-g4"))
         .with_tail_dtype(kvq::layout::TailDtype::F32);
-    vec![a, filled(b, 6).0]
+    // Values waiting in an 8-bit window (rows of codes and a scale each).
+    let c = CacheConfig::new(1, 2, 8, 16)
+        .with_block_size(4)
+        .with_residual_blocks(1)
+        .with_sink_tokens(1)
+        .with_specs(spec("int4-channel-p8"), spec("int4-token-p8"))
+        .with_value_tail_dtype(kvq::layout::TailDtype::Int8);
+    vec![a, filled(b, 6).0, filled(c, 7).0]
 }
 
 /// Appends to, forks, reads and re-writes a loaded cache; the re-written file must read back
