@@ -238,7 +238,7 @@ struct CacheArgs {
     row_window: bool,
     /// With --cache: storage of the residual window and sinks, `DTYPE` or `KDTYPE/VDTYPE`,
     /// each `f16`, `f32` or `int8` (8 bits and a scale per row: about half of f16's bytes);
-    /// `f16/int8` keeps the keys' in f16.
+    /// `f16/int8` keeps the keys' in f16, as the cache builder's default does.
     #[arg(long, requires = "cache", default_value = "f16", value_parser = parse_tail_dtypes)]
     tail_dtype: TailDtypes,
 }

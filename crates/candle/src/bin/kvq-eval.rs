@@ -85,7 +85,7 @@ struct Args {
     row_window: bool,
     /// Storage of the residual window and sinks (for --specs), `DTYPE` or `KDTYPE/VDTYPE`,
     /// each `f16`, `f32` or `int8` (8 bits and a scale per row); `f16/int8` keeps the keys'
-    /// in f16.
+    /// in f16, as the cache builder's default does.
     #[arg(long, default_value = "f16", value_parser = parse_tail_dtypes)]
     tail_dtype: (TailDtype, Option<TailDtype>),
     /// Weight matrices: `f32` (dequantized at load, so that the caches alone differ) or
