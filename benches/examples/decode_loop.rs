@@ -5,8 +5,10 @@
 //!
 //! ```sh
 //! cargo run --release -p kvq-benches --example decode_loop -- int4-channel int4-token \
-//!     --steps 2000 [--tokens 4096] [--threads 1] [--integer] [--seqs 16]
+//!     --steps 2000 [--tokens 4096] [--threads 1] [--integer] [--seqs 16] [--window]
 //! ```
+//! `--window` gives the cache the facade builder's window: one residual block, 4 sinks, the
+//! values' window and sinks in 8 bits (without it: none, as the criterion benches).
 //! Prints the mean time per step; `--steps 0` builds the cache only (subtract it from a
 //! profile's totals). With `--seqs N` a step is one `decode_attention_batch` call over N
 //! sequences of `--tokens` each (one workspace kept across steps), as the `decode_batch`
@@ -15,7 +17,7 @@
 use kvq::attention::{
     AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch, decode_attention_path,
 };
-use kvq_benches::{best_float, layer_cache};
+use kvq_benches::{best_float, layer_cache_with};
 use kvq_kernels_simd::Backend;
 use kvq_quant_core::Shape;
 use kvq_quant_core::synth::{Rng, normal_tensor};
@@ -24,7 +26,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(k), Some(v)) = (args.first(), args.get(1)) else {
         return Err(
-            "usage: decode_loop KSPEC VSPEC [--steps N] [--tokens N] [--threads N] [--integer] [--seqs N]"
+            "usage: decode_loop KSPEC VSPEC [--steps N] [--tokens N] [--threads N] [--integer] [--seqs N] [--window]"
                 .into(),
         );
     };
@@ -38,6 +40,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (option("--steps", 1000)?, option("--tokens", 4096)?, option("--threads", 1)?);
     let seqs = option("--seqs", 0)?;
     let integer = args.iter().any(|a| a == "--integer");
+    let window = args.iter().any(|a| a == "--window");
     // Checked here: the bench helper below unwraps them.
     for spec in [k, v] {
         spec.parse::<kvq_quant_core::QuantSpec>()?;
@@ -48,7 +51,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rng = Rng::new(9);
     let q: Vec<f32> = (0..q_heads * d).map(|_| rng.normal() as f32).collect();
     let n = seqs.max(1);
-    let mut cache = layer_cache(kv_heads, d, n * kv_heads * len.div_ceil(32), k, v);
+    let blocks = n * kv_heads * (len.div_ceil(32) + 2);
+    let mut cache = layer_cache_with(kv_heads, d, blocks, k, v, |c| {
+        if window {
+            c.with_residual_blocks(1)
+                .with_sink_tokens(4)
+                .with_value_tail_dtype(kvq_cache_layout::TailDtype::Int8)
+        } else {
+            c
+        }
+    });
     let all: Vec<BatchSeq> = (0..n)
         .map(|_| {
             let seq = cache.create();
@@ -79,7 +91,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok::<_, kvq::attention::AttentionError>(())
     })?;
     let ms = start.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64;
-    println!("{ms:.3} ms/step ({k}/{v}, {n} x {len} tokens, {threads} thread(s), {backend} {path:?})");
+    let window = if window { ", window" } else { "" };
+    println!(
+        "{ms:.3} ms/step ({k}/{v}{window}, {n} x {len} tokens, {threads} thread(s), {backend} {path:?})"
+    );
     std::hint::black_box(&out);
     Ok(())
 }

@@ -14,6 +14,19 @@ pub fn best_float() -> Backend {
 /// huge pages before any block is written, as `QuantizedKvCache::new` does.
 /// Keys with bits per channel (`-qa`) get [`ChannelBits::spread`]'s map in every head.
 pub fn layer_cache(kv_heads: usize, head_dim: usize, blocks: usize, k: &str, v: &str) -> PagedCache {
+    layer_cache_with(kv_heads, head_dim, blocks, k, v, |c| c)
+}
+
+/// [`layer_cache`] with its config changed by `f` first (a residual window, sinks, the
+/// window's storage).
+pub fn layer_cache_with(
+    kv_heads: usize,
+    head_dim: usize,
+    blocks: usize,
+    k: &str,
+    v: &str,
+    f: impl FnOnce(CacheConfig) -> CacheConfig,
+) -> PagedCache {
     let k: QuantSpec = k.parse().unwrap();
     let mut config = CacheConfig::new(1, kv_heads, head_dim, blocks)
         .with_specs(k.clone(), v.parse().unwrap())
@@ -27,7 +40,7 @@ pub fn layer_cache(kv_heads: usize, head_dim: usize, blocks: usize, k: &str, v: 
             kvq_quant_core::Rope::from_theta(10_000.0, head_dim, kvq_quant_core::RopePairing::Half).unwrap();
         config = config.with_rope(rope);
     }
-    let cache = PagedCache::new(config).unwrap();
+    let cache = PagedCache::new(f(config)).unwrap();
     kvq_kernels_simd::advise_huge_pages(cache.pool().arena());
     cache
 }
