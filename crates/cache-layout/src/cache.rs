@@ -414,14 +414,11 @@ impl PagedCache {
                 }
             }
         }
+        let tail_dtypes = self.config.tail_dtypes();
         for (i, layout) in self.parts.iter().enumerate() {
             for h in 0..self.config.kv_heads {
                 for t in 0..n {
-                    let limit = value_limit(
-                        layout,
-                        self.config.tail_dtypes()[i],
-                        start + t < sinks || layout.has_tail(),
-                    );
+                    let limit = value_limit(layout, tail_dtypes[i], start + t < sinks || layout.has_tail());
                     let x = row(i, h, t);
                     let (lo, hi, finite) = self.config.row_kernels.stats(x);
                     if finite && lo.abs().max(hi.abs()) <= limit {

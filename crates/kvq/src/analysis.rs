@@ -368,11 +368,8 @@ impl CacheRun {
             .residual_blocks(self.residual_blocks)
             .sink_tokens(self.sink_tokens)
             .row_window(self.row_window)
-            .tail_dtype(self.tail_dtype)
+            .tail_dtypes(self.tail_dtype, self.value_tail_dtype)
             .blocks_per_layer(per_seq.saturating_mul(ks.batch).saturating_mul(ks.heads));
-        if let Some(v) = self.value_tail_dtype {
-            builder = builder.value_tail_dtype(v);
-        }
         if spec.k.channel_bits() {
             let maps = match maps {
                 Some(m) => m,
@@ -912,13 +909,7 @@ mod tests {
     fn a_cache_holding_every_token_in_f16_is_exact() {
         // The sample is f16 data, which the cache's f16 sinks hold exactly; their bytes count.
         let layer = sample_layer0();
-        let run = CacheRun {
-            residual_blocks: 0,
-            sink_tokens: layer.k.shape().tokens,
-            row_window: false,
-            tail_dtype: TailDtype::F16,
-            value_tail_dtype: None,
-        };
+        let run = CacheRun { residual_blocks: 0, sink_tokens: layer.k.shape().tokens, ..CacheRun::default() };
         let options = Options { positions: 5, cache: Some(run), ..Options::default() };
         let row = one_row(&layer, "int2-channel/int2-token", &options);
         assert_eq!((row.k_mse, row.v_mse, row.attn_rel_err, row.attn_kl), (0.0, 0.0, 0.0, 0.0));
@@ -933,13 +924,7 @@ mod tests {
         let layer = sample_layer0();
         let offline = Options { positions: 1, ..Options::default() };
         let cached = Options {
-            cache: Some(CacheRun {
-                residual_blocks: 0,
-                sink_tokens: 0,
-                row_window: false,
-                tail_dtype: TailDtype::F16,
-                value_tail_dtype: None,
-            }),
+            cache: Some(CacheRun { residual_blocks: 0, sink_tokens: 0, ..CacheRun::default() }),
             ..offline.clone()
         };
         for spec in ["int4-channel/int4-token", "int2-channel-mse/int3-token-mse-rot", "int4-g16"] {

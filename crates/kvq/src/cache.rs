@@ -172,9 +172,7 @@ impl KvCacheConfig {
             .with_sink_tokens(self.sink_tokens)
             .with_tail_dtype(self.tail_dtype)
             .with_row_window(self.row_window);
-        if let Some(t) = self.value_tail_dtype {
-            c = c.with_value_tail_dtype(t);
-        }
+        c.value_tail_dtype = self.value_tail_dtype;
         if let Some(cal) = &self.calibration {
             c = c.with_calibration(cal.layer_subset(l));
         }
@@ -382,6 +380,14 @@ impl KvCacheConfigBuilder {
     /// attention KL by up to a quarter (docs/formats.md).
     pub fn value_tail_dtype(mut self, t: TailDtype) -> Self {
         self.config.value_tail_dtype = Some(t);
+        self
+    }
+
+    /// Both storages at once: the keys' (and the values' unless `v` gives their own), the
+    /// pair [`parse_tail_dtypes`] reads from the command line.
+    pub fn tail_dtypes(mut self, k: TailDtype, v: Option<TailDtype>) -> Self {
+        self.config.tail_dtype = k;
+        self.config.value_tail_dtype = v;
         self
     }
 

@@ -239,14 +239,8 @@ struct CacheArgs {
     /// With --cache: storage of the residual window and sinks, `DTYPE` or `KDTYPE/VDTYPE`,
     /// each `f16`, `f32` or `int8` (8 bits and a scale per row: about half of f16's bytes);
     /// `f16/int8` keeps the keys' in f16, as the cache builder's default does.
-    #[arg(long, requires = "cache", default_value = "f16", value_parser = parse_tail_dtypes)]
-    tail_dtype: TailDtypes,
-}
-
-type TailDtypes = (kvq::layout::TailDtype, Option<kvq::layout::TailDtype>);
-
-fn parse_tail_dtypes(s: &str) -> Result<TailDtypes, String> {
-    kvq::cache::parse_tail_dtypes(s).map_err(|e| e.to_string())
+    #[arg(long, requires = "cache", default_value = "f16", value_parser = kvq::cache::parse_tail_dtypes)]
+    tail_dtype: (kvq::layout::TailDtype, Option<kvq::layout::TailDtype>),
 }
 
 impl CacheArgs {

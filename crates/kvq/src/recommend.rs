@@ -258,10 +258,7 @@ pub fn config_with(
         .residual_blocks(run.residual_blocks)
         .sink_tokens(run.sink_tokens)
         .row_window(run.row_window)
-        .tail_dtype(run.tail_dtype);
-    if let Some(v) = run.value_tail_dtype {
-        b = b.value_tail_dtype(v);
-    }
+        .tail_dtypes(run.tail_dtype, run.value_tail_dtype);
     let config_err = |e: kvq_quant_core::QuantError| RecommendError::Config(KvqError::Config(e.to_string()));
     for (m, &from) in source.iter().enumerate() {
         let at = ids.iter().position(|&id| id == from).expect("a dumped layer");

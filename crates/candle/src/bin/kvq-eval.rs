@@ -86,7 +86,7 @@ struct Args {
     /// Storage of the residual window and sinks (for --specs), `DTYPE` or `KDTYPE/VDTYPE`,
     /// each `f16`, `f32` or `int8` (8 bits and a scale per row); `f16/int8` keeps the keys'
     /// in f16, as the cache builder's default does.
-    #[arg(long, default_value = "f16", value_parser = parse_tail_dtypes)]
+    #[arg(long, default_value = "f16", value_parser = kvq::cache::parse_tail_dtypes)]
     tail_dtype: (TailDtype, Option<TailDtype>),
     /// Weight matrices: `f32` (dequantized at load, so that the caches alone differ) or
     /// `native` (candle's quantized matmuls, which round activations to 8 bits: a noise floor
@@ -101,10 +101,6 @@ struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
-}
-
-fn parse_tail_dtypes(s: &str) -> Result<(TailDtype, Option<TailDtype>), String> {
-    kvq::cache::parse_tail_dtypes(s).map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {
@@ -242,10 +238,7 @@ fn candidates(
                 .residual_blocks(args.residual_blocks)
                 .sink_tokens(args.sinks)
                 .row_window(args.row_window)
-                .tail_dtype(args.tail_dtype.0);
-            if let Some(v) = args.tail_dtype.1 {
-                builder = builder.value_tail_dtype(v);
-            }
+                .tail_dtypes(args.tail_dtype.0, args.tail_dtype.1);
             for (layer, m) in maps.into_iter().enumerate() {
                 builder = builder.channel_bits(layer, m);
             }
