@@ -819,7 +819,7 @@ fn cut_layer(config: &CacheConfig, parts: &[PartLayout; 2], ls: &mut LayerSeq, l
             ls.done[i] = p_new;
         }
     }
-    let keep = p_new.div_ceil(bs) * heads;
+    let keep = held_blocks(bs, ls.done) * heads;
     ls.len = len;
     ls.blocks.split_off(keep.min(ls.blocks.len()))
 }
@@ -839,6 +839,7 @@ impl WritePlan {
         let p1 = (ls.len + n).saturating_sub(sinks);
         let have = ls.blocks.len() / heads;
         let mut first_written = have;
+        let mut done_after = [0; 2];
         for (i, layout) in parts.iter().enumerate() {
             if layout.has_tail() {
                 // A channel part writes blocks when tokens leave its residual window.
@@ -846,11 +847,40 @@ impl WritePlan {
                 if tail >= (config.residual_blocks + 1) * bs {
                     first_written = first_written.min(ls.done[i] / bs);
                 }
-            } else if p1 > p0 {
-                first_written = first_written.min(p0 / bs);
+                done_after[i] = done_after_append(config, ls.done[i], p0, p1);
+            } else {
+                if p1 > p0 {
+                    first_written = first_written.min(p0 / bs);
+                }
+                done_after[i] = p1;
             }
         }
-        Self { first_written, have, want: p1.div_ceil(bs).max(have) }
+        Self { first_written, have, want: held_blocks(bs, done_after).max(have) }
+    }
+}
+
+/// Logical blocks a layer of a sequence needs when its parts have quantized `done` tokens
+/// each (after the sinks): a block is taken from the pool when the first of its rows is
+/// written, so while every part waits in its full-precision tail (per-channel keys, values
+/// with one-byte parameters or a residual window) the tokens of the window hold no block.
+pub(crate) fn held_blocks(block_size: usize, done: [usize; 2]) -> usize {
+    done[0].max(done[1]).div_ceil(block_size)
+}
+
+/// The quantized tokens of a part that waits in a tail (`done` before) once the positions
+/// after the sinks grow from `p0` to `p1`: as [`PagedCache::append`] flushes them, one block
+/// whenever a token brings the tail to the residual window plus one block.
+fn done_after_append(config: &CacheConfig, mut done: usize, p0: usize, p1: usize) -> usize {
+    let (bs, window) = (config.block_size, (config.residual_blocks + 1) * config.block_size);
+    // One flush per token at most: the token count at which the next one happens.
+    let mut at = p0;
+    loop {
+        let next = (at + 1).max(done + window);
+        if next > p1 {
+            return done;
+        }
+        done += bs;
+        at = next;
     }
 }
 

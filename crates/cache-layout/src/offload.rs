@@ -287,8 +287,9 @@ impl PagedCache {
         let (len, done_k, done_v) = (r.usize()?, r.usize()?, r.usize()?);
         // Every block costs at least 4 bytes of the file (an id, or a length and contents).
         let n_blocks = r.count(4, "block count")?;
-        let p = len.saturating_sub(c.sink_tokens);
-        let needed = p.div_ceil(c.block_size).checked_mul(c.kv_heads);
+        // The blocks that the quantized tokens need (the done counts are checked against the
+        // length once the layer is read).
+        let needed = crate::cache::held_blocks(c.block_size, [done_k, done_v]).checked_mul(c.kv_heads);
         if needed.is_none_or(|b| n_blocks < b) {
             return Err(CacheError::Offload(format!("{n_blocks} blocks cannot hold {len} tokens")));
         }
@@ -333,7 +334,7 @@ impl PagedCache {
                 }
             }
         }
-        if ls.blocks.len() < p.div_ceil(c.block_size) * c.kv_heads
+        if ls.blocks.len() < crate::cache::held_blocks(c.block_size, ls.done) * c.kv_heads
             || !ls.blocks.len().is_multiple_of(c.kv_heads)
         {
             return bad("block count");
@@ -343,7 +344,9 @@ impl PagedCache {
             let ok = if layout.has_tail() {
                 done <= p
                     && done.is_multiple_of(c.block_size)
-                    && ls.tails[i].iter().all(|t| t.len() == (p - done) * d)
+                    // Checked: the length is bounded by the tails read from the file, not by
+                    // the blocks (the window's tokens hold none).
+                    && ls.tails[i].iter().all(|t| (p - done).checked_mul(d) == Some(t.len()))
             } else {
                 done == p && ls.tails[i].iter().all(TailBuf::is_empty)
             };

@@ -363,6 +363,18 @@ impl World {
                 }
             }
         }
+        // A block table holds the blocks that quantized rows use and no more: the tokens still
+        // in every part's full-precision window take none from the pool.
+        for &seq in self.model.keys() {
+            for layer in 0..LAYERS {
+                let quantized = [Part::K, Part::V].map(|p| {
+                    let segs = self.cache.segments(seq, layer, 0, p).unwrap();
+                    segs.iter().filter(|s| matches!(s, Segment::Quantized(_))).count()
+                });
+                let table = self.cache.block_table(seq, layer).unwrap().len();
+                assert_eq!(table, quantized[0].max(quantized[1]) * self.s.heads, "{seq:?} layer {layer}");
+            }
+        }
         // Reference counts equal the references in block tables; free = capacity - used.
         let pool = self.cache.pool();
         let mut refs = vec![0u32; pool.capacity()];

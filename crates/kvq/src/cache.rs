@@ -698,12 +698,14 @@ impl QuantizedKvCache {
     /// let config = KvCacheConfig::builder(2, 1, 1, 32).blocks_per_layer(4).sink_tokens(0).build()?;
     /// let mut cache = QuantizedKvCache::new(config)?;
     /// let (a, b) = (cache.create(), cache.create());
-    /// cache.reserve(a, 64)?;
+    /// // The default window (the last 32 to 63 tokens, in full precision) holds no block:
+    /// // 96 tokens quantize two blocks, at the 64th token and at the 96th.
+    /// cache.reserve(a, 96)?;
     /// assert_eq!(cache.unreserved_blocks(), [2, 2]);
     /// let kv = vec![0.5f32; 2 * 32];
     /// while cache.append_all_layers(b, &kv, &kv).is_ok() {}
-    /// assert_eq!(cache.len(b, 0)?, 64);
-    /// for _ in 0..64 {
+    /// assert_eq!(cache.len(b, 0)?, 127); // the 128th token would need a third block
+    /// for _ in 0..96 {
     ///     cache.append_all_layers(a, &kv, &kv)?; // cannot fail: held for a
     /// }
     /// # Ok::<(), Box<dyn std::error::Error>>(())

@@ -415,19 +415,29 @@ fn reservations_hold_blocks_in_every_layer() {
     ));
     assert_eq!(cache.unreserved_blocks(), [6, 6], "a failed reservation holds nothing");
     cache.reserve(a, 12).unwrap();
-    assert_eq!((cache.unreserved_blocks(), cache.reserved_tokens(a).unwrap()), (vec![3, 3], 12));
+    // The default keeps one residual block: the window's tokens take no block, so 12 tokens
+    // quantize two blocks (at the 8th and the 12th).
+    assert_eq!((cache.unreserved_blocks(), cache.reserved_tokens(a).unwrap()), (vec![4, 4], 12));
     let mut n = 0;
     while cache.append_all_layers(b, &kv(n), &kv(n + 1)).is_ok() {
         n += 1;
     }
-    assert_eq!(n, 12);
+    // b takes the 4 unreserved blocks (at its 8th, 12th, 16th and 20th tokens); its 24th would
+    // need a fifth.
+    assert_eq!(n, 23);
+    assert_eq!(cache.len(b, 0).unwrap(), 23);
     assert!(cache.check_capacity(a, 12).is_ok());
     assert!(cache.check_capacity(b, 1).is_err());
     for t in 0..12 {
         cache.append_all_layers(a, &kv(t), &kv(t)).unwrap();
     }
     assert_eq!(cache.reserved_tokens(a).unwrap(), 0);
+    // Tokens that stay in the window need no block; the 16th needs one and the pool is empty.
+    for t in 12..15 {
+        cache.append_all_layers(a, &kv(t), &kv(t)).unwrap();
+    }
     assert!(cache.append_all_layers(a, &kv(0), &kv(0)).is_err());
+    assert_eq!(cache.len(a, 0).unwrap(), 15, "a failed append stores nothing");
     cache.free(b).unwrap();
     cache.reserve(a, 4).unwrap();
     let fork = cache.fork(a).unwrap();
@@ -603,4 +613,25 @@ fn window_storage_reads_from_the_command_line_form() {
     let (f16, int8) = (memory(TailDtype::F16), memory(TailDtype::Int8));
     // Keys' rows in f16 (128 bytes), values' in 8 bits (64 + 4).
     assert_eq!(f16 * (128 + 68), int8 * (128 + 128), "{f16} {int8}");
+}
+
+/// Tokens in the full-precision window take no block from the pool: with the builder's default
+/// (per-channel keys and values with one-byte parameters both wait in the window), a sequence
+/// takes a block per KV head when a block of its tokens is quantized, not when its first token
+/// arrives, and each append takes what `blocks_needed` said.
+#[test]
+fn the_window_holds_no_block() {
+    let c = KvCacheConfig::builder(1, 2, 4, 32).block_size(8).blocks_per_layer(16).build().unwrap();
+    let mut cache = QuantizedKvCache::new(c).unwrap();
+    let seq = cache.create();
+    for t in 0..40 {
+        let need = cache.blocks_needed(seq, 1).unwrap()[0];
+        let free = cache.free_blocks()[0];
+        cache.append_all_layers(seq, &token(2 * 32, t), &token(2 * 32, t)).unwrap();
+        assert_eq!(free - cache.free_blocks()[0], need, "token {t}");
+        // 4 sinks, then a block leaves the window whenever it reaches 2 blocks (16 tokens).
+        let p = (t + 1).saturating_sub(4);
+        let quantized = if p >= 16 { (p - 16) / 8 + 1 } else { 0 };
+        assert_eq!(16 - cache.free_blocks()[0], 2 * quantized, "token {t}");
+    }
 }
