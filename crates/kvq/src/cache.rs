@@ -245,6 +245,37 @@ impl KvCacheConfig {
         total / self.layers.len() as f64
     }
 
+    /// Pool blocks that one sequence of `tokens` tokens holds in each layer (one per KV head
+    /// and block of quantized tokens): what to size `blocks_per_layer` by. Tokens that wait in
+    /// the full-precision window of every part (the sinks, the residual window and the block
+    /// being filled, with the builder's default specs) hold none, so this is below
+    /// `tokens / block_size · kv_heads` by up to `(residual_blocks + 1) · kv_heads`.
+    ///
+    /// ```
+    /// use kvq::prelude::*;
+    ///
+    /// // 8 KV heads, blocks of 32, one residual block and 4 sinks (the default).
+    /// let config = KvCacheConfig::builder(2, 8, 32, 128).build()?;
+    /// // 4096 tokens: 4092 after the sinks, of which the last 60 wait in the window.
+    /// assert_eq!(config.blocks_for_tokens(4096)?, [8 * 126, 8 * 126]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`KvqError::Config`] for a config that [`KvCacheConfig::validate`] refuses.
+    pub fn blocks_for_tokens(&self, tokens: usize) -> Result<Vec<usize>, KvqError> {
+        self.validate()?;
+        (0..self.layers.len())
+            .map(|l| {
+                // A pool without blocks: a sequence needs none to be created, and
+                // `blocks_needed` counts what its appends would take.
+                let mut c = PagedCache::new(CacheConfig { capacity_blocks: 0, ..self.layer_config(l) })?;
+                let seq = c.create();
+                Ok(c.blocks_needed(seq, 0, tokens)?)
+            })
+            .collect()
+    }
+
     /// Parses and validates a TOML config.
     ///
     /// # Errors

@@ -635,3 +635,36 @@ fn the_window_holds_no_block() {
         assert_eq!(16 - cache.free_blocks()[0], 2 * quantized, "token {t}");
     }
 }
+
+/// `blocks_for_tokens` is what a sequence of that many tokens holds, for parts that wait in
+/// the window (the default), parts quantized on arrival, and a mix of layers.
+#[test]
+fn blocks_for_tokens_is_what_a_sequence_holds() {
+    let base = || KvCacheConfig::builder(2, 2, 4, 32).block_size(8).blocks_per_layer(64);
+    let configs = [
+        base().build().unwrap(),
+        base().specs("int4-channel".parse().unwrap(), "int4-token".parse().unwrap()).build().unwrap(),
+        base()
+            .layer_specs(1, "int8-token".parse().unwrap(), "int8-token".parse().unwrap())
+            .residual_blocks(0)
+            .build()
+            .unwrap(),
+    ];
+    for (i, c) in configs.into_iter().enumerate() {
+        for tokens in [0, 3, 4, 11, 12, 20, 21, 29, 60] {
+            let want = c.blocks_for_tokens(tokens).unwrap();
+            let mut cache = QuantizedKvCache::new(c.clone()).unwrap();
+            let seq = cache.create();
+            for t in 0..tokens {
+                cache.append_all_layers(seq, &token(2 * 2 * 32, t), &token(2 * 2 * 32, t)).unwrap();
+            }
+            let held: Vec<usize> = cache.free_blocks().iter().map(|f| 64 - f).collect();
+            assert_eq!(held, want, "config {i}, {tokens} tokens");
+        }
+    }
+    // The default waits in the window; per-token values with f16 parameters do not.
+    let c = base().build().unwrap();
+    assert_eq!(c.blocks_for_tokens(12).unwrap(), [0, 0]);
+    let eager = base().specs("int4-channel".parse().unwrap(), "int4-token".parse().unwrap()).build().unwrap();
+    assert_eq!(eager.blocks_for_tokens(12).unwrap(), [2, 2]);
+}
