@@ -249,7 +249,8 @@ impl KvCacheConfig {
     /// and block of quantized tokens): what to size `blocks_per_layer` by. Tokens that wait in
     /// the full-precision window of every part (the sinks, the residual window and the block
     /// being filled, with the builder's default specs) hold none, so this is below
-    /// `tokens / block_size · kv_heads` by up to `(residual_blocks + 1) · kv_heads`.
+    /// `tokens / block_size · kv_heads` by the window's blocks (2 per head at 4096 tokens
+    /// below).
     ///
     /// ```
     /// use kvq::prelude::*;
