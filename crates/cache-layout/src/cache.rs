@@ -842,12 +842,12 @@ impl WritePlan {
         let mut done_after = [0; 2];
         for (i, layout) in parts.iter().enumerate() {
             if layout.has_tail() {
-                // A channel part writes blocks when tokens leave its residual window.
-                let tail = p1 - ls.done[i];
-                if tail >= (config.residual_blocks + 1) * bs {
+                // A part that waits in a tail writes blocks when tokens leave its residual
+                // window: from its first unwritten block on, if the call flushes any.
+                done_after[i] = done_after_append(config, ls.done[i], p0, p1);
+                if done_after[i] > ls.done[i] {
                     first_written = first_written.min(ls.done[i] / bs);
                 }
-                done_after[i] = done_after_append(config, ls.done[i], p0, p1);
             } else {
                 if p1 > p0 {
                     first_written = first_written.min(p0 / bs);
