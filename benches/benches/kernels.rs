@@ -203,12 +203,13 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
             });
         }
         if read == Read::Values {
-            // The integer value path (weights rounded to i16), where the backend has it.
+            // The integer value path (weights rounded to bytes for INT4 codes, to i16 for
+            // INT8), where the backend has it.
             let mut o = vec![0f32; d];
             if Backend::Avx512.is_available()
                 && axpy_int_with(Backend::Avx512, &block, &p, 1, &mut o).unwrap()
             {
-                group.bench_function(BenchmarkId::new(spec, "avx512-int16"), |b| {
+                group.bench_function(BenchmarkId::new(spec, "avx512-int"), |b| {
                     b.iter(|| axpy_int_with(Backend::Avx512, black_box(&block), &p, 1, &mut out).unwrap())
                 });
             }

@@ -448,9 +448,11 @@ fn scores_int8_fast(
 /// integer path ran.
 ///
 /// The integer path rounds each weight row of the block (`p · scale` per row, `p` per
-/// channel) to i16 with one scale and sums `weight · code` exactly in i32: each output is off by
-/// at most `max|w| / 65534 · Σ_r |level_r|` (per channel, times `|scale|`). The results equal
-/// [`scalar::axpy_int`] bit for bit.
+/// channel) with one scale to integers of at most `W_max` (255 for codes of up to 4 bits,
+/// 32767 for wider ones) and sums `weight · (code − 2^(bits − 1))` exactly in i32, the centre's
+/// share added back from the exact float sum of the weights: each output is off by at most
+/// `max|w| / (2 · W_max) · Σ_r |level_r − 2^(bits − 1)|` (per channel, times `|scale|`). The
+/// results equal [`scalar::axpy_int`] bit for bit.
 ///
 /// # Errors
 /// As [`axpy_with`].

@@ -548,10 +548,11 @@ fn the_integer_reference_follows_its_algebra() {
 
 /// The integer value path: every kernel equals the integer reference bit for bit (the weight
 /// rounding and the epilogue are shared, the sums exact), and the result stays within the
-/// stated bound of the exact accumulation: `sw / 2 · Σ_r level_r[c]` (per channel, times
-/// `|scale_c|`), `sw = max_r |w_r| / 32767`, plus float slack. Blocks past one kernel call
-/// (4369 INT4 rows, 257 INT8 rows), odd row counts (the last row pairs with a zero weight),
-/// group remainders.
+/// stated bound of the exact accumulation: `sw / 2 · Σ_r |level_r[c] − 2^(bits − 1)|` (per channel, times
+/// `|scale_c|`), `sw = max_r |w_r| / W_max` (255 for 4-bit codes, 32767 for 8-bit), plus float
+/// slack. Blocks past one kernel call (4096 INT4 rows, 257 INT8 rows), row counts that are not
+/// a multiple of the kernels' 2 or 4 rows, group remainders, and a negative weight (4-bit
+/// blocks then leave the unsigned-byte kernel).
 #[test]
 fn integer_values_equal_their_reference_and_stay_within_their_bound() {
     use kvq_kernels_simd::axpy_int_with;
@@ -585,6 +586,9 @@ fn integer_values_equal_their_reference_and_stay_within_their_bound() {
                     if special == 3 {
                         p[..rows].iter_mut().for_each(|x| *x = 0.0);
                     }
+                    if special == 5 {
+                        p[rows / 2] = -p[rows / 2];
+                    }
                     let start: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
                     let mut got = start.clone();
                     if !axpy_int_with(backend, &b, &p, n_q, &mut got).unwrap() {
@@ -611,9 +615,13 @@ fn integer_values_equal_their_reference_and_stay_within_their_bound() {
                             .collect();
                         // Rows are rounded in calls of at most 4369 rows, each with its own scale;
                         // the largest scale bounds them all.
-                        let sw = w.iter().fold(0f64, |m, v| m.max(v.abs())) / 32767.0;
+                        let limit = if bits <= 4 { 255.0 } else { 32767.0 };
+                        let sw = w.iter().fold(0f64, |m, v| m.max(v.abs())) / limit;
                         for c in 0..dim {
-                            let levels: f64 = (0..rows).map(|r| f64::from(codes[r * dim + c])).sum();
+                            // The kernels sum codes centred on 2^(bits − 1).
+                            let z = f64::from(1u32 << (bits - 1));
+                            let levels: f64 =
+                                (0..rows).map(|r| (f64::from(codes[r * dim + c]) - z).abs()).sum();
                             let s = if case.per_channel { f64::from(case.scale[c]).abs() } else { 1.0 };
                             let mag: f64 = f64::from(start[i * dim + c].abs())
                                 + (0..rows)

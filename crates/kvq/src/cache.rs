@@ -936,8 +936,8 @@ impl QuantizedKvCache {
     }
 
     /// [`QuantizedKvCache::attention`] with a choice of arithmetic: [`ScorePath::Int8`] takes
-    /// the integer kernels where the CPU has them (int8 queries for scores; i16 weights for
-    /// values on AVX-512 VNNI), faster within the error bounds [`ScorePath`] states.
+    /// the integer kernels where the CPU has them (int8 queries for scores; 8-bit weights
+    /// for INT4 values and 16-bit ones for INT8 values on AVX-512 VNNI), faster within the error bounds [`ScorePath`] states.
     ///
     /// # Errors
     /// [`KvqError::Attention`], [`KvqError::Cache`].

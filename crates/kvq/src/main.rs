@@ -93,8 +93,8 @@ enum Command {
             default_value = "int8-token,int4-channel/int4-token,int2-channel/int2-token"
         )]
         specs: Vec<String>,
-        /// Also time the integer paths (int8 queries for scores; i16 value weights where the
-        /// CPU has AVX-512 VNNI), one more row per spec.
+        /// Also time the integer paths (int8 queries for scores; 8-bit weights for INT4
+        /// values, 16-bit for INT8, where the CPU has AVX-512 VNNI), one more row per spec.
         #[arg(long)]
         integer: bool,
         /// Full-precision (f16) residual blocks of each cache after its quantized ones, as a
