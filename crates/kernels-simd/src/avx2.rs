@@ -1782,6 +1782,17 @@ impl int8::IntKernel for Avx2Int {
         unsafe { round_query_by::<true>(q, scale, out) }
     }
 
+    fn round_queries_scaled(
+        q: &[f32],
+        scale: &[f32],
+        qw: &mut Vec<f32>,
+        out: &mut Vec<i8>,
+        scales: &mut [f32],
+    ) {
+        // SAFETY: as above.
+        unsafe { round_queries_grouped::<Self>(q, scale, qw, out, scales) }
+    }
+
     fn dot(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: as above.
         unsafe { dot_lanes(a, b) }
@@ -1826,7 +1837,6 @@ pub(crate) unsafe fn round_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) unsafe fn round_query_by<const SCALED: bool>(q: &[f32], scale: &[f32], out: &mut Vec<i8>) -> f32 {
-    use int8::MAGIC;
     assert!(!SCALED || scale.len() >= q.len(), "a scale per query value");
     // Eight values from `at`, scaled when asked (a macro, so that the intrinsics sit in this
     // function's AVX2 code).
@@ -1859,6 +1869,21 @@ pub(crate) unsafe fn round_query_by<const SCALED: bool>(q: &[f32], scale: &[f32]
     let rest = &rest[..q.len() - body];
     let any_nan = _mm256_movemask_ps(nan) != 0 || rest.iter().any(|v| v.is_nan());
     let (scale_q, inv) = int8::scale_of(int8::lane_max(&lanes, rest), any_nan, 127.0);
+    // SAFETY: as this function's.
+    unsafe { round_pass::<SCALED>(q, scale, inv, out) };
+    scale_q
+}
+
+/// The second pass of [`round_query_by`]: `q` (times `scale` when `SCALED`) times `inv`,
+/// clamped, rounded and appended to `out`.
+///
+/// # Safety
+/// As [`round_query_by`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn round_pass<const SCALED: bool>(q: &[f32], scale: &[f32], inv: f32, out: &mut Vec<i8>) {
+    use int8::MAGIC;
+    let value = |k: usize| if SCALED { q[k] * scale[k] } else { q[k] };
     let start = out.len();
     out.resize(start + q.len(), 0);
     let dst = &mut out[start..];
@@ -1869,7 +1894,13 @@ pub(crate) unsafe fn round_query_by<const SCALED: bool>(q: &[f32], scale: &[f32]
     for (c, o) in dst[..full].chunks_exact_mut(32).enumerate() {
         let mut v = [_mm256_setzero_si256(); 4];
         for (k, v) in v.iter_mut().enumerate() {
-            let x = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(load!(32 * c + 8 * k), invv), hi), lo);
+            let at = 32 * c + 8 * k;
+            // SAFETY: at + 8 <= full <= q.len() (<= scale.len() when scaled).
+            let x = unsafe {
+                let x = _mm256_loadu_ps(q.as_ptr().add(at));
+                if SCALED { _mm256_mul_ps(x, _mm256_loadu_ps(scale.as_ptr().add(at))) } else { x }
+            };
+            let x = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(x, invv), hi), lo);
             *v = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(x, magic)), magic_bits);
         }
         let packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
@@ -1879,7 +1910,76 @@ pub(crate) unsafe fn round_query_by<const SCALED: bool>(q: &[f32], scale: &[f32]
     for (k, o) in dst.iter_mut().enumerate().skip(full) {
         *o = int8::round_code(value(k), inv, 127.0) as i8;
     }
-    scale_q
+}
+
+/// [`int8::IntKernel::round_queries_scaled`] through [`round_queries_by`] for up to four rows
+/// of whole 8-value lanes, row by row otherwise.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn round_queries_grouped<K: int8::IntKernel>(
+    q: &[f32],
+    scale: &[f32],
+    qw: &mut Vec<f32>,
+    out: &mut Vec<i8>,
+    scales: &mut [f32],
+) {
+    let d = scale.len();
+    let n = if d > 0 && d.is_multiple_of(8) && q.len().is_multiple_of(d) { q.len() / d } else { 0 };
+    // SAFETY: the CPU supports AVX2 (this function's contract); q holds n rows of d values.
+    unsafe {
+        match n {
+            1 => round_queries_by::<1>(q, scale, out, scales),
+            2 => round_queries_by::<2>(q, scale, out, scales),
+            3 => round_queries_by::<3>(q, scale, out, scales),
+            4 => round_queries_by::<4>(q, scale, out, scales),
+            _ => int8::round_rows_scaled::<K>(q, scale, qw, out, scales),
+        }
+    }
+}
+
+/// [`round_query_by`]`::<true>` of the `NQ` rows of `q` (each `scale.len()` long, a multiple of
+/// 8) against the same channel scales, appended row after row to `out`, their scales into
+/// `scales`: the maxima of all rows in one pass, whose independent chains overlap, and one
+/// load of the scales for all rows. The same bytes and scales as row by row.
+///
+/// # Safety
+/// The CPU must support AVX2; `q.len() == NQ · scale.len()`, `scales.len() >= NQ`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn round_queries_by<const NQ: usize>(
+    q: &[f32],
+    scale: &[f32],
+    out: &mut Vec<i8>,
+    scales: &mut [f32],
+) {
+    let d = scale.len();
+    assert!(q.len() == NQ * d && d.is_multiple_of(8) && scales.len() >= NQ, "NQ rows of whole lanes");
+    let sign = _mm256_set1_ps(-0.0);
+    let (mut m, mut nan) = ([_mm256_setzero_ps(); NQ], [_mm256_setzero_ps(); NQ]);
+    for at in (0..d).step_by(8) {
+        // SAFETY: at + 8 <= d, and row i's values lie at i · d + at.
+        unsafe {
+            let s = _mm256_loadu_ps(scale.as_ptr().add(at));
+            for i in 0..NQ {
+                let x = _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(i * d + at)), s);
+                m[i] = _mm256_max_ps(m[i], _mm256_andnot_ps(sign, x));
+                nan[i] = _mm256_or_ps(nan[i], _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+            }
+        }
+    }
+    for i in 0..NQ {
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m[i]) };
+        let any_nan = _mm256_movemask_ps(nan[i]) != 0;
+        let (scale_q, inv) = int8::scale_of(int8::lane_max(&lanes, &[]), any_nan, 127.0);
+        scales[i] = scale_q;
+        // SAFETY: as this function's.
+        unsafe { round_pass::<true>(&q[i * d..(i + 1) * d], scale, inv, out) };
+    }
 }
 
 /// [`crate::portable::dot_lanes`] in AVX2: the same 8 lanes (multiply, then add: not fused),

@@ -52,6 +52,17 @@ impl int8::IntKernel for Vnni {
         unsafe { crate::avx2::round_query_by::<true>(q, scale, out) }
     }
 
+    fn round_queries_scaled(
+        q: &[f32],
+        scale: &[f32],
+        qw: &mut Vec<f32>,
+        out: &mut Vec<i8>,
+        scales: &mut [f32],
+    ) {
+        // SAFETY: as above.
+        unsafe { crate::avx2::round_queries_grouped::<Self>(q, scale, qw, out, scales) }
+    }
+
     fn dot(a: &[f32], b: &[f32]) -> f32 {
         <crate::avx2::Avx2Int as int8::IntKernel>::dot(a, b)
     }

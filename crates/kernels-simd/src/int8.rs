@@ -107,6 +107,20 @@ fn finish_rounding<T: Copy + Default>(
     scale
 }
 
+/// [`IntKernel::round_queries_scaled`] row by row.
+#[inline(always)]
+pub(crate) fn round_rows_scaled<K: IntKernel + ?Sized>(
+    q: &[f32],
+    scale: &[f32],
+    qw: &mut Vec<f32>,
+    out: &mut Vec<i8>,
+    scales: &mut [f32],
+) {
+    for (s, qi) in scales.iter_mut().zip(q.chunks_exact(scale.len().max(1))) {
+        *s = K::round_query_scaled(qi, scale, qw, out);
+    }
+}
+
 /// Up to [`GROUP`] query rows rounded for one block: `n` rows of `dim` int8 values in natural
 /// order, each row's scale, and what its epilogue adds (`Σ q` per row; `Σ q · offset` per
 /// channel).
@@ -123,6 +137,15 @@ impl Prepared {
     fn prepare<K: IntKernel>(&mut self, b: &QuantBlock<'_>, q: &[f32]) {
         let d = b.dim;
         self.q8.clear();
+        if let Params::PerChannel { scale, offset } = b.params {
+            // The rows against the same channel scales: rounded together where a kernel can.
+            let n = q.len() / d;
+            K::round_queries_scaled(q, scale, &mut self.qw, &mut self.q8, &mut self.scale[..n]);
+            for (i, qi) in q.chunks_exact(d).enumerate() {
+                self.add[i] = offset.map_or(0.0, |o| K::dot(qi, o));
+            }
+            return;
+        }
         for (i, qi) in q.chunks_exact(d).enumerate() {
             match b.params {
                 Params::PerRow { .. } => {
@@ -130,10 +153,7 @@ impl Prepared {
                     self.add[i] = K::sum(qi);
                 }
                 Params::PerGroup { .. } => unreachable!("the integer paths refuse per-group blocks"),
-                Params::PerChannel { scale, offset } => {
-                    self.scale[i] = K::round_query_scaled(qi, scale, &mut self.qw, &mut self.q8);
-                    self.add[i] = offset.map_or(0.0, |o| K::dot(qi, o));
-                }
+                Params::PerChannel { .. } => unreachable!("rounded above"),
             }
         }
     }
@@ -252,6 +272,20 @@ pub(crate) trait IntKernel {
         qw.clear();
         qw.extend(q.iter().zip(scale).map(|(x, s)| x * s));
         Self::round_query(qw, out)
+    }
+
+    /// [`IntKernel::round_query_scaled`] of each row of `q` (rows as long as `scale`, at most
+    /// [`GROUP`]), appended row after row, the scales into `scales`; kernels may round the
+    /// rows together.
+    #[inline(always)]
+    fn round_queries_scaled(
+        q: &[f32],
+        scale: &[f32],
+        qw: &mut Vec<f32>,
+        out: &mut Vec<i8>,
+        scales: &mut [f32],
+    ) {
+        round_rows_scaled::<Self>(q, scale, qw, out, scales)
     }
 
     /// [`dot_lanes`], or an implementation that gives the same bits.
