@@ -1785,12 +1785,12 @@ impl int8::IntKernel for Avx2Int {
     fn round_queries_scaled(
         q: &[f32],
         scale: &[f32],
-        qw: &mut Vec<f32>,
+        _: &mut Vec<f32>,
         out: &mut Vec<i8>,
         scales: &mut [f32],
     ) {
         // SAFETY: as above.
-        unsafe { round_queries_grouped::<Self>(q, scale, qw, out, scales) }
+        unsafe { round_queries_grouped(q, scale, out, scales) }
     }
 
     fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -1913,19 +1913,13 @@ unsafe fn round_pass<const SCALED: bool>(q: &[f32], scale: &[f32], inv: f32, out
 }
 
 /// [`int8::IntKernel::round_queries_scaled`] through [`round_queries_by`] for up to four rows
-/// of whole 8-value lanes, row by row otherwise.
+/// of whole 8-value lanes, row by row ([`round_query_by`]) otherwise.
 ///
 /// # Safety
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(crate) unsafe fn round_queries_grouped<K: int8::IntKernel>(
-    q: &[f32],
-    scale: &[f32],
-    qw: &mut Vec<f32>,
-    out: &mut Vec<i8>,
-    scales: &mut [f32],
-) {
+unsafe fn round_queries_grouped(q: &[f32], scale: &[f32], out: &mut Vec<i8>, scales: &mut [f32]) {
     let d = scale.len();
     let n = if d > 0 && d.is_multiple_of(8) && q.len().is_multiple_of(d) { q.len() / d } else { 0 };
     // SAFETY: the CPU supports AVX2 (this function's contract); q holds n rows of d values.
@@ -1935,7 +1929,11 @@ pub(crate) unsafe fn round_queries_grouped<K: int8::IntKernel>(
             2 => round_queries_by::<2>(q, scale, out, scales),
             3 => round_queries_by::<3>(q, scale, out, scales),
             4 => round_queries_by::<4>(q, scale, out, scales),
-            _ => int8::round_rows_scaled::<K>(q, scale, qw, out, scales),
+            _ => {
+                for (s, qi) in scales.iter_mut().zip(q.chunks_exact(scale.len().max(1))) {
+                    *s = round_query_by::<true>(qi, scale, out);
+                }
+            }
         }
     }
 }

@@ -59,8 +59,7 @@ impl int8::IntKernel for Vnni {
         out: &mut Vec<i8>,
         scales: &mut [f32],
     ) {
-        // SAFETY: as above.
-        unsafe { crate::avx2::round_queries_grouped::<Self>(q, scale, qw, out, scales) }
+        <crate::avx2::Avx2Int as int8::IntKernel>::round_queries_scaled(q, scale, qw, out, scales)
     }
 
     fn dot(a: &[f32], b: &[f32]) -> f32 {

@@ -107,20 +107,6 @@ fn finish_rounding<T: Copy + Default>(
     scale
 }
 
-/// [`IntKernel::round_queries_scaled`] row by row.
-#[inline(always)]
-pub(crate) fn round_rows_scaled<K: IntKernel + ?Sized>(
-    q: &[f32],
-    scale: &[f32],
-    qw: &mut Vec<f32>,
-    out: &mut Vec<i8>,
-    scales: &mut [f32],
-) {
-    for (s, qi) in scales.iter_mut().zip(q.chunks_exact(scale.len().max(1))) {
-        *s = K::round_query_scaled(qi, scale, qw, out);
-    }
-}
-
 /// Up to [`GROUP`] query rows rounded for one block: `n` rows of `dim` int8 values in natural
 /// order, each row's scale, and what its epilogue adds (`Σ q` per row; `Σ q · offset` per
 /// channel).
@@ -285,7 +271,9 @@ pub(crate) trait IntKernel {
         out: &mut Vec<i8>,
         scales: &mut [f32],
     ) {
-        round_rows_scaled::<Self>(q, scale, qw, out, scales)
+        for (s, qi) in scales.iter_mut().zip(q.chunks_exact(scale.len().max(1))) {
+            *s = Self::round_query_scaled(qi, scale, qw, out);
+        }
     }
 
     /// [`dot_lanes`], or an implementation that gives the same bits.

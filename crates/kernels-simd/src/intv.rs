@@ -139,12 +139,12 @@ impl IntAxpyKernel for Reference {
         let (d, m) = (b.dim, rows.len());
         let mut codes = vec![0u8; d];
         acc[..n * d].fill(0);
+        let z = i32::from(center(b.bits));
         for r in rows.clone() {
             kvq_quant_core::pack::unpack_row(b.row(r), b.bits, &mut codes)
                 .expect("QuantBlock::new checked the lengths");
             for i in 0..n {
                 let wr = i32::from(w[i * m + r - rows.start]);
-                let z = i32::from(center(b.bits));
                 for (a, &c) in acc[i * d..(i + 1) * d].iter_mut().zip(&codes) {
                     *a += wr * (i32::from(c) - z);
                 }
