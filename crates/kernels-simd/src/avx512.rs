@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use crate::avx2::{by_block_avx2, store_dots};
-use crate::block::{Levels, QuantBlock};
+use crate::block::{Levels, Params, QuantBlock};
 use crate::{int8, intv};
 
 fn cpu_ok() -> bool {
@@ -271,88 +271,113 @@ const U8_ROWS: usize = 64;
 /// values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn vsums_u8<const NQ: usize>(b: &QuantBlock<'_>, rows: Range<usize>, w: &[i16], acc: &mut [i32]) {
-    let (d, m) = (b.dim, rows.len());
-    let mask = _mm512_set1_epi8(0x0f);
-    let centre = _mm512_set1_epi8(intv::center(4) as i8);
+    let m = rows.len();
     if m == 0 {
         // No rows: the sums are written all the same (the driver reads every one).
-        acc[..NQ * d].fill(0);
+        acc[..NQ * b.dim].fill(0);
         return;
     }
     let mut j0 = 0;
     while j0 < m {
         let len = (m - j0).min(U8_ROWS);
         // The weights of rows j0..j0 + len as bytes, zero past the end (rows padded to four).
-        let mut wb = [[0u8; U8_ROWS]; NQ];
-        for (i, row) in wb.iter_mut().enumerate() {
-            for (x, &v) in row.iter_mut().zip(&w[i * m + j0..i * m + j0 + len]) {
+        let mut wb = [0u8; 4 * U8_ROWS];
+        for i in 0..NQ {
+            for (x, &v) in wb[i * U8_ROWS..].iter_mut().zip(&w[i * m + j0..i * m + j0 + len]) {
                 *x = v as u8;
             }
         }
-        for c in 0..d / 128 {
-            for plane in 0..2 {
-                let mut sums = [[_mm512_setzero_si512(); 4]; NQ];
-                let mut j = 0;
-                while j < len {
-                    // Rows past the end repeat the last one, under zero weights.
-                    let row = |k: usize| rows.start + j0 + (j + k).min(len - 1);
-                    let nib = |k: usize| {
-                        // SAFETY: chunk c (64 bytes) lies within each row (row_bytes = d / 2).
-                        let v = unsafe { _mm512_loadu_si512(b.row(row(k)).as_ptr().add(64 * c).cast()) };
-                        let v = if plane == 0 { v } else { _mm512_srli_epi16(v, 4) };
-                        _mm512_sub_epi8(_mm512_and_si512(v, mask), centre)
-                    };
-                    let (p0, p1, p2, p3) = (nib(0), nib(1), nib(2), nib(3));
-                    let (a, b2) = (_mm512_unpacklo_epi8(p0, p1), _mm512_unpacklo_epi8(p2, p3));
-                    let (a_h, b_h) = (_mm512_unpackhi_epi8(p0, p1), _mm512_unpackhi_epi8(p2, p3));
-                    // x[k]: in 16-byte lane L, channels 32L + 4k .. 32L + 4k + 4 of the plane,
-                    // one per i32 lane, bytes = rows j .. j + 4.
-                    let x = [
-                        _mm512_unpacklo_epi16(a, b2),
-                        _mm512_unpackhi_epi16(a, b2),
-                        _mm512_unpacklo_epi16(a_h, b_h),
-                        _mm512_unpackhi_epi16(a_h, b_h),
-                    ];
-                    for (i, s) in sums.iter_mut().enumerate() {
-                        // SAFETY: j is a multiple of 4 below len <= U8_ROWS = 64, so
-                        // j + 4 <= U8_ROWS.
-                        let quad = unsafe { wb[i].as_ptr().add(j).cast::<i32>().read_unaligned() };
-                        let wv = _mm512_set1_epi32(quad);
-                        for (s, &x) in s.iter_mut().zip(&x) {
-                            *s = _mm512_dpbusd_epi32(*s, wv, x);
-                        }
+        let at = rows.start + j0..rows.start + j0 + len;
+        // SAFETY: forwarded from the caller; `wb` holds NQ rows of U8_ROWS bytes, zero past
+        // `len`.
+        unsafe { vsums_bytes::<NQ>(b, at, &wb, U8_ROWS, j0 > 0, acc) };
+        j0 += len;
+    }
+}
+
+/// The sums of [`vsums_u8`] from weights already bytes: query row `i`'s weight of row
+/// `rows.start + j` is `wb[i · stride + j]`, and `wb` is zero from `rows.len()` to the next
+/// multiple of 4 in each row. Adds to `acc` when `add`, writes it otherwise.
+///
+/// # Safety
+/// As [`vsums_u8`], `rows` not empty; `stride >= rows.len()` rounded up to a multiple of 4 and
+/// `wb.len() >= NQ · stride`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn vsums_bytes<const NQ: usize>(
+    b: &QuantBlock<'_>,
+    rows: Range<usize>,
+    wb: &[u8],
+    stride: usize,
+    add: bool,
+    acc: &mut [i32],
+) {
+    let (d, len) = (b.dim, rows.len());
+    let mask = _mm512_set1_epi8(0x0f);
+    let centre = _mm512_set1_epi8(intv::center(4) as i8);
+    assert!(len > 0 && stride >= len.next_multiple_of(4) && wb.len() >= NQ * stride && acc.len() >= NQ * d);
+    for c in 0..d / 128 {
+        for plane in 0..2 {
+            let mut sums = [[_mm512_setzero_si512(); 4]; NQ];
+            let mut j = 0;
+            while j < len {
+                // Rows past the end repeat the last one, under zero weights.
+                let row = |k: usize| rows.start + (j + k).min(len - 1);
+                let nib = |k: usize| {
+                    // SAFETY: chunk c (64 bytes) lies within each row (row_bytes = d / 2).
+                    let v = unsafe { _mm512_loadu_si512(b.row(row(k)).as_ptr().add(64 * c).cast()) };
+                    let v = if plane == 0 { v } else { _mm512_srli_epi16(v, 4) };
+                    _mm512_sub_epi8(_mm512_and_si512(v, mask), centre)
+                };
+                let (p0, p1, p2, p3) = (nib(0), nib(1), nib(2), nib(3));
+                let (a, b2) = (_mm512_unpacklo_epi8(p0, p1), _mm512_unpacklo_epi8(p2, p3));
+                let (a_h, b_h) = (_mm512_unpackhi_epi8(p0, p1), _mm512_unpackhi_epi8(p2, p3));
+                // x[k]: in 16-byte lane L, channels 32L + 4k .. 32L + 4k + 4 of the plane,
+                // one per i32 lane, bytes = rows j .. j + 4.
+                let x = [
+                    _mm512_unpacklo_epi16(a, b2),
+                    _mm512_unpackhi_epi16(a, b2),
+                    _mm512_unpacklo_epi16(a_h, b_h),
+                    _mm512_unpackhi_epi16(a_h, b_h),
+                ];
+                for (i, s) in sums.iter_mut().enumerate() {
+                    // SAFETY: j is a multiple of 4 below len, so i · stride + j + 4 <=
+                    // NQ · stride <= wb.len() (asserted above).
+                    let quad = unsafe { wb.as_ptr().add(i * stride + j).cast::<i32>().read_unaligned() };
+                    let wv = _mm512_set1_epi32(quad);
+                    for (s, &x) in s.iter_mut().zip(&x) {
+                        *s = _mm512_dpbusd_epi32(*s, wv, x);
                     }
-                    j += 4;
                 }
-                // sums[i][k] lane L holds channels 32L + 4k .. + 4: a 4 × 4 transpose of
-                // 16-byte lanes makes lane L's 16 channels one vector.
-                let base = 128 * c + 16 * plane;
-                for (i, s) in sums.iter().enumerate() {
-                    let t0 = _mm512_shuffle_i64x2::<0x44>(s[0], s[1]);
-                    let t1 = _mm512_shuffle_i64x2::<0x44>(s[2], s[3]);
-                    let t2 = _mm512_shuffle_i64x2::<0xEE>(s[0], s[1]);
-                    let t3 = _mm512_shuffle_i64x2::<0xEE>(s[2], s[3]);
-                    let lanes = [
-                        _mm512_shuffle_i64x2::<0x88>(t0, t1),
-                        _mm512_shuffle_i64x2::<0xDD>(t0, t1),
-                        _mm512_shuffle_i64x2::<0x88>(t2, t3),
-                        _mm512_shuffle_i64x2::<0xDD>(t2, t3),
-                    ];
-                    let out = &mut acc[i * d..(i + 1) * d];
-                    for (l, v) in lanes.into_iter().enumerate() {
-                        let at = base + 32 * l;
-                        // SAFETY: at + 16 <= d, inside query row i of `acc`. The first rows
-                        // write the sums, later ones add to them.
-                        unsafe {
-                            let p = out.as_mut_ptr().add(at).cast();
-                            let v = if j0 == 0 { v } else { _mm512_add_epi32(_mm512_loadu_si512(p), v) };
-                            _mm512_storeu_si512(p, v);
-                        }
+                j += 4;
+            }
+            // sums[i][k] lane L holds channels 32L + 4k .. + 4: a 4 × 4 transpose of
+            // 16-byte lanes makes lane L's 16 channels one vector.
+            let base = 128 * c + 16 * plane;
+            for (i, s) in sums.iter().enumerate() {
+                let t0 = _mm512_shuffle_i64x2::<0x44>(s[0], s[1]);
+                let t1 = _mm512_shuffle_i64x2::<0x44>(s[2], s[3]);
+                let t2 = _mm512_shuffle_i64x2::<0xEE>(s[0], s[1]);
+                let t3 = _mm512_shuffle_i64x2::<0xEE>(s[2], s[3]);
+                let lanes = [
+                    _mm512_shuffle_i64x2::<0x88>(t0, t1),
+                    _mm512_shuffle_i64x2::<0xDD>(t0, t1),
+                    _mm512_shuffle_i64x2::<0x88>(t2, t3),
+                    _mm512_shuffle_i64x2::<0xDD>(t2, t3),
+                ];
+                let out = &mut acc[i * d..(i + 1) * d];
+                for (l, v) in lanes.into_iter().enumerate() {
+                    let at = base + 32 * l;
+                    // SAFETY: at + 16 <= d, inside query row i of `acc`. The first rows
+                    // write the sums, later ones add to them.
+                    unsafe {
+                        let p = out.as_mut_ptr().add(at).cast();
+                        let v = if add { _mm512_add_epi32(_mm512_loadu_si512(p), v) } else { v };
+                        _mm512_storeu_si512(p, v);
                     }
                 }
             }
         }
-        j0 += len;
     }
 }
 
@@ -492,4 +517,280 @@ unsafe fn axpy_block_avx2<K: intv::IntAxpyKernel>(
     scratch: &mut intv::Scratch,
 ) {
     intv::axpy_by_block::<K>(b, p, n_q, out, scratch)
+}
+
+/// Most rows of a block that [`attend_int_in`] takes (its buffers are sized for it).
+const FUSED_ROWS: usize = 256;
+/// Largest head_dim that [`attend_int_in`] takes.
+const FUSED_DIM: usize = 256;
+
+/// Whether [`crate::attend_int_with`] has a fused kernel for keys `k`, values `v` and `n_q` query rows on
+/// this CPU: INT4 affine keys with per-channel parameters and INT4 affine values with per-row
+/// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (128 or 256), 1 to 4 query
+/// rows (a GQA group).
+pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
+    k.bits == 4
+        && v.bits == 4
+        && k.dim == v.dim
+        && k.rows == v.rows
+        && (1..=FUSED_ROWS).contains(&k.rows)
+        && k.dim.is_multiple_of(128)
+        && k.dim <= FUSED_DIM
+        && (1..=int8::GROUP).contains(&n_q)
+        && matches!(k.levels, Levels::Affine)
+        && matches!(v.levels, Levels::Affine)
+        && matches!(k.params, Params::PerChannel { .. })
+        && matches!(v.params, Params::PerRow { .. })
+        && cpu_ok()
+}
+
+/// The buffers of [`attend_int_in`], grown once to the largest block it takes and then reused
+/// (never cleared: the kernel writes what it reads).
+#[derive(Default)]
+pub(crate) struct FusedScratch {
+    q8: Vec<u8>,
+    dots: Vec<i32>,
+    wb: Vec<u8>,
+    p: Vec<f32>,
+    acc: Vec<i32>,
+}
+
+/// One block of keys and the block of values of the same tokens attended by `n_q` query rows
+/// (`q`, `n_q × dim`, already scaled) in one call, the online softmax
+/// `state` of the rows updated: the integer paths of [`scores_int8`] and [`axpy_int`] with the softmax
+/// between them, every intermediate in registers or in `w`. The algebra is theirs (the
+/// query rows times the channel scales rounded to int8, `vpdpbusd` dots, the weights
+/// `p · scale` rounded to bytes, `vpdpbusd` sums of the centred codes); sums of floats are
+/// taken in other orders and `exp` is the softmax module's polynomial, so the results are
+/// those of [`crate::scalar::attend_int`] to rounding, not bit for bit. Returns `false`,
+/// changing nothing, when [`attend_int_supported`] is false or a value scale is negative or
+/// NaN (byte weights need `p · scale ≥ 0`).
+pub(crate) fn attend_int_in(
+    k: &QuantBlock<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: crate::Online<'_>,
+    w: &mut FusedScratch,
+) -> bool {
+    if !attend_int_supported(k, v, n_q) {
+        return false;
+    }
+    let Params::PerRow { scale: vs, .. } = v.params else { return false };
+    if !vs.iter().all(|&s| s >= 0.0) {
+        return false;
+    }
+    let (d, crate::Online { m, l, o }) = (k.dim, state);
+    assert!(q.len() == n_q * d && m.len() == n_q && l.len() == n_q && o.len() == n_q * d, "shapes");
+    let g = int8::GROUP;
+    if w.acc.len() < g * FUSED_DIM {
+        w.q8.resize(g * FUSED_DIM, 0);
+        w.dots.resize(g * FUSED_ROWS, 0);
+        w.wb.resize(g * FUSED_ROWS + 16, 0);
+        w.p.resize(FUSED_ROWS + 16, 0.0);
+        w.acc.resize(g * FUSED_DIM, 0);
+    }
+    // SAFETY: `attend_int_supported` checked the CPU, the widths, the layouts and the sizes
+    // against the buffers' (just grown to the largest block); the shapes were asserted.
+    unsafe {
+        match (n_q, d) {
+            (1, 128) => attend4::<1, 128>(k, v, q, m, l, o, w),
+            (2, 128) => attend4::<2, 128>(k, v, q, m, l, o, w),
+            (3, 128) => attend4::<3, 128>(k, v, q, m, l, o, w),
+            (_, 128) => attend4::<4, 128>(k, v, q, m, l, o, w),
+            (1, _) => attend4::<1, 256>(k, v, q, m, l, o, w),
+            (2, _) => attend4::<2, 256>(k, v, q, m, l, o, w),
+            (3, _) => attend4::<3, 256>(k, v, q, m, l, o, w),
+            (_, _) => attend4::<4, 256>(k, v, q, m, l, o, w),
+        }
+    }
+    true
+}
+
+/// `exp` of 16 arguments: the softmax module's 8-lane polynomial on each half.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, AVX2 and FMA.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn exp16(t: __m512) -> __m512 {
+    use crate::softmax::x86::exp8;
+    // SAFETY: AVX2 and FMA are enabled by this function's target features.
+    let (lo, hi) = unsafe {
+        (
+            exp8(_mm512_castps512_ps256(t)),
+            exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(t)))),
+        )
+    };
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+        _mm256_castps_pd(hi),
+    ))
+}
+
+/// Lanes `0..len` (at most 16) of a 16-lane vector.
+#[inline(always)]
+fn lanes(len: usize) -> __mmask16 {
+    if len >= 16 { 0xffff } else { ((1u32 << len) - 1) as __mmask16 }
+}
+
+/// The fused kernel of [`attend_int_in`] for `NQ` query rows.
+///
+/// # Safety
+/// [`attend_int_supported`]`(k, v, NQ)`; every value scale of `v` is `>= 0`; `q` and `o` hold
+/// `NQ · dim` values, `m` and `l` `NQ`; the buffers of `w` are grown to the largest block.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn attend4<const NQ: usize, const D: usize>(
+    k: &QuantBlock<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    m: &mut [f32],
+    l: &mut [f32],
+    o: &mut [f32],
+    w: &mut FusedScratch,
+) {
+    let FusedScratch { q8, dots, wb, p, acc } = w;
+    use int8::MAGIC;
+    let (d, n) = (D, k.rows);
+    debug_assert_eq!(k.dim, D);
+    let Params::PerChannel { scale: ks, offset: ko } = k.params else { unreachable!("checked") };
+    let Params::PerRow { scale: vs, offset: vo } = v.params else { unreachable!("checked") };
+    let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+
+    // 1. Each query row times the channel scales, rounded to int8 with the scale max / 127,
+    //    stored in the order `vacc` reads a 4-bit row (`int8::arrange4` with 64-byte chunks:
+    //    16-value piece w of each 128 goes to slot 4 · (w % 2) + w / 2); what the keys'
+    //    offsets add, `Σ q · offset`.
+    let (mut sq, mut kadd) = ([0f32; int8::GROUP], [0f32; int8::GROUP]);
+    for i in 0..NQ {
+        let qi = &q[i * d..(i + 1) * d];
+        let (mut mx, mut nan, mut dot) = (_mm512_setzero_ps(), 0 as __mmask16, _mm512_setzero_ps());
+        for c in (0..D / 16).map(|j| 16 * j) {
+            // SAFETY: c + 16 <= d, inside the query row, the scales and the offsets.
+            unsafe {
+                let x = _mm512_loadu_ps(qi.as_ptr().add(c));
+                let y = _mm512_mul_ps(x, _mm512_loadu_ps(ks.as_ptr().add(c)));
+                // A NaN product is skipped here (the second operand is returned) and flagged.
+                mx = _mm512_max_ps(_mm512_abs_ps(y), mx);
+                nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y, y);
+                if let Some(ko) = ko {
+                    dot = _mm512_fmadd_ps(x, _mm512_loadu_ps(ko.as_ptr().add(c)), dot);
+                }
+            }
+        }
+        kadd[i] = _mm512_reduce_add_ps(dot);
+        let (scale, inv) = int8::scale_of(_mm512_reduce_max_ps(mx), nan != 0, 127.0);
+        sq[i] = scale;
+        let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        for c in (0..D / 16).map(|j| 16 * j) {
+            // SAFETY: as above; the slot lies inside row i of `q8` (d <= FUSED_DIM).
+            unsafe {
+                let y =
+                    _mm512_mul_ps(_mm512_loadu_ps(qi.as_ptr().add(c)), _mm512_loadu_ps(ks.as_ptr().add(c)));
+                let y = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(y, invv), hi), lo);
+                let r = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
+                let w = c / 16;
+                let slot = 128 * (w / 8) + 16 * (4 * (w % 2) + (w % 8) / 2);
+                _mm_storeu_si128(q8.as_mut_ptr().add(i * d + slot).cast(), _mm512_cvtepi32_epi8(r));
+            }
+        }
+    }
+
+    // 2. The integer dots of every row of the block with the rounded query rows.
+    // SAFETY: the block is 4-bit with d a multiple of 128 (checked by the caller); `q8` holds
+    // NQ rows of d bytes, `dots` NQ · n values.
+    unsafe { vdots::<4, NQ>(k, 0..n, &q8[..NQ * d], &mut dots[..NQ * n]) };
+
+    // 3. Per query row: the scores, their maximum with the running one, the exponentials and
+    //    the running sums; the weights `p · scale` rounded to bytes (scale max / 255), zero
+    //    past the block's rows up to the stride.
+    let stride = n.next_multiple_of(4);
+    let (mut factor, mut sw, mut vadd) = ([1f32; int8::GROUP], [0f32; int8::GROUP], [0f32; int8::GROUP]);
+    let z = f32::from(intv::center(4));
+    for i in 0..NQ {
+        let di = &dots[i * n..(i + 1) * n];
+        let (sqv, addv) = (_mm512_set1_ps(sq[i]), _mm512_set1_ps(kadd[i]));
+        let mut mx = _mm512_set1_ps(m[i]);
+        for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
+            let mask = lanes(n - r);
+            // SAFETY: the masked lanes lie inside `di` and `p`.
+            unsafe {
+                let dv = _mm512_maskz_loadu_epi32(mask, di.as_ptr().add(r));
+                let s = _mm512_add_ps(_mm512_mul_ps(sqv, _mm512_cvtepi32_ps(dv)), addv);
+                _mm512_storeu_ps(p.as_mut_ptr().add(r), s);
+                // NaN scores are skipped by the maximum (the second operand is returned).
+                mx = _mm512_mask_max_ps(mx, mask, s, mx);
+            }
+        }
+        let top = _mm512_reduce_max_ps(mx);
+        if top == f32::NEG_INFINITY {
+            // Nothing of this row seen yet: no weight, no change.
+            wb[i * stride..(i + 1) * stride].fill(0);
+            continue;
+        }
+        let f = (m[i] - top).exp();
+        let mv = _mm512_set1_ps(top);
+        let (mut sum, mut wsum, mut pdot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+        let (mut wmax, mut nan) = (_mm512_setzero_ps(), 0 as __mmask16);
+        for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
+            let mask = lanes(n - r);
+            // SAFETY: `p` has 16 values of room past n; the masked lanes lie inside the value
+            // scales and offsets.
+            unsafe {
+                let e =
+                    _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_loadu_ps(p.as_ptr().add(r)), mv)));
+                sum = _mm512_add_ps(sum, e);
+                let w = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(mask, vs.as_ptr().add(r)));
+                wsum = _mm512_add_ps(wsum, w);
+                wmax = _mm512_max_ps(w, wmax);
+                nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(w, w);
+                if let Some(vo) = vo {
+                    pdot = _mm512_fmadd_ps(e, _mm512_maskz_loadu_ps(mask, vo.as_ptr().add(r)), pdot);
+                }
+                _mm512_storeu_ps(p.as_mut_ptr().add(r), w);
+            }
+        }
+        l[i] = l[i] * f + _mm512_reduce_add_ps(sum);
+        m[i] = top;
+        factor[i] = f;
+        let (scale, inv) = int8::scale_of(_mm512_reduce_max_ps(wmax), nan != 0, 255.0);
+        sw[i] = scale;
+        vadd[i] = _mm512_reduce_add_ps(pdot) + z * _mm512_reduce_add_ps(wsum);
+        let (invv, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(255.0));
+        for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
+            // SAFETY: `p` has 16 values of room past n (zero weights past n); `wb` has 16
+            // bytes of room past NQ rows of `stride`, and later rows are written after this one.
+            unsafe {
+                let y = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(p.as_ptr().add(r)), invv), hi);
+                let code = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
+                _mm_storeu_si128(wb.as_mut_ptr().add(i * stride + r).cast(), _mm512_cvtepi32_epi8(code));
+            }
+        }
+    }
+
+    // 4. The integer sums of the centred value codes under the byte weights, and the epilogue:
+    //    `o ← o · factor + (sw · sum + add)`.
+    // SAFETY: `v` is 4-bit with d a multiple of 128 and n >= 1 rows; `wb` holds NQ rows of
+    // `stride` bytes, zero from n to the stride (each row's bytes are written in chunks of 16
+    // past n, zero weights there); `acc` NQ · d values.
+    unsafe { vsums_bytes::<NQ>(v, 0..n, wb, stride, false, acc) };
+    for i in 0..NQ {
+        let (f, s, a) = (_mm512_set1_ps(factor[i]), _mm512_set1_ps(sw[i]), _mm512_set1_ps(vadd[i]));
+        for c in (0..D / 16).map(|j| 16 * j) {
+            // SAFETY: c + 16 <= d, inside row i of `o` and `acc`.
+            unsafe {
+                let at = o.as_mut_ptr().add(i * d + c);
+                let x = _mm512_add_ps(
+                    _mm512_mul_ps(
+                        s,
+                        _mm512_cvtepi32_ps(_mm512_loadu_si512(acc.as_ptr().add(i * d + c).cast())),
+                    ),
+                    a,
+                );
+                let old = _mm512_loadu_ps(at);
+                let old = if factor[i] != 1.0 { _mm512_mul_ps(old, f) } else { old };
+                _mm512_storeu_ps(at, _mm512_add_ps(old, x));
+            }
+        }
+    }
 }

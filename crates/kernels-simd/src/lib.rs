@@ -82,6 +82,8 @@ pub struct Scratch {
     pub(crate) int8: int8::Scratch,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) intv: intv::Scratch,
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fused: avx512::FusedScratch,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) sums: Vec<f32>,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -500,6 +502,90 @@ fn axpy_int_fast(
     }
     axpy_fast(backend, w, b, p, n_q, out);
     false
+}
+
+/// The running state of an online softmax over `n_q` query rows: per row the largest score
+/// seen `m` (−∞ before the first), the sum `l` of `exp(score − m)`, and `o` (`n_q × dim`) the
+/// values weighted by those exponentials, not yet divided by `l`.
+#[derive(Debug)]
+pub struct Online<'a> {
+    /// The running maxima, one per query row.
+    pub m: &'a mut [f32],
+    /// The running sums of the exponentials, one per query row.
+    pub l: &'a mut [f32],
+    /// The running weighted sums of the values, `n_q` rows of `dim`.
+    pub o: &'a mut [f32],
+}
+
+/// A block of keys `k` and the block of values `v` of the same tokens attended by `n_q` query
+/// rows `q` (`n_q × dim`, already scaled) in one fused call on the integer paths, `state`
+/// updated as an online softmax over the block would update it: for each row, the scores
+/// of [`scores_int8_with`], their maximum `m'` with the running `m` (NaN scores skipped),
+/// `l ← l · e^(m − m') + Σ e^(s − m')`, `o ← o · e^(m − m') + Σ_r e^(s_r − m') · v̂_r` through
+/// [`axpy_int_with`]'s rounding; a row whose maximum stays −∞ is left as it is.
+///
+/// Where it runs (AVX-512 with VNNI: INT4 affine keys per channel, INT4 affine values per row
+/// with non-negative scales, blocks of up to 256 tokens, head_dim 128 or 256, up to 4 query
+/// rows; see [`avx512::attend_int_supported`]) nothing of a block goes through memory but
+/// its codes and parameters; elsewhere it returns `Ok(false)`, changing nothing, and the
+/// caller runs the separate kernels (the kernel: `avx512::attend_int_in`). Its results equal [`scalar::attend_int`] to the rounding
+/// of float sums taken in another order and of `exp` (the softmax module's polynomial), not bit
+/// for bit.
+///
+/// # Errors
+/// [`KernelError::Shape`] when the blocks differ in rows or head_dim, or `q` and `state` do not
+/// hold `n_q` rows.
+pub fn attend_int_with(
+    backend: Backend,
+    k: &QuantBlock<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+) -> Result<bool, KernelError> {
+    with_scratch(|w| attend_int_in(backend, w, k, v, q, n_q, state))
+}
+
+/// [`attend_int_with`] with the caller's [`Scratch`], as [`scores_in`].
+///
+/// # Errors
+/// As [`attend_int_with`].
+pub fn attend_int_in(
+    backend: Backend,
+    scratch: &mut Scratch,
+    k: &QuantBlock<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+) -> Result<bool, KernelError> {
+    check(
+        k.rows == v.rows
+            && k.dim == v.dim
+            && q.len() == n_q * k.dim
+            && state.m.len() == n_q
+            && state.l.len() == n_q
+            && state.o.len() == n_q * k.dim,
+        || {
+            format!(
+                "keys {} × {}, values {} × {}, {n_q} query rows: {} query values, state {} / {} / {}",
+                k.rows,
+                k.dim,
+                v.rows,
+                v.dim,
+                q.len(),
+                state.m.len(),
+                state.l.len(),
+                state.o.len()
+            )
+        },
+    )?;
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 {
+        return Ok(avx512::attend_int_in(k, v, q, n_q, state, &mut scratch.fused));
+    }
+    let _ = (backend, scratch);
+    Ok(false)
 }
 
 /// Widens little-endian f16 values (`bytes`, any alignment) into `out`: the first

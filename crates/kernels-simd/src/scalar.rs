@@ -88,6 +88,47 @@ pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> b
     true
 }
 
+/// The reference of `kvq_kernels_simd::attend_int_with`: [`scores_int8`] of the block's keys,
+/// the online softmax step of each query row (maximum skipping NaN scores, `f32::exp`, sums in
+/// order) and [`axpy_int`] of the values, as decode runs them one after the other. Returns
+/// `false`, changing nothing, where either integer path does not apply.
+pub fn attend_int(
+    k: &QuantBlock<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: crate::Online<'_>,
+) -> bool {
+    let crate::Online { m, l, o } = state;
+    let int = |b: &QuantBlock<'_>| matches!(b.levels, crate::block::Levels::Affine) && integer_params(b);
+    if !int(k) || !int(v) || k.rows != v.rows || k.dim != v.dim {
+        return false;
+    }
+    let (n, d) = (k.rows, k.dim);
+    let mut s = vec![0f32; n_q * n];
+    scores_int8(k, q, n_q, &mut s);
+    for i in 0..n_q {
+        let row = &mut s[i * n..(i + 1) * n];
+        let top = row.iter().fold(m[i], |a, &x| if x > a { x } else { a });
+        if top == f32::NEG_INFINITY {
+            row.fill(0.0);
+            continue;
+        }
+        let f = (m[i] - top).exp();
+        let mut sum = 0f32;
+        for x in row.iter_mut() {
+            *x = (*x - top).exp();
+            sum += *x;
+        }
+        l[i] = l[i] * f + sum;
+        m[i] = top;
+        if f != 1.0 {
+            o[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= f);
+        }
+    }
+    axpy_int(v, &s, n_q, o)
+}
+
 /// Scores against full-precision rows (the cache's f32 tails and sinks):
 /// `out[i · rows + r] = Σ_d q[i · dim + d] · x[r · dim + d]`, summed in f64.
 pub fn dense_scores(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {

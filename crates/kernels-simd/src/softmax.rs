@@ -103,40 +103,50 @@ fn bytemuck_cast(v: wide::i32x8) -> wide::f32x8 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     use super::{LN2_HI, LN2_LO, LOG2E, LOWEST, P, exp_lane};
+
+    /// `exp` of 8 arguments `t0` (already less the row's maximum), as the module describes:
+    /// 0 below the cut-off and for −∞, NaN for NaN.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(crate) unsafe fn exp8(t0: __m256) -> __m256 {
+        let (lowest, highest) = (_mm256_set1_ps(LOWEST), _mm256_set1_ps(88.0));
+        let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(t0, lowest);
+        let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(t0, t0);
+        let t = _mm256_max_ps(_mm256_min_ps(t0, highest), lowest);
+        let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+            t,
+            _mm256_set1_ps(LOG2E),
+        ));
+        let r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_LO), _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_HI), t));
+        let mut p = _mm256_set1_ps(P[0]);
+        for &coef in &P[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coef));
+        }
+        let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+        let two_k = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(k),
+            _mm256_set1_epi32(127),
+        )));
+        _mm256_blendv_ps(_mm256_and_ps(_mm256_mul_ps(y, two_k), keep), t0, nan)
+    }
 
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn exp_sum(x: &mut [f32], m: f32) -> f32 {
         let n = x.len() / 8 * 8;
-        let (mv, lowest, highest) = (_mm256_set1_ps(m), _mm256_set1_ps(LOWEST), _mm256_set1_ps(88.0));
+        let mv = _mm256_set1_ps(m);
         let mut acc = _mm256_setzero_ps();
         for c in x[..n].chunks_exact_mut(8) {
-            // SAFETY: `c` holds 8 floats.
-            let t0 = _mm256_sub_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, mv);
-            let keep = _mm256_cmp_ps::<_CMP_GE_OQ>(t0, lowest);
-            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(t0, t0);
-            let t = _mm256_max_ps(_mm256_min_ps(t0, highest), lowest);
-            let k = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-                t,
-                _mm256_set1_ps(LOG2E),
-            ));
-            let r =
-                _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_LO), _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_HI), t));
-            let mut p = _mm256_set1_ps(P[0]);
-            for &coef in &P[1..] {
-                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coef));
-            }
-            let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
-            let two_k = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-                _mm256_cvtps_epi32(k),
-                _mm256_set1_epi32(127),
-            )));
-            let e = _mm256_blendv_ps(_mm256_and_ps(_mm256_mul_ps(y, two_k), keep), t0, nan);
+            // SAFETY: `c` holds 8 floats; the CPU supports AVX2 and FMA (this function's contract).
+            let e = unsafe { exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv)) };
             // SAFETY: `c` holds 8 floats.
             unsafe { _mm256_storeu_ps(c.as_mut_ptr(), e) };
             acc = _mm256_add_ps(acc, e);

@@ -967,3 +967,201 @@ fn decode_turn_matches_the_reference() {
     };
     assert!(decode_turn_with(Backend::Scalar, &odd, &mut [0f32; 3]).is_err());
 }
+
+/// A case of affine codes with parameters per channel (`per_channel`) or per row.
+fn affine_case(rng: &mut Rng, rows: usize, dim: usize, per_channel: bool, special: u8) -> Case {
+    let mut case = Case::random(rng, rows, dim, 4, special);
+    case.levels_kind = 0;
+    case.with_offset = true;
+    if case.per_channel != per_channel {
+        let groups = if per_channel { dim } else { rows };
+        case.per_channel = per_channel;
+        case.scale = (0..groups)
+            .map(|g| if special == 5 && g % 2 == 0 { 0.0 } else { rng.uniform() as f32 + 0.01 })
+            .collect();
+        case.offset = (0..groups).map(|_| rng.normal() as f32).collect();
+    }
+    case
+}
+
+/// The fused block kernel (keys' scores, the online softmax step, the values' sums in one
+/// call) against its reference, the integer kernels run one after the other: the running
+/// maxima to the rounding of the scores' float epilogue, the sums and outputs to that of
+/// `exp` and of float sums in other orders, plus two flips of a rounded weight.
+#[test]
+fn fused_block_attention_matches_its_reference() {
+    use kvq_kernels_simd::{Online, attend_int_with};
+    let mut rng = Rng::new(0xf05e);
+    let mut ran = 0;
+    for backend in available() {
+        for (dim, rows) in
+            [(128usize, 32usize), (128, 1), (128, 5), (128, 17), (128, 64), (256, 33), (128, 256), (256, 100)]
+        {
+            for special in [0u8, 5, 6] {
+                let kc = affine_case(&mut rng, rows, dim, true, if special == 5 { 0 } else { special });
+                let vc = affine_case(&mut rng, rows, dim, false, special);
+                let (k, v) = (kc.block(), vc.block());
+                for n_q in 1..=4usize {
+                    // Special 6: scores spread over a wide range (most weights underflow).
+                    let spread = if special == 6 { 40.0 } else { 1.0 };
+                    let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32 * spread).collect();
+                    for running in [false, true] {
+                        let (mut m, mut l) = if running {
+                            let m: Vec<f32> = (0..n_q).map(|_| rng.normal() as f32 * 3.0).collect();
+                            (m, (0..n_q).map(|_| rng.uniform() as f32 * 5.0 + 0.5).collect::<Vec<f32>>())
+                        } else {
+                            (vec![f32::NEG_INFINITY; n_q], vec![0.0; n_q])
+                        };
+                        let mut o: Vec<f32> = if running {
+                            (0..n_q * dim).map(|_| rng.normal() as f32).collect()
+                        } else {
+                            vec![0.0; n_q * dim]
+                        };
+                        let (m0, o0) = (m.clone(), o.clone());
+                        let (mut wm, mut wl, mut wo) = (m.clone(), l.clone(), o.clone());
+                        let state = Online { m: &mut m, l: &mut l, o: &mut o };
+                        if !attend_int_with(backend, &k, &v, &q, n_q, state).unwrap() {
+                            continue;
+                        }
+                        ran += 1;
+                        assert!(scalar::attend_int(
+                            &k,
+                            &v,
+                            &q,
+                            n_q,
+                            Online { m: &mut wm, l: &mut wl, o: &mut wo }
+                        ));
+                        let what = format!(
+                            "{backend} dim {dim} rows {rows} special {special} n_q {n_q} running {running}"
+                        );
+                        let mut x = vec![0f32; rows * dim];
+                        scalar::dequantize(&v, &mut x);
+                        for i in 0..n_q {
+                            let qi = &q[i * dim..(i + 1) * dim];
+                            // The scores' magnitude: the query times every key value's terms.
+                            let mag: f64 = (0..dim)
+                                .map(|c| {
+                                    f64::from(qi[c].abs())
+                                        * (f64::from(kc.scale[c]) * 15.0 + f64::from(kc.offset[c].abs()))
+                                })
+                                .sum();
+                            let dm = 2e-6 * mag + 1e-30;
+                            assert!(
+                                (m[i] - wm[i]).abs() as f64 <= dm,
+                                "{what} m[{i}]: {} vs {}",
+                                m[i],
+                                wm[i]
+                            );
+                            // A shift δ of the maximum scales every exponential by e^δ.
+                            let rel = 1e-5 + 2.0 * dm;
+                            assert!(
+                                ((l[i] - wl[i]).abs() as f64) <= rel * f64::from(wl[i].abs()) + 1e-30,
+                                "{what} l[{i}]: {} vs {}",
+                                l[i],
+                                wl[i]
+                            );
+                            let top = wm[i];
+                            let f = f64::from((m0[i] - top).exp());
+                            let p: Vec<f64> = (0..rows)
+                                .map(|r| {
+                                    let s =
+                                        f64::from(kc.scale.iter().zip(qi).zip(&kc.offset).enumerate().fold(
+                                            0f32,
+                                            |a, (c, ((s, q), f))| {
+                                                a + q * (s * f32::from(kc.raw[r * dim + c]) + f)
+                                            },
+                                        ));
+                                    (s - f64::from(top)).exp()
+                                })
+                                .collect();
+                            let sw =
+                                (0..rows).map(|r| p[r] * f64::from(vc.scale[r])).fold(0f64, f64::max) / 255.0;
+                            for c in 0..dim {
+                                let j = i * dim + c;
+                                let mag: f64 = f64::from(o0[j].abs()) * f
+                                    + (0..rows).map(|r| p[r] * f64::from(x[r * dim + c].abs())).sum::<f64>();
+                                let tol = rel * mag + 16.0 * sw + 1e-30;
+                                let err = (f64::from(o[j]) - f64::from(wo[j])).abs();
+                                assert!(err <= tol, "{what} o[{j}]: {} vs {} (tolerance {tol})", o[j], wo[j]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
+        assert!(ran > 0, "the fused kernel never ran on a machine that has it");
+    }
+    let _ = ran;
+}
+
+/// What the fused kernel does not take leaves the state as it was (`Ok(false)`): a negative
+/// value scale, keys per row, more than four query rows, 64 channels. A NaN in a query row
+/// makes that row's sum and outputs NaN (with a running state), and only that row's.
+#[test]
+fn fused_block_attention_declines_and_propagates_nan() {
+    use kvq_kernels_simd::{Online, attend_int_with};
+    let mut rng = Rng::new(77);
+    for backend in available() {
+        let kc = affine_case(&mut rng, 32, 128, true, 0);
+        let mut vc = affine_case(&mut rng, 32, 128, false, 0);
+        let kr = affine_case(&mut rng, 32, 128, false, 0);
+        let (k64, v64) = (affine_case(&mut rng, 32, 64, true, 0), affine_case(&mut rng, 32, 64, false, 0));
+        let run = |k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize, q: &[f32]| {
+            let (mut m, mut l, mut o) = (vec![0.5f32; n_q], vec![1.0f32; n_q], vec![0.25f32; n_q * k.dim()]);
+            let ran =
+                attend_int_with(backend, k, v, q, n_q, Online { m: &mut m, l: &mut l, o: &mut o }).unwrap();
+            (ran, m, l, o)
+        };
+        let q: Vec<f32> = (0..5 * 128).map(|_| rng.normal() as f32).collect();
+        let unchanged = |(ran, m, l, o): (bool, Vec<f32>, Vec<f32>, Vec<f32>)| {
+            assert!(
+                !ran && m.iter().all(|&x| x == 0.5)
+                    && l.iter().all(|&x| x == 1.0)
+                    && o.iter().all(|&x| x == 0.25)
+            );
+        };
+        unchanged(run(&kc.block(), &kr.block(), 5, &q));
+        unchanged(run(&kr.block(), &vc.block(), 2, &q[..256]));
+        unchanged(run(&k64.block(), &v64.block(), 2, &q[..128]));
+        let (ran, ..) = run(&kc.block(), &vc.block(), 2, &q[..256]);
+        if ran {
+            let mut nan = q[..256].to_vec();
+            nan[128 + 9] = f32::NAN;
+            let (_, _, l, o) = run(&kc.block(), &vc.block(), 2, &nan);
+            assert!(l[0].is_finite() && l[1].is_nan(), "{backend}: {l:?}");
+            assert!(
+                o[..128].iter().all(|x| x.is_finite()) && o[128..].iter().all(|x| x.is_nan()),
+                "{backend}"
+            );
+            vc.scale[3] = -vc.scale[3];
+            unchanged(run(&kc.block(), &vc.block(), 2, &q[..256]));
+        }
+        // Shapes that do not fit are errors.
+        let (mut m, mut l, mut o) = (vec![0f32; 2], vec![0f32; 2], vec![0f32; 200]);
+        assert!(
+            attend_int_with(
+                backend,
+                &kc.block(),
+                &vc.block(),
+                &q[..256],
+                2,
+                Online { m: &mut m, l: &mut l, o: &mut o }
+            )
+            .is_err()
+        );
+        assert!(
+            attend_int_with(
+                backend,
+                &kc.block(),
+                &v64.block(),
+                &q[..256],
+                2,
+                Online { m: &mut m, l: &mut l, o: &mut o }
+            )
+            .is_err()
+        );
+    }
+}

@@ -406,6 +406,8 @@ struct Task {
     spans: Vec<(usize, usize)>,
     st: Partial,
     bufs: (Vec<f32>, Vec<f32>),
+    /// The value block's parameters where a fused kernel holds both blocks at once.
+    vbufs: (Vec<f32>, Vec<f32>),
     s: Vec<f32>,
     widths: (Vec<f32>, Vec<f32>),
     rope: RopeScratch,
@@ -630,6 +632,7 @@ impl Task {
         self.st.reset(rows, d);
         let mut scratch = Scratch {
             bufs: &mut self.bufs,
+            vbufs: &mut self.vbufs,
             s: &mut self.s,
             widths: &mut self.widths,
             rope: &mut self.rope,
@@ -655,6 +658,7 @@ impl Task {
 /// Buffers [`attend`] reuses across units.
 struct Scratch<'w> {
     bufs: &'w mut (Vec<f32>, Vec<f32>),
+    vbufs: &'w mut (Vec<f32>, Vec<f32>),
     s: &'w mut Vec<f32>,
     /// Keys with bits per channel: one width's query columns, and its scores.
     widths: &'w mut (Vec<f32>, Vec<f32>),
@@ -990,7 +994,10 @@ fn attend<'a>(
     let latest_start = spans.iter().map(|s| s.0).max().unwrap_or(0);
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
-    let Scratch { bufs, s, widths, rope: rs, kernel } = w;
+    let Scratch { bufs, vbufs, s, widths, rope: rs, kernel } = w;
+    // Units whose keys and values a fused kernel can take whole (the integer path, no RoPE
+    // turn, no soft-capping, every row seeing the whole unit) try it first.
+    let fused = path == ScorePath::Int8 && rope.is_none() && options.softcap.is_none();
     // The offset table of keys stored before RoPE: checked once per call, not per block.
     if let Some((rope, bs)) = rope {
         rs.prepare(rope, bs);
@@ -1006,6 +1013,22 @@ fn attend<'a>(
                 if let Run::Block(view) = run {
                     kvq_kernels_simd::prefetch(view.region);
                 }
+            }
+        }
+        if fused
+            && a >= latest_start
+            && b <= earliest_end
+            && let (Run::Block(kv), Run::Block(vv)) = (&k, &v)
+            && kv.width_views().is_none()
+        {
+            let state = kvq_kernels_simd::Online { m: &mut st.m, l: &mut st.l, o: &mut st.o };
+            let done = with_block(kv, &readers[0], bufs, |kb| {
+                with_block(vv, &readers[1], vbufs, |vb| {
+                    kvq_kernels_simd::attend_int_in(backend, kernel, kb, vb, qs, g, state)
+                })
+            })?;
+            if done {
+                continue;
             }
         }
         let n = b - a;
