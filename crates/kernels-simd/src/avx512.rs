@@ -526,8 +526,8 @@ const FUSED_DIM: usize = 256;
 
 /// Whether [`crate::attend_int_with`] has a fused kernel for keys `k`, values `v` and `n_q` query rows on
 /// this CPU: INT4 affine keys with per-channel parameters and INT4 affine values with per-row
-/// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (128 or 256), 1 to 4 query
-/// rows (a GQA group).
+/// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (128 or 256), any number
+/// of query rows (four at a time).
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     k.bits == 4
         && v.bits == 4
@@ -536,7 +536,7 @@ pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) 
         && (1..=FUSED_ROWS).contains(&k.rows)
         && k.dim.is_multiple_of(128)
         && k.dim <= FUSED_DIM
-        && (1..=int8::GROUP).contains(&n_q)
+        && n_q >= 1
         && matches!(k.levels, Levels::Affine)
         && matches!(v.levels, Levels::Affine)
         && matches!(k.params, Params::PerChannel { .. })
@@ -587,45 +587,66 @@ pub(crate) fn attend_int_in(
         w.q8.resize(g * FUSED_DIM, 0);
         w.dots.resize(g * FUSED_ROWS, 0);
         w.wb.resize(g * FUSED_ROWS + 16, 0);
-        w.p.resize(FUSED_ROWS + 16, 0.0);
+        w.p.resize(g * (FUSED_ROWS + 16).max(FUSED_DIM), 0.0);
         w.acc.resize(g * FUSED_DIM, 0);
     }
-    // SAFETY: `attend_int_supported` checked the CPU, the widths, the layouts and the sizes
-    // against the buffers' (just grown to the largest block); the shapes were asserted.
-    unsafe {
-        match (n_q, d) {
-            (1, 128) => attend4::<1, 128>(k, v, q, m, l, o, w),
-            (2, 128) => attend4::<2, 128>(k, v, q, m, l, o, w),
-            (3, 128) => attend4::<3, 128>(k, v, q, m, l, o, w),
-            (_, 128) => attend4::<4, 128>(k, v, q, m, l, o, w),
-            (1, _) => attend4::<1, 256>(k, v, q, m, l, o, w),
-            (2, _) => attend4::<2, 256>(k, v, q, m, l, o, w),
-            (3, _) => attend4::<3, 256>(k, v, q, m, l, o, w),
-            (_, _) => attend4::<4, 256>(k, v, q, m, l, o, w),
+    // Query rows four at a time (a GQA group of more, or a chunk's tokens), each group's
+    // state its own.
+    let mut i0 = 0;
+    while i0 < n_q {
+        let nq = (n_q - i0).min(g);
+        let (q, m, l) = (&q[i0 * d..(i0 + nq) * d], &mut m[i0..i0 + nq], &mut l[i0..i0 + nq]);
+        let o = &mut o[i0 * d..(i0 + nq) * d];
+        // SAFETY: `attend_int_supported` checked the CPU, the widths, the layouts and the sizes
+        // against the buffers' (grown above to the largest block); the shapes were asserted.
+        unsafe {
+            match (nq, d) {
+                (1, 128) => attend4::<1, 128>(k, v, q, m, l, o, w),
+                (2, 128) => attend4::<2, 128>(k, v, q, m, l, o, w),
+                (3, 128) => attend4::<3, 128>(k, v, q, m, l, o, w),
+                (_, 128) => attend4::<4, 128>(k, v, q, m, l, o, w),
+                (1, _) => attend4::<1, 256>(k, v, q, m, l, o, w),
+                (2, _) => attend4::<2, 256>(k, v, q, m, l, o, w),
+                (3, _) => attend4::<3, 256>(k, v, q, m, l, o, w),
+                (_, _) => attend4::<4, 256>(k, v, q, m, l, o, w),
+            }
         }
+        i0 += nq;
     }
     true
 }
 
-/// `exp` of 16 arguments: the softmax module's 8-lane polynomial on each half.
+/// [`int8::scale_of`] of four maxima at once (`max / limit`, NaN where flagged, and the
+/// inverse; 0 for a zero maximum): the same IEEE divisions, so the same bits, in two vector
+/// instructions instead of eight dependent scalar ones.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, AVX2 and FMA.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+/// The CPU must support SSE (every x86-64 does).
 #[inline]
-unsafe fn exp16(t: __m512) -> __m512 {
-    use crate::softmax::x86::exp8;
-    // SAFETY: AVX2 and FMA are enabled by this function's target features.
-    let (lo, hi) = unsafe {
-        (
-            exp8(_mm512_castps512_ps256(t)),
-            exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(t)))),
-        )
-    };
-    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-        _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
-        _mm256_castps_pd(hi),
-    ))
+unsafe fn scales_of4(max: [f32; 4], nan: [bool; 4], limit: f32) -> ([f32; 4], [f32; 4]) {
+    let mut scale = [0f32; 4];
+    for i in 0..4 {
+        scale[i] = if nan[i] {
+            f32::NAN
+        } else if max[i] > 0.0 {
+            max[i]
+        } else {
+            0.0
+        };
+    }
+    let (mut s, mut inv) = ([0f32; 4], [0f32; 4]);
+    // SAFETY: the arrays hold 4 floats.
+    unsafe {
+        let sv = _mm_div_ps(_mm_loadu_ps(scale.as_ptr()), _mm_set1_ps(limit));
+        _mm_storeu_ps(s.as_mut_ptr(), sv);
+        _mm_storeu_ps(inv.as_mut_ptr(), _mm_div_ps(_mm_set1_ps(1.0), sv));
+    }
+    for (x, &s) in inv.iter_mut().zip(&s) {
+        if s.is_nan() || s <= 0.0 {
+            *x = 0.0;
+        }
+    }
+    (s, inv)
 }
 
 /// Lanes `0..len` (at most 16) of a 16-lane vector.
@@ -661,107 +682,202 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
     //    stored in the order `vacc` reads a 4-bit row (`int8::arrange4` with 64-byte chunks:
     //    16-value piece w of each 128 goes to slot 4 · (w % 2) + w / 2); what the keys'
     //    offsets add, `Σ q · offset`.
-    let (mut sq, mut kadd) = ([0f32; int8::GROUP], [0f32; int8::GROUP]);
+    let mut kadd = [0f32; int8::GROUP];
+    let (mut qmax, mut qnan) = ([0f32; int8::GROUP], [false; int8::GROUP]);
+    let mut ksv = [_mm512_setzero_ps(); FUSED_DIM / 16];
+    for (j, x) in ksv.iter_mut().enumerate().take(D / 16) {
+        // SAFETY: 16 · j + 16 <= d, inside the scales.
+        *x = unsafe { _mm512_loadu_ps(ks.as_ptr().add(16 * j)) };
+    }
     for i in 0..NQ {
         let qi = &q[i * d..(i + 1) * d];
-        let (mut mx, mut nan, mut dot) = (_mm512_setzero_ps(), 0 as __mmask16, _mm512_setzero_ps());
-        for c in (0..D / 16).map(|j| 16 * j) {
-            // SAFETY: c + 16 <= d, inside the query row, the scales and the offsets.
+        let (mut mx, mut any, mut dot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+        for (j, &s) in ksv.iter().enumerate().take(D / 16) {
+            // SAFETY: 16 · j + 16 <= d, inside the query row and the offsets; `p` holds
+            // GROUP · FUSED_DIM values.
             unsafe {
-                let x = _mm512_loadu_ps(qi.as_ptr().add(c));
-                let y = _mm512_mul_ps(x, _mm512_loadu_ps(ks.as_ptr().add(c)));
-                // A NaN product is skipped here (the second operand is returned) and flagged.
+                let x = _mm512_loadu_ps(qi.as_ptr().add(16 * j));
+                let y = _mm512_mul_ps(x, s);
+                _mm512_storeu_ps(p.as_mut_ptr().add(i * d + 16 * j), y);
+                // A NaN is skipped by the maximum (the second operand is returned) and makes
+                // the sum `any` NaN.
                 mx = _mm512_max_ps(_mm512_abs_ps(y), mx);
-                nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(y, y);
+                any = _mm512_add_ps(any, y);
                 if let Some(ko) = ko {
-                    dot = _mm512_fmadd_ps(x, _mm512_loadu_ps(ko.as_ptr().add(c)), dot);
+                    dot = _mm512_fmadd_ps(x, _mm512_loadu_ps(ko.as_ptr().add(16 * j)), dot);
                 }
             }
         }
         kadd[i] = _mm512_reduce_add_ps(dot);
-        let (scale, inv) = int8::scale_of(_mm512_reduce_max_ps(mx), nan != 0, 127.0);
-        sq[i] = scale;
+        qmax[i] = _mm512_reduce_max_ps(mx);
+        qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
+    }
+    // SAFETY: SSE is part of x86-64.
+    let (sq, qinv) = unsafe { scales_of4(qmax, qnan, 127.0) };
+    for (i, &inv) in qinv.iter().enumerate().take(NQ) {
         let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
-        for c in (0..D / 16).map(|j| 16 * j) {
-            // SAFETY: as above; the slot lies inside row i of `q8` (d <= FUSED_DIM).
+        for j in 0..D / 16 {
+            let slot = 128 * (j / 8) + 16 * (4 * (j % 2) + (j % 8) / 2);
+            // SAFETY: the products of row i lie in `p` (stored above); the slot lies inside
+            // row i of `q8` (d <= FUSED_DIM).
             unsafe {
-                let y =
-                    _mm512_mul_ps(_mm512_loadu_ps(qi.as_ptr().add(c)), _mm512_loadu_ps(ks.as_ptr().add(c)));
+                let y = _mm512_loadu_ps(p.as_ptr().add(i * d + 16 * j));
                 let y = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(y, invv), hi), lo);
                 let r = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
-                let w = c / 16;
-                let slot = 128 * (w / 8) + 16 * (4 * (w % 2) + (w % 8) / 2);
                 _mm_storeu_si128(q8.as_mut_ptr().add(i * d + slot).cast(), _mm512_cvtepi32_epi8(r));
             }
         }
     }
 
-    // 2. The integer dots of every row of the block with the rounded query rows.
-    // SAFETY: the block is 4-bit with d a multiple of 128 (checked by the caller); `q8` holds
-    // NQ rows of d bytes, `dots` NQ · n values.
-    unsafe { vdots::<4, NQ>(k, 0..n, &q8[..NQ * d], &mut dots[..NQ * n]) };
+    // 2. The integer dots of every row of the block with the rounded query rows: four rows'
+    //    bytes held in registers, one row of codes at a time.
+    if NQ == 4 {
+        let mask = _mm512_set1_epi8(0x0f);
+        let per = 2 * D / 128;
+        let mut qr = [_mm512_setzero_si512(); 2 * int8::GROUP * FUSED_DIM / 128];
+        for (t, x) in qr.iter_mut().enumerate().take(NQ * per) {
+            // SAFETY: 64 · t + 64 <= NQ · d, inside `q8`.
+            *x = unsafe { _mm512_loadu_si512(q8.as_ptr().add(64 * t).cast()) };
+        }
+        // Four rows at a time: sixteen independent (row, query) sums, reduced per query into
+        // the dots of four consecutive rows (one 128-bit store each).
+        let mut r = 0;
+        while r + 4 <= n {
+            let mut sums = [[_mm512_setzero_si512(); 4]; 4];
+            for c in 0..D / 128 {
+                for j in 0..4 {
+                    // SAFETY: chunk c (64 bytes) lies within row r + j (row_bytes = d / 2).
+                    let v = unsafe { _mm512_loadu_si512(k.row(r + j).as_ptr().add(64 * c).cast()) };
+                    let (lo, hi) =
+                        (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+                    for (i, a) in sums.iter_mut().enumerate() {
+                        a[j] = _mm512_dpbusd_epi32(a[j], lo, qr[i * per + 2 * c]);
+                        a[j] = _mm512_dpbusd_epi32(a[j], hi, qr[i * per + 2 * c + 1]);
+                    }
+                }
+            }
+            for (i, a) in sums.iter().enumerate() {
+                // SAFETY: AVX-512 is enabled by this function's target features.
+                let t = unsafe { hsum4_zmm(a) };
+                dots[i * n + r..i * n + r + 4].copy_from_slice(&t);
+            }
+            r += 4;
+        }
+        while r < n {
+            let row = k.row(r);
+            let mut sums = [_mm512_setzero_si512(); 4];
+            for c in 0..D / 128 {
+                // SAFETY: chunk c (64 bytes) lies within the row (row_bytes = d / 2).
+                let v = unsafe { _mm512_loadu_si512(row.as_ptr().add(64 * c).cast()) };
+                let (lo, hi) = (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+                for (i, a) in sums.iter_mut().enumerate() {
+                    *a = _mm512_dpbusd_epi32(*a, lo, qr[i * per + 2 * c]);
+                    *a = _mm512_dpbusd_epi32(*a, hi, qr[i * per + 2 * c + 1]);
+                }
+            }
+            // SAFETY: AVX-512 is enabled by this function's target features.
+            let t = unsafe { hsum4_zmm(&sums) };
+            for (i, &x) in t.iter().enumerate() {
+                dots[i * n + r] = x;
+            }
+            r += 1;
+        }
+    } else {
+        // SAFETY: the block is 4-bit with d a multiple of 128 (checked by the caller); `q8`
+        // holds NQ rows of d bytes, `dots` NQ · n values.
+        unsafe { vdots::<4, NQ>(k, 0..n, &q8[..NQ * d], &mut dots[..NQ * n]) };
+    }
 
-    // 3. Per query row: the scores, their maximum with the running one, the exponentials and
-    //    the running sums; the weights `p · scale` rounded to bytes (scale max / 255), zero
-    //    past the block's rows up to the stride.
+    // 3. The scores of every query row and their maxima with the running ones; the rescaling
+    //    factors `e^(m − m')`, four rows in one vector; the exponentials, their sums and the
+    //    weights `p · scale`, rounded to bytes (scale max / 255), zero past the block's rows
+    //    up to the stride. `p` holds row i's values at i · (FUSED_ROWS + 16).
     let stride = n.next_multiple_of(4);
-    let (mut factor, mut sw, mut vadd) = ([1f32; int8::GROUP], [0f32; int8::GROUP], [0f32; int8::GROUP]);
+    let pr = FUSED_ROWS + 16;
     let z = f32::from(intv::center(4));
+    let mut top = [f32::NEG_INFINITY; int8::GROUP];
     for i in 0..NQ {
         let di = &dots[i * n..(i + 1) * n];
         let (sqv, addv) = (_mm512_set1_ps(sq[i]), _mm512_set1_ps(kadd[i]));
         let mut mx = _mm512_set1_ps(m[i]);
         for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
             let mask = lanes(n - r);
-            // SAFETY: the masked lanes lie inside `di` and `p`.
+            // SAFETY: the masked lanes lie inside `di`; row i of `p` has 16 values of room
+            // past n.
             unsafe {
                 let dv = _mm512_maskz_loadu_epi32(mask, di.as_ptr().add(r));
                 let s = _mm512_add_ps(_mm512_mul_ps(sqv, _mm512_cvtepi32_ps(dv)), addv);
-                _mm512_storeu_ps(p.as_mut_ptr().add(r), s);
+                _mm512_storeu_ps(p.as_mut_ptr().add(i * pr + r), s);
                 // NaN scores are skipped by the maximum (the second operand is returned).
                 mx = _mm512_mask_max_ps(mx, mask, s, mx);
             }
         }
-        let top = _mm512_reduce_max_ps(mx);
-        if top == f32::NEG_INFINITY {
+        top[i] = _mm512_reduce_max_ps(mx);
+    }
+    let mut factor = [1f32; int8::GROUP];
+    {
+        let mut t = [0f32; 16];
+        for i in 0..NQ {
+            t[i] = m[i] - top[i];
+        }
+        let mut f = [0f32; 16];
+        // SAFETY: `t` and `f` hold 16 floats; AVX-512 F is enabled.
+        unsafe { _mm512_storeu_ps(f.as_mut_ptr(), crate::softmax::x86::exp16(_mm512_loadu_ps(t.as_ptr()))) };
+        factor[..NQ].copy_from_slice(&f[..NQ]);
+    }
+    let (mut wmax, mut wnan, mut vadd) = ([0f32; int8::GROUP], [false; int8::GROUP], [0f32; int8::GROUP]);
+    for i in 0..NQ {
+        if top[i] == f32::NEG_INFINITY {
             // Nothing of this row seen yet: no weight, no change.
+            factor[i] = 1.0;
+            continue;
+        }
+        let mv = _mm512_set1_ps(top[i]);
+        let (mut sum, mut add) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let (mut mx, mut any) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let zv = _mm512_set1_ps(z);
+        for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
+            let mask = lanes(n - r);
+            // SAFETY: row i of `p` has 16 values of room past n; the masked lanes lie inside
+            // the value scales and offsets.
+            unsafe {
+                let at = p.as_mut_ptr().add(i * pr + r);
+                let e = _mm512_maskz_mov_ps(
+                    mask,
+                    crate::softmax::x86::exp16(_mm512_sub_ps(_mm512_loadu_ps(at), mv)),
+                );
+                sum = _mm512_add_ps(sum, e);
+                let w = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(mask, vs.as_ptr().add(r)));
+                // What the offsets and the centre add: Σ p · offset + z · Σ w.
+                add = _mm512_fmadd_ps(zv, w, add);
+                if let Some(vo) = vo {
+                    add = _mm512_fmadd_ps(e, _mm512_maskz_loadu_ps(mask, vo.as_ptr().add(r)), add);
+                }
+                mx = _mm512_max_ps(w, mx);
+                any = _mm512_add_ps(any, w);
+                _mm512_storeu_ps(at, w);
+            }
+        }
+        l[i] = l[i] * factor[i] + _mm512_reduce_add_ps(sum);
+        m[i] = top[i];
+        wmax[i] = _mm512_reduce_max_ps(mx);
+        wnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
+        vadd[i] = _mm512_reduce_add_ps(add);
+    }
+    // SAFETY: SSE is part of x86-64.
+    let (sw, winv) = unsafe { scales_of4(wmax, wnan, 255.0) };
+    for i in 0..NQ {
+        if top[i] == f32::NEG_INFINITY {
             wb[i * stride..(i + 1) * stride].fill(0);
             continue;
         }
-        let f = (m[i] - top).exp();
-        let mv = _mm512_set1_ps(top);
-        let (mut sum, mut wsum, mut pdot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
-        let (mut wmax, mut nan) = (_mm512_setzero_ps(), 0 as __mmask16);
+        let (invv, hi) = (_mm512_set1_ps(winv[i]), _mm512_set1_ps(255.0));
         for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
-            let mask = lanes(n - r);
-            // SAFETY: `p` has 16 values of room past n; the masked lanes lie inside the value
-            // scales and offsets.
+            // SAFETY: row i of `p` has 16 values of room past n (zero weights past n); `wb`
+            // has 16 bytes of room past NQ rows of `stride`, and later rows are written after
+            // this one.
             unsafe {
-                let e =
-                    _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_loadu_ps(p.as_ptr().add(r)), mv)));
-                sum = _mm512_add_ps(sum, e);
-                let w = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(mask, vs.as_ptr().add(r)));
-                wsum = _mm512_add_ps(wsum, w);
-                wmax = _mm512_max_ps(w, wmax);
-                nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(w, w);
-                if let Some(vo) = vo {
-                    pdot = _mm512_fmadd_ps(e, _mm512_maskz_loadu_ps(mask, vo.as_ptr().add(r)), pdot);
-                }
-                _mm512_storeu_ps(p.as_mut_ptr().add(r), w);
-            }
-        }
-        l[i] = l[i] * f + _mm512_reduce_add_ps(sum);
-        m[i] = top;
-        factor[i] = f;
-        let (scale, inv) = int8::scale_of(_mm512_reduce_max_ps(wmax), nan != 0, 255.0);
-        sw[i] = scale;
-        vadd[i] = _mm512_reduce_add_ps(pdot) + z * _mm512_reduce_add_ps(wsum);
-        let (invv, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(255.0));
-        for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
-            // SAFETY: `p` has 16 values of room past n (zero weights past n); `wb` has 16
-            // bytes of room past NQ rows of `stride`, and later rows are written after this one.
-            unsafe {
-                let y = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(p.as_ptr().add(r)), invv), hi);
+                let y = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(p.as_ptr().add(i * pr + r)), invv), hi);
                 let code = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
                 _mm_storeu_si128(wb.as_mut_ptr().add(i * stride + r).cast(), _mm512_cvtepi32_epi8(code));
             }

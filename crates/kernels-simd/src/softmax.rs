@@ -137,6 +137,34 @@ pub(crate) mod x86 {
         _mm256_blendv_ps(_mm256_and_ps(_mm256_mul_ps(y, two_k), keep), t0, nan)
     }
 
+    /// [`exp8`] on 16 lanes in 512-bit registers: the same operations lane for lane, so the
+    /// same bits.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    pub(crate) unsafe fn exp16(t0: __m512) -> __m512 {
+        let keep = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(t0, _mm512_set1_ps(LOWEST));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(t0, t0);
+        let t = _mm512_max_ps(_mm512_min_ps(t0, _mm512_set1_ps(88.0)), _mm512_set1_ps(LOWEST));
+        let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+            t,
+            _mm512_set1_ps(LOG2E),
+        ));
+        let r = _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_LO), _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_HI), t));
+        let mut p = _mm512_set1_ps(P[0]);
+        for &coef in &P[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coef));
+        }
+        let y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0));
+        let two_k = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvtps_epi32(k),
+            _mm512_set1_epi32(127),
+        )));
+        _mm512_mask_mov_ps(_mm512_maskz_mul_ps(keep, y, two_k), nan, t0)
+    }
+
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
