@@ -581,7 +581,7 @@ fn bench(
         STREAM_BYTES >> 20
     );
     println!(
-        "{:<34} {:>10} {:>12} {:>9} {:>8} {:>8} {:>8}",
+        "{:<42} {:>10} {:>12} {:>9} {:>8} {:>8} {:>8}",
         "cache", "ms/step", "cache MiB", "GB/s", "vs f32", "vs f16", "x floor"
     );
     // The kernels that ran the baselines (AVX2: FMA, f16 widened with F16C; wide: SSE2/NEON).
@@ -591,7 +591,7 @@ fn bench(
         (format!("f16 (GQA, {dense})"), base16, f32_bytes / 2),
     ] {
         println!(
-            "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x {:>7.2}x",
+            "{:<42} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x {:>7.2}x",
             name,
             t * 1e3,
             bytes as f64 / 1048576.0,
@@ -637,7 +637,7 @@ fn bench(
                     .expect("shapes checked above");
             });
             println!(
-                "{:<34} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x {:>7.2}x",
+                "{:<42} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x {:>7.2}x",
                 format!("{}{label}", spec.name()),
                 t * 1e3,
                 bytes as f64 / 1048576.0,
