@@ -329,17 +329,9 @@ unsafe fn vsums_bytes<const NQ: usize>(
                     let v = if plane == 0 { v } else { _mm512_srli_epi16(v, 4) };
                     _mm512_sub_epi8(_mm512_and_si512(v, mask), centre)
                 };
-                let (p0, p1, p2, p3) = (nib(0), nib(1), nib(2), nib(3));
-                let (a, b2) = (_mm512_unpacklo_epi8(p0, p1), _mm512_unpacklo_epi8(p2, p3));
-                let (a_h, b_h) = (_mm512_unpackhi_epi8(p0, p1), _mm512_unpackhi_epi8(p2, p3));
                 // x[k]: in 16-byte lane L, channels 32L + 4k .. 32L + 4k + 4 of the plane,
                 // one per i32 lane, bytes = rows j .. j + 4.
-                let x = [
-                    _mm512_unpacklo_epi16(a, b2),
-                    _mm512_unpackhi_epi16(a, b2),
-                    _mm512_unpacklo_epi16(a_h, b_h),
-                    _mm512_unpackhi_epi16(a_h, b_h),
-                ];
+                let x = interleave4([nib(0), nib(1), nib(2), nib(3)]);
                 for (i, s) in sums.iter_mut().enumerate() {
                     // SAFETY: j is a multiple of 4 below len, so i · stride + j + 4 <=
                     // NQ · stride <= wb.len() (asserted above).
@@ -476,6 +468,23 @@ unsafe fn vsums<const BITS: u8, const NQ: usize>(
     }
 }
 
+/// Four vectors of bytes interleaved byte by byte, then in pairs: in each 16-byte lane,
+/// `x[k]` holds bytes `4k .. 4k + 4` of the four inputs' lane, one i32 lane per byte position
+/// with the four inputs' bytes in order (`vpunpck{l,h}bw`, then `vpunpck{l,h}wd`). Callable
+/// without `unsafe` from the kernels compiled with these features.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn interleave4(p: [__m512i; 4]) -> [__m512i; 4] {
+    let (a, b) = (_mm512_unpacklo_epi8(p[0], p[1]), _mm512_unpacklo_epi8(p[2], p[3]));
+    let (a_h, b_h) = (_mm512_unpackhi_epi8(p[0], p[1]), _mm512_unpackhi_epi8(p[2], p[3]));
+    [
+        _mm512_unpacklo_epi16(a, b),
+        _mm512_unpackhi_epi16(a, b),
+        _mm512_unpacklo_epi16(a_h, b_h),
+        _mm512_unpackhi_epi16(a_h, b_h),
+    ]
+}
+
 /// Value accumulation with the weights rounded to integers: `vpdpbusd` with byte weights for
 /// INT4 codes, `vpdpwssd` with i16 weights for INT8 codes and for INT4 blocks with a negative
 /// weight (see the `intv` module for the algebra and the error bound: each output within
@@ -526,15 +535,15 @@ const FUSED_DIM: usize = 256;
 
 /// Whether [`crate::attend_int_with`] has a fused kernel for keys `k`, values `v` and `n_q` query rows on
 /// this CPU: INT4 affine keys with per-channel parameters and INT4 affine values with per-row
-/// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (128 or 256), any number
-/// of query rows (four at a time).
+/// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (64, 128 or 256), any
+/// number of query rows (four at a time).
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     k.bits == 4
         && v.bits == 4
         && k.dim == v.dim
         && k.rows == v.rows
         && (1..=FUSED_ROWS).contains(&k.rows)
-        && k.dim.is_multiple_of(128)
+        && (k.dim.is_multiple_of(128) || k.dim == 64)
         && k.dim <= FUSED_DIM
         && n_q >= 1
         && matches!(k.levels, Levels::Affine)
@@ -542,6 +551,7 @@ pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) 
         && matches!(k.params, Params::PerChannel { .. })
         && matches!(v.params, Params::PerRow { .. })
         && cpu_ok()
+        && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
 /// The buffers of [`attend_int_in`], grown once to the largest block it takes and then reused
@@ -586,7 +596,7 @@ pub(crate) fn attend_int_in(
     if w.acc.len() < g * FUSED_DIM {
         w.q8.resize(g * FUSED_DIM, 0);
         w.dots.resize(g * FUSED_ROWS, 0);
-        w.wb.resize(g * FUSED_ROWS + 16, 0);
+        w.wb.resize(g * (FUSED_ROWS + 16), 0);
         w.p.resize(g * (FUSED_ROWS + 16).max(FUSED_DIM), 0.0);
         w.acc.resize(g * FUSED_DIM, 0);
     }
@@ -605,6 +615,10 @@ pub(crate) fn attend_int_in(
                 (2, 128) => attend4::<2, 128>(k, v, q, m, l, o, w),
                 (3, 128) => attend4::<3, 128>(k, v, q, m, l, o, w),
                 (_, 128) => attend4::<4, 128>(k, v, q, m, l, o, w),
+                (1, 64) => attend4::<1, 64>(k, v, q, m, l, o, w),
+                (2, 64) => attend4::<2, 64>(k, v, q, m, l, o, w),
+                (3, 64) => attend4::<3, 64>(k, v, q, m, l, o, w),
+                (_, 64) => attend4::<4, 64>(k, v, q, m, l, o, w),
                 (1, _) => attend4::<1, 256>(k, v, q, m, l, o, w),
                 (2, _) => attend4::<2, 256>(k, v, q, m, l, o, w),
                 (3, _) => attend4::<3, 256>(k, v, q, m, l, o, w),
@@ -660,7 +674,7 @@ fn lanes(len: usize) -> __mmask16 {
 /// # Safety
 /// [`attend_int_supported`]`(k, v, NQ)`; every value scale of `v` is `>= 0`; `q` and `o` hold
 /// `NQ · dim` values, `m` and `l` `NQ`; the buffers of `w` are grown to the largest block.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
 unsafe fn attend4<const NQ: usize, const D: usize>(
     k: &QuantBlock<'_>,
     v: &QuantBlock<'_>,
@@ -717,7 +731,13 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
     for (i, &inv) in qinv.iter().enumerate().take(NQ) {
         let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
         for j in 0..D / 16 {
-            let slot = 128 * (j / 8) + 16 * (4 * (j % 2) + (j % 8) / 2);
+            // Rows of 64 values are read as 32-byte chunks (`int8::arrange4` with 32: the low
+            // nibbles' values 0..16 and 32..48, then the high nibbles' 16..32 and 48..64).
+            let slot = if D == 64 {
+                16 * (2 * (j % 2) + j / 2)
+            } else {
+                128 * (j / 8) + 16 * (4 * (j % 2) + (j % 8) / 2)
+            };
             // SAFETY: the products of row i lie in `p` (stored above); the slot lies inside
             // row i of `q8` (d <= FUSED_DIM).
             unsafe {
@@ -731,7 +751,11 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
 
     // 2. The integer dots of every row of the block with the rounded query rows: four rows'
     //    bytes held in registers, one row of codes at a time.
-    if NQ == 4 {
+    if D == 64 {
+        // SAFETY: the block is 4-bit with rows of 32 bytes; `q8` holds NQ rows of 64 bytes,
+        // `dots` NQ · n values; the CPU features are this function's.
+        unsafe { dots64::<NQ>(k, &q8[..NQ * 64], &mut dots[..NQ * n]) };
+    } else if NQ == 4 {
         let mask = _mm512_set1_epi8(0x0f);
         let per = 2 * D / 128;
         let mut qr = [_mm512_setzero_si512(); 2 * int8::GROUP * FUSED_DIM / 128];
@@ -792,7 +816,7 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
     //    factors `e^(m − m')`, four rows in one vector; the exponentials, their sums and the
     //    weights `p · scale`, rounded to bytes (scale max / 255), zero past the block's rows
     //    up to the stride. `p` holds row i's values at i · (FUSED_ROWS + 16).
-    let stride = n.next_multiple_of(4);
+    let stride = n.next_multiple_of(8);
     let pr = FUSED_ROWS + 16;
     let z = f32::from(intv::center(4));
     let mut top = [f32::NEG_INFINITY; int8::GROUP];
@@ -889,7 +913,13 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
     // SAFETY: `v` is 4-bit with d a multiple of 128 and n >= 1 rows; `wb` holds NQ rows of
     // `stride` bytes, zero from n to the stride (each row's bytes are written in chunks of 16
     // past n, zero weights there); `acc` NQ · d values.
-    unsafe { vsums_bytes::<NQ>(v, 0..n, wb, stride, false, acc) };
+    unsafe {
+        if D == 64 {
+            vsums_bytes64::<NQ>(v, n, wb, stride, acc)
+        } else {
+            vsums_bytes::<NQ>(v, 0..n, wb, stride, false, acc)
+        }
+    };
     for i in 0..NQ {
         let (f, s, a) = (_mm512_set1_ps(factor[i]), _mm512_set1_ps(sw[i]), _mm512_set1_ps(vadd[i]));
         for c in (0..D / 16).map(|j| 16 * j) {
@@ -906,6 +936,151 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
                 let old = _mm512_loadu_ps(at);
                 let old = if factor[i] != 1.0 { _mm512_mul_ps(old, f) } else { old };
                 _mm512_storeu_ps(at, _mm512_add_ps(old, x));
+            }
+        }
+    }
+}
+
+/// The sums of [`hsum4_zmm`] taken separately over the low and the high 256 bits of each of the
+/// four accumulators (two rows of 64 codes side by side in one register).
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn hsum4_halves(a: &[__m512i; 4]) -> ([i32; 4], [i32; 4]) {
+    let t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+    let t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+    let u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    let fold = |y: __m256i| _mm_add_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256::<1>(y));
+    let (lo, hi) = (fold(_mm512_castsi512_si256(u)), fold(_mm512_extracti64x4_epi64::<1>(u)));
+    let (mut a, mut b) = ([0i32; 4], [0i32; 4]);
+    // SAFETY: each array holds 4 i32.
+    unsafe {
+        _mm_storeu_si128(a.as_mut_ptr().cast(), lo);
+        _mm_storeu_si128(b.as_mut_ptr().cast(), hi);
+    }
+    (a, b)
+}
+
+/// The integer dots of `NQ` query rows of 64 rounded values (in the order of
+/// `int8::arrange4` with 32-byte chunks) with every row of the 4-bit block `k` of 64 codes:
+/// two consecutive rows (64 contiguous bytes) in one register against the query's 32 bytes
+/// of each nibble plane repeated in both halves, the halves reduced apart.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL and VNNI; `k.bits == 4`, `k.dim == 64`; `q8` holds
+/// `NQ` rows of 64 bytes, `dots` `NQ · k.rows` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+unsafe fn dots64<const NQ: usize>(k: &QuantBlock<'_>, q8: &[u8], dots: &mut [i32]) {
+    let n = k.rows;
+    let mask = _mm512_set1_epi8(0x0f);
+    assert!(k.dim == 64 && q8.len() >= NQ * 64 && dots.len() >= NQ * n);
+    let mut ql = [_mm512_setzero_si512(); int8::GROUP];
+    let mut qh = [_mm512_setzero_si512(); int8::GROUP];
+    for i in 0..NQ {
+        // SAFETY: row i of `q8` is 64 bytes.
+        unsafe {
+            ql[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(q8.as_ptr().add(64 * i).cast()));
+            qh[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(q8.as_ptr().add(64 * i + 32).cast()));
+        }
+    }
+    let codes = &k.codes[..n * 32];
+    let mut r = 0;
+    while r + 2 <= n {
+        // SAFETY: rows r and r + 1 are the 64 bytes from 32 · r.
+        let v = unsafe { _mm512_loadu_si512(codes.as_ptr().add(32 * r).cast()) };
+        let (lo, hi) = (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+        let mut acc = [_mm512_setzero_si512(); 4];
+        for i in 0..NQ {
+            acc[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i], lo, ql[i]), hi, qh[i]);
+        }
+        // SAFETY: AVX-512 is enabled by this function's target features.
+        let (a, b) = unsafe { hsum4_halves(&acc) };
+        for i in 0..NQ {
+            dots[i * n + r] = a[i];
+            dots[i * n + r + 1] = b[i];
+        }
+        r += 2;
+    }
+    if r < n {
+        // SAFETY: the last row is the 32 bytes from 32 · r; the upper half stays zero.
+        let v = unsafe { _mm512_zextsi256_si512(_mm256_loadu_si256(codes.as_ptr().add(32 * r).cast())) };
+        let (lo, hi) = (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+        let mut acc = [_mm512_setzero_si512(); 4];
+        for i in 0..NQ {
+            acc[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i], lo, ql[i]), hi, qh[i]);
+        }
+        // SAFETY: AVX-512 is enabled by this function's target features.
+        let (a, _) = unsafe { hsum4_halves(&acc) };
+        for i in 0..NQ {
+            dots[i * n + r] = a[i];
+        }
+    }
+}
+
+/// [`vsums_bytes`] for rows of 64 codes, written (not added): eight rows at a time, rows
+/// `j .. j + 4` in the low 256 bits of each register and rows `j + 4 .. j + 8` in the high
+/// ones against their own four byte weights, the two halves added at the end.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL and VNNI; `v.bits == 4`, `v.dim == 64`, `n ==
+/// v.rows >= 1`; `stride >= n` rounded up to a multiple of 8, `wb` holds `NQ · stride` bytes,
+/// zero from `n` to the stride in each row; `acc` holds `NQ · 64` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+unsafe fn vsums_bytes64<const NQ: usize>(
+    v: &QuantBlock<'_>,
+    n: usize,
+    wb: &[u8],
+    stride: usize,
+    acc: &mut [i32],
+) {
+    let mask = _mm512_set1_epi8(0x0f);
+    let centre = _mm512_set1_epi8(intv::center(4) as i8);
+    assert!(v.dim == 64 && n >= 1 && n <= v.rows && stride >= n.next_multiple_of(8));
+    assert!(wb.len() >= NQ * stride && acc.len() >= NQ * 64);
+    let row = |r: usize| -> __m256i {
+        // SAFETY: row min(r, n − 1) is 32 bytes of the block.
+        unsafe { _mm256_loadu_si256(v.row(r.min(n - 1)).as_ptr().cast()) }
+    };
+    for plane in 0..2 {
+        let mut sums = [[_mm512_setzero_si512(); 4]; NQ];
+        let mut j = 0;
+        while j < n {
+            // Rows past the end repeat the last one, under zero weights.
+            let nib = |kk: usize| {
+                let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(row(j + kk)), row(j + 4 + kk));
+                let x = if plane == 0 { x } else { _mm512_srli_epi16(x, 4) };
+                _mm512_sub_epi8(_mm512_and_si512(x, mask), centre)
+            };
+            // As in `vsums_bytes`: x[k] in 16-byte lane L holds channels 32 (L % 2) + 4k .. + 4
+            // of the plane, bytes = rows j .. j + 4 (L < 2) or j + 4 .. j + 8 (L >= 2).
+            let x = interleave4([nib(0), nib(1), nib(2), nib(3)]);
+            for (i, s) in sums.iter_mut().enumerate() {
+                // SAFETY: j is a multiple of 8 below n, so i · stride + j + 8 <= NQ · stride.
+                let (w0, w1) = unsafe {
+                    let p = wb.as_ptr().add(i * stride + j);
+                    (p.cast::<i32>().read_unaligned(), p.add(4).cast::<i32>().read_unaligned())
+                };
+                let wv = _mm512_inserti64x4::<1>(_mm512_set1_epi32(w0), _mm256_set1_epi32(w1));
+                for (s, &x) in s.iter_mut().zip(&x) {
+                    *s = _mm512_dpbusd_epi32(*s, wv, x);
+                }
+            }
+            j += 8;
+        }
+        for (i, s) in sums.iter().enumerate() {
+            let h = s.map(|x| _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64::<1>(x)));
+            let out = &mut acc[i * 64..(i + 1) * 64];
+            let parts = [
+                (16 * plane, _mm256_permute2x128_si256::<0x20>(h[0], h[1])),
+                (16 * plane + 8, _mm256_permute2x128_si256::<0x20>(h[2], h[3])),
+                (32 + 16 * plane, _mm256_permute2x128_si256::<0x31>(h[0], h[1])),
+                (32 + 16 * plane + 8, _mm256_permute2x128_si256::<0x31>(h[2], h[3])),
+            ];
+            for (at, x) in parts {
+                // SAFETY: at + 8 <= 64, inside query row i of `acc`.
+                unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(at).cast(), x) };
             }
         }
     }

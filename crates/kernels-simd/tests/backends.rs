@@ -993,10 +993,23 @@ fn fused_block_attention_matches_its_reference() {
     use kvq_kernels_simd::{Online, attend_int_with};
     let mut rng = Rng::new(0xf05e);
     let mut ran = 0;
+    let mut ran_at = std::collections::BTreeSet::new();
     for backend in available() {
-        for (dim, rows) in
-            [(128usize, 32usize), (128, 1), (128, 5), (128, 17), (128, 64), (256, 33), (128, 256), (256, 100)]
-        {
+        for (dim, rows) in [
+            (128usize, 32usize),
+            (128, 1),
+            (128, 5),
+            (128, 17),
+            (128, 64),
+            (256, 33),
+            (128, 256),
+            (256, 100),
+            (64, 32),
+            (64, 1),
+            (64, 7),
+            (64, 13),
+            (64, 130),
+        ] {
             for special in [0u8, 5, 6] {
                 let kc = affine_case(&mut rng, rows, dim, true, if special == 5 { 0 } else { special });
                 let vc = affine_case(&mut rng, rows, dim, false, special);
@@ -1024,6 +1037,7 @@ fn fused_block_attention_matches_its_reference() {
                             continue;
                         }
                         ran += 1;
+                        ran_at.insert(dim);
                         assert!(scalar::attend_int(
                             &k,
                             &v,
@@ -1093,12 +1107,17 @@ fn fused_block_attention_matches_its_reference() {
     #[cfg(target_arch = "x86_64")]
     if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
         assert!(ran > 0, "the fused kernel never ran on a machine that has it");
+        assert_eq!(
+            ran_at.iter().copied().collect::<Vec<_>>(),
+            vec![64, 128, 256],
+            "head_dims the kernel ran at"
+        );
     }
-    let _ = ran;
+    let _ = (ran, ran_at);
 }
 
 /// What the fused kernel does not take leaves the state as it was (`Ok(false)`): a negative
-/// value scale, keys per row, values per channel, 64 channels. A NaN in a query row
+/// value scale, keys per row, values per channel, 32 channels. A NaN in a query row
 /// makes that row's sum and outputs NaN (with a running state), and only that row's.
 #[test]
 fn fused_block_attention_declines_and_propagates_nan() {
@@ -1108,7 +1127,7 @@ fn fused_block_attention_declines_and_propagates_nan() {
         let kc = affine_case(&mut rng, 32, 128, true, 0);
         let mut vc = affine_case(&mut rng, 32, 128, false, 0);
         let kr = affine_case(&mut rng, 32, 128, false, 0);
-        let (k64, v64) = (affine_case(&mut rng, 32, 64, true, 0), affine_case(&mut rng, 32, 64, false, 0));
+        let (k32, v32) = (affine_case(&mut rng, 32, 32, true, 0), affine_case(&mut rng, 32, 32, false, 0));
         let run = |k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize, q: &[f32]| {
             let (mut m, mut l, mut o) = (vec![0.5f32; n_q], vec![1.0f32; n_q], vec![0.25f32; n_q * k.dim()]);
             let ran =
@@ -1125,7 +1144,7 @@ fn fused_block_attention_declines_and_propagates_nan() {
         };
         unchanged(run(&kc.block(), &kc.block(), 2, &q[..256]));
         unchanged(run(&kr.block(), &vc.block(), 2, &q[..256]));
-        unchanged(run(&k64.block(), &v64.block(), 2, &q[..128]));
+        unchanged(run(&k32.block(), &v32.block(), 2, &q[..64]));
         let (ran, ..) = run(&kc.block(), &vc.block(), 2, &q[..256]);
         if ran {
             let mut nan = q[..256].to_vec();
@@ -1156,7 +1175,7 @@ fn fused_block_attention_declines_and_propagates_nan() {
             attend_int_with(
                 backend,
                 &kc.block(),
-                &v64.block(),
+                &v32.block(),
                 &q[..256],
                 2,
                 Online { m: &mut m, l: &mut l, o: &mut o }
