@@ -525,7 +525,7 @@ pub struct Online<'a> {
 /// [`axpy_int_with`]'s rounding; a row whose maximum stays −∞ is left as it is.
 ///
 /// Where it runs (AVX-512 with VNNI: INT4 affine keys per channel, INT4 affine values per row
-/// with non-negative scales, blocks of up to 256 tokens, head_dim 128 or 256, query rows four
+/// with non-negative scales, blocks of up to 256 tokens, head_dim 64, 128 or 256, query rows four
 /// at a time; see [`avx512::attend_int_supported`]) nothing of a block goes through memory but
 /// its codes and parameters; elsewhere it returns `Ok(false)`, changing nothing, and the
 /// caller runs the separate kernels (the kernel: `avx512::attend_int_in`). Its results equal [`scalar::attend_int`] to the rounding
