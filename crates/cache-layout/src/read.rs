@@ -202,16 +202,16 @@ impl<'a> BlockView<'a> {
             // One-byte parameters: the grid's offset and scale of each channel's indices.
             let (grid, levels) = (l.grid(area), l.levels());
             let (lo, hi) = area[kvq_quant_core::GRID_BYTES..].split_at(l.groups);
-            scales.clear();
+            // Every value is written below: a buffer of this length already is not cleared
+            // (a memset per block and part otherwise).
             scales.resize(n, 0.0);
-            offsets.clear();
             offsets.resize(n, 0.0);
             grid.widen(&lo[..n], &hi[..n], levels, scales, offsets);
             return;
         }
         // Into a slice of the final length (not `extend`), so the loops vectorize.
         let widen = |from: usize, out: &mut Vec<f32>| {
-            out.clear();
+            // Written in full below, as above.
             out.resize(n, 0.0);
             match l.spec().param_dtype() {
                 kvq_quant_core::ParamDtype::F16 => widen_f16(&area[2 * from..2 * (from + n)], out),
