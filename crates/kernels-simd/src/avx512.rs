@@ -8,6 +8,10 @@
 //! integer kernel. The query rounding, the epilogue and so the scores are those of every
 //! other integer kernel (the crate's shared `int8` algebra), bit for bit.
 //!
+//! `attend_int_in` fuses one block of KIVI-style INT4 keys and values (scores, the online
+//! softmax step, value sums) for decode's integer path; it follows the same algebra with
+//! float sums in other orders, so it matches `scalar::attend_int` to rounding.
+//!
 //! The float kernels of the `avx512` backend are the AVX2 ones: on the AMD Zen 4 this crate
 //! is measured on, 512-bit float FMAs run as two 256-bit halves, and the float kernels are
 //! bound by code unpacking, not by vector width.
@@ -543,8 +547,7 @@ pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) 
         && k.dim == v.dim
         && k.rows == v.rows
         && (1..=FUSED_ROWS).contains(&k.rows)
-        && (k.dim.is_multiple_of(128) || k.dim == 64)
-        && k.dim <= FUSED_DIM
+        && matches!(k.dim, 64 | 128 | 256)
         && n_q >= 1
         && matches!(k.levels, Levels::Affine)
         && matches!(v.levels, Levels::Affine)
@@ -632,12 +635,9 @@ pub(crate) fn attend_int_in(
 
 /// [`int8::scale_of`] of four maxima at once (`max / limit`, NaN where flagged, and the
 /// inverse; 0 for a zero maximum): the same IEEE divisions, so the same bits, in two vector
-/// instructions instead of eight dependent scalar ones.
-///
-/// # Safety
-/// The CPU must support SSE (every x86-64 does).
+/// instructions (SSE, part of every x86-64) instead of eight dependent scalar ones.
 #[inline]
-unsafe fn scales_of4(max: [f32; 4], nan: [bool; 4], limit: f32) -> ([f32; 4], [f32; 4]) {
+fn scales_of4(max: [f32; 4], nan: [bool; 4], limit: f32) -> ([f32; 4], [f32; 4]) {
     let mut scale = [0f32; 4];
     for i in 0..4 {
         scale[i] = if nan[i] {
@@ -726,8 +726,7 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
         qmax[i] = _mm512_reduce_max_ps(mx);
         qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
     }
-    // SAFETY: SSE is part of x86-64.
-    let (sq, qinv) = unsafe { scales_of4(qmax, qnan, 127.0) };
+    let (sq, qinv) = scales_of4(qmax, qnan, 127.0);
     for (i, &inv) in qinv.iter().enumerate().take(NQ) {
         let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
         for j in 0..D / 16 {
@@ -888,8 +887,7 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
         wnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
         vadd[i] = _mm512_reduce_add_ps(add);
     }
-    // SAFETY: SSE is part of x86-64.
-    let (sw, winv) = unsafe { scales_of4(wmax, wnan, 255.0) };
+    let (sw, winv) = scales_of4(wmax, wnan, 255.0);
     for i in 0..NQ {
         if top[i] == f32::NEG_INFINITY {
             wb[i * stride..(i + 1) * stride].fill(0);
