@@ -92,8 +92,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     })?;
     let ms = start.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64;
     let window = if window { ", window" } else { "" };
+    let kernel = if integer {
+        kvq::attention::integer_decode_kernel(backend, &cache, seq, q_heads / kv_heads)?
+            .unwrap_or("no blocks")
+    } else {
+        "float kernels"
+    };
     println!(
-        "{ms:.3} ms/step ({k}/{v}{window}, {n} x {len} tokens, {threads} thread(s), {backend} {path:?})"
+        "{ms:.3} ms/step ({k}/{v}{window}, {n} x {len} tokens, {threads} thread(s), {backend} {path:?}, {kernel})"
     );
     std::hint::black_box(&out);
     Ok(())

@@ -546,6 +546,17 @@ pub fn attend_int_with(
     with_scratch(|w| attend_int_in(backend, w, k, v, q, n_q, state))
 }
 
+/// Whether [`attend_int_with`] runs its fused kernel for blocks like `k` and `v` and `n_q`
+/// query rows on `backend` (it still declines a block whose value scales are negative).
+pub fn attend_int_fused(backend: Backend, k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 {
+        return avx512::attend_int_supported(k, v, n_q);
+    }
+    let _ = (backend, k, v, n_q);
+    false
+}
+
 /// [`attend_int_with`] with the caller's [`Scratch`], as [`scores_in`].
 ///
 /// # Errors

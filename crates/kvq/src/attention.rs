@@ -655,6 +655,42 @@ impl Task {
     }
 }
 
+/// The kernels that decode's integer path ([`ScorePath::Int8`]) runs on the quantized blocks
+/// of `seq` on `backend` with `query_rows` query rows per KV head: `"fused block"` where one
+/// AVX-512 kernel takes a whole block of keys and values (KIVI-style INT4, see
+/// [`kvq_kernels_simd::attend_int_with`]), `"separate kernels"` otherwise; judged from the
+/// first quantized unit of layer 0, KV head 0. `None` when that head holds no quantized block
+/// yet. Units near a sliding window's start or a chunk's causal end, and soft-capped
+/// attention, take the separate kernels either way.
+///
+/// # Errors
+/// [`AttentionError::Cache`] for an unknown sequence; kernel errors for a corrupt block.
+pub fn integer_decode_kernel(
+    backend: Backend,
+    cache: &PagedCache,
+    seq: SeqId,
+    query_rows: usize,
+) -> Result<Option<&'static str>, AttentionError> {
+    let d = cache.config().head_dim;
+    let ks = cache.segment_iter(seq, 0, 0, Part::K)?;
+    let vs = cache.segment_iter(seq, 0, 0, Part::V)?;
+    let readers = [PartReader::new(cache, Part::K), PartReader::new(cache, Part::V)];
+    let (mut kb, mut vb) = Default::default();
+    for u in Units::new(ks, vs, d) {
+        if let (Run::Block(kv), Run::Block(vv)) = (u.k, u.v) {
+            let fused = cache.config().rope.is_none()
+                && kv.width_views().is_none()
+                && with_block(&kv, &readers[0], &mut kb, |k| {
+                    with_block(&vv, &readers[1], &mut vb, |v| {
+                        Ok(kvq_kernels_simd::attend_int_fused(backend, k, v, query_rows))
+                    })
+                })?;
+            return Ok(Some(if fused { "fused block" } else { "separate kernels" }));
+        }
+    }
+    Ok(None)
+}
+
 /// Buffers [`attend`] reuses across units.
 struct Scratch<'w> {
     bufs: &'w mut (Vec<f32>, Vec<f32>),

@@ -581,7 +581,7 @@ fn bench(
         STREAM_BYTES >> 20
     );
     println!(
-        "{:<42} {:>10} {:>12} {:>9} {:>8} {:>8} {:>8}",
+        "{:<46} {:>10} {:>12} {:>9} {:>8} {:>8} {:>8}",
         "cache", "ms/step", "cache MiB", "GB/s", "vs f32", "vs f16", "x floor"
     );
     // The kernels that ran the baselines (AVX2: FMA, f16 widened with F16C; wide: SSE2/NEON).
@@ -591,7 +591,7 @@ fn bench(
         (format!("f16 (GQA, {dense})"), base16, f32_bytes / 2),
     ] {
         println!(
-            "{:<42} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x {:>7.2}x",
+            "{:<46} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x {:>7.2}x",
             name,
             t * 1e3,
             bytes as f64 / 1048576.0,
@@ -626,8 +626,12 @@ fn bench(
         let bytes = cache.memory().used_bytes();
         // One thread, like the baseline, so the ratio compares code, not cores.
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
+        // The integer rows name the code they time: the fused block kernel or the separate ones.
+        let fused = kvq::attention::integer_decode_kernel(backend, &cache, seq, q_heads / kv_heads)?
+            == Some("fused block");
+        let int_label = if fused { " (integer, fused)" } else { " (integer)" };
         let paths: &[(ScorePath, &str)] = if integer {
-            &[(ScorePath::Float, ""), (ScorePath::Int8, " (integer)")]
+            &[(ScorePath::Float, ""), (ScorePath::Int8, int_label)]
         } else {
             &[(ScorePath::Float, "")]
         };
@@ -637,7 +641,7 @@ fn bench(
                     .expect("shapes checked above");
             });
             println!(
-                "{:<42} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x {:>7.2}x",
+                "{:<46} {:>10.3} {:>12.1} {:>9.2} {:>7.2}x {:>7.2}x {:>7.2}x",
                 format!("{}{label}", spec.name()),
                 t * 1e3,
                 bytes as f64 / 1048576.0,

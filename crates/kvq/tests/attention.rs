@@ -594,3 +594,44 @@ fn keys_stored_before_rope() {
     let narrow = bare.with_rope(Rope::from_theta(10_000.0, 32, RopePairing::Half).unwrap());
     assert!(PagedCache::new(narrow).is_err());
 }
+
+/// `integer_decode_kernel` names the fused block kernel exactly where decode runs it: KIVI-style
+/// INT4 at head_dim 128 on AVX-512 VNNI, not INT8 values, not the scalar backend, nothing for a
+/// sequence without quantized blocks; an unknown sequence is an error.
+#[test]
+fn the_integer_kernel_is_named() {
+    use kvq::attention::integer_decode_kernel;
+    use kvq::kernels::Backend;
+    let mut rng = Rng::new(12);
+    let shape = Shape::new(2, 80, 128);
+    let k = Tensor::new(shape, (0..shape.len()).map(|_| rng.normal() as f32).collect()).unwrap();
+    let v = Tensor::new(shape, (0..shape.len()).map(|_| rng.normal() as f32).collect()).unwrap();
+    let vnni = cfg!(target_arch = "x86_64") && available().contains(&Backend::Avx512) && {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512vnni")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    };
+    for (kspec, vspec, fused) in [("int4-channel", "int4-token", vnni), ("int8-token", "int8-token", false)] {
+        let config =
+            CacheConfig::new(1, 2, 128, 16).with_specs(kspec.parse().unwrap(), vspec.parse().unwrap());
+        let mut cache = PagedCache::new(config).unwrap();
+        let empty = cache.create();
+        let seq = cache.create();
+        cache.extend(seq, 0, &k, &v).unwrap();
+        for backend in available() {
+            let want = if fused && backend == Backend::Avx512 { "fused block" } else { "separate kernels" };
+            assert_eq!(
+                integer_decode_kernel(backend, &cache, seq, 4).unwrap(),
+                Some(want),
+                "{kspec} {backend}"
+            );
+            assert_eq!(integer_decode_kernel(backend, &cache, empty, 4).unwrap(), None);
+        }
+        cache.free(empty).unwrap();
+        assert!(integer_decode_kernel(Backend::Scalar, &cache, empty, 4).is_err());
+    }
+}
