@@ -404,7 +404,8 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
     assert_eq!(rows.len(), 4, "{text}");
     assert!(
         rows[2].starts_with("int4-channel/int4-token ")
-            && rows[3].starts_with("int4-channel/int4-token (integer)")
+            && (rows[3].starts_with("int4-channel/int4-token (integer)")
+                || rows[3].starts_with("int4-channel/int4-token (integer, fused)"))
     );
     assert_eq!(kvq(&["bench", "--steps", "0"]).status.code(), Some(1));
     assert_eq!(kvq(&["bench", "--specs", "int4-head"]).status.code(), Some(1));
