@@ -1032,8 +1032,10 @@ fn attend<'a>(
     let path = options.path;
     let Scratch { bufs, vbufs, s, widths, rope: rs, kernel } = w;
     // Units whose keys and values a fused kernel can take whole (the integer path, no RoPE
-    // turn, no soft-capping, every row seeing the whole unit) try it first.
-    let fused = path == ScorePath::Int8 && rope.is_none() && options.softcap.is_none();
+    // turn, no soft-capping, every row seeing the whole unit) try it first. A head's blocks
+    // share one layout: once the kernel has no code for it (format, head_dim, backend), the
+    // call stops trying, so that the later blocks' parameters are not widened twice.
+    let mut fused = path == ScorePath::Int8 && rope.is_none() && options.softcap.is_none();
     // The offset table of keys stored before RoPE: checked once per call, not per block.
     if let Some((rope, bs)) = rope {
         rs.prepare(rope, bs);
@@ -1058,13 +1060,19 @@ fn attend<'a>(
             && kv.width_views().is_none()
         {
             let state = kvq_kernels_simd::Online { m: &mut st.m, l: &mut st.l, o: &mut st.o };
+            // None: no fused code for this layout; Some(false): this block declined.
             let done = with_block(kv, &readers[0], bufs, |kb| {
                 with_block(vv, &readers[1], vbufs, |vb| {
-                    kvq_kernels_simd::attend_int_in(backend, kernel, kb, vb, qs, g, state)
+                    if !kvq_kernels_simd::attend_int_fused(backend, kb, vb, g) {
+                        return Ok(None);
+                    }
+                    kvq_kernels_simd::attend_int_in(backend, kernel, kb, vb, qs, g, state).map(Some)
                 })
             })?;
-            if done {
-                continue;
+            match done {
+                Some(true) => continue,
+                Some(false) => {}
+                None => fused = false,
             }
         }
         let n = b - a;
