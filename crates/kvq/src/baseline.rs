@@ -183,6 +183,69 @@ pub fn stream_read(data: &[u64]) -> u64 {
     tail.iter().chain(&acc).fold(0u64, |s, &x| s.wrapping_add(x))
 }
 
+/// Reads the quantized blocks of `layer` of `seq` once, in the order decode reads them (KV head
+/// by KV head, each block's keys then its values) and with the prefetch decode issues (the
+/// next block's regions while one is read), and returns a checksum and the bytes read.
+///
+/// Timed, it gives the rate at which the memory delivers the cache's own blocks. They are
+/// scattered through the pool (a head's consecutive blocks lie a block per KV head, or per
+/// layer and KV head, apart), and the hardware prefetchers that make [`stream_read`] fast do
+/// not follow them, so this rate can be well below the stream's (`docs/performance.md` has
+/// figures). A decode step cannot take less than its blocks at this rate, whatever its
+/// kernels; `kvq bench` shows each step against both floors.
+///
+/// # Errors
+/// [`AttentionError::Cache`] for an unknown sequence or layer.
+pub fn paged_read(
+    cache: &kvq_cache_layout::PagedCache,
+    seq: kvq_cache_layout::SeqId,
+    layer: usize,
+) -> Result<(u64, usize), AttentionError> {
+    use kvq_cache_layout::Segment;
+    use kvq_quant_core::calibration::Part;
+    fn region<'a>(s: Segment<'a>) -> Option<&'a [u8]> {
+        match s {
+            Segment::Quantized(b) => Some(b.region),
+            Segment::Full { .. } => None,
+        }
+    }
+    let (mut sum, mut bytes) = (0u64, 0usize);
+    for h in 0..cache.config().kv_heads {
+        // A head's key and value blocks side by side (the last block of one part may still be
+        // in the full-precision tail while the other's is quantized).
+        let mut ks = cache.segment_iter(seq, layer, h, Part::K)?.filter_map(region).peekable();
+        let mut vs = cache.segment_iter(seq, layer, h, Part::V)?.filter_map(region).peekable();
+        loop {
+            let (k, v) = (ks.next(), vs.next());
+            if k.is_none() && v.is_none() {
+                break;
+            }
+            for next in [ks.peek(), vs.peek()].into_iter().flatten() {
+                kvq_kernels_simd::prefetch(next);
+            }
+            for r in [k, v].into_iter().flatten() {
+                sum = sum.wrapping_add(read_bytes(r));
+                bytes += r.len();
+            }
+        }
+    }
+    Ok((sum, bytes))
+}
+
+/// [`stream_read`] of bytes at any alignment: eight little-endian words at a time (vectorized
+/// loads), the tail byte by byte.
+fn read_bytes(data: &[u8]) -> u64 {
+    let mut acc = [0u64; 8];
+    let chunks = data.chunks_exact(64);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, w) in acc.iter_mut().zip(c.chunks_exact(8)) {
+            *a = a.wrapping_add(u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]));
+        }
+    }
+    tail.iter().map(|&b| u64::from(b)).chain(acc).fold(0u64, u64::wrapping_add)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,6 +312,43 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn paged_read_reads_every_block_once() {
+        use kvq_cache_layout::{CacheConfig, PagedCache, Segment};
+        use kvq_quant_core::QuantSpec;
+        use kvq_quant_core::calibration::Part;
+        let (heads, d, tokens) = (2, 64, 70);
+        let (k, v): (QuantSpec, QuantSpec) =
+            ("int4-channel-p8".parse().unwrap(), "int4-token".parse().unwrap());
+        let config =
+            CacheConfig::new(1, heads, d, 16).with_specs(k, v).with_block_size(32).with_residual_blocks(0);
+        let mut cache = PagedCache::new(config).unwrap();
+        let seq = cache.create();
+        let x = normal_tensor(Shape::new(heads, tokens, d), 5);
+        cache.extend(seq, 0, &x, &x).unwrap();
+        // Every quantized block's regions: words of whole 64-byte chunks, then tail bytes.
+        let (mut want, mut want_bytes, mut blocks) = (0u64, 0usize, 0);
+        for h in 0..heads {
+            for part in [Part::K, Part::V] {
+                for s in cache.segment_iter(seq, 0, h, part).unwrap() {
+                    if let Segment::Quantized(b) = s {
+                        let (r, whole) = (b.region, b.region.len() / 64 * 64);
+                        for w in r[..whole].chunks_exact(8) {
+                            want = want.wrapping_add(u64::from_le_bytes(w.try_into().unwrap()));
+                        }
+                        want = r[whole..].iter().fold(want, |a, &x| a.wrapping_add(u64::from(x)));
+                        want_bytes += r.len();
+                        blocks += 1;
+                    }
+                }
+            }
+        }
+        assert!(blocks >= 2 * heads * (tokens / 32), "the cache holds quantized blocks");
+        assert_eq!(paged_read(&cache, seq, 0).unwrap(), (want, want_bytes));
+        assert!(paged_read(&cache, seq, 1).is_err(), "a layer the cache does not have");
+        assert_eq!(read_bytes(&[1, 2, 3]), 6);
     }
 
     #[test]

@@ -384,9 +384,10 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
         kvq(&["bench", "--context", "64", "--steps", "1", "--specs", "int4-channel/int4-token,int8-token"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let text = stdout(&o);
-    // The title, the measured read rate, the column names, then the rows.
+    // The title, the measured read rate, what "x paged" means, the column names, then the rows.
     assert!(text.lines().nth(1).is_some_and(|l| l.starts_with("one-thread DRAM read: ")), "{text}");
-    let rows: Vec<&str> = text.lines().skip(3).collect();
+    assert!(text.lines().nth(2).is_some_and(|l| l.starts_with("\"x paged\" is ")), "{text}");
+    let rows: Vec<&str> = text.lines().skip(4).collect();
     assert_eq!(rows.len(), 4, "{text}");
     assert!(
         rows[0].starts_with("f32 (GQA, ")
@@ -394,13 +395,16 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
             && rows[2].starts_with("int4-channel/int4-token")
             && rows[3].starts_with("int8-token")
     );
-    assert!(rows.iter().all(|r| r.trim_end().ends_with('x')));
+    // Every row against the stream floor; the quantized caches' also against their own blocks'.
+    assert!(rows[..2].iter().all(|r| r.trim_end().ends_with("x        -")), "{text}");
+    let last_two = |r: &str| r.split_whitespace().rev().take(2).all(|f| f.ends_with('x') && f.len() > 1);
+    assert!(rows[2..].iter().all(|r| last_two(r)), "{text}");
     // --integer adds the integer paths' row under each spec's.
     let o =
         kvq(&["bench", "--context", "64", "--steps", "1", "--specs", "int4-channel/int4-token", "--integer"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let text = stdout(&o);
-    let rows: Vec<&str> = text.lines().skip(3).collect();
+    let rows: Vec<&str> = text.lines().skip(4).collect();
     assert_eq!(rows.len(), 4, "{text}");
     assert!(
         rows[2].starts_with("int4-channel/int4-token ")
