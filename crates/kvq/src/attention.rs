@@ -1063,10 +1063,14 @@ fn attend<'a>(
             // None: no fused code for this layout; Some(false): this block declined.
             let done = with_block(kv, &readers[0], bufs, |kb| {
                 with_block(vv, &readers[1], vbufs, |vb| {
-                    if !kvq_kernels_simd::attend_int_fused(backend, kb, vb, g) {
-                        return Ok(None);
-                    }
-                    kvq_kernels_simd::attend_int_in(backend, kernel, kb, vb, qs, g, state).map(Some)
+                    // The kernel checks the layout itself; only a refusal asks which it was.
+                    Ok(if kvq_kernels_simd::attend_int_in(backend, kernel, kb, vb, qs, g, state)? {
+                        Some(true)
+                    } else if kvq_kernels_simd::attend_int_fused(backend, kb, vb, g) {
+                        Some(false)
+                    } else {
+                        None
+                    })
                 })
             })?;
             match done {
