@@ -1804,7 +1804,12 @@ impl int8::IntKernel for Avx2Int {
     }
 
     fn arrange(b: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>) {
-        if b.bits == 4 { int8::arrange4(q8, 32, out) } else { int8::arrange_i16(q8, out) }
+        if b.bits == 4 {
+            // SAFETY: as above.
+            unsafe { arrange4_32(q8, out) }
+        } else {
+            int8::arrange_i16(q8, out)
+        }
     }
 
     fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]) {
@@ -1987,7 +1992,7 @@ pub(crate) unsafe fn round_queries_by<const NQ: usize>(
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) unsafe fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let (mut ac, mut bc) = (a.chunks_exact(8), b.chunks_exact(8));
     for (x, y) in (&mut ac).zip(&mut bc) {
@@ -2156,6 +2161,40 @@ unsafe fn idots<const BITS: u8, const NQ: usize>(
         unsafe { idot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) };
         r += 1;
     }
+}
+
+/// [`int8::arrange4`] with 32-byte chunks in AVX2: per 64 values, their first 16 and their
+/// 16 from 32 side by side, then the other two runs (two 128-bit lane permutations). The
+/// same bytes; tails of fewer than 64 values as `arrange4` leaves them (dropped).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn arrange4_32(q8: &[i8], out: &mut Vec<u8>) {
+    let start = out.len();
+    let whole = q8.len() / 64 * 64;
+    out.resize(start + whole, 0);
+    for (g, o) in q8[..whole].chunks_exact(64).zip(out[start..].chunks_exact_mut(64)) {
+        // SAFETY: `g` and `o` are 64 bytes.
+        unsafe {
+            let a = _mm256_loadu_si256(g.as_ptr().cast());
+            let b = _mm256_loadu_si256(g.as_ptr().add(32).cast());
+            _mm256_storeu_si256(o.as_mut_ptr().cast(), _mm256_permute2x128_si256::<0x20>(a, b));
+            _mm256_storeu_si256(o.as_mut_ptr().add(32).cast(), _mm256_permute2x128_si256::<0x31>(a, b));
+        }
+    }
+}
+
+/// [`idots`] of every row of the 4-bit block `b` with `NQ` query rows arranged by
+/// [`int8::arrange4`] with 32-byte chunks, for the fused kernel (`crate::fused_avx2`).
+///
+/// # Safety
+/// The CPU must support AVX2; `b.bits == 4` with `b.dim` a multiple of 64; `q` holds `NQ`
+/// arranged rows of `b.dim` bytes and `dots` `NQ · b.rows` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn int_dots_4bit<const NQ: usize>(b: &QuantBlock<'_>, q: &[u8], dots: &mut [i32]) {
+    // SAFETY: forwarded from the caller.
+    unsafe { idots::<4, NQ>(b, 0..b.rows, q, dots) }
 }
 
 /// Whether [`scores_int8`] has an integer kernel for this block.

@@ -532,8 +532,7 @@ unsafe fn axpy_block_avx2<K: intv::IntAxpyKernel>(
     intv::axpy_by_block::<K>(b, p, n_q, out, scratch)
 }
 
-/// Most rows of a block that [`attend_int_in`] takes (its buffers are sized for it).
-const FUSED_ROWS: usize = 256;
+use crate::FUSED_ROWS;
 /// Largest head_dim that [`attend_int_in`] takes.
 const FUSED_DIM: usize = 256;
 
@@ -542,19 +541,7 @@ const FUSED_DIM: usize = 256;
 /// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (64, 128 or 256), any
 /// number of query rows (four at a time).
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    k.bits == 4
-        && v.bits == 4
-        && k.dim == v.dim
-        && k.rows == v.rows
-        && (1..=FUSED_ROWS).contains(&k.rows)
-        && matches!(k.dim, 64 | 128 | 256)
-        && n_q >= 1
-        && matches!(k.levels, Levels::Affine)
-        && matches!(v.levels, Levels::Affine)
-        && matches!(k.params, Params::PerChannel { .. })
-        && matches!(v.params, Params::PerRow { .. })
-        && cpu_ok()
-        && std::arch::is_x86_feature_detected!("avx512vl")
+    crate::fused_layout(k, v, n_q) && cpu_ok() && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
 /// The buffers of [`attend_int_in`], grown once to the largest block it takes and then reused
@@ -589,13 +576,7 @@ pub(crate) fn attend_int_in(
     if !attend_int_supported(k, v, n_q) {
         return false;
     }
-    let Params::PerRow { scale: vs, .. } = v.params else { return false };
-    if !vs.iter().all(|&s| s >= 0.0) {
-        return false;
-    }
-    let (d, crate::Online { m, l, o }) = (k.dim, state);
-    assert!(q.len() == n_q * d && m.len() == n_q && l.len() == n_q && o.len() == n_q * d, "shapes");
-    let g = int8::GROUP;
+    let (d, g) = (k.dim, int8::GROUP);
     if w.acc.len() < g * FUSED_DIM {
         w.q8.resize(g * FUSED_DIM, 0);
         w.dots.resize(g * FUSED_ROWS, 0);
@@ -603,15 +584,10 @@ pub(crate) fn attend_int_in(
         w.p.resize(g * (FUSED_ROWS + 16).max(FUSED_DIM), 0.0);
         w.acc.resize(g * FUSED_DIM, 0);
     }
-    // Query rows four at a time (a GQA group of more, or a chunk's tokens), each group's
-    // state its own.
-    let mut i0 = 0;
-    while i0 < n_q {
-        let nq = (n_q - i0).min(g);
-        let (q, m, l) = (&q[i0 * d..(i0 + nq) * d], &mut m[i0..i0 + nq], &mut l[i0..i0 + nq]);
-        let o = &mut o[i0 * d..(i0 + nq) * d];
+    crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
         // SAFETY: `attend_int_supported` checked the CPU, the widths, the layouts and the sizes
-        // against the buffers' (grown above to the largest block); the shapes were asserted.
+        // against the buffers' (grown above to the largest block); `fused_groups` checked the
+        // value scales and the shapes.
         unsafe {
             match (nq, d) {
                 (1, 128) => attend4::<1, 128>(k, v, q, m, l, o, w),
@@ -628,16 +604,14 @@ pub(crate) fn attend_int_in(
                 (_, _) => attend4::<4, 256>(k, v, q, m, l, o, w),
             }
         }
-        i0 += nq;
-    }
-    true
+    })
 }
 
 /// [`int8::scale_of`] of four maxima at once (`max / limit`, NaN where flagged, and the
 /// inverse; 0 for a zero maximum): the same IEEE divisions, so the same bits, in two vector
 /// instructions (SSE, part of every x86-64) instead of eight dependent scalar ones.
 #[inline]
-fn scales_of4(max: [f32; 4], nan: [bool; 4], limit: f32) -> ([f32; 4], [f32; 4]) {
+pub(crate) fn scales_of4(max: [f32; 4], nan: [bool; 4], limit: f32) -> ([f32; 4], [f32; 4]) {
     let mut scale = [0f32; 4];
     for i in 0..4 {
         scale[i] = if nan[i] {

@@ -57,6 +57,8 @@ pub mod block;
 pub mod dispatch;
 #[cfg(target_arch = "aarch64")]
 pub mod dotprod;
+#[cfg(target_arch = "x86_64")]
+pub mod fused_avx2;
 mod int8;
 mod intv;
 pub mod memory;
@@ -84,6 +86,8 @@ pub struct Scratch {
     pub(crate) intv: intv::Scratch,
     #[cfg(target_arch = "x86_64")]
     pub(crate) fused: avx512::FusedScratch,
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fused_avx2: fused_avx2::FusedScratch,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) sums: Vec<f32>,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -524,11 +528,13 @@ pub struct Online<'a> {
 /// `l ← l · e^(m − m') + Σ e^(s − m')`, `o ← o · e^(m − m') + Σ_r e^(s_r − m') · v̂_r` through
 /// [`axpy_int_with`]'s rounding; a row whose maximum stays −∞ is left as it is.
 ///
-/// Where it runs (AVX-512 with VNNI: INT4 affine keys per channel, INT4 affine values per row
-/// with non-negative scales, blocks of up to 256 tokens, head_dim 64, 128 or 256, query rows four
-/// at a time; see [`avx512::attend_int_supported`]) nothing of a block goes through memory but
-/// its codes and parameters; elsewhere it returns `Ok(false)`, changing nothing, and the
-/// caller runs the separate kernels (the kernel: `avx512::attend_int_in`). Its results equal [`scalar::attend_int`] to the rounding
+/// Where it runs (INT4 affine keys per channel, INT4 affine values per row with non-negative
+/// scales, blocks of up to 256 tokens, head_dim 64, 128 or 256, query rows four at a time; on
+/// the `avx512` backend with VNNI, see [`avx512::attend_int_supported`], and on the `avx2`
+/// backend, see [`fused_avx2::attend_int_supported`]) nothing of a block goes through memory
+/// but its codes and parameters and a few small buffers; elsewhere it returns `Ok(false)`,
+/// changing nothing, and the caller runs the separate kernels (the kernels:
+/// `avx512::attend_int_in`, `fused_avx2::attend_int_in`). Its results equal [`scalar::attend_int`] to the rounding
 /// of float sums taken in another order and of `exp` (the softmax module's polynomial), not bit
 /// for bit.
 ///
@@ -546,12 +552,68 @@ pub fn attend_int_with(
     with_scratch(|w| attend_int_in(backend, w, k, v, q, n_q, state))
 }
 
+/// Most rows of a block that the fused kernels take.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) const FUSED_ROWS: usize = 256;
+
+/// The blocks every fused kernel of [`attend_int_with`] takes, whatever the CPU: INT4 affine
+/// keys with per-channel parameters and INT4 affine values with per-row parameters
+/// (KIVI-style), the same tokens (1 to [`FUSED_ROWS`]) and head_dim (64, 128 or 256), at
+/// least one query row.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn fused_layout(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
+    k.bits == 4
+        && v.bits == 4
+        && k.dim == v.dim
+        && k.rows == v.rows
+        && (1..=FUSED_ROWS).contains(&k.rows)
+        && matches!(k.dim, 64 | 128 | 256)
+        && n_q >= 1
+        && matches!(k.levels, Levels::Affine)
+        && matches!(v.levels, Levels::Affine)
+        && matches!(k.params, Params::PerChannel { .. })
+        && matches!(v.params, Params::PerRow { .. })
+}
+
+/// The driver of a fused kernel: `f(nq, q, m, l, o)` on the `n_q` query rows of `q` (`dim`
+/// values each) and their softmax `state` [`int8::GROUP`] rows at a time (a GQA group of
+/// more, or a chunk's tokens), each group's state its own. Returns `false`, running nothing,
+/// when a value scale of `v` is negative or NaN (byte weights need `p · scale ≥ 0`).
+///
+/// # Panics
+/// When `q` and `state` do not hold `n_q` rows (the callers check the shapes first).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn fused_groups(
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+    mut f: impl FnMut(usize, &[f32], &mut [f32], &mut [f32], &mut [f32]),
+) -> bool {
+    let Params::PerRow { scale: vs, .. } = v.params else { return false };
+    if !vs.iter().all(|&s| s >= 0.0) {
+        return false;
+    }
+    let (d, Online { m, l, o }) = (v.dim, state);
+    assert!(q.len() == n_q * d && m.len() == n_q && l.len() == n_q && o.len() == n_q * d, "shapes");
+    let mut i0 = 0;
+    while i0 < n_q {
+        let nq = (n_q - i0).min(int8::GROUP);
+        let (q, m, l) = (&q[i0 * d..(i0 + nq) * d], &mut m[i0..i0 + nq], &mut l[i0..i0 + nq]);
+        f(nq, q, m, l, &mut o[i0 * d..(i0 + nq) * d]);
+        i0 += nq;
+    }
+    true
+}
+
 /// Whether [`attend_int_with`] runs its fused kernel for blocks like `k` and `v` and `n_q`
 /// query rows on `backend` (it still declines a block whose value scales are negative).
 pub fn attend_int_fused(backend: Backend, k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512 {
-        return avx512::attend_int_supported(k, v, n_q);
+    match backend {
+        Backend::Avx512 => return avx512::attend_int_supported(k, v, n_q),
+        Backend::Avx2 => return fused_avx2::attend_int_supported(k, v, n_q),
+        _ => {}
     }
     let _ = (backend, k, v, n_q);
     false
@@ -592,8 +654,10 @@ pub fn attend_int_in(
         },
     )?;
     #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512 {
-        return Ok(avx512::attend_int_in(k, v, q, n_q, state, &mut scratch.fused));
+    match backend {
+        Backend::Avx512 => return Ok(avx512::attend_int_in(k, v, q, n_q, state, &mut scratch.fused)),
+        Backend::Avx2 => return Ok(fused_avx2::attend_int_in(k, v, q, n_q, state, &mut scratch.fused_avx2)),
+        _ => {}
     }
     let _ = (backend, scratch);
     Ok(false)

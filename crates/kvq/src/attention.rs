@@ -239,7 +239,8 @@ pub enum ScorePath {
     Float,
     /// The integer paths where the backend has them: scores with the queries rounded to int8
     /// (as llama.cpp does), off by at most `max|q| / 254 · Σ|levels · scale|`; and, where the
-    /// backend has an integer value kernel (AVX-512 VNNI, INT4 and INT8 values), the block's
+    /// backend has an integer value kernel (AVX-512 VNNI, INT4 and INT8 values; AVX2, INT4
+    /// values per token under INT4 keys per channel, in the fused block kernel), the block's
     /// weights `p · scale` rounded with one scale per block (to 0..=255 for INT4 codes, which
     /// are summed centred on 8; to ±32767 for INT8, centred on 128), each output off by at most
     /// `max|w| / (2 · W_max) · Σ|levels − centre|` (`W_max` 255 or 32767).

@@ -937,7 +937,9 @@ impl QuantizedKvCache {
 
     /// [`QuantizedKvCache::attention`] with a choice of arithmetic: [`ScorePath::Int8`] takes
     /// the integer kernels where the CPU has them (int8 queries for scores; 8-bit weights
-    /// for INT4 values and 16-bit ones for INT8 values on AVX-512 VNNI), faster within the error bounds [`ScorePath`] states.
+    /// for INT4 values and 16-bit ones for INT8 values on AVX-512 VNNI; 8-bit weights for
+    /// KIVI-style INT4 on AVX2 too, in its fused block kernel), faster within the error bounds
+    /// [`ScorePath`] states.
     ///
     /// # Errors
     /// [`KvqError::Attention`], [`KvqError::Cache`].

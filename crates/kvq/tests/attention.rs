@@ -596,8 +596,8 @@ fn keys_stored_before_rope() {
 }
 
 /// `integer_decode_kernel` names the fused block kernel exactly where decode runs it: KIVI-style
-/// INT4 at head_dim 128 on AVX-512 VNNI, not INT8 values, not the scalar backend, nothing for a
-/// sequence without quantized blocks; an unknown sequence is an error.
+/// INT4 at head_dim 128 on AVX-512 VNNI and on AVX2, not INT8 values, not the scalar or `wide`
+/// backends, nothing for a sequence without quantized blocks; an unknown sequence is an error.
 #[test]
 fn the_integer_kernel_is_named() {
     use kvq::attention::integer_decode_kernel;
@@ -623,7 +623,9 @@ fn the_integer_kernel_is_named() {
         let seq = cache.create();
         cache.extend(seq, 0, &k, &v).unwrap();
         for backend in available() {
-            let want = if fused && backend == Backend::Avx512 { "fused block" } else { "separate kernels" };
+            let has = (fused && backend == Backend::Avx512)
+                || (kspec == "int4-channel" && backend == Backend::Avx2);
+            let want = if has { "fused block" } else { "separate kernels" };
             assert_eq!(
                 integer_decode_kernel(backend, &cache, seq, 4).unwrap(),
                 Some(want),
