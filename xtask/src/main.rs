@@ -945,18 +945,27 @@ fn build_ggml() -> Result<PathBuf, String> {
     if !pc.is_file() {
         std::fs::write(&pc, "Name: ggml\n").map_err(|e| format!("{}: {e}", pc.display()))?;
     }
-    let cmake = if which("cmake") {
-        PathBuf::from("cmake")
+    // pip's `cmake` wheel installed into a folder runs from a script that imports its package:
+    // that folder goes on PYTHONPATH.
+    let (cmake, pythonpath) = if which("cmake") {
+        (PathBuf::from("cmake"), None)
     } else {
         let tools = dir.join("tools");
         run(Command::new(python())
             .args(["-m", "pip", "install", "--quiet", "--target"])
             .arg(&tools)
             .arg("cmake"))?;
-        tools.join("bin/cmake")
+        (tools.join("bin/cmake"), Some(tools))
+    };
+    let cmake_cmd = || {
+        let mut cmd = Command::new(&cmake);
+        if let Some(p) = &pythonpath {
+            cmd.env("PYTHONPATH", p);
+        }
+        cmd
     };
     let build = dir.join("build");
-    run(Command::new(&cmake).arg("-S").arg(&ggml).arg("-B").arg(&build).args([
+    run(cmake_cmd().arg("-S").arg(&ggml).arg("-B").arg(&build).args([
         "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_NATIVE=ON",
         "-DGGML_OPENMP=OFF",
@@ -964,7 +973,7 @@ fn build_ggml() -> Result<PathBuf, String> {
         "-DGGML_BUILD_TESTS=OFF",
         "-DGGML_BUILD_EXAMPLES=OFF",
     ]))?;
-    run(Command::new(&cmake).arg("--build").arg(&build).args(["-j", "2"]))?;
+    run(cmake_cmd().arg("--build").arg(&build).args(["-j", "2"]))?;
     let lib = build.join("src");
     run(Command::new(if which("cc") { "cc" } else { "gcc" })
         .args(["-O2", "-o"])
