@@ -89,8 +89,8 @@ fn hsum8(x: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)))
 }
 
-/// The largest of the 8 lanes of `x` (NaN lanes skipped, as `_mm_max_ps` skips its first
-/// operand's NaN).
+/// The largest of the 8 lanes of `x` (the kernel's maxima hold no NaN: they skip NaN inputs
+/// as they are taken).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn hmax8(x: __m256) -> f32 {
@@ -130,7 +130,8 @@ fn offset_dots<const NQ: usize>(q: &[f32], offset: &[f32]) -> [f32; int8::GROUP]
         let mut lanes = [0f32; 8];
         // SAFETY: `lanes` holds 8 floats.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
-        *o = lanes.iter().sum::<f32>() + 0.0;
+        // `dot_lanes` adds its (empty) tail's sum, −0.0, which changes no value.
+        *o = lanes.iter().sum::<f32>();
     }
     out
 }
@@ -214,8 +215,8 @@ unsafe fn attend<const NQ: usize>(
     let mut factor = [1f32; 8];
     // SAFETY: `t` and `factor` hold 8 floats; AVX2 and FMA are enabled.
     unsafe { _mm256_storeu_ps(factor.as_mut_ptr(), exp8(_mm256_loadu_ps(t.as_ptr()))) };
-    // A row whose maximum is still −∞ has seen nothing: no weight, no change (its weights are
-    // zeroed below through a zero inverse scale).
+    // A row whose maximum is still −∞ has seen nothing: no weight, no change (its byte
+    // weights are zeroed below).
     let live: [bool; int8::GROUP] = std::array::from_fn(|i| i < NQ && top[i] != f32::NEG_INFINITY);
     let z = _mm256_set1_ps(f32::from(crate::intv::center(4)));
     let zero = _mm256_setzero_ps();

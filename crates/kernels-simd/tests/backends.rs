@@ -356,6 +356,43 @@ fn bad_shapes_are_errors() {
     assert!(dequantize_with(Backend::Wide, &b, &mut [0.0; 63]).is_err());
 }
 
+/// The integer score kernels at the largest sums their lanes can hold: every code at its
+/// maximum and every query value at ±127 after rounding, long rows. A kernel that sums more
+/// 16-bit products before widening than the bound allows wraps here (random cases rarely
+/// line the extremes up).
+#[test]
+fn integer_scores_hold_extreme_rows_bit_for_bit() {
+    use kvq_kernels_simd::scores_int8_with;
+    for backend in available() {
+        for bits in [4u8, 8] {
+            for dim in [64usize, 128, 256, 320, 512, 4096] {
+                let rows = 3;
+                let row_bytes = packed_len(dim, bits).unwrap();
+                let codes = vec![0xffu8; rows * row_bytes];
+                let (scale, offset) = (vec![1.0f32; rows], vec![0.0f32; rows]);
+                let params = Params::PerRow { scale: &scale, offset: Some(&offset) };
+                let b = QuantBlock::new(&codes, rows, dim, bits, Levels::Affine, params).unwrap();
+                for sign in [1.0f32, -1.0] {
+                    let q = vec![sign; 2 * dim];
+                    let (mut got, mut want) = (vec![0f32; 2 * rows], vec![0f32; 2 * rows]);
+                    if !scores_int8_with(backend, &b, &q, 2, &mut got).unwrap() {
+                        continue;
+                    }
+                    assert!(scalar::scores_int8(&b, &q, 2, &mut want));
+                    let exact = sign * ((1u32 << bits) - 1) as f32 * dim as f32;
+                    for (g, w) in got.iter().zip(&want) {
+                        assert_eq!(g.to_bits(), w.to_bits(), "{backend} bits {bits} dim {dim} sign {sign}");
+                        assert!(
+                            (g - exact).abs() <= 1e-5 * exact.abs(),
+                            "{backend} {bits} {dim}: {g} vs {exact}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The integer score path against the f64 reference, within its stated bound: the query's
 /// int8 rounding, `max|q| / 254 · Σ_d |level_d| · scale` per score (plus float slack).
 #[test]
@@ -1112,6 +1149,49 @@ fn fused_block_attention_matches_its_reference() {
         }
     }
     let _ = (ran, ran_at);
+}
+
+/// The fused kernels' value sums at their largest: every weight rounded to 255 (equal scores,
+/// equal value scales) and every value code at an end of its range (0 or 15, centred −8 or 7),
+/// blocks long enough to fill the 16-bit sums a kernel keeps before widening. The outputs are
+/// exact here (every value equals its offset plus a multiple of its scale), so a wrapped sum
+/// shows as an error of thousands.
+#[test]
+fn fused_block_attention_holds_extreme_value_sums() {
+    use kvq_kernels_simd::{Online, attend_int_with};
+    for backend in available() {
+        for dim in [64usize, 128, 256] {
+            for rows in [16usize, 17, 32, 33, 256] {
+                for code in [0x00u8, 0xff] {
+                    let (kc, vc) = (vec![0x5au8; rows * dim / 2], vec![code; rows * dim / 2]);
+                    let (ks, ko) = (vec![0.25f32; dim], vec![0.0f32; dim]);
+                    let (vs, vo) = (vec![0.5f32; rows], vec![1.0f32; rows]);
+                    let kp = Params::PerChannel { scale: &ks, offset: Some(&ko) };
+                    let vp = Params::PerRow { scale: &vs, offset: Some(&vo) };
+                    let k = QuantBlock::new(&kc, rows, dim, 4, Levels::Affine, kp).unwrap();
+                    let v = QuantBlock::new(&vc, rows, dim, 4, Levels::Affine, vp).unwrap();
+                    let n_q = 4;
+                    let q = vec![0.0f32; n_q * dim];
+                    let (mut m, mut l, mut o) =
+                        (vec![f32::NEG_INFINITY; n_q], vec![0f32; n_q], vec![0f32; n_q * dim]);
+                    if !attend_int_with(backend, &k, &v, &q, n_q, Online { m: &mut m, l: &mut l, o: &mut o })
+                        .unwrap()
+                    {
+                        continue;
+                    }
+                    // Every score 0: every weight 1, every value 1 + 0.5 · code.
+                    let want = rows as f32 * (1.0 + 0.5 * f32::from(code & 0x0f));
+                    assert!(l.iter().all(|&x| x == rows as f32), "{backend} {dim} {rows}: l {l:?}");
+                    for (c, &x) in o.iter().enumerate() {
+                        assert!(
+                            (x - want).abs() <= 1e-4 * want,
+                            "{backend} dim {dim} rows {rows} code {code} o[{c}]: {x} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// What the fused kernel does not take leaves the state as it was (`Ok(false)`): a negative
