@@ -62,6 +62,8 @@ pub mod fused_avx2;
 mod int8;
 mod intv;
 pub mod memory;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 pub mod portable;
 pub mod rowquant;
 pub mod scalar;

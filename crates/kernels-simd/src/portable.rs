@@ -5,7 +5,8 @@
 //! (`s = scale · Σ q·level + offset · Σ q`); per-channel scales fold into the query once per
 //! block (`q'_d = q_d · scale_d`) and offsets into a constant, so the inner loop is always
 //! levels × floats. Levels are unpacked once per row and shared by every query head of a
-//! GQA group.
+//! GQA group. On aarch64 the levels of codebook (up to 16 levels) and FP8 rows come from
+//! the `neon` module's in-register lookups; elsewhere from one table read per code.
 //!
 //! # Platform-specific behavior
 //! Sums run in 8 lanes and are reduced at the end, so they round differently from the scalar
@@ -93,6 +94,11 @@ fn unpack_levels(b: &QuantBlock<'_>, r: usize, out: &mut [f32], codes: &mut Vec<
             }
         }
         Levels::Table(_) | Levels::Fp8(_) => {
+            // NEON looks tables of up to 16 levels and FP8 up in registers.
+            #[cfg(target_arch = "aarch64")]
+            if crate::neon::table_row(b, r, out, codes) {
+                return;
+            }
             let t = b.levels.table().expect("a table");
             codes.resize(b.dim, 0);
             unpack_row(b.row(r), b.bits, codes).expect("QuantBlock::new checked the lengths");
