@@ -100,7 +100,7 @@ impl int8::IntKernel for Sdot {
     }
 }
 
-/// Scores through `sdot`; see [`crate::avx2::scores_int8`] for the algebra and error bound
+/// Scores through `sdot`; see [`crate::scores_int8_with`] for the algebra and error bound
 /// (the scores equal [`crate::scalar::scores_int8`] bit for bit). Returns `false`, computing
 /// nothing, when [`int8_supported`] is false.
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {

@@ -392,7 +392,8 @@ pub fn dense_axpy_with<T: DenseRow>(
 /// integer kernel gives the scores of [`scalar::scores_int8`], bit for bit.
 ///
 /// The integer path quantizes each query row to int8, as llama.cpp does: each score is off by
-/// at most `max|q| / 254 · Σ_d |level_d · scale_d|` (see [`avx2::scores_int8`]).
+/// at most `max|q| / 254 · Σ_d |level_d · scale_d|` (the algebra: [`scalar::scores_int8`],
+/// the reference every integer kernel equals).
 ///
 /// # Errors
 /// As [`scores_with`].
@@ -532,8 +533,8 @@ pub struct Online<'a> {
 ///
 /// Where it runs (INT4 affine keys per channel, INT4 affine values per row with non-negative
 /// scales, blocks of up to 256 tokens, head_dim 64, 128 or 256, query rows four at a time; on
-/// the `avx512` backend with VNNI, see [`avx512::attend_int_supported`], and on the `avx2`
-/// backend, see [`fused_avx2::attend_int_supported`]) nothing of a block goes through memory
+/// the `avx512` backend with VNNI, see `avx512::attend_int_supported`, and on the `avx2`
+/// backend, see `fused_avx2::attend_int_supported`) nothing of a block goes through memory
 /// but its codes and parameters and a few small buffers; elsewhere it returns `Ok(false)`,
 /// changing nothing, and the caller runs the separate kernels (the kernels:
 /// `avx512::attend_int_in`, `fused_avx2::attend_int_in`). Its results equal [`scalar::attend_int`] to the rounding
