@@ -607,36 +607,6 @@ pub(crate) fn attend_int_in(
     })
 }
 
-/// [`int8::scale_of`] of four maxima at once (`max / limit`, NaN where flagged, and the
-/// inverse; 0 for a zero maximum): the same IEEE divisions, so the same bits, in two vector
-/// instructions (SSE, part of every x86-64) instead of eight dependent scalar ones.
-#[inline]
-pub(crate) fn scales_of4(max: [f32; 4], nan: [bool; 4], limit: f32) -> ([f32; 4], [f32; 4]) {
-    let mut scale = [0f32; 4];
-    for i in 0..4 {
-        scale[i] = if nan[i] {
-            f32::NAN
-        } else if max[i] > 0.0 {
-            max[i]
-        } else {
-            0.0
-        };
-    }
-    let (mut s, mut inv) = ([0f32; 4], [0f32; 4]);
-    // SAFETY: the arrays hold 4 floats.
-    unsafe {
-        let sv = _mm_div_ps(_mm_loadu_ps(scale.as_ptr()), _mm_set1_ps(limit));
-        _mm_storeu_ps(s.as_mut_ptr(), sv);
-        _mm_storeu_ps(inv.as_mut_ptr(), _mm_div_ps(_mm_set1_ps(1.0), sv));
-    }
-    for (x, &s) in inv.iter_mut().zip(&s) {
-        if s.is_nan() || s <= 0.0 {
-            *x = 0.0;
-        }
-    }
-    (s, inv)
-}
-
 /// Lanes `0..len` (at most 16) of a 16-lane vector.
 #[inline(always)]
 fn lanes(len: usize) -> __mmask16 {
@@ -700,7 +670,7 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
         qmax[i] = _mm512_reduce_max_ps(mx);
         qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
     }
-    let (sq, qinv) = scales_of4(qmax, qnan, 127.0);
+    let (sq, qinv) = int8::scales_of4(qmax, qnan, 127.0);
     for (i, &inv) in qinv.iter().enumerate().take(NQ) {
         let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
         for j in 0..D / 16 {
@@ -861,7 +831,7 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
         wnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
         vadd[i] = _mm512_reduce_add_ps(add);
     }
-    let (sw, winv) = scales_of4(wmax, wnan, 255.0);
+    let (sw, winv) = int8::scales_of4(wmax, wnan, 255.0);
     for i in 0..NQ {
         if top[i] == f32::NEG_INFINITY {
             wb[i * stride..(i + 1) * stride].fill(0);

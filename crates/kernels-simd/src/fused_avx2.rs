@@ -270,7 +270,7 @@ unsafe fn attend<const NQ: usize>(
         wmax[i] = hmax8(wmx[i]);
         wnan[i] = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(any[i], any[i])) != 0;
     }
-    let (sw, winv) = crate::avx512::scales_of4(wmax, wnan, 255.0);
+    let (sw, winv) = crate::int8::scales_of4(wmax, wnan, 255.0);
     let (magic, magic_bits) = (_mm256_set1_ps(MAGIC), _mm256_set1_epi32(MAGIC.to_bits() as i32));
     let (hi, order) = (_mm256_set1_ps(255.0), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
     for i in 0..NQ {
