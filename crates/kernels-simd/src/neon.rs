@@ -10,9 +10,9 @@
 //! an f32's exponent and mantissa fields make an f32 whose value, times `2^(127 − bias)`, is
 //! the FP8 value, exact for normal and subnormal codes alike; the codes whose exponent is all
 //! ones (e5m2's infinities and NaNs, e4m3's NaN) get the f32 exponent of all ones, which the
-//! multiplication keeps: about 30 instructions per 16 values. Both give the values of [`Levels::table`] bit for bit (the
-//! backend tests compare the dequantized blocks bit for bit with the scalar reference, and
-//! every FP8 code, specials included, on every backend).
+//! multiplication keeps: about 30 instructions per 16 values. Both give the values of
+//! [`Levels::table`] bit for bit (the backend tests compare the dequantized blocks bit for bit
+//! with the scalar reference, and every FP8 code, specials included, on every backend).
 //!
 //! NEON is part of every aarch64 CPU, so there is no run-time check.
 
