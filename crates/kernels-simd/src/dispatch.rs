@@ -14,7 +14,8 @@ pub enum Backend {
     /// Plain Rust, one element at a time: the reference every other backend is tested against.
     Scalar,
     /// `wide` vectors, with the instruction set fixed at compile time (SSE2 by default on
-    /// x86-64, NEON on aarch64).
+    /// x86-64, NEON on aarch64; on aarch64 the levels of codebook rows of up to 16 levels and
+    /// of FP8 rows come from NEON lookups in registers, elsewhere from one table read per code).
     Wide,
     /// x86-64 AVX2 and FMA, detected at run time.
     Avx2,
