@@ -84,10 +84,10 @@ pub(crate) fn scale_of(max: f32, any_nan: bool, limit: f32) -> (f32, f32) {
     (scale, if scale > 0.0 { 1.0 / scale } else { 0.0 })
 }
 
-#[cfg(target_arch = "x86_64")]
 /// [`scale_of`] of four maxima at once (`max / limit`, NaN where flagged, and the
 /// inverse; 0 for a zero maximum): the same IEEE divisions, so the same bits, in two vector
 /// instructions (SSE, part of every x86-64) instead of eight dependent scalar ones.
+#[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn scales_of4(max: [f32; 4], nan: [bool; 4], limit: f32) -> ([f32; 4], [f32; 4]) {
     let mut scale = [0f32; 4];
