@@ -901,18 +901,6 @@ unsafe fn generic_axpy<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mu
     }
 }
 
-/// Dispatches `$f::<NQ>` on a runtime group size.
-macro_rules! by_group {
-    ($f:ident, $nq:expr, ($($arg:expr),*)) => {
-        match $nq {
-            1 => $f::<1>($($arg),*),
-            2 => $f::<2>($($arg),*),
-            3 => $f::<3>($($arg),*),
-            _ => $f::<4>($($arg),*),
-        }
-    };
-}
-
 fn in_groups_of_4(n_q: usize, mut f: impl FnMut(usize, usize)) {
     let mut i = 0;
     while i < n_q {

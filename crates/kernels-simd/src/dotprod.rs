@@ -34,7 +34,7 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
 /// The CPU must support the dot-product extension.
 #[target_feature(enable = "neon,dotprod")]
 #[inline]
-unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+pub(crate) unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     let mut acc = acc;
     // SAFETY: `sdot` reads two vector registers and accumulates into a third; it touches no
     // memory and no flags, and the CPU supports it (this function's target features).
@@ -83,7 +83,7 @@ unsafe fn idot_rows(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], dots: &mut
     }
 }
 
-struct Sdot;
+pub(crate) struct Sdot;
 
 impl int8::IntKernel for Sdot {
     fn arrange(_: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>) {

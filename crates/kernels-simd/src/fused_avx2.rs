@@ -20,7 +20,7 @@ use std::arch::x86_64::*;
 use crate::Online;
 use crate::avx2;
 use crate::block::{Params, QuantBlock};
-use crate::int8;
+use crate::int8::{self, grown};
 use crate::softmax::x86::exp8;
 
 /// Whether [`crate::attend_int_with`] has a fused AVX2 kernel for keys `k`, values `v` and
@@ -43,14 +43,6 @@ pub(crate) struct FusedScratch {
     acc: Vec<i32>,
 }
 
-/// `buf` grown to at least `len` elements (never shrunk, never cleared).
-fn grown<T: Copy + Default>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
-    if buf.len() < len {
-        buf.resize(len, T::default());
-    }
-    &mut buf[..len]
-}
-
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
 /// (`q`, `n_q × dim`, already scaled), the online softmax `state` of the rows updated; see the
 /// module. Returns `false`, changing nothing, when [`attend_int_supported`] is false or a value
@@ -69,14 +61,7 @@ pub(crate) fn attend_int_in(
     crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
         // SAFETY: `attend_int_supported` checked the CPU (AVX2, FMA, F16C), the widths, the
         // layouts and the sizes; `fused_groups` checked the value scales and the shapes.
-        unsafe {
-            match nq {
-                1 => attend::<1>(k, v, q, m, l, o, w),
-                2 => attend::<2>(k, v, q, m, l, o, w),
-                3 => attend::<3>(k, v, q, m, l, o, w),
-                _ => attend::<4>(k, v, q, m, l, o, w),
-            }
-        }
+        unsafe { by_group!(attend, nq, (k, v, q, m, l, o, w)) }
     })
 }
 

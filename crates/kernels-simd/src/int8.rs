@@ -145,14 +145,15 @@ fn finish_rounding<T: Copy + Default>(
 #[derive(Default)]
 pub(crate) struct Prepared {
     pub(crate) q8: Vec<i8>,
-    scale: [f32; GROUP],
-    add: [f32; GROUP],
+    pub(crate) scale: [f32; GROUP],
+    pub(crate) add: [f32; GROUP],
     qw: Vec<f32>,
 }
 
 impl Prepared {
+    /// Rounds the up to [`GROUP`] rows of `q` for block `b` through kernel `K`'s rounding.
     #[inline(always)]
-    fn prepare<K: IntKernel>(&mut self, b: &QuantBlock<'_>, q: &[f32]) {
+    pub(crate) fn prepare<K: IntKernel>(&mut self, b: &QuantBlock<'_>, q: &[f32]) {
         let d = b.dim;
         self.q8.clear();
         if let Params::PerChannel { scale, offset } = b.params {
@@ -267,6 +268,17 @@ pub(crate) fn fresh(buf: &mut Vec<i32>, len: usize) -> &mut [i32] {
         out.fill(0x5a5a_5a5a);
     }
     out
+}
+
+/// `buf` grown to at least `len` elements (never shrunk, never cleared): the fused kernels'
+/// buffers, each written before it is read.
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
+#[inline]
+pub(crate) fn grown<T: Copy + Default>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
+    if buf.len() < len {
+        buf.resize(len, T::default());
+    }
+    &mut buf[..len]
 }
 
 /// An architecture's part of the integer path.

@@ -31,6 +31,20 @@
 // The one crate of the workspace allowed `unsafe` (the SIMD intrinsics); every block carries a
 // `// SAFETY:` comment, which clippy's `undocumented_unsafe_blocks` checks.
 #![allow(unsafe_code)]
+/// Dispatches `$f::<NQ>` on a runtime query group size (1 to 3, else 4): the fused block
+/// kernels' monomorphizations.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! by_group {
+    ($f:ident, $nq:expr, ($($arg:expr),*)) => {
+        match $nq {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            _ => $f::<4>($($arg),*),
+        }
+    };
+}
+
 /// Dispatches `$f::<BITS, NQ>` on a runtime bit width (4, else 8) and query group size (1 to
 /// 3, else 4): the integer kernels' monomorphizations.
 #[cfg(target_arch = "x86_64")]
@@ -59,6 +73,8 @@ pub mod dispatch;
 pub mod dotprod;
 #[cfg(target_arch = "x86_64")]
 pub mod fused_avx2;
+#[cfg(target_arch = "aarch64")]
+pub mod fused_dotprod;
 mod int8;
 mod intv;
 pub mod memory;
@@ -90,6 +106,8 @@ pub struct Scratch {
     pub(crate) fused: avx512::FusedScratch,
     #[cfg(target_arch = "x86_64")]
     pub(crate) fused_avx2: fused_avx2::FusedScratch,
+    #[cfg(target_arch = "aarch64")]
+    pub(crate) fused_dotprod: fused_dotprod::FusedScratch,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) sums: Vec<f32>,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -533,11 +551,12 @@ pub struct Online<'a> {
 ///
 /// Where it runs (INT4 affine keys per channel, INT4 affine values per row with non-negative
 /// scales, blocks of up to 256 tokens, head_dim 64, 128 or 256, query rows four at a time; on
-/// the `avx512` backend with VNNI, see `avx512::attend_int_supported`, and on the `avx2`
-/// backend, see `fused_avx2::attend_int_supported`) nothing of a block goes through memory
-/// but its codes and parameters and a few small buffers; elsewhere it returns `Ok(false)`,
-/// changing nothing, and the caller runs the separate kernels (the kernels:
-/// `avx512::attend_int_in`, `fused_avx2::attend_int_in`). Its results equal [`scalar::attend_int`] to the rounding
+/// the `avx512` backend with VNNI, see `avx512::attend_int_supported`, on the `avx2`
+/// backend, see `fused_avx2::attend_int_supported`, and on the `dotprod` backend of aarch64,
+/// see `fused_dotprod::attend_int_supported`) nothing of a block goes through memory but its
+/// codes and parameters and a few small buffers; elsewhere it returns `Ok(false)`, changing
+/// nothing, and the caller runs the separate kernels (the kernels: `avx512::attend_int_in`,
+/// `fused_avx2::attend_int_in`, `fused_dotprod::attend_int_in`). Its results equal [`scalar::attend_int`] to the rounding
 /// of float sums taken in another order and of `exp` (the softmax module's polynomial), not bit
 /// for bit.
 ///
@@ -556,14 +575,14 @@ pub fn attend_int_with(
 }
 
 /// Most rows of a block that the fused kernels take.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
 pub(crate) const FUSED_ROWS: usize = 256;
 
 /// The blocks every fused kernel of [`attend_int_with`] takes, whatever the CPU: INT4 affine
 /// keys with per-channel parameters and INT4 affine values with per-row parameters
 /// (KIVI-style), the same tokens (1 to [`FUSED_ROWS`]) and head_dim (64, 128 or 256), at
 /// least one query row.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
 pub(crate) fn fused_layout(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     k.bits == 4
         && v.bits == 4
@@ -585,7 +604,7 @@ pub(crate) fn fused_layout(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -
 ///
 /// # Panics
 /// When `q` and `state` do not hold `n_q` rows (the callers check the shapes first).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
 pub(crate) fn fused_groups(
     v: &QuantBlock<'_>,
     q: &[f32],
@@ -617,6 +636,10 @@ pub fn attend_int_fused(backend: Backend, k: &QuantBlock<'_>, v: &QuantBlock<'_>
         Backend::Avx512 => return avx512::attend_int_supported(k, v, n_q),
         Backend::Avx2 => return fused_avx2::attend_int_supported(k, v, n_q),
         _ => {}
+    }
+    #[cfg(target_arch = "aarch64")]
+    if backend == Backend::Dotprod {
+        return fused_dotprod::attend_int_supported(k, v, n_q);
     }
     let _ = (backend, k, v, n_q);
     false
@@ -661,6 +684,10 @@ pub fn attend_int_in(
         Backend::Avx512 => return Ok(avx512::attend_int_in(k, v, q, n_q, state, &mut scratch.fused)),
         Backend::Avx2 => return Ok(fused_avx2::attend_int_in(k, v, q, n_q, state, &mut scratch.fused_avx2)),
         _ => {}
+    }
+    #[cfg(target_arch = "aarch64")]
+    if backend == Backend::Dotprod {
+        return Ok(fused_dotprod::attend_int_in(k, v, q, n_q, state, &mut scratch.fused_dotprod));
     }
     let _ = (backend, scratch);
     Ok(false)

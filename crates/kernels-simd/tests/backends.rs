@@ -1137,9 +1137,13 @@ fn fused_block_attention_matches_its_reference() {
             }
         }
     }
+    let dims = |b: Backend| ran_at.iter().filter(|x| x.0 == b).map(|x| x.1).collect::<Vec<_>>();
+    #[cfg(target_arch = "aarch64")]
+    if available().contains(&Backend::Dotprod) {
+        assert_eq!(dims(Backend::Dotprod), vec![64, 128, 256], "head_dims the dotprod kernel ran at");
+    }
     #[cfg(target_arch = "x86_64")]
     {
-        let dims = |b: Backend| ran_at.iter().filter(|x| x.0 == b).map(|x| x.1).collect::<Vec<_>>();
         if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
             assert!(ran > 0, "the fused kernel never ran on a machine that has it");
             assert_eq!(dims(Backend::Avx512), vec![64, 128, 256], "head_dims the AVX-512 kernel ran at");
@@ -1148,7 +1152,7 @@ fn fused_block_attention_matches_its_reference() {
             assert_eq!(dims(Backend::Avx2), vec![64, 128, 256], "head_dims the AVX2 kernel ran at");
         }
     }
-    let _ = (ran, ran_at);
+    let _ = (ran, dims);
 }
 
 /// The fused kernels' value sums at their largest: every weight rounded to 255 (equal scores,

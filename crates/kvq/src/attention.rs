@@ -658,7 +658,8 @@ impl Task {
 
 /// The kernels that decode's integer path ([`ScorePath::Int8`]) runs on the quantized blocks
 /// of `seq` on `backend` with `query_rows` query rows per KV head: `"fused block"` where one
-/// AVX-512 kernel takes a whole block of keys and values (KIVI-style INT4, see
+/// kernel (AVX-512 VNNI, AVX2 or aarch64 `sdot`) takes a whole block of keys and values
+/// (KIVI-style INT4, see
 /// [`kvq_kernels_simd::attend_int_with`]), `"separate kernels"` otherwise; judged from the
 /// first quantized unit of layer 0, KV head 0. `None` when that head holds no quantized block
 /// yet. Units near a sliding window's start or a chunk's causal end, and soft-capped

@@ -624,7 +624,7 @@ fn the_integer_kernel_is_named() {
         cache.extend(seq, 0, &k, &v).unwrap();
         for backend in available() {
             let has = (fused && backend == Backend::Avx512)
-                || (kspec == "int4-channel" && backend == Backend::Avx2);
+                || (kspec == "int4-channel" && matches!(backend, Backend::Avx2 | Backend::Dotprod));
             let want = if has { "fused block" } else { "separate kernels" };
             assert_eq!(
                 integer_decode_kernel(backend, &cache, seq, 4).unwrap(),

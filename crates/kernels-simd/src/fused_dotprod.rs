@@ -1,0 +1,277 @@
+//! The fused block kernel of decode's integer path on aarch64 CPUs with the dot-product
+//! extension (Armv8.2 and later: Neoverse N1, V1 and V2, Cortex-A76 on, Apple M): one block of
+//! INT4 keys per channel and the block of INT4 values per token of the same tokens
+//! (KIVI-style), attended by up to four query rows at a time in one call. Without it such a CPU
+//! ran the `sdot` scores kernel, the softmax and the float value kernel one after the other.
+//!
+//! The scores are the integer scores kernel's: the query rows rounded and the epilogue applied
+//! by the `int8` module as for every architecture, so the same bits as
+//! [`crate::scalar::scores_int8`]; the dots by `sdot`, each key row loaded once for all query
+//! rows. The exponentials are the softmax module's polynomial. The values go through the integer
+//! value path's algebra with byte weights, as on x86: `umlal` multiplies sixteen codes of a row
+//! (`0..=15`, not centred: unsigned bytes on both sides) by the row's weight (`0..=255`) into
+//! u16 sums of up to sixteen rows (at most `16 · 255 · 15 = 61200`), which are widened to i32;
+//! the centre's share `8 · Σ weights` is then taken off in integers, so the sums equal those of
+//! the centred codes exactly. The results equal [`crate::scalar::attend_int`] to the rounding
+//! of float sums taken in another order and of `exp`, not bit for bit.
+
+use std::arch::aarch64::*;
+
+use crate::Online;
+use crate::block::{Params, QuantBlock};
+use crate::dotprod::{Sdot, sdot};
+use crate::int8::{self, GROUP, grown};
+
+/// Whether [`crate::attend_int_with`] has a fused kernel on the `dotprod` backend for keys
+/// `k`, values `v` and `n_q` query rows on this CPU: INT4 affine keys with per-channel
+/// parameters and INT4 affine values with per-row parameters, the same tokens (1 to 256) and
+/// head_dim (64, 128 or 256), any number of query rows (four at a time), a CPU with the
+/// dot-product extension.
+pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
+    crate::fused_layout(k, v, n_q) && crate::dotprod::int8_supported(k)
+}
+
+/// The buffers of [`attend_int_in`], grown to the largest block and query group seen, then
+/// reused.
+#[derive(Default)]
+pub(crate) struct FusedScratch {
+    prep: int8::Prepared,
+    dots: Vec<i32>,
+    p: Vec<f32>,
+    wb: Vec<u8>,
+    acc: Vec<i32>,
+}
+
+/// One block of keys and the block of values of the same tokens attended by `n_q` query rows
+/// (`q`, `n_q × dim`, already scaled), the online softmax `state` of the rows updated; see the
+/// module. Returns `false`, changing nothing, when [`attend_int_supported`] is false or a value
+/// scale is negative or NaN (byte weights need `p · scale ≥ 0`).
+pub(crate) fn attend_int_in(
+    k: &QuantBlock<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+    w: &mut FusedScratch,
+) -> bool {
+    if !attend_int_supported(k, v, n_q) {
+        return false;
+    }
+    crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
+        // SAFETY: `attend_int_supported` checked the CPU (dotprod), the widths, the layouts and
+        // the sizes; `fused_groups` checked the value scales and the shapes.
+        unsafe { by_group!(attend, nq, (k, v, q, m, l, o, w)) }
+    })
+}
+
+/// The fused kernel for `NQ` query rows.
+///
+/// # Safety
+/// The CPU must support the dot-product extension; [`attend_int_supported`]`(k, v, NQ)`; every
+/// value scale of `v` is `>= 0`; `q` and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
+#[target_feature(enable = "neon,dotprod")]
+unsafe fn attend<const NQ: usize>(
+    k: &QuantBlock<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    m: &mut [f32],
+    l: &mut [f32],
+    o: &mut [f32],
+    w: &mut FusedScratch,
+) {
+    let (d, n) = (k.dim, k.rows);
+    let Params::PerRow { scale: vs, offset: vo } = v.params else { unreachable!("checked") };
+    let FusedScratch { prep, dots, p, wb, acc } = w;
+    assert!(q.len() == NQ * d && o.len() == NQ * d && m.len() == NQ && l.len() == NQ, "shapes");
+
+    // 1. The query rows times the channel scales, rounded to int8 as the scores kernel rounds
+    //    them, with what the keys' offsets add (`Σ q · offset`); 2. the integer dots.
+    prep.prepare::<Sdot>(k, q);
+    let dots = grown(dots, NQ * n);
+    // SAFETY: dotprod (this function's contract); `int8_supported(k)`: 4-bit rows of d codes, d
+    // a multiple of 32; `prep.q8` holds NQ rows of d values, `dots` NQ · n.
+    unsafe { key_dots::<NQ>(k, &prep.q8, dots) };
+
+    // 3. Per query row: the scores (the scores kernel's epilogue), their maximum with the
+    //    running one, the rescaling factor, the exponentials and their sum, then the weights
+    //    `p · scale` rounded to bytes (scale max / 255) and what the offsets and the centre add.
+    let p = grown(p, NQ * n);
+    let wb = grown(wb, NQ * n);
+    let z = f32::from(crate::intv::center(4));
+    let (mut factor, mut sw, mut vadd, mut wsum) =
+        ([1f32; GROUP], [0f32; GROUP], [0f32; GROUP], [0i32; GROUP]);
+    let mut live = [false; GROUP];
+    for i in 0..NQ {
+        let (s, wbi) = (&mut p[i * n..(i + 1) * n], &mut wb[i * n..(i + 1) * n]);
+        let (qs, kadd) = (prep.scale[i], prep.add[i]);
+        for (x, &dot) in s.iter_mut().zip(&dots[i * n..(i + 1) * n]) {
+            *x = qs * dot as f32 + kadd;
+        }
+        // NaN scores are skipped by the maximum.
+        let top = s.iter().fold(m[i], |a, &x| if x > a { x } else { a });
+        if top == f32::NEG_INFINITY {
+            // Nothing of this row seen yet: no weight, no change.
+            wbi.fill(0);
+            continue;
+        }
+        live[i] = true;
+        factor[i] = (m[i] - top).exp();
+        l[i] = l[i] * factor[i] + crate::softmax::exp_sum_wide(s, top);
+        m[i] = top;
+        // SAFETY: NEON is part of every aarch64 CPU; `s`, `vs` and `vo` hold n values.
+        let (wmax, nan, add) = unsafe { weigh(s, vs, vo, z) };
+        let (scale, inv) = int8::scale_of(wmax, nan, 255.0);
+        for (b, &x) in wbi.iter_mut().zip(s.iter()) {
+            *b = int8::round_code(x, inv, 255.0) as u8;
+        }
+        (sw[i], vadd[i]) = (scale, add);
+        wsum[i] = wbi.iter().map(|&b| i32::from(b)).sum();
+    }
+
+    // 4. The integer sums of the value codes under the byte weights, the centre's share taken
+    //    off, and the epilogue: `o ← o · factor + (sw · sum + add)`.
+    let acc = grown(acc, NQ * d);
+    // SAFETY: NEON; `v` is 4-bit with rows of d / 2 bytes, d a multiple of 32, n >= 1; row i of
+    // `wb` holds n bytes; `acc` holds NQ · d values.
+    unsafe { value_sums::<NQ>(v, wb, n, acc) };
+    for i in (0..NQ).filter(|&i| live[i]) {
+        let (f, s, a, centre) = (factor[i], sw[i], vadd[i], i32::from(crate::intv::center(4)) * wsum[i]);
+        for (o, &x) in o[i * d..(i + 1) * d].iter_mut().zip(&acc[i * d..(i + 1) * d]) {
+            let old = if f != 1.0 { *o * f } else { *o };
+            *o = old + (s * (x - centre) as f32 + a);
+        }
+    }
+}
+
+/// The exponentials `e` of a row (`s`) turned into weights `e · scale` in place; returns their
+/// largest, whether one is NaN, and `Σ (z · e · scale + e · offset)`.
+///
+/// # Safety
+/// `scale` and `offset` (if any) hold `s.len()` values.
+#[target_feature(enable = "neon")]
+unsafe fn weigh(s: &mut [f32], scale: &[f32], offset: Option<&[f32]>, z: f32) -> (f32, bool, f32) {
+    let n = s.len();
+    assert!(scale.len() >= n && offset.is_none_or(|o| o.len() >= n));
+    let (mut mx, mut add, mut nan) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0), vdupq_n_u32(0));
+    let zv = vdupq_n_f32(z);
+    let mut r = 0;
+    while r + 4 <= n {
+        // SAFETY: r + 4 <= n: inside `s`, `scale` and `offset`.
+        unsafe {
+            let e = vld1q_f32(s.as_ptr().add(r));
+            let wv = vmulq_f32(e, vld1q_f32(scale.as_ptr().add(r)));
+            add = vfmaq_f32(add, zv, wv);
+            if let Some(f) = offset {
+                add = vfmaq_f32(add, e, vld1q_f32(f.as_ptr().add(r)));
+            }
+            // `fmaxnm` skips NaN; a NaN is flagged apart.
+            mx = vmaxnmq_f32(mx, wv);
+            nan = vorrq_u32(nan, vmvnq_u32(vceqq_f32(wv, wv)));
+            vst1q_f32(s.as_mut_ptr().add(r), wv);
+        }
+        r += 4;
+    }
+    let (mut wmax, mut any, mut sum) = (vmaxnmvq_f32(mx), vmaxvq_u32(nan) != 0, vaddvq_f32(add));
+    for r in r..n {
+        let e = s[r];
+        let wv = e * scale[r];
+        sum += z * wv + offset.map_or(0.0, |f| e * f[r]);
+        wmax = wmax.max(wv);
+        any |= wv.is_nan();
+        s[r] = wv;
+    }
+    (wmax, any, sum)
+}
+
+/// `dots[i · n + r] = Σ_c q8[i · dim + c] · code[r][c]` for every row of the 4-bit block `k`
+/// and `NQ` query rows of int8 values in natural order: per 16-byte chunk of a row (low nibbles:
+/// 16 channels, high nibbles: the next 16) one `sdot` per nibble plane and query row.
+///
+/// # Safety
+/// The CPU must support the dot-product extension; `k.bits == 4`, `k.dim` a multiple of 32;
+/// `q8` holds `NQ · k.dim` values, `dots` `NQ · k.rows`.
+#[target_feature(enable = "neon,dotprod")]
+unsafe fn key_dots<const NQ: usize>(k: &QuantBlock<'_>, q8: &[i8], dots: &mut [i32]) {
+    let (d, n) = (k.dim, k.rows);
+    assert!(k.bits == 4 && d.is_multiple_of(32) && q8.len() >= NQ * d && dots.len() >= NQ * n);
+    assert!(k.codes.len() >= n * k.row_bytes && k.row_bytes == d / 2);
+    let (codes, q) = (k.codes.as_ptr(), q8.as_ptr());
+    let mask = vdupq_n_u8(0x0f);
+    for r in 0..n {
+        let mut acc = [vdupq_n_s32(0); GROUP];
+        for j in 0..d / 32 {
+            // SAFETY: bytes 16j..16j + 16 of row r lie inside the codes (rows of d / 2 bytes);
+            // values 32j..32j + 32 inside each query row; sdot is enabled (this function's
+            // contract).
+            unsafe {
+                let x = vld1q_u8(codes.add(r * k.row_bytes + 16 * j));
+                let lo = vreinterpretq_s8_u8(vandq_u8(x, mask));
+                let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(x));
+                for (i, a) in acc.iter_mut().enumerate().take(NQ) {
+                    let qp = q.add(i * d + 32 * j);
+                    *a = sdot(*a, lo, vld1q_s8(qp));
+                    *a = sdot(*a, hi, vld1q_s8(qp.add(16)));
+                }
+            }
+        }
+        for (i, a) in acc.iter().enumerate().take(NQ) {
+            dots[i * n + r] = vaddvq_s32(*a);
+        }
+    }
+}
+
+/// `acc[i · d + c] = Σ_r wb[i · stride + r] · code[r][c]` (codes `0..=15`, not centred) for every
+/// row of the 4-bit block `v` and `NQ` rows of byte weights, channels in natural order. Per
+/// 16-byte chunk of the rows (32 channels) and batch of sixteen rows: per row the chunk's
+/// nibbles split, then per query row four `umlal` into u16 sums against the row's weight
+/// broadcast; each batch's sums widened into `acc` (the first batch writes it, later ones add).
+///
+/// # Safety
+/// `v.bits == 4`, `v.dim` a multiple of 32, `v.rows >= 1`; each row of `wb` holds `stride >=
+/// v.rows` bytes; `acc` holds `NQ · v.dim` values.
+#[target_feature(enable = "neon")]
+unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usize, acc: &mut [i32]) {
+    let (d, n) = (v.dim, v.rows);
+    assert!(v.bits == 4 && d.is_multiple_of(32) && n >= 1);
+    assert!(wb.len() >= NQ * stride && stride >= n && acc.len() >= NQ * d);
+    assert!(v.codes.len() >= n * v.row_bytes && v.row_bytes == d / 2);
+    let (codes, w) = (v.codes.as_ptr(), wb.as_ptr());
+    let mask = vdupq_n_u8(0x0f);
+    for j in 0..d / 32 {
+        for batch in 0..n.div_ceil(16) {
+            let mut s = [[vdupq_n_u16(0); 4]; GROUP];
+            for r in 16 * batch..(16 * batch + 16).min(n) {
+                // SAFETY: bytes 16j..16j + 16 of row r lie inside the codes (rows of d / 2
+                // bytes); weight r of row i inside `wb` (rows of `stride >= n` bytes).
+                unsafe {
+                    let x = vld1q_u8(codes.add(r * v.row_bytes + 16 * j));
+                    let (lo, hi) = (vandq_u8(x, mask), vshrq_n_u8::<4>(x));
+                    for (i, si) in s.iter_mut().enumerate().take(NQ) {
+                        let wr = vld1q_dup_u8(w.add(i * stride + r));
+                        si[0] = vmlal_u8(si[0], vget_low_u8(lo), vget_low_u8(wr));
+                        si[1] = vmlal_high_u8(si[1], lo, wr);
+                        si[2] = vmlal_u8(si[2], vget_low_u8(hi), vget_low_u8(wr));
+                        si[3] = vmlal_high_u8(si[3], hi, wr);
+                    }
+                }
+            }
+            for (i, si) in s.iter().enumerate().take(NQ) {
+                for (h, &part) in si.iter().enumerate() {
+                    let lo = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(part)));
+                    let hi = vreinterpretq_s32_u32(vmovl_high_u16(part));
+                    // SAFETY: channels 32j + 8h .. 32j + 8h + 8 of row i lie inside `acc`.
+                    unsafe {
+                        let at = acc.as_mut_ptr().add(i * d + 32 * j + 8 * h);
+                        if batch == 0 {
+                            vst1q_s32(at, lo);
+                            vst1q_s32(at.add(4), hi);
+                        } else {
+                            vst1q_s32(at, vaddq_s32(vld1q_s32(at), lo));
+                            vst1q_s32(at.add(4), vaddq_s32(vld1q_s32(at.add(4)), hi));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
