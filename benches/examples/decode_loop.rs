@@ -9,7 +9,7 @@
 //! ```
 //! `--window` gives the cache the facade builder's window: one residual block, 4 sinks, the
 //! values' window and sinks in 8 bits (without it: none, as the criterion benches).
-//! Prints the mean time per step; `--steps 0` builds the cache only (subtract it from a
+//! Prints the mean, fastest and median time per step; `--steps 0` builds the cache only (subtract it from a
 //! profile's totals). With `--seqs N` a step is one `decode_attention_batch` call over N
 //! sequences of `--tokens` each (one workspace kept across steps), as the `decode_batch`
 //! bench runs it.
@@ -78,19 +78,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (best_float(), ScorePath::Float)
     };
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    // Each step timed on its own: on a shared VM the fastest and the median step compare two
+    // builds better than the mean, which a few preempted steps move.
+    let mut times = Vec::with_capacity(steps);
     let start = std::time::Instant::now();
     pool.install(|| {
         let options = AttentionOptions::with_path(path);
         for _ in 0..steps {
+            let t = std::time::Instant::now();
             if seqs == 0 {
                 decode_attention_path(backend, path, &cache, seq, 0, &q, q_heads, &mut out)?;
             } else {
                 decode_attention_batch(backend, &options, &cache, 0, &all, &q, q_heads, &mut out, &mut ws)?;
             }
+            times.push(t.elapsed().as_secs_f64() * 1e3);
         }
         Ok::<_, kvq::attention::AttentionError>(())
     })?;
     let ms = start.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64;
+    times.sort_by(f64::total_cmp);
+    let (fastest, median) =
+        (times.first().copied().unwrap_or(0.0), times.get(steps / 2).copied().unwrap_or(0.0));
     let window = if window { ", window" } else { "" };
     let kernel = if integer {
         kvq::attention::integer_decode_kernel(backend, &cache, seq, q_heads / kv_heads)?
@@ -99,7 +107,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "float kernels"
     };
     println!(
-        "{ms:.3} ms/step ({k}/{v}{window}, {n} x {len} tokens, {threads} thread(s), {backend} {path:?}, {kernel})"
+        "{ms:.3} ms/step, fastest {fastest:.3}, median {median:.3} ({k}/{v}{window}, {n} x {len} tokens, {threads} thread(s), {backend} {path:?}, {kernel})"
     );
     std::hint::black_box(&out);
     Ok(())
