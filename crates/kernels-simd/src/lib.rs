@@ -613,7 +613,9 @@ pub(crate) fn fused_groups(
     mut f: impl FnMut(usize, &[f32], &mut [f32], &mut [f32], &mut [f32]),
 ) -> bool {
     let Params::PerRow { scale: vs, .. } = v.params else { return false };
-    if !vs.iter().all(|&s| s >= 0.0) {
+    // Without an early exit, so that the check compiles to vector compares (a scalar
+    // `all` took 1.5-2% of a fused decode step).
+    if !vs.iter().fold(true, |ok, &s| ok & (s >= 0.0)) {
         return false;
     }
     let (d, Online { m, l, o }) = (v.dim, state);
