@@ -34,7 +34,7 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
 /// The CPU must support the dot-product extension.
 #[target_feature(enable = "neon,dotprod")]
 #[inline]
-pub(crate) unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     let mut acc = acc;
     // SAFETY: `sdot` reads two vector registers and accumulates into a third; it touches no
     // memory and no flags, and the CPU supports it (this function's target features).
@@ -44,42 +44,73 @@ pub(crate) unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4
     acc
 }
 
-/// `dots[r − rows.start] = Σ_d q[d] · code[r][d]` for rows `rows` of `b` (the loop over rows
-/// inside the target-feature code, so that the row's kernel inlines into it).
+/// `dots[r − rows.start] = Σ_d q[d] · code[r][d]` for rows `rows` of the 8-bit block `b` (the
+/// loop over rows inside the target-feature code, so that the row's kernel inlines into it).
 ///
 /// # Safety
-/// The CPU must support dotprod; `q` holds `b.dim` int8 values (as bytes) (natural order, which is the
-/// order the nibble planes of 16-byte chunks produce); the block is one [`int8_supported`]
-/// accepts; `dots` holds `rows.len()` values.
+/// The CPU must support dotprod; `q` holds `b.dim` int8 values (as bytes); the block is an 8-bit
+/// one [`int8_supported`] accepts; `dots` holds `rows.len()` values.
 #[target_feature(enable = "neon,dotprod")]
-unsafe fn idot_rows(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], dots: &mut [i32]) {
+unsafe fn idot_rows_8bit(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], dots: &mut [i32]) {
     // The 8-bit codes are shifted into i8 by −128; the shift comes back as 128 · Σ q.
-    let shift_back: i32 =
-        if b.bits == 8 { 128 * q.iter().map(|&x| i32::from(x as i8)).sum::<i32>() } else { 0 };
+    let shift_back: i32 = 128 * q.iter().map(|&x| i32::from(x as i8)).sum::<i32>();
     for (o, r) in dots.iter_mut().zip(rows) {
         let row = b.row(r);
         // SAFETY: every load reads 16 bytes inside `row` or `q`; sdot is enabled.
         *o = unsafe {
             let mut acc = vdupq_n_s32(0);
-            if b.bits == 4 {
-                let mask = vdupq_n_u8(0x0f);
-                for (c, qs) in row.chunks_exact(16).zip(q.chunks_exact(32)) {
-                    let v = vld1q_u8(c.as_ptr());
-                    // Byte j holds code j (low nibble) and code j + 16 (high nibble).
-                    let lo = vreinterpretq_s8_u8(vandq_u8(v, mask));
-                    let hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
-                    acc = sdot(acc, lo, vld1q_s8(qs.as_ptr().cast()));
-                    acc = sdot(acc, hi, vld1q_s8(qs.as_ptr().add(16).cast()));
-                }
-            } else {
-                let shift = vdupq_n_u8(128);
-                for (c, qs) in row.chunks_exact(16).zip(q.chunks_exact(16)) {
-                    let v = vreinterpretq_s8_u8(vsubq_u8(vld1q_u8(c.as_ptr()), shift));
-                    acc = sdot(acc, v, vld1q_s8(qs.as_ptr().cast()));
-                }
+            let shift = vdupq_n_u8(128);
+            for (c, qs) in row.chunks_exact(16).zip(q.chunks_exact(16)) {
+                let v = vreinterpretq_s8_u8(vsubq_u8(vld1q_u8(c.as_ptr()), shift));
+                acc = sdot(acc, v, vld1q_s8(qs.as_ptr().cast()));
             }
             vaddvq_s32(acc) + shift_back
         };
+    }
+}
+
+/// `dots[i · m + r − rows.start] = Σ_c q[i · dim + c] · code[r][c]` (`m = rows.len()`) for rows
+/// `rows` of the 4-bit block `b` and `NQ` query rows of int8 values (as bytes) in natural order
+/// (the order the nibble planes of 16-byte chunks produce): per 16-byte chunk of a row (low
+/// nibbles: 16 channels, high nibbles: the next 16) one `sdot` per nibble plane and query row,
+/// each row loaded once for all query rows. The scores kernel and the fused block kernel
+/// (`crate::fused_dotprod`) both run it.
+///
+/// # Safety
+/// The CPU must support dotprod; `b.bits == 4`, `b.dim` a multiple of 32, `rows` inside the
+/// block; `q` holds `NQ · b.dim` values, `dots` `NQ · rows.len()`.
+#[target_feature(enable = "neon,dotprod")]
+pub(crate) unsafe fn dots_4bit<const NQ: usize>(
+    b: &QuantBlock<'_>,
+    rows: Range<usize>,
+    q: &[u8],
+    dots: &mut [i32],
+) {
+    let (d, m) = (b.dim, rows.len());
+    assert!(b.bits == 4 && d.is_multiple_of(32) && q.len() >= NQ * d && dots.len() >= NQ * m);
+    assert!(rows.end <= b.rows && b.codes.len() >= b.rows * b.row_bytes && b.row_bytes == d / 2);
+    let (codes, qp) = (b.codes.as_ptr(), q.as_ptr());
+    let mask = vdupq_n_u8(0x0f);
+    for r in rows.clone() {
+        let mut acc = [vdupq_n_s32(0); int8::GROUP];
+        for j in 0..d / 32 {
+            // SAFETY: bytes 16j..16j + 16 of row r lie inside the codes (rows of d / 2 bytes);
+            // values 32j..32j + 32 inside each query row; sdot is enabled (this function's
+            // contract).
+            unsafe {
+                let x = vld1q_u8(codes.add(r * b.row_bytes + 16 * j));
+                let lo = vreinterpretq_s8_u8(vandq_u8(x, mask));
+                let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(x));
+                for (i, a) in acc.iter_mut().enumerate().take(NQ) {
+                    let at = qp.add(i * d + 32 * j).cast::<i8>();
+                    *a = sdot(*a, lo, vld1q_s8(at));
+                    *a = sdot(*a, hi, vld1q_s8(at.add(16)));
+                }
+            }
+        }
+        for (i, a) in acc.iter().enumerate().take(NQ) {
+            dots[i * m + r - rows.start] = vaddvq_s32(*a);
+        }
     }
 }
 
@@ -92,10 +123,16 @@ impl int8::IntKernel for Sdot {
 
     fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]) {
         let (d, m) = (b.dim, rows.len());
-        for (i, qi) in q.chunks_exact(d).take(n).enumerate() {
+        if b.bits == 4 {
             // SAFETY: `int8_supported(b)` (checked by `scores_int8`, the only caller) covers
-            // the CPU, the bit width and the row length; `qi` holds `d` values.
-            unsafe { idot_rows(b, rows.clone(), &qi, &mut dots[i * m..(i + 1) * m]) };
+            // the CPU and the row length; `q` holds `n <= GROUP` rows of `d` values, `dots`
+            // `n · m`.
+            unsafe { by_group!(dots_4bit, n, (b, rows, q, dots)) };
+            return;
+        }
+        for (i, qi) in q.chunks_exact(d).take(n).enumerate() {
+            // SAFETY: as above, for an 8-bit block; `qi` holds `d` values.
+            unsafe { idot_rows_8bit(b, rows.clone(), qi, &mut dots[i * m..(i + 1) * m]) };
         }
     }
 }

@@ -7,7 +7,8 @@
 //! The scores are the integer scores kernel's: the query rows rounded and the epilogue applied
 //! by the `int8` module as for every architecture, so the same bits as
 //! [`crate::scalar::scores_int8`]; the dots by `sdot`, each key row loaded once for all query
-//! rows. The exponentials are the softmax module's polynomial. The values go through the integer
+//! rows (`dotprod::dots_4bit`, which the scores kernel runs too). The exponentials are the
+//! softmax module's polynomial. The values go through the integer
 //! value path's algebra with byte weights, as on x86: `umlal` multiplies sixteen codes of a row
 //! (`0..=15`, not centred: unsigned bytes on both sides) by the row's weight (`0..=255`) into
 //! u16 sums of up to sixteen rows (at most `16 · 255 · 15 = 61200`), which are widened to i32;
@@ -19,7 +20,7 @@ use std::arch::aarch64::*;
 
 use crate::Online;
 use crate::block::{Params, QuantBlock};
-use crate::dotprod::{Sdot, sdot};
+use crate::dotprod::Sdot;
 use crate::int8::{self, GROUP, grown};
 
 /// Whether [`crate::attend_int_with`] has a fused kernel on the `dotprod` backend for keys
@@ -88,9 +89,11 @@ unsafe fn attend<const NQ: usize>(
     //    them, with what the keys' offsets add (`Σ q · offset`); 2. the integer dots.
     prep.prepare::<Sdot>(k, q);
     let dots = grown(dots, NQ * n);
+    // SAFETY: i8 and u8 have one size and alignment, and every byte is a valid u8.
+    let q8 = unsafe { std::slice::from_raw_parts(prep.q8.as_ptr().cast::<u8>(), prep.q8.len()) };
     // SAFETY: dotprod (this function's contract); `int8_supported(k)`: 4-bit rows of d codes, d
-    // a multiple of 32; `prep.q8` holds NQ rows of d values, `dots` NQ · n.
-    unsafe { key_dots::<NQ>(k, &prep.q8, dots) };
+    // a multiple of 32; `q8` holds NQ rows of d values, `dots` NQ · n.
+    unsafe { crate::dotprod::dots_4bit::<NQ>(k, 0..n, q8, dots) };
 
     // 3. Per query row: the scores (the scores kernel's epilogue), their maximum with the
     //    running one, the rescaling factor, the exponentials and their sum, then the weights
@@ -181,43 +184,6 @@ unsafe fn weigh(s: &mut [f32], scale: &[f32], offset: Option<&[f32]>, z: f32) ->
         s[r] = wv;
     }
     (wmax, any, sum)
-}
-
-/// `dots[i · n + r] = Σ_c q8[i · dim + c] · code[r][c]` for every row of the 4-bit block `k`
-/// and `NQ` query rows of int8 values in natural order: per 16-byte chunk of a row (low nibbles:
-/// 16 channels, high nibbles: the next 16) one `sdot` per nibble plane and query row.
-///
-/// # Safety
-/// The CPU must support the dot-product extension; `k.bits == 4`, `k.dim` a multiple of 32;
-/// `q8` holds `NQ · k.dim` values, `dots` `NQ · k.rows`.
-#[target_feature(enable = "neon,dotprod")]
-unsafe fn key_dots<const NQ: usize>(k: &QuantBlock<'_>, q8: &[i8], dots: &mut [i32]) {
-    let (d, n) = (k.dim, k.rows);
-    assert!(k.bits == 4 && d.is_multiple_of(32) && q8.len() >= NQ * d && dots.len() >= NQ * n);
-    assert!(k.codes.len() >= n * k.row_bytes && k.row_bytes == d / 2);
-    let (codes, q) = (k.codes.as_ptr(), q8.as_ptr());
-    let mask = vdupq_n_u8(0x0f);
-    for r in 0..n {
-        let mut acc = [vdupq_n_s32(0); GROUP];
-        for j in 0..d / 32 {
-            // SAFETY: bytes 16j..16j + 16 of row r lie inside the codes (rows of d / 2 bytes);
-            // values 32j..32j + 32 inside each query row; sdot is enabled (this function's
-            // contract).
-            unsafe {
-                let x = vld1q_u8(codes.add(r * k.row_bytes + 16 * j));
-                let lo = vreinterpretq_s8_u8(vandq_u8(x, mask));
-                let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(x));
-                for (i, a) in acc.iter_mut().enumerate().take(NQ) {
-                    let qp = q.add(i * d + 32 * j);
-                    *a = sdot(*a, lo, vld1q_s8(qp));
-                    *a = sdot(*a, hi, vld1q_s8(qp.add(16)));
-                }
-            }
-        }
-        for (i, a) in acc.iter().enumerate().take(NQ) {
-            dots[i * n + r] = vaddvq_s32(*a);
-        }
-    }
 }
 
 /// `acc[i · d + c] = Σ_r wb[i · stride + r] · code[r][c]` (codes `0..=15`, not centred) for every
