@@ -46,5 +46,5 @@ pub use config::{CacheConfig, TailDtype};
 pub use error::{CacheError, Result};
 pub use part::{INT8_ROWS_ZERO, Int8Rows, Mode, PartLayout, TailBuf};
 pub use pool::{BlockId, BlockPool};
-pub use read::{BlockView, CacheMemory, LayerMemory, Segment, Segments};
+pub use read::{BlockView, CacheMemory, LayerMemory, ParamWidening, Segment, Segments};
 pub use reserve::Reservation;

@@ -181,16 +181,12 @@ impl<'a> BlockView<'a> {
         self.params_f32_with(scales, offsets, widen_f16)
     }
 
-    /// [`BlockView::params_f32`] with the caller's widening of little-endian f16 bytes into
-    /// f32 (`widen(bytes, out)`, `out.len()` values from `2 · out.len()` bytes at any
-    /// alignment): decode passes a kernel that converts with the CPU's instruction, once per
-    /// block it reads; this crate has no CPU-specific code.
-    pub fn params_f32_with(
-        &self,
-        scales: &mut Vec<f32>,
-        offsets: &mut Vec<f32>,
-        widen_f16: impl Fn(&[u8], &mut [f32]),
-    ) {
+    /// [`BlockView::params_f32`] with the caller's widening ([`ParamWidening`]; a closure
+    /// `widen(bytes, out)` widens f16 parameters and leaves one-byte ones to
+    /// [`ParamGrid::widen`](kvq_quant_core::ParamGrid::widen)): decode passes kernels that
+    /// convert with the CPU's instructions, once per block it reads; this crate has no
+    /// CPU-specific code.
+    pub fn params_f32_with(&self, scales: &mut Vec<f32>, offsets: &mut Vec<f32>, widen: impl ParamWidening) {
         let l = self.layout;
         let n = match l.mode() {
             crate::part::Mode::Row { seg } => self.tokens * (l.head_dim() / seg),
@@ -206,7 +202,7 @@ impl<'a> BlockView<'a> {
             // (a memset per block and part otherwise).
             scales.resize(n, 0.0);
             offsets.resize(n, 0.0);
-            grid.widen(&lo[..n], &hi[..n], levels, scales, offsets);
+            widen.grid(&grid, &lo[..n], &hi[..n], levels, scales, offsets);
             return;
         }
         // Into a slice of the final length (not `extend`), so the loops vectorize.
@@ -214,7 +210,7 @@ impl<'a> BlockView<'a> {
             // Written in full below, as above.
             out.resize(n, 0.0);
             match l.spec().param_dtype() {
-                kvq_quant_core::ParamDtype::F16 => widen_f16(&area[2 * from..2 * (from + n)], out),
+                kvq_quant_core::ParamDtype::F16 => widen.f16(&area[2 * from..2 * (from + n)], out),
                 kvq_quant_core::ParamDtype::U8 => unreachable!("read above"),
                 kvq_quant_core::ParamDtype::F32 => {
                     for (o, b) in out.iter_mut().zip(area[4 * from..4 * (from + n)].chunks_exact(4)) {
@@ -249,6 +245,37 @@ impl<'a> BlockView<'a> {
         }
         codes.resize(self.layout.head_dim, 0);
         self.layout.decode_row(self.region, r, self.statics, out, codes);
+    }
+}
+
+/// How [`BlockView::params_f32_with`] widens a block's stored parameters to f32. Both methods
+/// must give the values of the portable conversions (the f16 values exactly; the grid's as
+/// [`ParamGrid::widen`](kvq_quant_core::ParamGrid::widen)): decode passes vector kernels,
+/// tests the portable ones. Every `Fn(&[u8], &mut [f32])` is one, widening f16 bytes and
+/// leaving one-byte parameters to `ParamGrid::widen`.
+pub trait ParamWidening {
+    /// Little-endian f16 `bytes` (any alignment) into `out`: `out.len()` values from
+    /// `2 · out.len()` bytes.
+    fn f16(&self, bytes: &[u8], out: &mut [f32]);
+
+    /// One-byte parameters: the grid indices `(mins[i], maxs[i])` of each group to its scale
+    /// and offset (four slices of one length), as `ParamGrid::widen`, which is the default.
+    fn grid(
+        &self,
+        grid: &kvq_quant_core::ParamGrid,
+        mins: &[u8],
+        maxs: &[u8],
+        levels: f32,
+        scales: &mut [f32],
+        offsets: &mut [f32],
+    ) {
+        grid.widen(mins, maxs, levels, scales, offsets);
+    }
+}
+
+impl<F: Fn(&[u8], &mut [f32])> ParamWidening for F {
+    fn f16(&self, bytes: &[u8], out: &mut [f32]) {
+        self(bytes, out)
     }
 }
 

@@ -26,6 +26,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use kvq_quant_core::ParamGrid;
 use kvq_quant_core::fp8::Fp8Format;
 
 use crate::block::{Levels, Params, QuantBlock};
@@ -1254,6 +1255,55 @@ unsafe fn widen_f16_f16c(bytes: &[u8], out: &mut [f32]) -> usize {
     for (o, b) in out[..n].chunks_exact_mut(8).zip(bytes.chunks_exact(16)) {
         // SAFETY: `b` holds 16 bytes (unaligned load) and `o` 8 floats (unaligned store).
         unsafe { _mm256_storeu_ps(o.as_mut_ptr(), _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().cast()))) };
+    }
+    n
+}
+
+/// The first multiple of 8 of the one-byte parameter pairs `(mins[i], maxs[i])` widened on
+/// their grid into `scales` and `offsets` with AVX2 (the count returned; 0 without it):
+/// [`crate::widen_grid`]'s fast part, the same operations per value as
+/// [`ParamGrid::widen`] (a product, then a sum: not fused), so the same bits.
+pub(crate) fn widen_grid(
+    grid: &ParamGrid,
+    mins: &[u8],
+    maxs: &[u8],
+    levels: f32,
+    scales: &mut [f32],
+    offsets: &mut [f32],
+) -> usize {
+    if !std::arch::is_x86_feature_detected!("avx2") {
+        return 0;
+    }
+    // SAFETY: AVX2 was checked just above.
+    unsafe { widen_grid_avx2(grid, mins, maxs, levels, scales, offsets) }
+}
+
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn widen_grid_avx2(
+    grid: &ParamGrid,
+    mins: &[u8],
+    maxs: &[u8],
+    levels: f32,
+    scales: &mut [f32],
+    offsets: &mut [f32],
+) -> usize {
+    let n = mins.len().min(maxs.len()).min(scales.len()).min(offsets.len()) / 8 * 8;
+    let (lo, step) = (grid.ends().0, grid.step());
+    let (lov, stepv, unit) = (_mm256_set1_ps(lo), _mm256_set1_ps(step), _mm256_set1_ps(step / levels));
+    for i in (0..n).step_by(8) {
+        // SAFETY: i + 8 <= n: eight bytes of `mins` and `maxs` (unaligned loads), eight floats
+        // of `scales` and `offsets` (unaligned stores).
+        unsafe {
+            let a = _mm_loadl_epi64(mins.as_ptr().add(i).cast());
+            let b = _mm_loadl_epi64(maxs.as_ptr().add(i).cast());
+            // `b.saturating_sub(a)` on the bytes, then each byte to i32 and to float (exact).
+            let width = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_subs_epu8(b, a)));
+            let a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a));
+            _mm256_storeu_ps(offsets.as_mut_ptr().add(i), _mm256_add_ps(lov, _mm256_mul_ps(stepv, a)));
+            _mm256_storeu_ps(scales.as_mut_ptr().add(i), _mm256_mul_ps(width, unit));
+        }
     }
     n
 }

@@ -710,6 +710,34 @@ pub fn widen_f16(bytes: &[u8], out: &mut [f32]) -> usize {
     n
 }
 
+/// [`ParamGrid::widen`](kvq_quant_core::ParamGrid::widen) (one-byte parameters: each group's grid indices `(mins[i], maxs[i])`
+/// to its scale and offset) with the CPU's vector instructions: the same bits, 8 pairs at a
+/// time with AVX2 where the CPU has it, through `ParamGrid::widen` elsewhere and for the tail.
+/// Decode widens every block's one-byte parameters with it (a baseline x86-64 build compiles
+/// `ParamGrid::widen` to SSE2, four pairs at a time).
+///
+/// # Panics
+/// When the four slices differ in length, as `ParamGrid::widen`.
+pub fn widen_grid(
+    grid: &kvq_quant_core::ParamGrid,
+    mins: &[u8],
+    maxs: &[u8],
+    levels: f32,
+    scales: &mut [f32],
+    offsets: &mut [f32],
+) {
+    let n = mins.len();
+    assert!(
+        maxs.len() == n && scales.len() == n && offsets.len() == n,
+        "one scale and offset per pair of indices"
+    );
+    #[cfg(target_arch = "x86_64")]
+    let done = avx2::widen_grid(grid, mins, maxs, levels, scales, offsets);
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    grid.widen(&mins[done..], &maxs[done..], levels, &mut scales[done..], &mut offsets[done..]);
+}
+
 /// Rows of per-channel affine codes to decode and turn by RoPE ([`decode_turn_with`]): the
 /// keys of a block stored in their frame before RoPE (`-prerope` specs), brought to their
 /// positions for scoring. For row `r` of `dim` codes, `x_c = code_c · scale_c + offset_c`,

@@ -891,6 +891,50 @@ fn f16_widening_equals_the_reference_at_every_length_and_alignment() {
     }
 }
 
+/// One-byte parameters widened on their grid: the vector kernel against `ParamGrid::widen`
+/// bit for bit, at every length around the 8-pair lanes, on grids narrow, wide, negative,
+/// of zero width and at f16's ends, with indices at both ends, equal, and a maximum below its
+/// minimum (a corrupt block: width zero); nothing written past the pairs.
+#[test]
+fn grid_widening_equals_the_reference_bit_for_bit() {
+    use kvq_quant_core::ParamGrid;
+    let mut rng = Rng::new(47);
+    let grids =
+        [(-1.0f32, 1.0f32), (0.0, 0.0), (-3.5, -0.25), (0.125, 7.0), (-65504.0, 65504.0), (1e-3, 2e-3)];
+    for (lo, hi) in grids {
+        let grid = ParamGrid::fit([(lo, hi)]).unwrap();
+        for levels in [1.0f32, 3.0, 7.0, 15.0, 255.0] {
+            for len in 0..=67usize {
+                let byte = |rng: &mut Rng, i: usize| match i % 11 {
+                    0 => 0u8,
+                    1 => 255,
+                    _ => (rng.next_u64() % 256) as u8,
+                };
+                let mins: Vec<u8> = (0..len).map(|i| byte(&mut rng, i)).collect();
+                let maxs: Vec<u8> = (0..len)
+                    .map(|i| match i % 5 {
+                        0 => mins[i],
+                        1 => byte(&mut rng, i + 1),
+                        _ => mins[i].saturating_add((rng.next_u64() % 64) as u8),
+                    })
+                    .collect();
+                let (mut ws, mut wo) = (vec![0f32; len], vec![0f32; len]);
+                grid.widen(&mins, &maxs, levels, &mut ws, &mut wo);
+                let (mut gs, mut go) = (vec![-1f32; len], vec![-1f32; len]);
+                kvq_kernels_simd::widen_grid(&grid, &mins, &maxs, levels, &mut gs, &mut go);
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&gs), bits(&ws), "scales: grid {lo}..{hi}, levels {levels}, {len} pairs");
+                assert_eq!(bits(&go), bits(&wo), "offsets: grid {lo}..{hi}, levels {levels}, {len} pairs");
+            }
+        }
+    }
+    let grid = ParamGrid::fit([(0.0, 1.0)]).unwrap();
+    let r = std::panic::catch_unwind(|| {
+        kvq_kernels_simd::widen_grid(&grid, &[1, 2], &[3], 15.0, &mut [0.0; 2], &mut [0.0; 2]);
+    });
+    assert!(r.is_err(), "slices of different lengths are refused, as by ParamGrid::widen");
+}
+
 /// Keys stored before RoPE, decoded and turned, and scored: every backend against the f64
 /// reference, on widths with and without a vector body, 2-, 3-, 4- and 8-bit rows packed as a
 /// block holds them, both pairings, codes at both ends of their range, zero, large and negative

@@ -9,7 +9,7 @@
 //! rayon; when a long context has fewer KV heads than threads, one head's blocks are split
 //! across threads and the partial results merged by log-sum-exp (flash-decoding).
 
-use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, Segment, SeqId, TailBuf};
+use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, ParamWidening, Segment, SeqId, TailBuf};
 use kvq_kernels_simd::{
     Backend, KernelError, Levels, Params, QuantBlock, axpy_in, axpy_int_in, dense_axpy_with,
     dense_scores_with, scores_in, scores_int8_in,
@@ -168,6 +168,28 @@ impl PartReader {
     }
 }
 
+/// A block's parameters widened with the kernels' vector code: f16 with F16C, one-byte grid
+/// indices with AVX2, where the CPU has them (the portable conversions' values either way).
+struct VectorWidening;
+
+impl ParamWidening for VectorWidening {
+    fn f16(&self, bytes: &[u8], out: &mut [f32]) {
+        kvq_kernels_simd::widen_f16(bytes, out);
+    }
+
+    fn grid(
+        &self,
+        grid: &kvq_quant_core::ParamGrid,
+        mins: &[u8],
+        maxs: &[u8],
+        levels: f32,
+        scales: &mut [f32],
+        offsets: &mut [f32],
+    ) {
+        kvq_kernels_simd::widen_grid(grid, mins, maxs, levels, scales, offsets);
+    }
+}
+
 /// Parameters of a block view widened to f32, and the kernel block over them: every layout of
 /// the cache (per row, per channel, per group of a row, static) has fused kernels.
 fn with_block<R>(
@@ -197,17 +219,13 @@ fn with_block<R>(
         Channel,
         Group(usize),
     }
-    // f16 parameters widened with F16C where the CPU has it.
-    let widen = |b: &[u8], o: &mut [f32]| {
-        kvq_kernels_simd::widen_f16(b, o);
-    };
     let place = match layout.mode() {
         Mode::Row { seg } => {
-            view.params_f32_with(scale, offset, widen);
+            view.params_f32_with(scale, offset, VectorWidening);
             if seg == d { Place::Row } else { Place::Group(seg) }
         }
         Mode::Channel => {
-            view.params_f32_with(scale, offset, widen);
+            view.params_f32_with(scale, offset, VectorWidening);
             Place::Channel
         }
         Mode::Static { seg: 1 } => {
@@ -797,9 +815,7 @@ fn pre_rope_scores(
     let n = view.tokens;
     rs.turn_to(rope, view.first_token, bs);
     let (scale, offset) = params;
-    view.params_f32_with(scale, offset, |b, o| {
-        kvq_kernels_simd::widen_f16(b, o);
-    });
+    view.params_f32_with(scale, offset, VectorWidening);
     let pairing = rope.pairing();
     // The queries turned back by the block's first position, in f32 from the f64 turn (in
     // the table's channel form: cosines, then signed sines).
