@@ -735,7 +735,9 @@ pub fn widen_grid(
     let done = avx2::widen_grid(grid, mins, maxs, levels, scales, offsets);
     #[cfg(not(target_arch = "x86_64"))]
     let done = 0;
-    grid.widen(&mins[done..], &maxs[done..], levels, &mut scales[done..], &mut offsets[done..]);
+    if done < n {
+        grid.widen(&mins[done..], &maxs[done..], levels, &mut scales[done..], &mut offsets[done..]);
+    }
 }
 
 /// Rows of per-channel affine codes to decode and turn by RoPE ([`decode_turn_with`]): the
