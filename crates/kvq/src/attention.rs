@@ -343,8 +343,11 @@ pub fn decode_attention_options<T: Element>(
 /// last `tokens` cached tokens), each attending causally to the cache and to the chunk's
 /// earlier tokens: chunked prefill, and the verification step of speculative decoding. `q`
 /// and `out` are `tokens × query_heads × head_dim`, token-major. Each KV head's blocks are
-/// read once for the whole chunk. A batch of one of [`decode_attention_batch`], with a
-/// workspace of its own (allocated per call).
+/// read once for the whole chunk. A batch of one of [`decode_attention_batch`]: a chunk of
+/// one token (decode) reuses a workspace the calling thread keeps, so that after a thread's
+/// first step of a shape a step allocates nothing, as with a workspace of the caller's own;
+/// a longer chunk gets a workspace of its own (allocated per call, so that a thread does not
+/// keep a prefill's buffers).
 ///
 /// # Errors
 /// As [`decode_attention_options`], and [`AttentionError::Shape`] when `tokens` is 0 or more
@@ -362,8 +365,25 @@ pub fn decode_attention_chunk<T: Element>(
     out: &mut [T],
 ) -> Result<(), AttentionError> {
     let batch = [BatchSeq { seq, tokens }];
-    let mut ws = DecodeWorkspace::new();
-    decode_attention_batch(backend, options, cache, layer, &batch, q, query_heads, out, &mut ws)
+    let mut run = |ws: &mut DecodeWorkspace| {
+        decode_attention_batch(backend, options, cache, layer, &batch, q, query_heads, out, ws)
+    };
+    if tokens != 1 {
+        return run(&mut DecodeWorkspace::new());
+    }
+    THREAD_WORKSPACE.with(|ws| match ws.try_borrow_mut() {
+        Ok(mut ws) => run(&mut ws),
+        // In use further up this thread's stack: a rayon worker waiting inside a call took
+        // another caller's call from the pool's queue.
+        Err(_) => run(&mut DecodeWorkspace::new()),
+    })
+}
+
+thread_local! {
+    /// The workspace of [`decode_attention_chunk`]'s one-token calls on this thread: one
+    /// token's buffers per (KV head, part), a few KiB for Llama-shaped heads.
+    static THREAD_WORKSPACE: std::cell::RefCell<DecodeWorkspace> =
+        std::cell::RefCell::new(DecodeWorkspace::new());
 }
 
 /// One sequence of a batch: its id, and how many of its newest cached tokens bring queries

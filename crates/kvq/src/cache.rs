@@ -922,6 +922,9 @@ impl QuantizedKvCache {
     }
 
     /// Decode attention of `q` (`query_heads × head_dim`) over `layer` of `seq`, into `out`.
+    /// The buffers of a step are kept per thread: after a thread's first step, steps no larger
+    /// allocate nothing (for many sequences at once, see
+    /// [`QuantizedKvCache::attention_batch`]).
     ///
     /// # Errors
     /// [`KvqError::Attention`], [`KvqError::Cache`].

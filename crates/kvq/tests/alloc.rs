@@ -2,7 +2,8 @@
 //! batch's shape: counted by a global allocator, over every spec kind (affine per channel and
 //! per token, groups along head_dim, symmetric, FP8, NF4, calibrated static parts, f16 and
 //! f32 tails with sinks), both score paths, f32 and f16 queries and outputs, every SIMD backend of this CPU, a batch with a
-//! prefill chunk, and a long context split across threads.
+//! prefill chunk, and a long context split across threads; and a step of the single-sequence
+//! entry point, which keeps a workspace per thread.
 //!
 //! One test in this binary: the counter is global, and a second test running beside it would
 //! allocate into it (libtest's own notice after 60 seconds is handled by measuring a window
@@ -13,6 +14,7 @@ use cap::Cap;
 use half::f16;
 use kvq::attention::{
     AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch,
+    decode_attention_options,
 };
 use kvq::kernels::Backend;
 use kvq::kernels::dispatch::available;
@@ -144,6 +146,17 @@ fn decode_steps_do_not_allocate() {
                     });
                     assert_eq!(allocated, 0, "f16: K {k} V {v}, {backend}, {path:?}");
                     checked += 1;
+                }
+                // The single-sequence entry point keeps a workspace per thread.
+                for s in [long, a] {
+                    let q: Vec<f32> = (0..qh * d).map(|_| rng.normal() as f32).collect();
+                    let mut out = vec![0f32; q.len()];
+                    let (_, allocated) = pool.install(|| {
+                        allocations(&mut || {
+                            decode_attention_options(backend, &options, &cache, s, 0, &q, qh, &mut out)
+                        })
+                    });
+                    assert_eq!(allocated, 0, "one sequence: K {k} V {v}, {backend}, {path:?}");
                 }
             }
         }
