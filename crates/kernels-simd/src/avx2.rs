@@ -2085,12 +2085,23 @@ pub(crate) unsafe fn hsum4_i32(v: &[__m256i; 4]) -> [i32; 4] {
 }
 
 /// Stores the four reduced sums of `4 / NQ` rows starting at `r` (or of one row, `rr == 1`):
-/// `sums[j · NQ + i]` is row `r + j`, query `i`.
+/// `sums[j · NQ + i]` is row `r + j`, query `i`. Without bounds checks (a quarter of the
+/// dots loop's instructions with them): the callers check once per call.
+///
+/// # Safety
+/// `r + rr <= m`, `rr · NQ <= 4`, and `dots` holds `NQ · m` values.
 #[inline]
-pub(crate) fn store_dots<const NQ: usize>(sums: [i32; 4], rr: usize, r: usize, m: usize, dots: &mut [i32]) {
+pub(crate) unsafe fn store_dots<const NQ: usize>(
+    sums: [i32; 4],
+    rr: usize,
+    r: usize,
+    m: usize,
+    dots: &mut [i32],
+) {
     for j in 0..rr {
         for i in 0..NQ {
-            dots[i * m + r + j] = sums[j * NQ + i];
+            // SAFETY: i < NQ and r + j < m, so i · m + r + j < NQ · m <= dots.len().
+            unsafe { *dots.get_unchecked_mut(i * m + r + j) = sums[j * NQ + i] };
         }
     }
 }
@@ -2163,12 +2174,14 @@ unsafe fn idot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
 ) {
     let mut acc = [_mm256_setzero_si256(); 4];
     for j in 0..STEP {
-        let (row, a) = (b.row(rows.start + r + j), &mut acc[j * NQ..(j + 1) * NQ]);
+        // SAFETY: row rows.start + r + j < rows.end, whose rows `idots` checked lie in `b`.
+        let (row, a) = (unsafe { b.row_unchecked(rows.start + r + j) }, &mut acc[j * NQ..(j + 1) * NQ]);
         // SAFETY: forwarded from the caller.
         unsafe { if BITS == 4 { acc4::<NQ>(row, q, b.dim, a) } else { acc8::<NQ>(row, q, b.dim, a) } }
     }
-    // SAFETY: AVX2 is enabled by this function's target features.
-    store_dots::<NQ>(unsafe { hsum4_i32(&acc) }, STEP, r, rows.len(), dots);
+    // SAFETY: AVX2 is enabled by this function's target features; r + STEP <= rows.len() and
+    // `dots` holds NQ · rows.len() values (checked by `idots`).
+    unsafe { store_dots::<NQ>(hsum4_i32(&acc), STEP, r, rows.len(), dots) };
 }
 
 /// Integer dots of `NQ` arranged query rows with rows `rows` of `b`: `4 / NQ` rows at a time
@@ -2186,6 +2199,9 @@ unsafe fn idots<const BITS: u8, const NQ: usize>(
     dots: &mut [i32],
 ) {
     let (m, rr) = (rows.len(), 4 / NQ);
+    // Once per call, so that the steps read rows and store dots without bounds checks.
+    let held = b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len());
+    assert!(rows.end <= b.rows && held && dots.len() >= NQ * m);
     let mut r = 0;
     while r + rr <= m {
         match NQ {

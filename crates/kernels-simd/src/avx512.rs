@@ -158,12 +158,14 @@ unsafe fn vdot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
 ) {
     let mut acc = [_mm512_setzero_si512(); 4];
     for j in 0..STEP {
-        let (row, a) = (b.row(rows.start + r + j), &mut acc[j * NQ..(j + 1) * NQ]);
+        // SAFETY: row rows.start + r + j < rows.end, whose rows `vdots` checked lie in `b`.
+        let (row, a) = (unsafe { b.row_unchecked(rows.start + r + j) }, &mut acc[j * NQ..(j + 1) * NQ]);
         // SAFETY: forwarded from the caller.
         unsafe { vacc::<BITS, NQ>(row, q, b.dim, a) };
     }
-    // SAFETY: AVX-512 is enabled by this function's target features.
-    store_dots::<NQ>(unsafe { hsum4_zmm(&acc) }, STEP, r, rows.len(), dots);
+    // SAFETY: AVX-512 is enabled by this function's target features; r + STEP <= rows.len()
+    // and `dots` holds NQ · rows.len() values (checked by `vdots`).
+    unsafe { store_dots::<NQ>(hsum4_zmm(&acc), STEP, r, rows.len(), dots) };
 }
 
 /// Integer dots of `NQ` arranged query rows with rows `rows` of `b`, `4 / NQ` rows at a time
@@ -179,6 +181,9 @@ unsafe fn vdots<const BITS: u8, const NQ: usize>(
     dots: &mut [i32],
 ) {
     let (m, rr) = (rows.len(), 4 / NQ);
+    // Once per call, so that the steps read rows and store dots without bounds checks.
+    let held = b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len());
+    assert!(rows.end <= b.rows && held && dots.len() >= NQ * m);
     let mut r = 0;
     while r + rr <= m {
         match NQ {

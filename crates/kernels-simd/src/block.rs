@@ -170,6 +170,18 @@ impl<'a> QuantBlock<'a> {
         &self.codes[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
 
+    /// [`QuantBlock::row`] without the bounds check, for kernel loops that checked their rows
+    /// once per call.
+    ///
+    /// # Safety
+    /// `(r + 1) · row_bytes <= codes.len()`.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[inline]
+    pub(crate) unsafe fn row_unchecked(&self, r: usize) -> &'a [u8] {
+        // SAFETY: the range lies inside `codes` (this function's contract).
+        unsafe { self.codes.get_unchecked(r * self.row_bytes..(r + 1) * self.row_bytes) }
+    }
+
     /// The level of code `c`.
     #[inline]
     pub(crate) fn level(&self, c: u8) -> f32 {
