@@ -78,6 +78,7 @@ impl Params<'_> {
 /// layout), with their levels and parameters: `x̂[r][d] = level(c[r][d]) · scale + offset`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct QuantBlock<'a> {
+    /// At least `rows · row_bytes` bytes: an invariant the kernels' unchecked row reads rely on.
     pub(crate) codes: &'a [u8],
     pub(crate) rows: usize,
     pub(crate) dim: usize,
@@ -170,11 +171,12 @@ impl<'a> QuantBlock<'a> {
         &self.codes[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
 
-    /// [`QuantBlock::row`] without the bounds check, for kernel loops that checked their rows
-    /// once per call.
+    /// [`QuantBlock::row`] without the bounds check, for the integer dots' row loop (the check
+    /// and its multiplications were a fifth of its instructions).
     ///
     /// # Safety
-    /// `(r + 1) · row_bytes <= codes.len()`.
+    /// `r < rows`: every block holds `rows · row_bytes` code bytes ([`QuantBlock::new`] checks
+    /// it, [`QuantBlock::sub_rows`] keeps it).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     #[inline]
     pub(crate) unsafe fn row_unchecked(&self, r: usize) -> &'a [u8] {
