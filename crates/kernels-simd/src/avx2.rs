@@ -2085,8 +2085,8 @@ pub(crate) unsafe fn hsum4_i32(v: &[__m256i; 4]) -> [i32; 4] {
 }
 
 /// Stores the four reduced sums of `4 / NQ` rows starting at `r` (or of one row, `rr == 1`):
-/// `sums[j · NQ + i]` is row `r + j`, query `i`. Without bounds checks (a quarter of the
-/// dots loop's instructions with them): the callers check once per call.
+/// `sums[j · NQ + i]` is row `r + j`, query `i`. Without bounds checks (with them, and the
+/// row slice's, a fifth of the dots loop's instructions): the callers check once per call.
 ///
 /// # Safety
 /// `r + rr <= m`, `rr · NQ <= 4`, and `dots` holds `NQ · m` values.

@@ -321,7 +321,7 @@ unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usi
     assert!(wb.len() >= NQ * stride && stride >= n.next_multiple_of(2) && acc.len() >= NQ * d);
     // What `QuantBlock::new` checked, restated for the reads below through a pointer: n rows
     // of d / 2 bytes (slicing each row cost a third of the loop's instructions).
-    assert!(rb == d / 2 && v.codes.len() >= n * rb);
+    assert!(rb == d / 2 && n.checked_mul(rb).is_some_and(|len| len <= v.codes.len()));
     let (codes, weights) = (v.codes.as_ptr(), wb.as_ptr());
     let (mask, eight) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(8));
     let inter = _mm256_setr_epi8(

@@ -894,7 +894,8 @@ fn f16_widening_equals_the_reference_at_every_length_and_alignment() {
 /// One-byte parameters widened on their grid: the vector kernel against `ParamGrid::widen`
 /// bit for bit, at every length around the 8-pair lanes, on grids narrow, wide, negative,
 /// of zero width and at f16's ends, with indices at both ends, equal, and a maximum below its
-/// minimum (a corrupt block: width zero); nothing written past the pairs.
+/// minimum (a corrupt block: width zero). Slices of different lengths panic, as the
+/// reference's do.
 #[test]
 fn grid_widening_equals_the_reference_bit_for_bit() {
     use kvq_quant_core::ParamGrid;

@@ -381,7 +381,8 @@ pub fn decode_attention_chunk<T: Element>(
 
 thread_local! {
     /// The workspace of [`decode_attention_chunk`]'s one-token calls on this thread: one
-    /// token's buffers per (KV head, part), a few KiB for Llama-shaped heads.
+    /// token's buffers per (KV head, part of a split context), tens of KiB for a
+    /// Llama-shaped layer, kept for the thread's life.
     static THREAD_WORKSPACE: std::cell::RefCell<DecodeWorkspace> =
         std::cell::RefCell::new(DecodeWorkspace::new());
 }
