@@ -1274,13 +1274,13 @@ pub(crate) fn widen_grid(
     if !cpu_ok() {
         return 0;
     }
-    // SAFETY: AVX2 and F16C were checked just above.
+    // SAFETY: AVX2 was checked just above.
     unsafe { widen_grid_avx2(grid, mins, maxs, levels, scales, offsets) }
 }
 
 /// # Safety
-/// The CPU must support AVX2 and F16C.
-#[target_feature(enable = "avx2,f16c")]
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
 unsafe fn widen_grid_avx2(
     grid: &ParamGrid,
     mins: &[u8],
@@ -1290,11 +1290,7 @@ unsafe fn widen_grid_avx2(
     offsets: &mut [f32],
 ) -> usize {
     let n = mins.len().min(maxs.len()).min(scales.len()).min(offsets.len()) / 8 * 8;
-    // The grid's f16 ends widened with `vcvtph2ps` (exact, as `half`'s conversion, which
-    // checks the CPU on every call), and its step as `ParamGrid::step` computes it.
-    let ends = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes(grid.to_bytes())));
-    let (lo, hi) = (_mm_cvtss_f32(ends), _mm_cvtss_f32(_mm_movehdup_ps(ends)));
-    let step = (hi - lo) / 255.0;
+    let (lo, step) = grid.origin_step();
     let (lov, stepv, unit) = (_mm256_set1_ps(lo), _mm256_set1_ps(step), _mm256_set1_ps(step / levels));
     for i in (0..n).step_by(8) {
         // SAFETY: i + 8 <= n: eight bytes of `mins` and `maxs` (unaligned loads), eight floats

@@ -712,10 +712,10 @@ pub fn widen_f16(bytes: &[u8], out: &mut [f32]) -> usize {
 
 /// [`ParamGrid::widen`](kvq_quant_core::ParamGrid::widen) (one-byte parameters: each
 /// group's grid indices `(mins[i], maxs[i])` to its scale and offset) with the CPU's vector
-/// instructions: the same bits, 8 pairs at a time with AVX2 and F16C where the CPU has them,
-/// through `ParamGrid::widen` elsewhere and for the tail. Decode widens every block's one-byte
+/// instructions: the same bits, 8 pairs at a time with AVX2 where the CPU has it, through
+/// `ParamGrid::widen` elsewhere and for the tail. Decode widens every block's one-byte
 /// parameters with it (a baseline x86-64 build compiles `ParamGrid::widen` to SSE2, four pairs
-/// at a time, behind `half`'s conversions of the grid's ends, which check the CPU each time).
+/// at a time).
 ///
 /// # Panics
 /// When the four slices differ in length, as `ParamGrid::widen`.

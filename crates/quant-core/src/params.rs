@@ -75,15 +75,25 @@ impl ParamGrid {
         [a[0], a[1], b[0], b[1]]
     }
 
-    /// The ends as f32.
+    /// The ends as f32 (exact). Converted in plain code: `half`'s `to_f32` checks the CPU on
+    /// every call, and decode asks for a block's grid once per block it reads.
+    #[inline]
     pub fn ends(&self) -> (f32, f32) {
-        (self.lo.to_f32(), self.hi.to_f32())
+        (self.lo.to_f32_const(), self.hi.to_f32_const())
     }
 
     /// Distance between grid points.
     #[inline]
     pub fn step(&self) -> f32 {
-        (self.hi.to_f32() - self.lo.to_f32()) / 255.0
+        self.origin_step().1
+    }
+
+    /// The first grid point and the distance between points, from one conversion of the ends
+    /// (what widening a block's indices needs).
+    #[inline]
+    pub fn origin_step(&self) -> (f32, f32) {
+        let (lo, hi) = self.ends();
+        (lo, (hi - lo) / 255.0)
     }
 
     /// The grid indices of a group with range `[min, max]` (inside the grid): the points
@@ -93,7 +103,7 @@ impl ParamGrid {
     /// parameters, and a value beyond its group's rounded range, by at most half a grid step,
     /// takes the end code.
     pub fn snap(&self, min: f32, max: f32) -> (u8, u8) {
-        let (lo, step) = (self.lo.to_f32(), self.step());
+        let (lo, step) = self.origin_step();
         if step == 0.0 || !step.is_finite() {
             return (0, 0);
         }
@@ -106,9 +116,9 @@ impl ParamGrid {
     /// `offset = lo + step · a`, `scale = (b − a) · (step / levels)`.
     #[inline]
     pub fn params(&self, a: u8, b: u8, levels: f32) -> GroupParams {
-        let step = self.step();
+        let (lo, step) = self.origin_step();
         GroupParams {
-            offset: self.lo.to_f32() + step * f32::from(a),
+            offset: lo + step * f32::from(a),
             scale: f32::from(b.saturating_sub(a)) * (step / levels),
         }
     }
@@ -124,7 +134,7 @@ impl ParamGrid {
             mins.len() == maxs.len() && scales.len() == mins.len() && offsets.len() == mins.len(),
             "one scale and offset per pair of indices"
         );
-        let (lo, step) = (self.lo.to_f32(), self.step());
+        let (lo, step) = self.origin_step();
         let unit = step / levels;
         for (((s, o), &a), &b) in scales.iter_mut().zip(offsets.iter_mut()).zip(mins).zip(maxs) {
             *o = lo + step * f32::from(a);
