@@ -1843,8 +1843,10 @@ impl int8::IntKernel for Avx2Int {
 
     fn arrange(b: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>) {
         if b.bits == 4 {
+            let start = out.len();
+            out.resize(start + q8.len() / 64 * 64, 0);
             // SAFETY: as above.
-            unsafe { arrange4_32(q8, out) }
+            unsafe { arrange4_32(q8, &mut out[start..]) }
         } else {
             int8::arrange_i16(q8, out)
         }
@@ -1912,24 +1914,24 @@ pub(crate) unsafe fn round_query_by<const SCALED: bool>(q: &[f32], scale: &[f32]
     let rest = &rest[..q.len() - body];
     let any_nan = _mm256_movemask_ps(nan) != 0 || rest.iter().any(|v| v.is_nan());
     let (scale_q, inv) = int8::scale_of(int8::lane_max(&lanes, rest), any_nan, 127.0);
+    let start = out.len();
+    out.resize(start + q.len(), 0);
     // SAFETY: as this function's.
-    unsafe { round_pass::<SCALED>(q, scale, inv, out) };
+    unsafe { round_pass::<SCALED>(q, scale, inv, &mut out[start..]) };
     scale_q
 }
 
 /// The second pass of [`round_query_by`]: `q` (times `scale` when `SCALED`) times `inv`,
-/// clamped, rounded and appended to `out`.
+/// clamped, rounded and written to `dst` (`q.len()` values).
 ///
 /// # Safety
 /// As [`round_query_by`].
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn round_pass<const SCALED: bool>(q: &[f32], scale: &[f32], inv: f32, out: &mut Vec<i8>) {
+unsafe fn round_pass<const SCALED: bool>(q: &[f32], scale: &[f32], inv: f32, dst: &mut [i8]) {
     use int8::MAGIC;
     let value = |k: usize| if SCALED { q[k] * scale[k] } else { q[k] };
-    let start = out.len();
-    out.resize(start + q.len(), 0);
-    let dst = &mut out[start..];
+    let dst = &mut dst[..q.len()];
     let (invv, lo, hi) = (_mm256_set1_ps(inv), _mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
     let (magic, magic_bits) = (_mm256_set1_ps(MAGIC), _mm256_set1_epi32(MAGIC.to_bits() as i32));
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -1968,10 +1970,17 @@ unsafe fn round_queries_grouped(q: &[f32], scale: &[f32], out: &mut Vec<i8>, sca
     // SAFETY: the CPU supports AVX2 (this function's contract); q holds n rows of d values.
     unsafe {
         match n {
-            1 => round_queries_by::<1>(q, scale, out, scales),
-            2 => round_queries_by::<2>(q, scale, out, scales),
-            3 => round_queries_by::<3>(q, scale, out, scales),
-            4 => round_queries_by::<4>(q, scale, out, scales),
+            1..=4 => {
+                let start = out.len();
+                out.resize(start + q.len(), 0);
+                let out = &mut out[start..];
+                match n {
+                    1 => round_queries_by::<1>(q, scale, out, scales),
+                    2 => round_queries_by::<2>(q, scale, out, scales),
+                    3 => round_queries_by::<3>(q, scale, out, scales),
+                    _ => round_queries_by::<4>(q, scale, out, scales),
+                }
+            }
             _ => {
                 for (s, qi) in scales.iter_mut().zip(q.chunks_exact(scale.len().max(1))) {
                     *s = round_query_by::<true>(qi, scale, out);
@@ -1982,9 +1991,10 @@ unsafe fn round_queries_grouped(q: &[f32], scale: &[f32], out: &mut Vec<i8>, sca
 }
 
 /// [`round_query_by`]`::<true>` of the `NQ` rows of `q` (each `scale.len()` long, a multiple of
-/// 8) against the same channel scales, appended row after row to `out`, their scales into
-/// `scales`: the maxima of all rows in one pass, whose independent chains overlap, and one
-/// load of the scales for all rows. The same bytes and scales as row by row.
+/// 8) against the same channel scales, written row after row to `out` (`q.len()` bytes, so
+/// that the fused kernel's buffer is not cleared first), their scales into `scales`: the
+/// maxima of all rows in one pass, whose independent chains overlap, and one load of the
+/// scales for all rows. The same bytes and scales as row by row.
 ///
 /// # Safety
 /// The CPU must support AVX2; `q.len() == NQ · scale.len()`, `scales.len() >= NQ`.
@@ -1993,11 +2003,14 @@ unsafe fn round_queries_grouped(q: &[f32], scale: &[f32], out: &mut Vec<i8>, sca
 pub(crate) unsafe fn round_queries_by<const NQ: usize>(
     q: &[f32],
     scale: &[f32],
-    out: &mut Vec<i8>,
+    out: &mut [i8],
     scales: &mut [f32],
 ) {
     let d = scale.len();
-    assert!(q.len() == NQ * d && d.is_multiple_of(8) && scales.len() >= NQ, "NQ rows of whole lanes");
+    assert!(
+        q.len() == NQ * d && out.len() >= q.len() && d.is_multiple_of(8) && scales.len() >= NQ,
+        "NQ rows of whole lanes"
+    );
     let sign = _mm256_set1_ps(-0.0);
     let (mut m, mut nan) = ([_mm256_setzero_ps(); NQ], [_mm256_setzero_ps(); NQ]);
     for at in (0..d).step_by(8) {
@@ -2019,7 +2032,7 @@ pub(crate) unsafe fn round_queries_by<const NQ: usize>(
         let (scale_q, inv) = int8::scale_of(int8::lane_max(&lanes, &[]), any_nan, 127.0);
         scales[i] = scale_q;
         // SAFETY: as this function's.
-        unsafe { round_pass::<true>(&q[i * d..(i + 1) * d], scale, inv, out) };
+        unsafe { round_pass::<true>(&q[i * d..(i + 1) * d], scale, inv, &mut out[i * d..(i + 1) * d]) };
     }
 }
 
@@ -2219,16 +2232,15 @@ unsafe fn idots<const BITS: u8, const NQ: usize>(
 
 /// [`int8::arrange4`] with 32-byte chunks in AVX2: per 64 values, their first 16 and their
 /// 16 from 32 side by side, then the other two runs (two 128-bit lane permutations). The
-/// same bytes; tails of fewer than 64 values as `arrange4` leaves them (dropped).
+/// same bytes, into the first `q8.len() / 64 · 64` bytes of `out`; tails of fewer than 64
+/// values as `arrange4` leaves them (dropped).
 ///
 /// # Safety
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn arrange4_32(q8: &[i8], out: &mut Vec<u8>) {
-    let start = out.len();
+pub(crate) unsafe fn arrange4_32(q8: &[i8], out: &mut [u8]) {
     let whole = q8.len() / 64 * 64;
-    out.resize(start + whole, 0);
-    for (g, o) in q8[..whole].chunks_exact(64).zip(out[start..].chunks_exact_mut(64)) {
+    for (g, o) in q8[..whole].chunks_exact(64).zip(out[..whole].chunks_exact_mut(64)) {
         // SAFETY: `g` and `o` are 64 bytes.
         unsafe {
             let a = _mm256_loadu_si256(g.as_ptr().cast());

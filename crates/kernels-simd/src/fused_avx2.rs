@@ -145,8 +145,8 @@ unsafe fn attend<const NQ: usize>(
     // 1. The query rows times the channel scales, rounded to int8 and arranged as the scores
     //    kernel rounds and arranges them; what the keys' offsets add, `Σ q · offset`.
     let mut sq = [0f32; int8::GROUP];
-    q8.clear();
-    arranged.clear();
+    // Written in full by the two calls (d is a multiple of 64), so only grown, never cleared.
+    let (q8, arranged) = (grown(q8, NQ * d), grown(arranged, NQ * d));
     // SAFETY: AVX2 (this function's contract); q holds NQ rows of d (a multiple of 8) values.
     unsafe { avx2::round_queries_by::<NQ>(q, ks, q8, &mut sq) };
     // SAFETY: AVX2 (this function's contract).
