@@ -334,16 +334,23 @@ unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usi
         for batch in 0..n.div_ceil(16) {
             let mut s = [[_mm256_setzero_si256(); 2]; int8::GROUP];
             let (mut r, end) = (16 * batch, (16 * batch + 16).min(n));
+            // Lane `lane` of row r, moved on by two rows a pair (no multiply per pair).
+            // SAFETY: r < n and 16-byte lane `lane` lies inside a row (16 · lane + 16 <= d / 2
+            // = rb): inside the n · rb bytes of `codes`.
+            let mut at = unsafe { codes.add(r * rb + 16 * lane) };
             while r < end {
                 // An odd last row pairs with itself under the zero weight at n.
-                let r1 = if r + 1 < n { r + 1 } else { r };
-                // SAFETY: r, r1 < n, and 16-byte lane `lane` lies inside a row (16 · lane + 16
-                // <= d / 2 = rb): inside the n · rb bytes of `codes`.
+                let next = if r + 1 < n { rb } else { 0 };
+                // SAFETY: `at` is lane `lane` of row r < n, `at + next` of row r + 1 < n or of
+                // row r again: 16 bytes inside `codes` each.
                 let x = unsafe {
-                    let a = _mm_loadu_si128(codes.add(r * rb + 16 * lane).cast());
-                    let b = _mm_loadu_si128(codes.add(r1 * rb + 16 * lane).cast());
+                    let a = _mm_loadu_si128(at.cast());
+                    let b = _mm_loadu_si128(at.add(next).cast());
                     _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(a), b)
                 };
+                // Two rows on, for the next pair (past the codes after the last one: never
+                // read, so `wrapping_add`).
+                at = at.wrapping_add(2 * rb);
                 // Row r's codes in the low 128 bits, row r1's in the high: split into planes,
                 // centred, and the rows' bytes interleaved within each half of 8 channels.
                 let mut planes = [_mm256_and_si256(x, mask), _mm256_and_si256(_mm256_srli_epi16(x, 4), mask)];
