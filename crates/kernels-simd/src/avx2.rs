@@ -2211,6 +2211,15 @@ unsafe fn idots<const BITS: u8, const NQ: usize>(
     // Once per call, so that the steps read rows and store dots without bounds checks.
     let held = b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len());
     assert!(rows.end <= b.rows && held && dots.len() >= NQ * m);
+    if rr == 1 {
+        // Three or four query rows: one row a step, one call site (so that the step is
+        // inlined and the accumulators stay in registers).
+        for r in 0..m {
+            // SAFETY: the CPU features and bounds are forwarded from the caller.
+            unsafe { idot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) };
+        }
+        return;
+    }
     let mut r = 0;
     while r + rr <= m {
         match NQ {
