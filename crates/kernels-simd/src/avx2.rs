@@ -2116,7 +2116,9 @@ pub(crate) unsafe fn store_dots<const NQ: usize>(
 }
 
 /// Adds the integer dots of `NQ` arranged 4-bit query rows with one row of codes into
-/// `acc[..NQ]` (8 lanes each, summed later).
+/// `acc[..NQ]` (8 lanes each, summed later). Two 32-byte chunks (128 values) at a time meet in
+/// i16 before one widening `vpmaddwd`: each `vpmaddubsw` lane is at most `2 · 15 · 127 = 3810`
+/// in size, four of them 15240.
 ///
 /// # Safety
 /// The CPU must support AVX2; the row holds `d / 2` bytes, `d` a multiple of 64; `q` holds
@@ -2126,20 +2128,42 @@ pub(crate) unsafe fn store_dots<const NQ: usize>(
 unsafe fn acc4<const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m256i]) {
     let mask = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
-    for (c, code) in row.chunks_exact(32).enumerate() {
-        // SAFETY: `code` is 32 bytes; query row i spans q[i·d .. (i + 1)·d] and chunk c's
-        // 64 values lie inside it (2 · 32 · (c + 1) ≤ d).
+    let mut pairs = row.chunks_exact(64);
+    for (c, code) in (&mut pairs).enumerate() {
+        // SAFETY: `code` is 64 bytes; query row i spans q[i·d .. (i + 1)·d] and the pair's
+        // 128 values lie inside it (128 · (c + 1) ≤ d).
+        unsafe {
+            let v0 = _mm256_loadu_si256(code.as_ptr().cast());
+            let v1 = _mm256_loadu_si256(code.as_ptr().add(32).cast());
+            let (lo0, hi0) = (_mm256_and_si256(v0, mask), _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask));
+            let (lo1, hi1) = (_mm256_and_si256(v1, mask), _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask));
+            for (i, a) in acc.iter_mut().enumerate().take(NQ) {
+                let p = q.as_ptr().add(i * d + 128 * c);
+                let s0 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo0, _mm256_loadu_si256(p.cast())),
+                    _mm256_maddubs_epi16(hi0, _mm256_loadu_si256(p.add(32).cast())),
+                );
+                let s1 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo1, _mm256_loadu_si256(p.add(64).cast())),
+                    _mm256_maddubs_epi16(hi1, _mm256_loadu_si256(p.add(96).cast())),
+                );
+                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones));
+            }
+        }
+    }
+    let done = row.len() / 64;
+    if let Some(code) = pairs.remainder().get(..32) {
+        // SAFETY: `code` is the row's last 32 bytes; their 64 values at 128 · done lie inside
+        // each query row (d = 2 · row.len()).
         unsafe {
             let v = _mm256_loadu_si256(code.as_ptr().cast());
-            let lo = _mm256_and_si256(v, mask);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            let (lo, hi) = (_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
             for (i, a) in acc.iter_mut().enumerate().take(NQ) {
-                let p = q.as_ptr().add(i * d + 64 * c);
-                let ql = _mm256_loadu_si256(p.cast());
-                let qh = _mm256_loadu_si256(p.add(32).cast());
-                // u8 codes (≤ 15) × i8 queries, pairs summed: each i16 is at most
-                // 2 · 15 · 127 in size, and two of them 7620: no saturation.
-                let s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ql), _mm256_maddubs_epi16(hi, qh));
+                let p = q.as_ptr().add(i * d + 128 * done);
+                let s = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256(p.cast())),
+                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256(p.add(32).cast())),
+                );
                 *a = _mm256_add_epi32(*a, _mm256_madd_epi16(s, ones));
             }
         }
