@@ -324,10 +324,21 @@ unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usi
     assert!(rb == d / 2 && n.checked_mul(rb).is_some_and(|len| len <= v.codes.len()));
     let (codes, weights) = (v.codes.as_ptr(), wb.as_ptr());
     let (mask, eight) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(8));
-    let inter = _mm256_setr_epi8(
-        0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14,
-        7, 15,
-    );
+    // Byte j of a row to byte 2j (first row) or 2j + 1 (second) of its half, bytes 0..8 in the
+    // low half and 8..16 in the high; the other byte zeroed (-1: the top bit set).
+    // Opaque to the compiler: it would turn the constant shuffles of broadcasts into the
+    // lane-crossing `vpermq` again (two µops each on Zen 3, the loop's limit being its vector
+    // µops).
+    let spread = std::hint::black_box([
+        _mm256_setr_epi8(
+            0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13,
+            -1, 14, -1, 15, -1,
+        ),
+        _mm256_setr_epi8(
+            -1, 0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1,
+            13, -1, 14, -1, 15,
+        ),
+    ]);
     for lane in 0..d / 32 {
         // Sixteen rows (eight pairs) at a time, then the widening into `acc`: the first batch
         // writes it, later ones add.
@@ -343,21 +354,24 @@ unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usi
                 let next = if r + 1 < n { rb } else { 0 };
                 // SAFETY: `at` is lane `lane` of row r < n, `at + next` of row r + 1 < n or of
                 // row r again: 16 bytes inside `codes` each.
+                // Both rows' lanes in both halves (`vbroadcasti128`, a load without a vector
+                // µop), their bytes interleaved: bytes 0..8 of the two rows in the low half,
+                // 8..16 in the high. Two in-lane shuffles and an or: Zen 3 splits the
+                // lane-crossing `vpermq` of an insert-and-interleave in two µops.
                 let x = unsafe {
-                    let a = _mm_loadu_si128(at.cast());
-                    let b = _mm_loadu_si128(at.add(next).cast());
-                    _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(a), b)
+                    let a = _mm256_broadcastsi128_si256(_mm_loadu_si128(at.cast()));
+                    let b = _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(next).cast()));
+                    _mm256_or_si256(_mm256_shuffle_epi8(a, spread[0]), _mm256_shuffle_epi8(b, spread[1]))
                 };
                 // Two rows on, for the next pair (past the codes after the last one: never
                 // read, so `wrapping_add`).
                 at = at.wrapping_add(2 * rb);
-                // Row r's codes in the low 128 bits, row r1's in the high: split into planes,
-                // centred, and the rows' bytes interleaved within each half of 8 channels.
-                let mut planes = [_mm256_and_si256(x, mask), _mm256_and_si256(_mm256_srli_epi16(x, 4), mask)];
-                for p in &mut planes {
-                    let c = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_sub_epi8(*p, eight));
-                    *p = _mm256_shuffle_epi8(c, inter);
-                }
+                // Split into nibble planes (low: channels 32 · lane + 0..16, high: the next 16,
+                // eight a half) and centred.
+                let planes = [
+                    _mm256_sub_epi8(_mm256_and_si256(x, mask), eight),
+                    _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x, 4), mask), eight),
+                ];
                 for (i, s) in s.iter_mut().enumerate().take(NQ) {
                     // SAFETY: bytes r and r + 1 of weight row i lie inside it (r + 1 < stride).
                     let pair = unsafe { weights.add(i * stride + r).cast::<i16>().read_unaligned() };
