@@ -2126,28 +2126,18 @@ pub(crate) unsafe fn store_dots<const NQ: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn acc4<const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m256i]) {
-    let mask = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     let mut pairs = row.chunks_exact(64);
     for (c, code) in (&mut pairs).enumerate() {
         // SAFETY: `code` is 64 bytes; query row i spans q[i·d .. (i + 1)·d] and the pair's
         // 128 values lie inside it (128 · (c + 1) ≤ d).
         unsafe {
-            let v0 = _mm256_loadu_si256(code.as_ptr().cast());
-            let v1 = _mm256_loadu_si256(code.as_ptr().add(32).cast());
-            let (lo0, hi0) = (_mm256_and_si256(v0, mask), _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask));
-            let (lo1, hi1) = (_mm256_and_si256(v1, mask), _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask));
+            let (lo0, hi0) = nibbles(code.as_ptr());
+            let (lo1, hi1) = nibbles(code.as_ptr().add(32));
             for (i, a) in acc.iter_mut().enumerate().take(NQ) {
                 let p = q.as_ptr().add(i * d + 128 * c);
-                let s0 = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo0, _mm256_loadu_si256(p.cast())),
-                    _mm256_maddubs_epi16(hi0, _mm256_loadu_si256(p.add(32).cast())),
-                );
-                let s1 = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo1, _mm256_loadu_si256(p.add(64).cast())),
-                    _mm256_maddubs_epi16(hi1, _mm256_loadu_si256(p.add(96).cast())),
-                );
-                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones));
+                let s = _mm256_add_epi16(chunk_dots(lo0, hi0, p), chunk_dots(lo1, hi1, p.add(64)));
+                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(s, ones));
             }
         }
     }
@@ -2156,17 +2146,41 @@ unsafe fn acc4<const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m25
         // SAFETY: `code` is the row's last 32 bytes; their 64 values at 128 · done lie inside
         // each query row (d = 2 · row.len()).
         unsafe {
-            let v = _mm256_loadu_si256(code.as_ptr().cast());
-            let (lo, hi) = (_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+            let (lo, hi) = nibbles(code.as_ptr());
             for (i, a) in acc.iter_mut().enumerate().take(NQ) {
-                let p = q.as_ptr().add(i * d + 128 * done);
-                let s = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256(p.cast())),
-                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256(p.add(32).cast())),
-                );
+                let s = chunk_dots(lo, hi, q.as_ptr().add(i * d + 128 * done));
                 *a = _mm256_add_epi32(*a, _mm256_madd_epi16(s, ones));
             }
         }
+    }
+}
+
+/// The low and high nibbles of the 32 bytes at `code`, as bytes.
+///
+/// # Safety
+/// The CPU must support AVX2; `code` points to 32 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn nibbles(code: *const u8) -> (__m256i, __m256i) {
+    let mask = _mm256_set1_epi8(0x0f);
+    // SAFETY: 32 readable bytes (this function's contract).
+    let v = unsafe { _mm256_loadu_si256(code.cast()) };
+    (_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask))
+}
+
+/// The 64 codes of one chunk (`lo`, `hi`: [`nibbles`]) times the 64 arranged int8 query
+/// values at `q`, adjacent pairs summed into i16 (each at most 2 · 2 · 15 · 127 = 7620 in
+/// size).
+///
+/// # Safety
+/// The CPU must support AVX2; `q` points to 64 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn chunk_dots(lo: __m256i, hi: __m256i, q: *const u8) -> __m256i {
+    // SAFETY: 64 readable bytes (this function's contract).
+    unsafe {
+        let (ql, qh) = (_mm256_loadu_si256(q.cast()), _mm256_loadu_si256(q.add(32).cast()));
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, ql), _mm256_maddubs_epi16(hi, qh))
     }
 }
 
