@@ -1929,11 +1929,9 @@ pub(crate) unsafe fn round_query_by<const SCALED: bool>(q: &[f32], scale: &[f32]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn round_pass<const SCALED: bool>(q: &[f32], scale: &[f32], inv: f32, dst: &mut [i8]) {
-    use int8::MAGIC;
     let value = |k: usize| if SCALED { q[k] * scale[k] } else { q[k] };
     let dst = &mut dst[..q.len()];
     let (invv, lo, hi) = (_mm256_set1_ps(inv), _mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
-    let (magic, magic_bits) = (_mm256_set1_ps(MAGIC), _mm256_set1_epi32(MAGIC.to_bits() as i32));
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     let full = q.len() / 32 * 32;
     for (c, o) in dst[..full].chunks_exact_mut(32).enumerate() {
@@ -1945,8 +1943,10 @@ unsafe fn round_pass<const SCALED: bool>(q: &[f32], scale: &[f32], inv: f32, dst
                 let x = _mm256_loadu_ps(q.as_ptr().add(at));
                 if SCALED { _mm256_mul_ps(x, _mm256_loadu_ps(scale.as_ptr().add(at))) } else { x }
             };
+            // Clamped (a NaN becomes 127: `vminps` returns its second operand), then rounded
+            // to nearest, ties to even, as `int8::round_code`'s MAGIC addition does.
             let x = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(x, invv), hi), lo);
-            *v = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(x, magic)), magic_bits);
+            *v = _mm256_cvtps_epi32(x);
         }
         let packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
         // SAFETY: `o` is 32 bytes.
@@ -2012,15 +2012,18 @@ pub(crate) unsafe fn round_queries_by<const NQ: usize>(
         "NQ rows of whole lanes"
     );
     let sign = _mm256_set1_ps(-0.0);
-    let (mut m, mut nan) = ([_mm256_setzero_ps(); NQ], [_mm256_setzero_ps(); NQ]);
+    // The maxima of |x| and, to tell NaN, the sums of |x|: non-negative terms, so a sum is NaN
+    // exactly when one of them is (Inf + Inf stays Inf), one add where a compare and an or
+    // were two vector µops.
+    let (mut m, mut abs_sum) = ([_mm256_setzero_ps(); NQ], [_mm256_setzero_ps(); NQ]);
     for at in (0..d).step_by(8) {
         // SAFETY: at + 8 <= d, and row i's values lie at i · d + at.
         unsafe {
             let s = _mm256_loadu_ps(scale.as_ptr().add(at));
             for i in 0..NQ {
-                let x = _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(i * d + at)), s);
-                m[i] = _mm256_max_ps(m[i], _mm256_andnot_ps(sign, x));
-                nan[i] = _mm256_or_ps(nan[i], _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+                let a = _mm256_andnot_ps(sign, _mm256_mul_ps(_mm256_loadu_ps(q.as_ptr().add(i * d + at)), s));
+                m[i] = _mm256_max_ps(m[i], a);
+                abs_sum[i] = _mm256_add_ps(abs_sum[i], a);
             }
         }
     }
@@ -2028,7 +2031,7 @@ pub(crate) unsafe fn round_queries_by<const NQ: usize>(
         let mut lanes = [0f32; 8];
         // SAFETY: `lanes` holds 8 floats.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m[i]) };
-        let any_nan = _mm256_movemask_ps(nan[i]) != 0;
+        let any_nan = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(abs_sum[i], abs_sum[i])) != 0;
         let (scale_q, inv) = int8::scale_of(int8::lane_max(&lanes, &[]), any_nan, 127.0);
         scales[i] = scale_q;
         // SAFETY: as this function's.

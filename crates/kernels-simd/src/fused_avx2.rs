@@ -136,7 +136,6 @@ unsafe fn attend<const NQ: usize>(
     o: &mut [f32],
     w: &mut FusedScratch,
 ) {
-    use int8::MAGIC;
     let (d, n) = (k.dim, k.rows);
     let Params::PerChannel { scale: ks, offset: ko } = k.params else { unreachable!("checked") };
     let Params::PerRow { scale: vs, offset: vo } = v.params else { unreachable!("checked") };
@@ -256,7 +255,6 @@ unsafe fn attend<const NQ: usize>(
         wnan[i] = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(any[i], any[i])) != 0;
     }
     let (sw, winv) = crate::int8::scales_of4(wmax, wnan, 255.0);
-    let (magic, magic_bits) = (_mm256_set1_ps(MAGIC), _mm256_set1_epi32(MAGIC.to_bits() as i32));
     let (hi, order) = (_mm256_set1_ps(255.0), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
     for i in 0..NQ {
         if !live[i] {
@@ -271,7 +269,8 @@ unsafe fn attend<const NQ: usize>(
             unsafe {
                 let y =
                     _mm256_min_ps(_mm256_mul_ps(_mm256_loadu_ps(p.as_ptr().add(i * stride + r)), inv), hi);
-                let code = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(y, magic)), magic_bits);
+                // Rounded to nearest, ties to even, as the reference's `int8::MAGIC` addition.
+                let code = _mm256_cvtps_epi32(y);
                 // Eight i32 in 0..=255 to bytes: two saturating packs (per 128-bit lane), then
                 // the two lanes' first four bytes side by side.
                 let b = _mm256_packus_epi16(_mm256_packus_epi32(code, code), _mm256_setzero_si256());

@@ -696,15 +696,26 @@ fn integer_values_equal_their_reference_and_stay_within_their_bound() {
 
 /// A NaN in a query row or a weight row must not vanish in the int8 / i16 rounding (the
 /// maximum that sets the scale ignores NaN): every result of that row is NaN, on every
-/// backend and in the references, and the other rows are untouched.
+/// backend and in the references, and the other rows are untouched. Per-row and per-channel
+/// parameters, with and without offsets (without them only the rounding's NaN check carries
+/// the NaN: the offsets' float sum would otherwise).
 #[test]
 fn nan_inputs_reach_the_integer_results() {
     use kvq_kernels_simd::{axpy_int_with, scores_int8_with};
     let mut rng = Rng::new(404);
+    let layouts = [(false, false), (false, true), (true, false), (true, true)];
     for backend in available() {
-        for (bits, dim) in [(4u8, 128usize), (8, 64), (4, 64), (8, 128)] {
-            let mut case = Case::random(&mut rng, 5, dim, bits, 0);
+        for ((bits, dim), (per_channel, with_offset)) in
+            [(4u8, 128usize), (8, 64), (4, 64), (8, 128)].into_iter().flat_map(|c| layouts.map(|l| (c, l)))
+        {
+            let mut case = loop {
+                let case = Case::random(&mut rng, 5, dim, bits, 0);
+                if case.per_channel == per_channel {
+                    break case;
+                }
+            };
             case.levels_kind = 0;
+            case.with_offset = with_offset;
             let b = case.block();
             let mut q: Vec<f32> = (0..2 * dim).map(|_| rng.normal() as f32).collect();
             q[dim + 7] = f32::NAN;
