@@ -304,11 +304,11 @@ unsafe fn attend<const NQ: usize>(
 
 /// `acc[i · d + c] = Σ_r wb[i · stride + r] · (code[r][c] − 8)` for every row of the 4-bit block
 /// `v` and `NQ` rows of byte weights, channels in natural order. Per 16-byte lane of the rows
-/// (low nibbles: 16 channels, high nibbles: the next 16) and pair of rows: the lane of both
-/// rows in one register, nibbles split and centred, the two rows' bytes interleaved
-/// (`vpermq`, `vpshufb`), then per query one `vpmaddubsw` per nibble plane against the pair's
-/// two weights broadcast; the i16 sums are widened into `acc` every eight pairs. An odd last
-/// row is paired with itself under a zero weight.
+/// (low nibbles: 16 channels, high nibbles: the next 16) and pair of rows: the two rows' bytes
+/// interleaved in one register (each lane broadcast to both halves, two in-lane `vpshufb`),
+/// nibbles split and centred, then per query one `vpmaddubsw` per nibble plane against the
+/// pair's two weights broadcast; the i16 sums are widened into `acc` every eight pairs. An odd
+/// last row is paired with itself under a zero weight.
 ///
 /// # Safety
 /// The CPU must support AVX2; `v.bits == 4`, `v.dim` a multiple of 32, `v.rows >= 1`; each row
@@ -351,12 +351,12 @@ unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usi
             while r < end {
                 // An odd last row pairs with itself under the zero weight at n.
                 let next = if r + 1 < n { rb } else { 0 };
-                // SAFETY: `at` is lane `lane` of row r < n, `at + next` of row r + 1 < n or of
-                // row r again: 16 bytes inside `codes` each.
                 // Both rows' lanes in both halves (`vbroadcasti128`, a load without a vector
                 // µop), their bytes interleaved: bytes 0..8 of the two rows in the low half,
                 // 8..16 in the high. Two in-lane shuffles and an or: Zen 3 splits the
                 // lane-crossing `vpermq` of an insert-and-interleave in two µops.
+                // SAFETY: `at` is lane `lane` of row r < n, `at + next` of row r + 1 < n or of
+                // row r again: 16 bytes inside `codes` each.
                 let x = unsafe {
                     let a = _mm256_broadcastsi128_si256(_mm_loadu_si128(at.cast()));
                     let b = _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(next).cast()));
