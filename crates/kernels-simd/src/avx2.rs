@@ -1843,10 +1843,8 @@ impl int8::IntKernel for Avx2Int {
 
     fn arrange(b: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>) {
         if b.bits == 4 {
-            let start = out.len();
-            out.resize(start + q8.len() / 64 * 64, 0);
             // SAFETY: as above.
-            unsafe { arrange4_32(q8, &mut out[start..]) }
+            unsafe { arrange4_32(q8, int8::appended(out, q8.len() / 64 * 64)) }
         } else {
             int8::arrange_i16(q8, out)
         }
@@ -1898,11 +1896,12 @@ pub(crate) unsafe fn round_query_by<const SCALED: bool>(q: &[f32], scale: &[f32]
     let value = |k: usize| if SCALED { q[k] * scale[k] } else { q[k] };
     let body = q.len() / 8 * 8;
     let sign = _mm256_set1_ps(-0.0);
-    let (mut m, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    // NaN told by the sum of |x|, as in `round_queries_by`.
+    let (mut m, mut abs_sum) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     for at in (0..body).step_by(8) {
-        let x = load!(at);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x));
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+        let a = _mm256_andnot_ps(sign, load!(at));
+        m = _mm256_max_ps(m, a);
+        abs_sum = _mm256_add_ps(abs_sum, a);
     }
     let mut lanes = [0f32; 8];
     // SAFETY: `lanes` holds 8 floats.
@@ -1912,12 +1911,11 @@ pub(crate) unsafe fn round_query_by<const SCALED: bool>(q: &[f32], scale: &[f32]
         rest[k - body] = value(k);
     }
     let rest = &rest[..q.len() - body];
-    let any_nan = _mm256_movemask_ps(nan) != 0 || rest.iter().any(|v| v.is_nan());
+    let any_nan = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(abs_sum, abs_sum)) != 0
+        || rest.iter().any(|v| v.is_nan());
     let (scale_q, inv) = int8::scale_of(int8::lane_max(&lanes, rest), any_nan, 127.0);
-    let start = out.len();
-    out.resize(start + q.len(), 0);
     // SAFETY: as this function's.
-    unsafe { round_pass::<SCALED>(q, scale, inv, &mut out[start..]) };
+    unsafe { round_pass::<SCALED>(q, scale, inv, int8::appended(out, q.len())) };
     scale_q
 }
 
@@ -1971,9 +1969,7 @@ unsafe fn round_queries_grouped(q: &[f32], scale: &[f32], out: &mut Vec<i8>, sca
     unsafe {
         match n {
             1..=4 => {
-                let start = out.len();
-                out.resize(start + q.len(), 0);
-                let out = &mut out[start..];
+                let out = int8::appended(out, q.len());
                 match n {
                     1 => round_queries_by::<1>(q, scale, out, scales),
                     2 => round_queries_by::<2>(q, scale, out, scales),

@@ -131,9 +131,7 @@ fn finish_rounding<T: Copy + Default>(
     let (scale, inv) = scale_of(max, any_nan, limit);
     // Into a slice of the final length (not `extend`, which compiles to an out-of-line fold
     // that does not vectorize).
-    let start = out.len();
-    out.resize(start + x.len(), T::default());
-    for (o, &v) in out[start..].iter_mut().zip(x) {
+    for (o, &v) in appended(out, x.len()).iter_mut().zip(x) {
         *o = cast(round_code(v, inv, limit));
     }
     scale
@@ -268,6 +266,15 @@ pub(crate) fn fresh(buf: &mut Vec<i32>, len: usize) -> &mut [i32] {
         out.fill(0x5a5a_5a5a);
     }
     out
+}
+
+/// `len` new elements (zeros) at the end of `out`, as a slice for a kernel to write: the
+/// roundings' outputs, appended row after row.
+#[inline]
+pub(crate) fn appended<T: Copy + Default>(out: &mut Vec<T>, len: usize) -> &mut [T] {
+    let start = out.len();
+    out.resize(start + len, T::default());
+    &mut out[start..]
 }
 
 /// `buf` grown to at least `len` elements (never shrunk, never cleared): the fused kernels'
