@@ -114,6 +114,7 @@ struct Lut {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
 enum LutKind {
     Codes,
     /// The codes minus the zero point.
@@ -125,6 +126,17 @@ enum LutKind {
     E4m3,
     E5m2,
 }
+
+// The [`LutKind`]s as the const parameter `K` of the float kernels: each layout's loop is
+// compiled for its kind. (Matched at run time, per 16 codes, the choice cost a jump through a
+// table and kept the levels' registers on the stack.)
+const CODES: u8 = LutKind::Codes as u8;
+const SHIFTED: u8 = LutKind::Shifted as u8;
+const PERMUTE8: u8 = LutKind::Permute8 as u8;
+const PERMUTE16: u8 = LutKind::Permute16 as u8;
+const GATHER: u8 = LutKind::Gather as u8;
+const E4M3: u8 = LutKind::E4m3 as u8;
+const E5M2: u8 = LutKind::E5m2 as u8;
 
 /// The [`Lut`] of a block.
 ///
@@ -164,33 +176,29 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
     lut
 }
 
-/// Levels of 8 codes (as i32 lanes) from a [`Lut`].
+/// Levels of 8 codes (as i32 lanes) from a [`Lut`] of kind `K` (not FP8: [`fp8_halves`]).
 ///
 /// # Safety
-/// The CPU must support AVX2; every code is below the table's length (`QuantBlock::new`
-/// checked that a table has `2^bits` entries).
+/// The CPU must support AVX2; `K` is `lut`'s kind; every code is below the table's length
+/// (`QuantBlock::new` checked that a table has `2^bits` entries).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn levels8(idx: __m256i, lut: &Lut) -> __m256 {
-    match lut.kind {
-        LutKind::Codes => _mm256_cvtepi32_ps(idx),
-        LutKind::Shifted => _mm256_cvtepi32_ps(_mm256_sub_epi32(idx, lut.zero)),
-        LutKind::Permute8 => _mm256_permutevar8x32_ps(lut.lo, idx),
-        LutKind::Permute16 => {
-            // vpermps reads the low 3 bits of each index; bit 3, moved to the sign bit, picks
-            // the upper half.
-            let pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
-            _mm256_blendv_ps(
-                _mm256_permutevar8x32_ps(lut.lo, idx),
-                _mm256_permutevar8x32_ps(lut.hi, idx),
-                pick,
-            )
-        }
-        // SAFETY: every index is a code, below the table's length.
-        LutKind::Gather => unsafe { _mm256_i32gather_ps::<4>(lut.table, idx) },
-        // SAFETY: every index is a code, below 256; FP8 codes are widened 16 at a time by
-        // `fp8_halves` in `widen_codes`, the table is only this function's fallback.
-        LutKind::E4m3 | LutKind::E5m2 => unsafe { _mm256_i32gather_ps::<4>(lut.table, idx) },
+unsafe fn levels8<const K: u8>(idx: __m256i, lut: &Lut) -> __m256 {
+    if K == CODES {
+        _mm256_cvtepi32_ps(idx)
+    } else if K == SHIFTED {
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(idx, lut.zero))
+    } else if K == PERMUTE8 {
+        _mm256_permutevar8x32_ps(lut.lo, idx)
+    } else if K == PERMUTE16 {
+        // vpermps reads the low 3 bits of each index; bit 3, moved to the sign bit, picks
+        // the upper half.
+        let pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+        _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut.lo, idx), _mm256_permutevar8x32_ps(lut.hi, idx), pick)
+    } else {
+        // SAFETY: every index is a code, below the table's length (`GATHER`: a table of 256
+        // levels).
+        unsafe { _mm256_i32gather_ps::<4>(lut.table, idx) }
     }
 }
 
@@ -203,13 +211,13 @@ unsafe fn levels8(idx: __m256i, lut: &Lut) -> __m256 {
 /// all ones, mantissa not zero, an f16 NaN.
 ///
 /// # Safety
-/// The CPU must support AVX2 and F16C; `kind` is `E4m3` or `E5m2`.
+/// The CPU must support AVX2 and F16C; `K` is `E4M3` or `E5M2`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn fp8_halves(v: __m128i, kind: LutKind) -> (__m256, __m256) {
+unsafe fn fp8_halves<const K: u8>(v: __m128i) -> (__m256, __m256) {
     let zero = _mm_setzero_si128();
     let (lo, hi) = (_mm_unpacklo_epi8(zero, v), _mm_unpackhi_epi8(zero, v));
-    if kind == LutKind::E5m2 {
+    if K == E5M2 {
         return (_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi));
     }
     let half = |w: __m128i| {
@@ -224,13 +232,13 @@ unsafe fn fp8_halves(v: __m128i, kind: LutKind) -> (__m256, __m256) {
 
 /// The levels of the 16 codes of bit-group `k` of a 16-byte chunk of a `bits`-wide plane, as
 /// two vectors of 8 floats (codes `16k .. 16k + 8` and `16k + 8 .. 16k + 16` of the chunk),
-/// through the block's [`Lut`].
+/// through the block's [`Lut`], of kind `K`.
 ///
 /// # Safety
-/// The CPU must support AVX2; `lut` is the block's.
+/// The CPU must support AVX2; `lut` is the block's, of kind `K`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn codes_f32<const PLAIN: bool>(chunk: __m128i, bits: u8, k: i32, lut: &Lut) -> (__m256, __m256) {
+unsafe fn codes_f32<const K: u8>(chunk: __m128i, bits: u8, k: i32, lut: &Lut) -> (__m256, __m256) {
     let v = match bits {
         8 => chunk,
         4 => {
@@ -249,31 +257,25 @@ unsafe fn codes_f32<const PLAIN: bool>(chunk: __m128i, bits: u8, k: i32, lut: &L
         }
     };
     // SAFETY: AVX2 is enabled; the codes are below 2^bits, the table's length.
-    unsafe { widen_codes::<PLAIN>(v, lut) }
+    unsafe { widen_codes::<K>(v, lut) }
 }
 
-/// The levels of 16 codes (one per byte) as two vectors of 8 floats, through `lut`.
+/// The levels of 16 codes (one per byte) as two vectors of 8 floats, through `lut` (of kind
+/// `K`).
 ///
 /// # Safety
-/// The CPU must support AVX2; every code is below the length of `lut`'s table.
+/// The CPU must support AVX2; `K` is `lut`'s kind; every code is below the length of `lut`'s
+/// table.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn widen_codes<const PLAIN: bool>(v: __m128i, lut: &Lut) -> (__m256, __m256) {
-    if PLAIN {
-        // The levels are the codes (affine levels): no dispatch on the table kind.
-        let (lo, hi) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
-        return (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi));
-    }
-    match lut.kind {
+unsafe fn widen_codes<const K: u8>(v: __m128i, lut: &Lut) -> (__m256, __m256) {
+    if K == E4M3 || K == E5M2 {
         // SAFETY: as this function's; F16C comes with the kernels' CPU check.
-        LutKind::E5m2 => return unsafe { fp8_halves(v, LutKind::E5m2) },
-        // SAFETY: as above.
-        LutKind::E4m3 => return unsafe { fp8_halves(v, LutKind::E4m3) },
-        _ => {}
+        return unsafe { fp8_halves::<K>(v) };
     }
     let (lo, hi) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
     // SAFETY: as this function's.
-    unsafe { (levels8(lo, lut), levels8(hi, lut)) }
+    unsafe { (levels8::<K>(lo, lut), levels8::<K>(hi, lut)) }
 }
 
 /// Codes `16t .. 16t + 16` of a 3-bit row of `d` codes (`d` a multiple of 64), one per byte.
@@ -306,117 +308,33 @@ unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m128i {
     }
 }
 
-/// Values `16t .. 16t + 16` of 3-bit row `r` of `b`: the levels through `lut`, with the
-/// group's scale and offset applied for a per-group block (other blocks apply theirs later).
+/// The 16 values `16t .. 16t + 16` of row `r`: levels through `lut` (of kind `K`), with a
+/// per-group block's scale and offset applied (`GROUPED`). A 3-bit row reads both bit planes
+/// ([`codes3`]), a wider one the 16-byte chunk holding the codes.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == 3`; `lut` is `b`'s;
-/// `r < b.rows`, `16t < b.dim`.
+/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == BITS`; `lut` is `b`'s,
+/// of kind `K`; `r < b.rows`, `16t < b.dim`; `GROUPED` only for a per-group block.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn values3(b: &QuantBlock<'_>, lut: &Lut, r: usize, t: usize) -> (__m256, __m256) {
-    let d = b.dim;
-    // SAFETY: row r is a packed 3-bit row of d codes; a table has 8 entries.
-    let (lo, hi) = unsafe { widen_codes::<false>(codes3(b.row(r).as_ptr(), d, t), lut) };
-    match b.params {
-        Params::PerGroup { group, scale, offset } => {
-            // SAFETY: AVX2 is enabled; 16t / group < d / group, so the group index is in range.
-            let (sv, ov) = unsafe { group_params(scale, offset, r * (d / group) + 16 * t / group) };
-            (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov))
-        }
-        _ => (lo, hi),
-    }
-}
-
-/// [`group_dots`] and [`group_dots_grouped`] for 3-bit rows: 16 codes at a time from both
-/// planes ([`codes3`]), decoded with their group's parameters when the block is per group.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == 3`; `q.len() == NQ · b.dim`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots3<const NQ: usize>(b: &QuantBlock<'_>, q: &[f32], emit: impl FnMut(usize, usize, f32)) {
-    // SAFETY: as this function's (`values3` applies a per-group block's parameters itself).
-    unsafe { dots_row_pairs::<3, NQ, false, false>(b, q, emit) }
-}
-
-/// [`group_axpy`] and [`group_axpy_grouped`] for 3-bit rows, as [`dots3`].
-///
-/// # Safety
-/// As [`group_axpy`], with `b.bits == 3`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy3<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
-    // SAFETY: AVX2 is enabled by this function's target features.
-    let (d, rows, lut) = (b.dim, b.rows, unsafe { lut_of(b) });
-    for t in 0..d / 16 {
-        let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
-        for r in 0..rows {
-            // SAFETY: as this function's; 16t < d.
-            let (x0, x1) = unsafe { values3(b, &lut, r, t) };
-            for (i, a) in acc.iter_mut().enumerate() {
-                // SAFETY: i·rows + r < w.len().
-                let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + r)) };
-                a[0] = _mm256_fmadd_ps(x0, wv, a[0]);
-                a[1] = _mm256_fmadd_ps(x1, wv, a[1]);
-            }
-        }
-        for (i, a) in acc.iter().enumerate() {
-            // SAFETY: 16t + 16 <= dim, so the 16 floats lie within row i of `sums`.
-            unsafe {
-                let p = sums.as_mut_ptr().add(i * d + 16 * t);
-                _mm256_storeu_ps(p, a[0]);
-                _mm256_storeu_ps(p.add(8), a[1]);
-            }
-        }
-    }
-}
-
-/// `dots[i][r] = Σ_d q_i[d] · code[r][d]` for `NQ ≤ 4` query rows (`q`, `NQ × dim`, row-major)
-/// against every row of the block, each row unpacked once into registers and multiplied by
-/// every query row while it is there. `emit(i, r, dot)` receives the results.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA; `supported(b)`; `q.len() == NQ · b.dim`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_dots<const BITS: u8, const NQ: usize>(
-    b: &QuantBlock<'_>,
-    q: &[f32],
-    emit: impl FnMut(usize, usize, f32),
-) {
-    // SAFETY: as this function's (and AVX2 is enabled for `lut_of`).
-    unsafe {
-        if lut_of(b).kind == LutKind::Codes {
-            dots_row_pairs::<BITS, NQ, true, false>(b, q, emit)
-        } else {
-            dots_row_pairs::<BITS, NQ, false, false>(b, q, emit)
-        }
-    }
-}
-
-/// The 16 values `16t .. 16t + 16` of row `r`: levels through `lut` (the codes themselves
-/// with `PLAIN`), with a per-group block's scale and offset applied (`GROUPED`; 3-bit rows
-/// apply them in [`values3`]).
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == BITS`; `lut` is `b`'s;
-/// `r < b.rows`, `16t < b.dim`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn values16<const BITS: u8, const PLAIN: bool, const GROUPED: bool>(
+unsafe fn values16<const BITS: u8, const K: u8, const GROUPED: bool>(
     b: &QuantBlock<'_>,
     lut: &Lut,
     r: usize,
     t: usize,
 ) -> (__m256, __m256) {
-    if BITS == 3 {
-        // SAFETY: as this function's.
-        return unsafe { values3(b, lut, r, t) };
-    }
-    let steps = 128 / BITS as usize / 16;
-    // SAFETY: the 16-byte chunk holding codes 16t.. lies within row r (row_bytes is a
-    // multiple of 16 for supported blocks); a table has 2^BITS entries.
-    let (lo, hi) = unsafe {
-        let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * (t / steps)).cast());
-        codes_f32::<PLAIN>(chunk, BITS, (t % steps) as i32, lut)
+    let (lo, hi) = if BITS == 3 {
+        // SAFETY: row r is a packed 3-bit row of `dim` codes, a multiple of 64 for supported
+        // blocks, and 16t < dim; a table has 8 entries.
+        unsafe { widen_codes::<K>(codes3(b.row(r).as_ptr(), b.dim, t), lut) }
+    } else {
+        let steps = 128 / BITS as usize / 16;
+        // SAFETY: the 16-byte chunk holding codes 16t.. lies within row r (row_bytes is a
+        // multiple of 16 for supported blocks); a table has 2^BITS entries.
+        unsafe {
+            let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * (t / steps)).cast());
+            codes_f32::<K>(chunk, BITS, (t % steps) as i32, lut)
+        }
     };
     if GROUPED {
         let (group, scale, offset) = grouping(b);
@@ -427,17 +345,20 @@ unsafe fn values16<const BITS: u8, const PLAIN: bool, const GROUPED: bool>(
     (lo, hi)
 }
 
-/// The dots of every query row with every row of the block (per-group blocks: with its
-/// values, parameters applied), handed to `emit(i, r, dot)`. Two rows per pass, so that each
-/// query load serves both, with one accumulator per (query row, row) (`2·NQ` independent FMA
+/// `dots[i][r] = Σ_d q_i[d] · level[r][d]` for `NQ ≤ 4` query rows (`q`, `NQ × dim`,
+/// row-major) against every row of the block (a per-group block's: its values, parameters
+/// applied), handed to `emit(i, r, dot)`. Each row is unpacked once into registers and
+/// multiplied by every query row while it is there; two rows per pass, so that each query
+/// load serves both, with one accumulator per (query row, row) (`2·NQ` independent FMA
 /// chains) and the `2·NQ` sums reduced together in registers; an odd last row is paired with
 /// itself and emitted once.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == BITS`; `q.len() == NQ ·
-/// b.dim`; `GROUPED` only for a per-group block of 2-, 4- or 8-bit codes.
+/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == BITS`; `K` is the kind
+/// of `b`'s [`Lut`]; `q.len() == NQ · b.dim`; `GROUPED` only for a per-group block (groups of
+/// a multiple of 16).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots_row_pairs<const BITS: u8, const NQ: usize, const PLAIN: bool, const GROUPED: bool>(
+unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED: bool>(
     b: &QuantBlock<'_>,
     q: &[f32],
     mut emit: impl FnMut(usize, usize, f32),
@@ -468,8 +389,8 @@ unsafe fn dots_row_pairs<const BITS: u8, const NQ: usize, const PLAIN: bool, con
                 // SAFETY: as this function's; r, r1 < rows and 16t < d.
                 let ((l0, h0), (l1, h1)) = unsafe {
                     (
-                        values16::<BITS, PLAIN, GROUPED>(b, &lut, r, t),
-                        values16::<BITS, PLAIN, GROUPED>(b, &lut, r1, t),
+                        values16::<BITS, K, GROUPED>(b, &lut, r, t),
+                        values16::<BITS, K, GROUPED>(b, &lut, r1, t),
                     )
                 };
                 fma16!(t, l0, h0, l1, h1);
@@ -489,10 +410,7 @@ unsafe fn dots_row_pairs<const BITS: u8, const NQ: usize, const PLAIN: bool, con
                 for k in 0..steps {
                     // SAFETY: AVX2 is enabled; a table has 2^BITS entries (`QuantBlock::new`).
                     let ((l0, h0), (l1, h1)) = unsafe {
-                        (
-                            codes_f32::<PLAIN>(c0, BITS, k as i32, &lut),
-                            codes_f32::<PLAIN>(c1, BITS, k as i32, &lut),
-                        )
+                        (codes_f32::<K>(c0, BITS, k as i32, &lut), codes_f32::<K>(c1, BITS, k as i32, &lut))
                     };
                     fma16!(ci * steps + k, l0, h0, l1, h1);
                 }
@@ -503,22 +421,6 @@ unsafe fn dots_row_pairs<const BITS: u8, const NQ: usize, const PLAIN: bool, con
     }
 }
 
-/// [`group_dots`] for a per-group block: each run of 16 codes is decoded to values in
-/// registers with its group's scale and offset (one FMA per 8, shared by the query rows)
-/// before the dots; `emit(i, r, score)` receives finished scores.
-///
-/// # Safety
-/// As [`group_dots`], and `b.params` is `PerGroup` with a group that is a multiple of 16.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_dots_grouped<const BITS: u8, const NQ: usize>(
-    b: &QuantBlock<'_>,
-    q: &[f32],
-    emit: impl FnMut(usize, usize, f32),
-) {
-    // SAFETY: as this function's.
-    unsafe { dots_row_pairs::<BITS, NQ, false, true>(b, q, emit) }
-}
-
 /// The group of a per-group block's parameters (`(1, [], None)` for other blocks, unused).
 fn grouping<'a>(b: &QuantBlock<'a>) -> (usize, &'a [f32], Option<&'a [f32]>) {
     match b.params {
@@ -527,86 +429,61 @@ fn grouping<'a>(b: &QuantBlock<'a>) -> (usize, &'a [f32], Option<&'a [f32]>) {
     }
 }
 
-/// `sums[i·dim + d] = Σ_r w[i·rows + r] · code[r][d]` for `NQ ≤ 4` weight rows, one
+/// `sums[i·dim + d] = Σ_r w[i·rows + r] · level[r][d]` for `NQ ≤ 4` weight rows (a per-group
+/// block's values, `GROUPED`: each run of 16 codes decoded with its group's parameters), one
 /// 16-channel column of the block at a time with every query's accumulators in registers
 /// across all rows.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `supported(b)`; `w.len() >= NQ · b.rows`;
-/// `sums.len() >= NQ · b.dim`.
+/// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == BITS`; `K` is the kind
+/// of `b`'s [`Lut`]; `w.len() >= NQ · b.rows`; `sums.len() >= NQ · b.dim`; `GROUPED` only for
+/// a per-group block (groups of a multiple of 16).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_axpy<const BITS: u8, const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mut [f32]) {
-    // SAFETY: as this function's (and AVX2 is enabled for `lut_of`).
-    unsafe {
-        if lut_of(b).kind == LutKind::Codes {
-            axpy_by_chunk::<BITS, NQ, false, true>(b, w, sums)
-        } else {
-            axpy_by_chunk::<BITS, NQ, false, false>(b, w, sums)
-        }
-    }
-}
-
-/// [`group_axpy`] for a per-group block: `sums[i·dim + d] = Σ_r w[i·rows + r] · x̂[r][d]`,
-/// each run of 16 codes decoded to values in registers with its group's parameters.
-///
-/// # Safety
-/// As [`group_axpy`], and `b.params` is `PerGroup` with a group that is a multiple of 16.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn group_axpy_grouped<const BITS: u8, const NQ: usize>(
+unsafe fn group_axpy<const BITS: u8, const NQ: usize, const K: u8, const GROUPED: bool>(
     b: &QuantBlock<'_>,
     w: &[f32],
     sums: &mut [f32],
 ) {
-    // SAFETY: as this function's.
-    unsafe { axpy_by_chunk::<BITS, NQ, true, false>(b, w, sums) }
-}
-
-/// The body of [`group_axpy`] (`GROUPED = false`) and [`group_axpy_grouped`].
-///
-/// # Safety
-/// As theirs.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy_by_chunk<const BITS: u8, const NQ: usize, const GROUPED: bool, const PLAIN: bool>(
-    b: &QuantBlock<'_>,
-    w: &[f32],
-    sums: &mut [f32],
-) {
-    let per_chunk = 128 / BITS as usize;
     // SAFETY: AVX2 is enabled by this function's target features.
-    let (rows, lut) = (b.rows, unsafe { lut_of(b) });
-    let (group, scale, offset) = grouping(b);
-    let per_row = b.dim / group;
-    for ci in 0..b.row_bytes / 16 {
-        for k in 0..per_chunk / 16 {
-            let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+    let (d, rows, lut) = (b.dim, b.rows, unsafe { lut_of(b) });
+    // The FMAs of one row's 16 values into every query's accumulators.
+    macro_rules! fma_rows {
+        ($acc:expr, $r:expr, $lo:expr, $hi:expr) => {
+            for (i, a) in $acc.iter_mut().enumerate() {
+                // SAFETY: i·rows + r < w.len().
+                let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + $r)) };
+                a[0] = _mm256_fmadd_ps($lo, wv, a[0]);
+                a[1] = _mm256_fmadd_ps($hi, wv, a[1]);
+            }
+        };
+    }
+    for t in 0..d / 16 {
+        let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+        if BITS == 3 || GROUPED {
+            for r in 0..rows {
+                // SAFETY: as this function's; 16t < d.
+                let (lo, hi) = unsafe { values16::<BITS, K, GROUPED>(b, &lut, r, t) };
+                fma_rows!(acc, r, lo, hi);
+            }
+        } else {
+            let steps = 128 / BITS as usize / 16;
+            let (ci, k) = (t / steps, (t % steps) as i32);
             for r in 0..rows {
                 // SAFETY: chunk `ci` lies within row `r` (row_bytes is a multiple of 16 for
                 // supported blocks); AVX2 is enabled; a table has 2^BITS entries.
-                let (mut lo, mut hi) = unsafe {
+                let (lo, hi) = unsafe {
                     let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
-                    codes_f32::<PLAIN>(chunk, BITS, k as i32, &lut)
+                    codes_f32::<K>(chunk, BITS, k, &lut)
                 };
-                if GROUPED {
-                    let g = r * per_row + (ci * per_chunk + 16 * k) / group;
-                    // SAFETY: AVX2 is enabled; the group index is in range.
-                    let (sv, ov) = unsafe { group_params(scale, offset, g) };
-                    (lo, hi) = (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov));
-                }
-                for (i, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: i·rows + r < w.len().
-                    let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + r)) };
-                    a[0] = _mm256_fmadd_ps(lo, wv, a[0]);
-                    a[1] = _mm256_fmadd_ps(hi, wv, a[1]);
-                }
+                fma_rows!(acc, r, lo, hi);
             }
-            let d0 = ci * per_chunk + 16 * k;
-            for (i, a) in acc.iter().enumerate() {
-                // SAFETY: d0 + 16 <= dim, so the 16 floats lie within row i of `sums`.
-                unsafe {
-                    let p = sums.as_mut_ptr().add(i * b.dim + d0);
-                    _mm256_storeu_ps(p, a[0]);
-                    _mm256_storeu_ps(p.add(8), a[1]);
-                }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            // SAFETY: 16t + 16 <= dim, so the 16 floats lie within row i of `sums`.
+            unsafe {
+                let p = sums.as_mut_ptr().add(i * d + 16 * t);
+                _mm256_storeu_ps(p, a[0]);
+                _mm256_storeu_ps(p.add(8), a[1]);
             }
         }
     }
@@ -777,7 +654,7 @@ fn arrange_query(q: &[f32], n_q: usize, d: usize, bits: u8, w: &mut portable::Ar
 /// ([`arrange_query`], `qa`): two rows per pass; each plane read `w` bytes (8 codes) at a time,
 /// broadcast, shifted lane by lane (`vpsrlvd`), masked and converted to 8 floats against 8
 /// arranged query floats: nothing is unpacked to memory and no lane is idle. One accumulator
-/// per (query row, row), the `2·NQ` sums reduced together (as [`dots_row_pairs`]).
+/// per (query row, row), the `2·NQ` sums reduced together (as [`group_dots`]).
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `generic(b)`; `qa.len() == NQ · planes · b.dim`.
@@ -911,38 +788,38 @@ fn in_groups_of_4(n_q: usize, mut f: impl FnMut(usize, usize)) {
     }
 }
 
-/// Dispatches `$f::<BITS, NQ>` on runtime bit width and group size.
-macro_rules! by_bits_and_group {
-    ($f:ident, $bits:expr, $nq:expr, ($($arg:expr),*)) => {
-        match ($bits, $nq) {
-            (8, 1) => $f::<8, 1>($($arg),*),
-            (8, 2) => $f::<8, 2>($($arg),*),
-            (8, 3) => $f::<8, 3>($($arg),*),
-            (8, _) => $f::<8, 4>($($arg),*),
-            (4, 1) => $f::<4, 1>($($arg),*),
-            (4, 2) => $f::<4, 2>($($arg),*),
-            (4, 3) => $f::<4, 3>($($arg),*),
-            (4, _) => $f::<4, 4>($($arg),*),
-            (_, 1) => $f::<2, 1>($($arg),*),
-            (_, 2) => $f::<2, 2>($($arg),*),
-            (_, 3) => $f::<2, 3>($($arg),*),
-            (_, _) => $f::<2, 4>($($arg),*),
+/// Dispatches `$f::<BITS, NQ, K, GROUPED>` on a block's runtime width, query group size (1 to
+/// 3, else 4) and [`LutKind`], one monomorphization per layout a [`QuantBlock`] can have: codes
+/// and symmetric levels of 2, 3, 4 and 8 bits, tables of `2^bits` levels (8 entries at most:
+/// `vpermps`; 16: two; 256: a gather) and FP8 (8-bit codes).
+macro_rules! by_layout {
+    ($f:ident, $grouped:expr, $bits:expr, $kind:expr, $nq:expr, $args:tt) => {
+        match $nq {
+            1 => by_layout!(@kind $f, $grouped, $bits, $kind, 1, $args),
+            2 => by_layout!(@kind $f, $grouped, $bits, $kind, 2, $args),
+            3 => by_layout!(@kind $f, $grouped, $bits, $kind, 3, $args),
+            _ => by_layout!(@kind $f, $grouped, $bits, $kind, 4, $args),
         }
     };
-}
-
-/// Dispatches on the bit width as [`by_bits_and_group`], 3-bit blocks to `$three::<NQ>`.
-macro_rules! by_width {
-    ($f:ident, $three:ident, $bits:expr, $nq:expr, ($($arg:expr),*)) => {
-        if $bits == 3 {
-            match $nq {
-                1 => $three::<1>($($arg),*),
-                2 => $three::<2>($($arg),*),
-                3 => $three::<3>($($arg),*),
-                _ => $three::<4>($($arg),*),
-            }
-        } else {
-            by_bits_and_group!($f, $bits, $nq, ($($arg),*))
+    (@kind $f:ident, $g:expr, $bits:expr, $kind:expr, $nq:literal, ($($arg:expr),*)) => {
+        match ($bits, $kind) {
+            (8, LutKind::Codes) => $f::<8, $nq, CODES, $g>($($arg),*),
+            (8, LutKind::Shifted) => $f::<8, $nq, SHIFTED, $g>($($arg),*),
+            (8, LutKind::Gather) => $f::<8, $nq, GATHER, $g>($($arg),*),
+            (8, LutKind::E4m3) => $f::<8, $nq, E4M3, $g>($($arg),*),
+            (8, LutKind::E5m2) => $f::<8, $nq, E5M2, $g>($($arg),*),
+            (4, LutKind::Codes) => $f::<4, $nq, CODES, $g>($($arg),*),
+            (4, LutKind::Shifted) => $f::<4, $nq, SHIFTED, $g>($($arg),*),
+            (4, LutKind::Permute16) => $f::<4, $nq, PERMUTE16, $g>($($arg),*),
+            (3, LutKind::Codes) => $f::<3, $nq, CODES, $g>($($arg),*),
+            (3, LutKind::Shifted) => $f::<3, $nq, SHIFTED, $g>($($arg),*),
+            (3, LutKind::Permute8) => $f::<3, $nq, PERMUTE8, $g>($($arg),*),
+            (2, LutKind::Codes) => $f::<2, $nq, CODES, $g>($($arg),*),
+            (2, LutKind::Shifted) => $f::<2, $nq, SHIFTED, $g>($($arg),*),
+            (2, LutKind::Permute8) => $f::<2, $nq, PERMUTE8, $g>($($arg),*),
+            // `QuantBlock::new` gives a table 2^bits entries and FP8 8-bit codes, and `fast`
+            // takes 2, 3, 4 and 8 bits only.
+            _ => unreachable!("no {}-bit block has this kind of levels", $bits),
         }
     };
 }
@@ -1037,6 +914,8 @@ unsafe fn scores_group(
         arrange_query(q, n_q, d, b.bits, &mut w.arranged);
     }
     let arranged = &w.arranged.q;
+    // SAFETY: AVX2 is enabled by this function's target features.
+    let kind = unsafe { lut_of(b) }.kind;
     in_groups_of_4(n_q, |i0, n| {
         let qg = &q[i0 * d..(i0 + n) * d];
         // SAFETY: callers checked `supported(b)` (per-group blocks: groups of a multiple of
@@ -1045,9 +924,9 @@ unsafe fn scores_group(
             if any_width {
                 by_group!(generic_dots, n, (b, &arranged[i0 * len..(i0 + n) * len], raw(i0)))
             } else if matches!(b.params, Params::PerGroup { .. }) {
-                by_width!(group_dots_grouped, dots3, b.bits, n, (b, qg, raw(i0)))
+                by_layout!(group_dots, true, b.bits, kind, n, (b, qg, raw(i0)))
             } else {
-                by_width!(group_dots, dots3, b.bits, n, (b, qg, raw(i0)))
+                by_layout!(group_dots, false, b.bits, kind, n, (b, qg, raw(i0)))
             }
         }
     });
@@ -1094,6 +973,8 @@ unsafe fn axpy_group_with(
     sums.resize(4 * d, 0.0);
     w.resize(4 * rows, 0.0);
     let any_width = !fast(b);
+    // SAFETY: AVX2 is enabled by this function's target features.
+    let kind = unsafe { lut_of(b) }.kind;
     // A loop rather than `in_groups_of_4`: the body stays in this function's AVX2 code.
     let mut i0 = 0;
     while i0 < n_q {
@@ -1113,7 +994,7 @@ unsafe fn axpy_group_with(
                     if any_width {
                         by_group!(generic_axpy, n, (b, w, sums))
                     } else {
-                        by_width!(group_axpy, axpy3, b.bits, n, (b, w, sums))
+                        by_layout!(group_axpy, false, b.bits, kind, n, (b, w, sums))
                     }
                 }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
@@ -1132,7 +1013,7 @@ unsafe fn axpy_group_with(
                     if any_width {
                         by_group!(generic_axpy, n, (b, pg, sums))
                     } else {
-                        by_width!(group_axpy, axpy3, b.bits, n, (b, pg, sums))
+                        by_layout!(group_axpy, false, b.bits, kind, n, (b, pg, sums))
                     }
                 }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
@@ -1146,7 +1027,7 @@ unsafe fn axpy_group_with(
             // o_i += Σ_r p_ir · x̂_r, the rows decoded with their groups' parameters.
             Params::PerGroup { .. } => {
                 // SAFETY: callers checked `supported(b)` (groups of a multiple of 16).
-                unsafe { by_width!(group_axpy_grouped, axpy3, b.bits, n, (b, pg, sums)) }
+                unsafe { by_layout!(group_axpy, true, b.bits, kind, n, (b, pg, sums)) }
                 for (i, o) in out[i0 * d..(i0 + n) * d].chunks_exact_mut(d).enumerate() {
                     for (o, &x) in o.iter_mut().zip(&sums[i * d..(i + 1) * d]) {
                         *o += x;
