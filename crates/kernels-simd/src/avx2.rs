@@ -111,6 +111,9 @@ struct Lut {
     table: *const f32,
     /// The symmetric zero point in every lane, or 0.
     zero: __m256i,
+    /// [`vpshufb`](_mm256_shuffle_epi8) controls widening the 16 byte codes of a lane (the
+    /// same in both lanes) to i32 lanes: codes 0..8 and 8..16 (see [`widen_codes`]).
+    spread: [__m256i; 2],
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -151,6 +154,18 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
         hi: _mm256_setzero_ps(),
         table: std::ptr::null(),
         zero: _mm256_set1_epi32(zero_of(b)),
+        // Opaque to the compiler, which would turn the constant shuffles of a broadcast back
+        // into `vpmovzxbd` (two µops on Zen 3, and the upper half needs a shift first).
+        spread: std::hint::black_box([
+            _mm256_setr_epi8(
+                0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, 6,
+                -1, -1, -1, 7, -1, -1, -1,
+            ),
+            _mm256_setr_epi8(
+                8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1, 12, -1, -1, -1, 13, -1, -1, -1,
+                14, -1, -1, -1, 15, -1, -1, -1,
+            ),
+        ]),
     };
     if let Levels::Fp8(f) = b.levels {
         lut.table = f.levels().as_ptr();
@@ -232,48 +247,52 @@ unsafe fn fp8_halves<const K: u8>(v: __m128i) -> (__m256, __m256) {
 
 /// The levels of the 16 codes of bit-group `k` of a 16-byte chunk of a `bits`-wide plane, as
 /// two vectors of 8 floats (codes `16k .. 16k + 8` and `16k + 8 .. 16k + 16` of the chunk),
-/// through the block's [`Lut`], of kind `K`.
+/// through the block's [`Lut`], of kind `K`. `chunk` holds the 16 bytes in both 128-bit lanes
+/// ([`load_pair`]).
 ///
 /// # Safety
 /// The CPU must support AVX2; `lut` is the block's, of kind `K`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn codes_f32<const K: u8>(chunk: __m128i, bits: u8, k: i32, lut: &Lut) -> (__m256, __m256) {
-    let v = match bits {
-        8 => chunk,
-        4 => {
-            let m = _mm_set1_epi8(0x0f);
-            if k == 0 { _mm_and_si128(chunk, m) } else { _mm_and_si128(_mm_srli_epi16(chunk, 4), m) }
-        }
-        _ => {
-            let m = _mm_set1_epi8(0x03);
-            let s = match k {
-                0 => chunk,
-                1 => _mm_srli_epi16(chunk, 2),
-                2 => _mm_srli_epi16(chunk, 4),
-                _ => _mm_srli_epi16(chunk, 6),
-            };
-            _mm_and_si128(s, m)
-        }
+unsafe fn codes_f32<const K: u8>(chunk: __m256i, bits: u8, k: i32, lut: &Lut) -> (__m256, __m256) {
+    let v = if bits == 8 {
+        chunk
+    } else {
+        // A shift by a count in a register, not a `match` on `k`: where `k` is not a constant
+        // (the value kernel's row loop) the match stayed in the loop as a jump table.
+        let mask = _mm256_set1_epi8(((1u16 << bits) - 1) as i8);
+        _mm256_and_si256(_mm256_srl_epi16(chunk, _mm_cvtsi32_si128(k * bits as i32)), mask)
     };
     // SAFETY: AVX2 is enabled; the codes are below 2^bits, the table's length.
     unsafe { widen_codes::<K>(v, lut) }
 }
 
-/// The levels of 16 codes (one per byte) as two vectors of 8 floats, through `lut` (of kind
-/// `K`).
+/// The 16 bytes at `p` in both 128-bit lanes (`vbroadcasti128`: a load, no shuffle).
+///
+/// # Safety
+/// The CPU must support AVX2; `p` points at 16 readable bytes.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn load_pair(p: *const u8) -> __m256i {
+    // SAFETY: as this function's.
+    unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast())) }
+}
+
+/// The levels of 16 codes (one per byte, the same 16 in both 128-bit lanes of `v`) as two
+/// vectors of 8 floats, through `lut` (of kind `K`). The codes become i32 lanes by one
+/// in-lane `vpshufb` per 8 (`lut.spread`), not `vpmovzxbd`.
 ///
 /// # Safety
 /// The CPU must support AVX2; `K` is `lut`'s kind; every code is below the length of `lut`'s
 /// table.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn widen_codes<const K: u8>(v: __m128i, lut: &Lut) -> (__m256, __m256) {
+unsafe fn widen_codes<const K: u8>(v: __m256i, lut: &Lut) -> (__m256, __m256) {
     if K == E4M3 || K == E5M2 {
         // SAFETY: as this function's; F16C comes with the kernels' CPU check.
-        return unsafe { fp8_halves::<K>(v) };
+        return unsafe { fp8_halves::<K>(_mm256_castsi256_si128(v)) };
     }
-    let (lo, hi) = (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+    let (lo, hi) = (_mm256_shuffle_epi8(v, lut.spread[0]), _mm256_shuffle_epi8(v, lut.spread[1]));
     // SAFETY: as this function's.
     unsafe { (levels8::<K>(lo, lut), levels8::<K>(hi, lut)) }
 }
@@ -326,13 +345,16 @@ unsafe fn values16<const BITS: u8, const K: u8, const GROUPED: bool>(
     let (lo, hi) = if BITS == 3 {
         // SAFETY: row r is a packed 3-bit row of `dim` codes, a multiple of 64 for supported
         // blocks, and 16t < dim; a table has 8 entries.
-        unsafe { widen_codes::<K>(codes3(b.row(r).as_ptr(), b.dim, t), lut) }
+        unsafe {
+            let v = codes3(b.row(r).as_ptr(), b.dim, t);
+            widen_codes::<K>(_mm256_set_m128i(v, v), lut)
+        }
     } else {
         let steps = 128 / BITS as usize / 16;
         // SAFETY: the 16-byte chunk holding codes 16t.. lies within row r (row_bytes is a
         // multiple of 16 for supported blocks); a table has 2^BITS entries.
         unsafe {
-            let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * (t / steps)).cast());
+            let chunk = load_pair(b.row(r).as_ptr().add(16 * (t / steps)));
             codes_f32::<K>(chunk, BITS, (t % steps) as i32, lut)
         }
     };
@@ -401,12 +423,8 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
             let (row0, row1) = (b.row(r), b.row(r1));
             for ci in 0..b.row_bytes / 16 {
                 // SAFETY: chunk `ci` lies within both rows (row_bytes is a multiple of 16).
-                let (c0, c1) = unsafe {
-                    (
-                        _mm_loadu_si128(row0.as_ptr().add(16 * ci).cast()),
-                        _mm_loadu_si128(row1.as_ptr().add(16 * ci).cast()),
-                    )
-                };
+                let (c0, c1) =
+                    unsafe { (load_pair(row0.as_ptr().add(16 * ci)), load_pair(row1.as_ptr().add(16 * ci))) };
                 for k in 0..steps {
                     // SAFETY: AVX2 is enabled; a table has 2^BITS entries (`QuantBlock::new`).
                     let ((l0, h0), (l1, h1)) = unsafe {
@@ -472,7 +490,7 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
                 // SAFETY: chunk `ci` lies within row `r` (row_bytes is a multiple of 16 for
                 // supported blocks); AVX2 is enabled; a table has 2^BITS entries.
                 let (lo, hi) = unsafe {
-                    let chunk = _mm_loadu_si128(b.row(r).as_ptr().add(16 * ci).cast());
+                    let chunk = load_pair(b.row(r).as_ptr().add(16 * ci));
                     codes_f32::<K>(chunk, BITS, k, &lut)
                 };
                 fma_rows!(acc, r, lo, hi);
