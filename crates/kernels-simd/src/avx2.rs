@@ -328,8 +328,8 @@ unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m128i {
 }
 
 /// The 16 values `16t .. 16t + 16` of row `r`: levels through `lut` (of kind `K`), with a
-/// per-group block's scale and offset applied (`GROUPED`). A 3-bit row reads both bit planes
-/// ([`codes3`]), a wider one the 16-byte chunk holding the codes.
+/// per-group block's scale and offset `gp` applied (`GROUPED`; [`Groups::at`]). A 3-bit row
+/// reads both bit planes ([`codes3`]), a wider one the 16-byte chunk holding the codes.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == BITS`; `lut` is `b`'s,
@@ -341,6 +341,7 @@ unsafe fn values16<const BITS: u8, const K: u8, const GROUPED: bool>(
     lut: &Lut,
     r: usize,
     t: usize,
+    gp: (__m256, __m256),
 ) -> (__m256, __m256) {
     let (lo, hi) = if BITS == 3 {
         // SAFETY: row r is a packed 3-bit row of `dim` codes, a multiple of 64 for supported
@@ -359,9 +360,7 @@ unsafe fn values16<const BITS: u8, const K: u8, const GROUPED: bool>(
         }
     };
     if GROUPED {
-        let (group, scale, offset) = grouping(b);
-        // SAFETY: AVX2 is enabled; 16t / group < d / group, so the group index is in range.
-        let (sv, ov) = unsafe { group_params(scale, offset, r * (b.dim / group) + 16 * t / group) };
+        let (sv, ov) = gp;
         return (_mm256_fmadd_ps(lo, sv, ov), _mm256_fmadd_ps(hi, sv, ov));
     }
     (lo, hi)
@@ -386,7 +385,8 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
     mut emit: impl FnMut(usize, usize, f32),
 ) {
     // SAFETY: AVX2 is enabled by this function's target features.
-    let (d, lut) = (b.dim, unsafe { lut_of(b) });
+    let (d, lut, groups) = (b.dim, unsafe { lut_of(b) }, Groups::of(b));
+    let zero = (_mm256_setzero_ps(), _mm256_setzero_ps());
     for r in (0..b.rows).step_by(2) {
         let r1 = (r + 1).min(b.rows - 1);
         // acc[2i + j]: query row i, block row r + j; the unused ones stay zero.
@@ -407,15 +407,23 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
             };
         }
         if BITS == 3 || GROUPED {
-            for t in 0..d / 16 {
-                // SAFETY: as this function's; r, r1 < rows and 16t < d.
-                let ((l0, h0), (l1, h1)) = unsafe {
-                    (
-                        values16::<BITS, K, GROUPED>(b, &lut, r, t),
-                        values16::<BITS, K, GROUPED>(b, &lut, r1, t),
-                    )
+            for g in 0..groups.per_row {
+                let (p0, p1) = if GROUPED {
+                    // SAFETY: AVX2 is enabled; a per-group block; r, r1 < rows and g < per_row.
+                    unsafe { (groups.at(r, g), groups.at(r1, g)) }
+                } else {
+                    (zero, zero)
                 };
-                fma16!(t, l0, h0, l1, h1);
+                for t in g * groups.steps..(g + 1) * groups.steps {
+                    // SAFETY: as this function's; r, r1 < rows and 16t < d.
+                    let ((l0, h0), (l1, h1)) = unsafe {
+                        (
+                            values16::<BITS, K, GROUPED>(b, &lut, r, t, p0),
+                            values16::<BITS, K, GROUPED>(b, &lut, r1, t, p1),
+                        )
+                    };
+                    fma16!(t, l0, h0, l1, h1);
+                }
             }
         } else {
             // One load of each row's 16-byte chunk for all its runs of 16 codes.
@@ -439,11 +447,49 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
     }
 }
 
-/// The group of a per-group block's parameters (`(1, [], None)` for other blocks, unused).
-fn grouping<'a>(b: &QuantBlock<'a>) -> (usize, &'a [f32], Option<&'a [f32]>) {
-    match b.params {
-        Params::PerGroup { group, scale, offset } => (group, scale, offset),
-        _ => (1, &[], None),
+/// A block's runs of 16 codes by parameter group: `per_row` groups a row of `steps` runs each
+/// (one group of `dim / 16` runs for blocks that are not per group), and a per-group block's
+/// parameters read by row and group through pointers. (Indexed as `r · (dim / group) + 16t /
+/// group` per run, the parameters cost two divisions and two bounds checks in the loops.)
+struct Groups {
+    per_row: usize,
+    steps: usize,
+    scale: *const f32,
+    /// Null without offsets.
+    offset: *const f32,
+}
+
+impl Groups {
+    fn of(b: &QuantBlock<'_>) -> Self {
+        match b.params {
+            Params::PerGroup { group, scale, offset } => Groups {
+                per_row: b.dim / group,
+                steps: group / 16,
+                scale: scale.as_ptr(),
+                offset: offset.map_or(std::ptr::null(), <[f32]>::as_ptr),
+            },
+            _ => Groups { per_row: 1, steps: b.dim / 16, scale: std::ptr::null(), offset: std::ptr::null() },
+        }
+    }
+
+    /// The scale and offset (0 without offsets) of group `g` of row `r`, broadcast.
+    ///
+    /// # Safety
+    /// The CPU must support AVX; the block is per group (`QuantBlock::new` checked its
+    /// parameters: `rows · per_row` of each); `r < rows`, `g < per_row`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn at(&self, r: usize, g: usize) -> (__m256, __m256) {
+        let i = r * self.per_row + g;
+        // SAFETY: i < rows · per_row, the length of the scales and of the offsets if any.
+        unsafe {
+            let ov = if self.offset.is_null() {
+                _mm256_setzero_ps()
+            } else {
+                _mm256_broadcast_ss(&*self.offset.add(i))
+            };
+            (_mm256_broadcast_ss(&*self.scale.add(i)), ov)
+        }
     }
 }
 
@@ -463,7 +509,7 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
     sums: &mut [f32],
 ) {
     // SAFETY: AVX2 is enabled by this function's target features.
-    let (d, rows, lut) = (b.dim, b.rows, unsafe { lut_of(b) });
+    let (d, rows, lut, groups) = (b.dim, b.rows, unsafe { lut_of(b) }, Groups::of(b));
     // The FMAs of one row's 16 values into every query's accumulators.
     macro_rules! fma_rows {
         ($acc:expr, $r:expr, $lo:expr, $hi:expr) => {
@@ -478,9 +524,14 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
     for t in 0..d / 16 {
         let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
         if BITS == 3 || GROUPED {
+            let g = t / groups.steps;
             for r in 0..rows {
-                // SAFETY: as this function's; 16t < d.
-                let (lo, hi) = unsafe { values16::<BITS, K, GROUPED>(b, &lut, r, t) };
+                // SAFETY: as this function's; 16t < d, so g < per_row.
+                let (lo, hi) = unsafe {
+                    let gp =
+                        if GROUPED { groups.at(r, g) } else { (_mm256_setzero_ps(), _mm256_setzero_ps()) };
+                    values16::<BITS, K, GROUPED>(b, &lut, r, t, gp)
+                };
                 fma_rows!(acc, r, lo, hi);
             }
         } else {
@@ -505,16 +556,6 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
             }
         }
     }
-}
-
-/// The scale and offset of group `g` as two broadcast vectors (offset 0 without offsets).
-///
-/// # Safety
-/// The CPU must support AVX2.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn group_params(scale: &[f32], offset: Option<&[f32]>, g: usize) -> (__m256, __m256) {
-    (_mm256_set1_ps(scale[g]), _mm256_set1_ps(offset.map_or(0.0, |o| o[g])))
 }
 
 /// Runs `f(first query, queries in this group)` over the query rows in groups of up to 4.
