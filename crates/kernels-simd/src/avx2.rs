@@ -114,6 +114,11 @@ struct Lut {
     /// [`vpshufb`](_mm256_shuffle_epi8) controls widening the 16 byte codes of a lane (the
     /// same in both lanes) to i32 lanes: codes 0..8 and 8..16 (see [`widen_codes`]).
     spread: [__m256i; 2],
+    /// A table of 16 levels as four byte planes (byte `j` of plane `k`: byte `k` of level
+    /// `j`'s bits), in both lanes, and the control moving the upper lane's codes on by four
+    /// (see [`levels16`]).
+    planes: [__m256i; 4],
+    ahead: __m256i,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -156,6 +161,12 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
         zero: _mm256_set1_epi32(zero_of(b)),
         // Opaque to the compiler, which would turn the constant shuffles of a broadcast back
         // into `vpmovzxbd` (two µops on Zen 3, and the upper half needs a shift first).
+        planes: [_mm256_setzero_si256(); 4],
+        // Opaque as `spread`, for the same reason.
+        ahead: std::hint::black_box(_mm256_setr_epi8(
+            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+            0, 1, 2, 3,
+        )),
         spread: std::hint::black_box([
             _mm256_setr_epi8(
                 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, 6,
@@ -182,6 +193,14 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
                 lut.lo = _mm256_loadu_ps(small.as_ptr());
                 lut.hi = _mm256_loadu_ps(small.as_ptr().add(8));
             }
+            let mut planes = [[0u8; 32]; 4];
+            for (j, level) in small.iter().enumerate() {
+                for (k, byte) in level.to_le_bytes().into_iter().enumerate() {
+                    (planes[k][j], planes[k][16 + j]) = (byte, byte);
+                }
+            }
+            // SAFETY: each plane holds 32 bytes.
+            lut.planes = planes.map(|p| unsafe { _mm256_loadu_si256(p.as_ptr().cast()) });
             lut.kind = if t.len() <= 8 { LutKind::Permute8 } else { LutKind::Permute16 };
         } else {
             lut.table = t.as_ptr();
@@ -292,9 +311,36 @@ unsafe fn widen_codes<const K: u8>(v: __m256i, lut: &Lut) -> (__m256, __m256) {
         // SAFETY: as this function's; F16C comes with the kernels' CPU check.
         return unsafe { fp8_halves::<K>(_mm256_castsi256_si128(v)) };
     }
+    if K == PERMUTE16 {
+        // SAFETY: as this function's.
+        return unsafe { levels16(v, lut) };
+    }
     let (lo, hi) = (_mm256_shuffle_epi8(v, lut.spread[0]), _mm256_shuffle_epi8(v, lut.spread[1]));
     // SAFETY: as this function's.
     unsafe { (levels8::<K>(lo, lut), levels8::<K>(hi, lut)) }
+}
+
+/// The levels of 16 codes below 16 (one per byte, the same in both lanes of `v`) from a
+/// table of 16, as two vectors of 8 floats, by in-lane byte shuffles only: the upper lane's
+/// codes moved on by four (`lut.ahead`), each byte of the levels looked up in its plane
+/// (`vpshufb`), and the four planes interleaved, bytes then pairs: the low lanes then hold
+/// the levels of codes 0..4 and 8..12, the upper ones those of 4..8 and 12..16, in order.
+/// Eleven one-µop shuffles, where `vpermps` from two registers and a blend took fourteen µops,
+/// eight of them on one pipe of Zen 3.
+///
+/// # Safety
+/// The CPU must support AVX2; `lut` is of kind `Permute16`; every code is below 16.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn levels16(v: __m256i, lut: &Lut) -> (__m256, __m256) {
+    let idx = _mm256_shuffle_epi8(v, lut.ahead);
+    let [b0, b1, b2, b3] = lut.planes.map(|p| _mm256_shuffle_epi8(p, idx));
+    let (lo01, lo23) = (_mm256_unpacklo_epi8(b0, b1), _mm256_unpacklo_epi8(b2, b3));
+    let (hi01, hi23) = (_mm256_unpackhi_epi8(b0, b1), _mm256_unpackhi_epi8(b2, b3));
+    (
+        _mm256_castsi256_ps(_mm256_unpacklo_epi16(lo01, lo23)),
+        _mm256_castsi256_ps(_mm256_unpacklo_epi16(hi01, hi23)),
+    )
 }
 
 /// Codes `16t .. 16t + 16` of a 3-bit row of `d` codes (`d` a multiple of 64), one per byte.
