@@ -1,14 +1,16 @@
 //! x86-64 AVX2 + FMA (+ F16C) kernels, chosen at run time. Codes are widened and multiplied in
-//! registers (no f32 copy of a row): a 16-byte load, a shift and a mask give 16 codes of the
-//! bit-plane layout, `vpmovzxbd` and `vcvtdq2ps` make them floats, `vfmadd` accumulates.
+//! registers (no f32 copy of a row): a 16-byte load into both lanes, a shift and a mask give
+//! 16 codes of the bit-plane layout, two in-lane `vpshufb` make them i32 lanes and
+//! `vcvtdq2ps` floats, `vfmadd` accumulates. Each layout (width, kind of levels, per-group
+//! parameters or not) has its own monomorphization, chosen once per block.
 //! Query rows go 4 at a time (a GQA group): scores unpack each key row once for all four and
 //! reduce their four sums together; values run one 16-channel column of the block at a time,
 //! all rows into four queries' accumulators held in registers, so the output is read and
 //! written once per block instead of once per row.
 //!
-//! Covered: affine and symmetric levels, table levels (codebooks of up to 16 levels held in
-//! two registers and looked up with `vpermps`; larger tables: the 8 levels of 8 codes come
-//! from one `vgatherdps`) and FP8 levels (decoded from their bits: e5m2 codes are the high byte
+//! Covered: affine and symmetric levels, table levels (codebooks of up to 8 levels held in a
+//! register and looked up with `vpermps`; of 16, as four byte planes looked up with `vpshufb`;
+//! larger tables: the 8 levels of 8 codes come from one `vgatherdps`) and FP8 levels (decoded from their bits: e5m2 codes are the high byte
 //! of an f16, e4m3's seven magnitude bits placed in an f16 are the value / 256, both widened
 //! by `vcvtph2ps`; no table), 2-, 4- and 8-bit codes, rows whose length is a multiple of the chunk (64,
 //! 32, 16 codes), and 3-bit codes in rows of a multiple of 64 (both bit planes read per 16
@@ -343,33 +345,41 @@ unsafe fn levels16(v: __m256i, lut: &Lut) -> (__m256, __m256) {
     )
 }
 
-/// Codes `16t .. 16t + 16` of a 3-bit row of `d` codes (`d` a multiple of 64), one per byte.
-/// A 3-bit row is a 2-bit plane (`d / 4` bytes, chunks of 64 codes in 16 bytes) followed by a
-/// 1-bit plane (chunks of 128 codes in 16 bytes, byte `j` bit `k` holding code `j + 16k`; a
-/// last chunk of 64 codes takes 8 bytes, byte `j` bit `k` holding code `j + 8k`).
+/// Codes `16t .. 16t + 16` of a 3-bit row of `d` codes (`d` a multiple of 64), one per byte,
+/// in both 128-bit lanes. A 3-bit row is a 2-bit plane (`d / 4` bytes, chunks of 64 codes in
+/// 16 bytes) followed by a 1-bit plane (chunks of 128 codes in 16 bytes, byte `j` bit `k`
+/// holding code `j + 16k`; a last chunk of 64 codes takes 8 bytes, byte `j` bit `k` holding
+/// code `j + 8k`). The high bit goes to its place with one shift, left or right by the
+/// distance from bit `k` to bit 2.
 ///
 /// # Safety
 /// The CPU must support AVX2; `row` points at a packed 3-bit row of `d` codes; `16t < d`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m128i {
+unsafe fn codes3(row: *const u8, d: usize, t: usize) -> __m256i {
     let i = 16 * t;
-    let shift = |n: usize| _mm_cvtsi32_si128(n as i32);
+    let count = |n: usize| _mm_cvtsi32_si128(n as i32);
     // SAFETY: chunk i / 64 of the 2-bit plane lies within its d / 4 bytes (d % 64 == 0); the
     // 1-bit plane starts after it, and a full chunk's 16 bytes or a last chunk's 8 bytes lie
     // within the row's 3d / 8 bytes.
     unsafe {
-        let low = _mm_loadu_si128(row.add(16 * (i / 64)).cast());
-        let low = _mm_and_si128(_mm_srl_epi16(low, shift(2 * ((i % 64) / 16))), _mm_set1_epi8(3));
+        let low = load_pair(row.add(16 * (i / 64)));
+        let low = _mm256_and_si256(_mm256_srl_epi16(low, count(2 * ((i % 64) / 16))), _mm256_set1_epi8(3));
         let plane = row.add(d / 4);
         let (c, j) = (i / 128, i % 128);
         let high = if d - 128 * c >= 128 {
-            _mm_srl_epi16(_mm_loadu_si128(plane.add(16 * c).cast()), shift(j / 16))
+            let (h, k) = (load_pair(plane.add(16 * c)), j / 16);
+            if k >= 2 { _mm256_srl_epi16(h, count(k - 2)) } else { _mm256_sll_epi16(h, count(2 - k)) }
         } else {
             let x = _mm_loadl_epi64(plane.add(16 * c).cast());
-            _mm_unpacklo_epi64(_mm_srl_epi16(x, shift(j / 8)), _mm_srl_epi16(x, shift(j / 8 + 1)))
+            let (k0, k1) = (j / 8, j / 8 + 1);
+            let to2 = |k: usize| {
+                if k >= 2 { _mm_srl_epi16(x, count(k - 2)) } else { _mm_sll_epi16(x, count(2 - k)) }
+            };
+            let h = _mm_unpacklo_epi64(to2(k0), to2(k1));
+            _mm256_set_m128i(h, h)
         };
-        _mm_or_si128(low, _mm_slli_epi16(_mm_and_si128(high, _mm_set1_epi8(1)), 2))
+        _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(4)))
     }
 }
 
@@ -392,10 +402,7 @@ unsafe fn values16<const BITS: u8, const K: u8, const GROUPED: bool>(
     let (lo, hi) = if BITS == 3 {
         // SAFETY: row r is a packed 3-bit row of `dim` codes, a multiple of 64 for supported
         // blocks, and 16t < dim; a table has 8 entries.
-        unsafe {
-            let v = codes3(b.row(r).as_ptr(), b.dim, t);
-            widen_codes::<K>(_mm256_set_m128i(v, v), lut)
-        }
+        unsafe { widen_codes::<K>(codes3(b.row(r).as_ptr(), b.dim, t), lut) }
     } else {
         let steps = 128 / BITS as usize / 16;
         // SAFETY: the 16-byte chunk holding codes 16t.. lies within row r (row_bytes is a
@@ -896,7 +903,7 @@ fn in_groups_of_4(n_q: usize, mut f: impl FnMut(usize, usize)) {
 /// Dispatches `$f::<BITS, NQ, K, GROUPED>` on a block's runtime width, query group size (1 to
 /// 3, else 4) and [`LutKind`], one monomorphization per layout a [`QuantBlock`] can have: codes
 /// and symmetric levels of 2, 3, 4 and 8 bits, tables of `2^bits` levels (8 entries at most:
-/// `vpermps`; 16: two; 256: a gather) and FP8 (8-bit codes).
+/// `vpermps`; 16: byte planes, [`levels16`]; 256: a gather) and FP8 (8-bit codes).
 macro_rules! by_layout {
     ($f:ident, $grouped:expr, $bits:expr, $kind:expr, $nq:expr, $args:tt) => {
         match $nq {
