@@ -440,8 +440,11 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
     // SAFETY: AVX2 is enabled by this function's target features.
     let (d, lut, groups) = (b.dim, unsafe { lut_of(b) }, Groups::of(b));
     let zero = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    for r in (0..b.rows).step_by(2) {
-        let r1 = (r + 1).min(b.rows - 1);
+    // Rows in pairs, but one at a time where decoding takes many registers (16-level tables:
+    // four byte planes), so that the decoding's registers are not spilled.
+    let pair = K != PERMUTE16;
+    for r in (0..b.rows).step_by(if pair { 2 } else { 1 }) {
+        let r1 = if pair { (r + 1).min(b.rows - 1) } else { r };
         // acc[2i + j]: query row i, block row r + j; the unused ones stay zero.
         let mut acc = [_mm256_setzero_ps(); 8];
         // The FMAs of 16 values of both rows at codes 16t..: a macro, not a closure (a closure
@@ -455,7 +458,9 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
                         (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
                     };
                     acc[2 * i] = _mm256_fmadd_ps($h0, q1, _mm256_fmadd_ps($l0, q0, acc[2 * i]));
-                    acc[2 * i + 1] = _mm256_fmadd_ps($h1, q1, _mm256_fmadd_ps($l1, q0, acc[2 * i + 1]));
+                    if pair {
+                        acc[2 * i + 1] = _mm256_fmadd_ps($h1, q1, _mm256_fmadd_ps($l1, q0, acc[2 * i + 1]));
+                    }
                 }
             };
         }
@@ -470,10 +475,8 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
                 for t in g * groups.steps..(g + 1) * groups.steps {
                     // SAFETY: as this function's; r, r1 < rows and 16t < d.
                     let ((l0, h0), (l1, h1)) = unsafe {
-                        (
-                            values16::<BITS, K, GROUPED>(b, &lut, r, t, p0),
-                            values16::<BITS, K, GROUPED>(b, &lut, r1, t, p1),
-                        )
+                        let v0 = values16::<BITS, K, GROUPED>(b, &lut, r, t, p0);
+                        (v0, if pair { values16::<BITS, K, GROUPED>(b, &lut, r1, t, p1) } else { v0 })
                     };
                     fma16!(t, l0, h0, l1, h1);
                 }
@@ -489,7 +492,8 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
                 for k in 0..steps {
                     // SAFETY: AVX2 is enabled; a table has 2^BITS entries (`QuantBlock::new`).
                     let ((l0, h0), (l1, h1)) = unsafe {
-                        (codes_f32::<K>(c0, BITS, k as i32, &lut), codes_f32::<K>(c1, BITS, k as i32, &lut))
+                        let v0 = codes_f32::<K>(c0, BITS, k as i32, &lut);
+                        (v0, if pair { codes_f32::<K>(c1, BITS, k as i32, &lut) } else { v0 })
                     };
                     fma16!(ci * steps + k, l0, h0, l1, h1);
                 }
