@@ -784,23 +784,37 @@ unsafe fn generic_dots<const NQ: usize>(
     let planes = kvq_quant_core::pack::planes(b.bits);
     let len = planes.len() * d;
     debug_assert_eq!(qa.len(), NQ * len);
-    // `w` bytes of a plane (8 fields of `w` bits) as 8 floats: 1-, 2- and 4-bit fields from one
-    // little-endian word broadcast and shifted lane by lane; bytes widened.
-    let fields = |x: &[u8], at: usize, w: usize, shifts: __m256i, mask: __m256i| -> __m256 {
-        let word = match w {
-            1 => i32::from(x[at]),
-            2 => i32::from(u16::from_le_bytes([x[at], x[at + 1]])),
-            4 => i32::from_le_bytes([x[at], x[at + 1], x[at + 2], x[at + 3]]),
-            _ => {
-                let b8 = u64::from_le_bytes(x[at..at + 8].try_into().expect("8 bytes"));
-                return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b8 as i64)));
+    /// `w` bytes of a plane (8 fields of `w` bits) at `x` as 8 floats: 1-, 2- and 4-bit
+    /// fields from one little-endian word broadcast and shifted lane by lane; bytes widened.
+    /// Read through a pointer: bounds-checked slices of each row cost as many instructions as
+    /// the vector work.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `x` points at `w` readable bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn fields(x: *const u8, w: usize, shifts: __m256i, mask: __m256i) -> __m256 {
+        // SAFETY: as this function's; unaligned reads of exactly `w` bytes.
+        let word = unsafe {
+            match w {
+                1 => i32::from(*x),
+                2 => i32::from(u16::from_le(x.cast::<u16>().read_unaligned())),
+                4 => i32::from_le(x.cast::<i32>().read_unaligned()),
+                _ => {
+                    let b8 = u64::from_le(x.cast::<u64>().read_unaligned());
+                    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b8 as i64)));
+                }
             }
         };
         _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask))
-    };
+    }
+    // What `QuantBlock::new` checked, restated for the reads through pointers below: whole
+    // rows of `row_bytes`, each holding its planes' `d · w / 8` bytes.
+    assert!(b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len()));
+    assert_eq!(planes.iter().map(|&w| d * usize::from(w) / 8).sum::<usize>(), b.row_bytes);
     for r in (0..b.rows).step_by(2) {
         let r1 = (r + 1).min(b.rows - 1);
-        let (row0, row1) = (b.row(r), b.row(r1));
+        let (row0, row1) = (b.row(r).as_ptr(), b.row(r1).as_ptr());
         // acc[2i + j]: query row i, block row r + j; the unused ones stay zero.
         let mut acc = [_mm256_setzero_ps(); 8];
         let (mut lane, mut byte) = (0, 0);
@@ -810,7 +824,11 @@ unsafe fn generic_dots<const NQ: usize>(
             let w32 = w as i32;
             let shifts = _mm256_setr_epi32(0, w32, 2 * w32, 3 * w32, 4 * w32, 5 * w32, 6 * w32, 7 * w32);
             for _ in 0..d / 8 {
-                let (x0, x1) = (fields(row0, byte, w, shifts, mask), fields(row1, byte, w, shifts, mask));
+                // SAFETY: AVX2 is enabled; byte + w <= row_bytes (the planes' bytes, asserted
+                // above), in both rows.
+                let (x0, x1) = unsafe {
+                    (fields(row0.add(byte), w, shifts, mask), fields(row1.add(byte), w, shifts, mask))
+                };
                 for i in 0..NQ {
                     // SAFETY: lane + 8 <= len: query row i's 8 floats of these fields.
                     let qv = unsafe { _mm256_loadu_ps(qa.as_ptr().add(i * len + lane)) };
