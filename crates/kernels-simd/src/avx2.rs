@@ -195,15 +195,17 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
                 lut.lo = _mm256_loadu_ps(small.as_ptr());
                 lut.hi = _mm256_loadu_ps(small.as_ptr().add(8));
             }
-            let mut planes = [[0u8; 32]; 4];
-            for (j, level) in small.iter().enumerate() {
-                for (k, byte) in level.to_le_bytes().into_iter().enumerate() {
-                    (planes[k][j], planes[k][16 + j]) = (byte, byte);
-                }
-            }
-            // SAFETY: each plane holds 32 bytes.
-            lut.planes = planes.map(|p| unsafe { _mm256_loadu_si256(p.as_ptr().cast()) });
             lut.kind = if t.len() <= 8 { LutKind::Permute8 } else { LutKind::Permute16 };
+            if lut.kind == LutKind::Permute16 {
+                let mut planes = [[0u8; 32]; 4];
+                for (j, level) in small.iter().enumerate() {
+                    for (k, byte) in level.to_le_bytes().into_iter().enumerate() {
+                        (planes[k][j], planes[k][16 + j]) = (byte, byte);
+                    }
+                }
+                // SAFETY: each plane holds 32 bytes.
+                lut.planes = planes.map(|p| unsafe { _mm256_loadu_si256(p.as_ptr().cast()) });
+            }
         } else {
             lut.table = t.as_ptr();
             lut.kind = LutKind::Gather;
