@@ -101,14 +101,14 @@ fn zero_of(b: &QuantBlock<'_>) -> i32 {
 }
 
 /// How [`widen_codes`] turns codes into levels: the codes themselves (minus a zero point),
-/// or a table of levels held in registers (up to 16 entries, looked up with `vpermps`) or in
-/// memory (FP8's 256, gathered with `vgatherdps`).
+/// a table of levels held in registers (up to 8 entries, looked up with `vpermps`; 16, as
+/// byte planes looked up with `vpshufb`) or in memory (256 entries, gathered with
+/// `vgatherdps`), or FP8 decoded from its bits.
 #[derive(Clone, Copy)]
 struct Lut {
     kind: LutKind,
-    /// Entries 0..8 and 8..16 of a small table.
+    /// The entries of a table of up to 8.
     lo: __m256,
-    hi: __m256,
     /// A large table, for gathers.
     table: *const f32,
     /// The symmetric zero point in every lane, or 0.
@@ -158,7 +158,6 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
     let mut lut = Lut {
         kind: if zero_of(b) != 0 { LutKind::Shifted } else { LutKind::Codes },
         lo: _mm256_setzero_ps(),
-        hi: _mm256_setzero_ps(),
         table: std::ptr::null(),
         zero: _mm256_set1_epi32(zero_of(b)),
         // Opaque to the compiler, which would turn the constant shuffles of a broadcast back
@@ -191,10 +190,7 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
             let mut small = [0f32; 16];
             small[..t.len()].copy_from_slice(t);
             // SAFETY: `small` holds 16 floats.
-            unsafe {
-                lut.lo = _mm256_loadu_ps(small.as_ptr());
-                lut.hi = _mm256_loadu_ps(small.as_ptr().add(8));
-            }
+            lut.lo = unsafe { _mm256_loadu_ps(small.as_ptr()) };
             lut.kind = if t.len() <= 8 { LutKind::Permute8 } else { LutKind::Permute16 };
             if lut.kind == LutKind::Permute16 {
                 let mut planes = [[0u8; 32]; 4];
@@ -214,7 +210,8 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
     lut
 }
 
-/// Levels of 8 codes (as i32 lanes) from a [`Lut`] of kind `K` (not FP8: [`fp8_halves`]).
+/// Levels of 8 codes (as i32 lanes) from a [`Lut`] of kind `K` (not FP8: [`fp8_halves`]; not
+/// 16-level tables: [`levels16`]).
 ///
 /// # Safety
 /// The CPU must support AVX2; `K` is `lut`'s kind; every code is below the table's length
@@ -228,11 +225,6 @@ unsafe fn levels8<const K: u8>(idx: __m256i, lut: &Lut) -> __m256 {
         _mm256_cvtepi32_ps(_mm256_sub_epi32(idx, lut.zero))
     } else if K == PERMUTE8 {
         _mm256_permutevar8x32_ps(lut.lo, idx)
-    } else if K == PERMUTE16 {
-        // vpermps reads the low 3 bits of each index; bit 3, moved to the sign bit, picks
-        // the upper half.
-        let pick = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
-        _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut.lo, idx), _mm256_permutevar8x32_ps(lut.hi, idx), pick)
     } else {
         // SAFETY: every index is a code, below the table's length (`GATHER`: a table of 256
         // levels).
