@@ -148,6 +148,20 @@ const GATHER: u8 = LutKind::Gather as u8;
 const E4M3: u8 = LutKind::E4m3 as u8;
 const E5M2: u8 = LutKind::E5m2 as u8;
 
+/// The kind of a block's levels: what its [`Lut`] holds and which monomorphization of the
+/// kernels runs it ([`by_layout`]).
+fn kind_of(b: &QuantBlock<'_>) -> LutKind {
+    match b.levels {
+        Levels::Fp8(Fp8Format::E4M3) => LutKind::E4m3,
+        Levels::Fp8(Fp8Format::E5M2) => LutKind::E5m2,
+        Levels::Table(t) if t.len() <= 8 => LutKind::Permute8,
+        Levels::Table(t) if t.len() <= 16 => LutKind::Permute16,
+        Levels::Table(_) => LutKind::Gather,
+        _ if zero_of(b) != 0 => LutKind::Shifted,
+        _ => LutKind::Codes,
+    }
+}
+
 /// The [`Lut`] of a block.
 ///
 /// # Safety
@@ -156,18 +170,12 @@ const E5M2: u8 = LutKind::E5m2 as u8;
 #[inline]
 unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
     let mut lut = Lut {
-        kind: if zero_of(b) != 0 { LutKind::Shifted } else { LutKind::Codes },
+        kind: kind_of(b),
         lo: _mm256_setzero_ps(),
         table: std::ptr::null(),
         zero: _mm256_set1_epi32(zero_of(b)),
         // Opaque to the compiler, which would turn the constant shuffles of a broadcast back
         // into `vpmovzxbd` (two µops on Zen 3, and the upper half needs a shift first).
-        planes: [_mm256_setzero_si256(); 4],
-        // Opaque as `spread`, for the same reason.
-        ahead: std::hint::black_box(_mm256_setr_epi8(
-            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-            0, 1, 2, 3,
-        )),
         spread: std::hint::black_box([
             _mm256_setr_epi8(
                 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, 6,
@@ -178,20 +186,19 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
                 14, -1, -1, -1, 15, -1, -1, -1,
             ),
         ]),
+        planes: [_mm256_setzero_si256(); 4],
+        // Opaque as `spread`, for the same reason (the constant shuffle of a broadcast).
+        ahead: std::hint::black_box(_mm256_setr_epi8(
+            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+            0, 1, 2, 3,
+        )),
     };
-    if let Levels::Fp8(f) = b.levels {
-        lut.table = f.levels().as_ptr();
-        lut.kind = match f {
-            Fp8Format::E4M3 => LutKind::E4m3,
-            Fp8Format::E5M2 => LutKind::E5m2,
-        };
-    } else if let Levels::Table(t) = b.levels {
+    if let Levels::Table(t) = b.levels {
         if t.len() <= 16 {
             let mut small = [0f32; 16];
             small[..t.len()].copy_from_slice(t);
             // SAFETY: `small` holds 16 floats.
             lut.lo = unsafe { _mm256_loadu_ps(small.as_ptr()) };
-            lut.kind = if t.len() <= 8 { LutKind::Permute8 } else { LutKind::Permute16 };
             if lut.kind == LutKind::Permute16 {
                 let mut planes = [[0u8; 32]; 4];
                 for (j, level) in small.iter().enumerate() {
@@ -204,7 +211,6 @@ unsafe fn lut_of(b: &QuantBlock<'_>) -> Lut {
             }
         } else {
             lut.table = t.as_ptr();
-            lut.kind = LutKind::Gather;
         }
     }
     lut
@@ -419,7 +425,8 @@ unsafe fn values16<const BITS: u8, const K: u8, const GROUPED: bool>(
 /// multiplied by every query row while it is there; two rows per pass, so that each query
 /// load serves both, with one accumulator per (query row, row) (`2·NQ` independent FMA
 /// chains) and the `2·NQ` sums reduced together in registers; an odd last row is paired with
-/// itself and emitted once.
+/// itself and emitted once. Rows of 16-level tables go one at a time (their lookup needs the
+/// registers the second row's accumulators would take).
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `supported(b)` with `b.bits == BITS`; `K` is the kind
@@ -526,7 +533,7 @@ impl Groups {
     /// The scale and offset (0 without offsets) of group `g` of row `r`, broadcast.
     ///
     /// # Safety
-    /// The CPU must support AVX; the block is per group (`QuantBlock::new` checked its
+    /// The CPU must support AVX2; the block is per group (`QuantBlock::new` checked its
     /// parameters: `rows · per_row` of each); `r < rows`, `g < per_row`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
@@ -575,7 +582,7 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
     for t in 0..d / 16 {
         let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
         if BITS == 3 || GROUPED {
-            let g = t / groups.steps;
+            let g = if GROUPED { t / groups.steps } else { 0 };
             for r in 0..rows {
                 // SAFETY: as this function's; 16t < d, so g < per_row.
                 let (lo, hi) = unsafe {
@@ -1042,8 +1049,7 @@ unsafe fn scores_group(
         arrange_query(q, n_q, d, b.bits, &mut w.arranged);
     }
     let arranged = &w.arranged.q;
-    // SAFETY: AVX2 is enabled by this function's target features.
-    let kind = unsafe { lut_of(b) }.kind;
+    let kind = kind_of(b);
     in_groups_of_4(n_q, |i0, n| {
         let qg = &q[i0 * d..(i0 + n) * d];
         // SAFETY: callers checked `supported(b)` (per-group blocks: groups of a multiple of
@@ -1101,8 +1107,7 @@ unsafe fn axpy_group_with(
     sums.resize(4 * d, 0.0);
     w.resize(4 * rows, 0.0);
     let any_width = !fast(b);
-    // SAFETY: AVX2 is enabled by this function's target features.
-    let kind = unsafe { lut_of(b) }.kind;
+    let kind = kind_of(b);
     // A loop rather than `in_groups_of_4`: the body stays in this function's AVX2 code.
     let mut i0 = 0;
     while i0 < n_q {
