@@ -294,7 +294,7 @@ unsafe fn codes_f32<const K: u8>(chunk: __m256i, bits: u8, k: i32, lut: &Lut) ->
 /// The CPU must support AVX2; `p` points at 16 readable bytes.
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn load_pair(p: *const u8) -> __m256i {
+pub(crate) unsafe fn load_pair(p: *const u8) -> __m256i {
     // SAFETY: as this function's.
     unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast())) }
 }
@@ -568,41 +568,20 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
 ) {
     // SAFETY: AVX2 is enabled by this function's target features.
     let (d, rows, lut, groups) = (b.dim, b.rows, unsafe { lut_of(b) }, Groups::of(b));
-    // The FMAs of one row's 16 values into every query's accumulators.
-    macro_rules! fma_rows {
-        ($acc:expr, $r:expr, $lo:expr, $hi:expr) => {
-            for (i, a) in $acc.iter_mut().enumerate() {
-                // SAFETY: i·rows + r < w.len().
-                let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + $r)) };
-                a[0] = _mm256_fmadd_ps($lo, wv, a[0]);
-                a[1] = _mm256_fmadd_ps($hi, wv, a[1]);
-            }
-        };
-    }
     for t in 0..d / 16 {
         let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
-        if BITS == 3 || GROUPED {
-            let g = if GROUPED { t / groups.steps } else { 0 };
-            for r in 0..rows {
-                // SAFETY: as this function's; 16t < d, so g < per_row.
-                let (lo, hi) = unsafe {
-                    let gp =
-                        if GROUPED { groups.at(r, g) } else { (_mm256_setzero_ps(), _mm256_setzero_ps()) };
-                    values16::<BITS, K, GROUPED>(b, &lut, r, t, gp)
-                };
-                fma_rows!(acc, r, lo, hi);
-            }
-        } else {
-            let steps = 128 / BITS as usize / 16;
-            let (ci, k) = (t / steps, (t % steps) as i32);
-            for r in 0..rows {
-                // SAFETY: chunk `ci` lies within row `r` (row_bytes is a multiple of 16 for
-                // supported blocks); AVX2 is enabled; a table has 2^BITS entries.
-                let (lo, hi) = unsafe {
-                    let chunk = load_pair(b.row(r).as_ptr().add(16 * ci));
-                    codes_f32::<K>(chunk, BITS, k, &lut)
-                };
-                fma_rows!(acc, r, lo, hi);
+        let g = if GROUPED { t / groups.steps } else { 0 };
+        for r in 0..rows {
+            // SAFETY: as this function's; r < rows, 16t < d, so g < per_row.
+            let (lo, hi) = unsafe {
+                let gp = if GROUPED { groups.at(r, g) } else { (_mm256_setzero_ps(), _mm256_setzero_ps()) };
+                values16::<BITS, K, GROUPED>(b, &lut, r, t, gp)
+            };
+            for (i, a) in acc.iter_mut().enumerate() {
+                // SAFETY: i·rows + r < w.len().
+                let wv = unsafe { _mm256_broadcast_ss(w.get_unchecked(i * rows + r)) };
+                a[0] = _mm256_fmadd_ps(lo, wv, a[0]);
+                a[1] = _mm256_fmadd_ps(hi, wv, a[1]);
             }
         }
         for (i, a) in acc.iter().enumerate() {
@@ -616,7 +595,6 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
     }
 }
 
-/// Runs `f(first query, queries in this group)` over the query rows in groups of up to 4.
 /// One bit plane of a packed row of `d` codes (`d` a multiple of 8), `w` bits a code, into
 /// `dst[..d]`, one code per byte. A full chunk is 16 bytes, byte `j` holding code `j + 16k` in
 /// bits `k·w`; a last, shorter chunk of `r` codes takes `s = ceil(r·w / 8)` bytes with `s` in
@@ -914,6 +892,7 @@ unsafe fn generic_axpy<const NQ: usize>(b: &QuantBlock<'_>, w: &[f32], sums: &mu
     }
 }
 
+/// Runs `f(first query, queries in this group)` over the query rows in groups of up to 4.
 fn in_groups_of_4(n_q: usize, mut f: impl FnMut(usize, usize)) {
     let mut i = 0;
     while i < n_q {

@@ -358,8 +358,8 @@ unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usi
                 // SAFETY: `at` is lane `lane` of row r < n, `at + next` of row r + 1 < n or of
                 // row r again: 16 bytes inside `codes` each.
                 let x = unsafe {
-                    let a = _mm256_broadcastsi128_si256(_mm_loadu_si128(at.cast()));
-                    let b = _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(next).cast()));
+                    let a = avx2::load_pair(at);
+                    let b = avx2::load_pair(at.add(next));
                     _mm256_or_si256(_mm256_shuffle_epi8(a, spread[0]), _mm256_shuffle_epi8(b, spread[1]))
                 };
                 // Two rows on, for the next pair (past the codes after the last one: never
