@@ -1845,9 +1845,23 @@ impl int8::IntKernel for Avx2Int {
 
     fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]) {
         // SAFETY: `int8_supported(b)` (checked by `scores_int8`, the only caller) covers the
-        // CPU, the bit width and the row length; the driver passes n arranged rows of equal
-        // length and n · rows.len() dots.
-        unsafe { by_4_or_8_and_group!(idots, b.bits, n, (b, rows, q, dots)) }
+        // CPU, the bit width and the row length (per group: 4-bit, groups of whole 32-code
+        // runs); the driver passes n arranged rows of equal length and n · rows.len() dots
+        // (per group, that times dim / run_len, `segment`'s runs).
+        unsafe {
+            if matches!(b.params, Params::PerGroup { .. }) {
+                by_group!(run_dots, n, (b, rows, q, dots))
+            } else {
+                by_4_or_8_and_group!(idots, b.bits, n, (b, rows, q, dots))
+            }
+        }
+    }
+
+    fn segment(b: &QuantBlock<'_>) -> usize {
+        match b.params {
+            Params::PerGroup { .. } => run_len(b),
+            _ => b.dim,
+        }
     }
 }
 
@@ -2269,6 +2283,144 @@ unsafe fn idots<const BITS: u8, const NQ: usize>(
     }
 }
 
+/// The codes of a run of [`run_dots`] for the per-group block `b`: 64 in groups of a multiple
+/// of 64 (a 32-byte chunk is then one run), 32 otherwise.
+fn run_len(b: &QuantBlock<'_>) -> usize {
+    match b.params {
+        Params::PerGroup { group, .. } if group.is_multiple_of(64) => 64,
+        _ => 32,
+    }
+}
+
+/// Integer dots of `NQ` arranged query rows with each run of `len` = [`run_len`] codes of rows
+/// `rows` of the 4-bit per-group block `b` (groups of a multiple of 32 values): run `s` of row
+/// `r` into `dots[(i · m + r) · d / len + s]` (the epilogue adds a group's runs and scales
+/// them). The rows' codes lie back to back, so the kernel walks them as one run of 32-byte
+/// chunks, four at a time whatever the row length, each against the query values of its place
+/// in a row. A chunk holds two runs of 32 (one a 128-bit lane, [`int8::arrange4`]'s order) or
+/// one of 64; one reduction of four chunks' sums gives eight dots or four, in order.
+///
+/// # Safety
+/// The CPU must support AVX2; `b.bits == 4`, `b.dim` a multiple of 64; `q` holds `NQ` rows
+/// arranged by [`int8::arrange4`] with 32-byte chunks and `dots` `NQ · rows.len() · b.dim /
+/// run_len(b)` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_dots<const NQ: usize>(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], dots: &mut [i32]) {
+    // SAFETY: forwarded.
+    unsafe {
+        if run_len(b) == 64 {
+            runs::<NQ, true>(b, rows, q, dots)
+        } else {
+            runs::<NQ, false>(b, rows, q, dots)
+        }
+    }
+}
+
+/// [`run_dots`], a 32-byte chunk one run (`WHOLE`, runs of 64) or two.
+///
+/// # Safety
+/// As [`run_dots`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn runs<const NQ: usize, const WHOLE: bool>(
+    b: &QuantBlock<'_>,
+    rows: Range<usize>,
+    q: &[u8],
+    dots: &mut [i32],
+) {
+    let (d, m) = (b.dim, rows.len());
+    let runs_per_chunk = if WHOLE { 1 } else { 2 };
+    let chunks_per_row = d / 64;
+    let per_row = chunks_per_row * runs_per_chunk;
+    let held = b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len());
+    assert!(
+        held && rows.end <= b.rows
+            && b.bits == 4
+            && d.is_multiple_of(64)
+            && b.row_bytes == 32 * chunks_per_row
+            && q.len() >= NQ * d
+            && dots.len() >= NQ * m * per_row,
+        "4-bit rows of whole chunks, inside the block, the query and the dots"
+    );
+    // SAFETY: rows.start <= b.rows, and the block holds b.rows · row_bytes bytes.
+    let base = unsafe { b.codes.as_ptr().add(rows.start * b.row_bytes) };
+    let total = m * chunks_per_row;
+    let (mut k, mut at) = (0, 0);
+    while k + 4 <= total {
+        // SAFETY: chunks k..k + 4 lie in rows `rows` (total chunks), run `at + 4 · runs a
+        // chunk` of each query's dots is at most m · per_row, and the query offsets stay in a
+        // row.
+        unsafe { run_step::<NQ, WHOLE, true>(base, k, 4, chunks_per_row, q, dots, m * per_row, at) };
+        k += 4;
+        at += 4 * runs_per_chunk;
+    }
+    if k < total {
+        // SAFETY: as above, for the last total − k < 4 chunks.
+        unsafe { run_step::<NQ, WHOLE, false>(base, k, total - k, chunks_per_row, q, dots, m * per_row, at) };
+    }
+}
+
+/// Chunks `k..k + n` (`n ≤ 4`; `FULL`: `n == 4`, each instance then has one call site and is
+/// inlined) of the code run at `base` against the `NQ` arranged query rows of `q` (`d =
+/// 64 · chunks_per_row` bytes each), their dots written from `at` in each query row's `len`
+/// dots.
+///
+/// # Safety
+/// The CPU must support AVX2; the chunks lie in the block; `at + n · runs a chunk ≤ len` and
+/// `dots` holds `NQ · len` values; `q` holds `NQ` rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_step<const NQ: usize, const WHOLE: bool, const FULL: bool>(
+    base: *const u8,
+    k: usize,
+    n: usize,
+    chunks_per_row: usize,
+    q: &[u8],
+    dots: &mut [i32],
+    len: usize,
+    at: usize,
+) {
+    let n = if FULL { 4 } else { n.min(4) };
+    let zero = _mm256_setzero_si256();
+    let mut code = [(zero, zero); 4];
+    let mut offset = [0usize; 4];
+    for j in 0..n {
+        // SAFETY: chunk k + j (32 bytes) lies in the block (this function's contract).
+        code[j] = unsafe { nibbles(base.add(32 * (k + j))) };
+        offset[j] = 64 * ((k + j) % chunks_per_row);
+    }
+    let (ones, q_row) = (_mm256_set1_epi16(1), 64 * chunks_per_row);
+    for i in 0..NQ {
+        let mut v = [zero; 4];
+        for j in 0..n {
+            let (lo, hi) = code[j];
+            // SAFETY: query row i's 64 bytes at the chunk's place in a row.
+            v[j] =
+                unsafe { _mm256_madd_epi16(chunk_dots(lo, hi, q.as_ptr().add(i * q_row + offset[j])), ones) };
+        }
+        // SAFETY: `at + runs <= len` and `dots` holds NQ · len values (the contract).
+        unsafe {
+            let out = dots.as_mut_ptr().add(i * len + at);
+            if WHOLE {
+                let sums = hsum4_i32(&v);
+                std::ptr::copy_nonoverlapping(sums.as_ptr(), out, n);
+            } else {
+                // Lanes 0..4 of a chunk's sums are its first run, 4..8 its second: two rounds
+                // of `vphaddd` leave [run 0 of chunks 0..4 | run 1 of chunks 0..4].
+                let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                let h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                if n == 4 {
+                    _mm256_storeu_si256(out.cast(), h);
+                } else {
+                    let mut tmp = [0i32; 8];
+                    _mm256_storeu_si256(tmp.as_mut_ptr().cast(), h);
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, 2 * n);
+                }
+            }
+        }
+    }
+}
+
 /// [`int8::arrange4`] with 32-byte chunks in AVX2: per 64 values, their first 16 and their
 /// 16 from 32 side by side, then the other two runs (two 128-bit lane permutations). The
 /// same bytes, into the first `q8.len() / 64 · 64` bytes of `out`; tails of fewer than 64
@@ -2302,14 +2454,24 @@ pub(crate) unsafe fn int_dots_4bit<const NQ: usize>(b: &QuantBlock<'_>, q: &[u8]
     unsafe { idots::<4, NQ>(b, 0..b.rows, q, dots) }
 }
 
-/// Whether [`scores_int8`] has an integer kernel for this block.
+/// Whether [`scores_int8`] has an integer kernel for this block: affine 4-bit rows of a
+/// multiple of 64 codes or 8-bit rows of a multiple of 16, parameters per row or per channel,
+/// and 4-bit rows with parameters per group of a multiple of 32 values; on a CPU with AVX2 and
+/// FMA.
 pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
     let ok_dim = match b.bits {
         4 => b.dim.is_multiple_of(64),
         8 => b.dim.is_multiple_of(16),
         _ => false,
     };
-    ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && crate::scalar::integer_params(b) && cpu_ok()
+    // Per group: 4-bit codes in whole 32-code runs a group (`run_dots`). 8-bit groups keep
+    // the float kernels: an integer kernel took as long (i16 products), and the query's int8
+    // rounding would cost them most of their precision.
+    let ok_params = match b.params {
+        Params::PerGroup { group, .. } => b.bits == 4 && group.is_multiple_of(32),
+        _ => true,
+    };
+    ok_dim && ok_params && b.dim > 0 && matches!(b.levels, Levels::Affine) && cpu_ok()
 }
 
 /// Scores through the integer path: the query (per-channel: the query times the scales) is
@@ -2347,7 +2509,7 @@ pub(crate) fn scores_int8_in(
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn by_block_avx2<K: int8::IntKernel>(
+pub(crate) unsafe fn by_block_avx2<K: int8::IntKernel + 'static>(
     b: &QuantBlock<'_>,
     q: &[f32],
     n_q: usize,

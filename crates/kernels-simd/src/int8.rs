@@ -4,6 +4,11 @@
 //! of the rows' codes with it, and a float epilogue restores the scales and adds the offsets
 //! (through the exact float sum of the query).
 //!
+//! Per-group blocks (`gN`: a scale and offset per `group` values of a row) take the same path
+//! with one integer dot per group (a kernel may write them as sums of shorter runs, which the
+//! epilogue adds exactly in i32), each scaled by its group's scale, the offsets through the
+//! float sum of the query over the group.
+//!
 //! Everything but the integer dots is this module's code, so every architecture gives the same
 //! scores bit for bit as [`crate::scalar::scores_int8`].
 
@@ -139,13 +144,19 @@ fn finish_rounding<T: Copy + Default>(
 
 /// Up to [`GROUP`] query rows rounded for one block: `n` rows of `dim` int8 values in natural
 /// order, each row's scale, and what its epilogue adds (`Σ q` per row; `Σ q · offset` per
-/// channel).
+/// channel; per group, `Σ q` over each group of the row in `group_sums`).
 #[derive(Default)]
 pub(crate) struct Prepared {
     pub(crate) q8: Vec<i8>,
     pub(crate) scale: [f32; GROUP],
     pub(crate) add: [f32; GROUP],
     qw: Vec<f32>,
+    /// Per-group blocks with offsets: `n × dim / group` sums of the query over each group.
+    group_sums: Vec<f32>,
+    /// Per-group blocks: the epilogue's terms, one per (row, group) of a call.
+    terms: Vec<f32>,
+    /// Per-group blocks whose kernel sums shorter runs than a group: the groups' dots.
+    group_dots: Vec<i32>,
 }
 
 impl Prepared {
@@ -163,23 +174,37 @@ impl Prepared {
             }
             return;
         }
+        self.group_sums.clear();
         for (i, qi) in q.chunks_exact(d).enumerate() {
+            self.scale[i] = K::round_query(qi, &mut self.q8);
             match b.params {
-                Params::PerRow { .. } => {
-                    self.scale[i] = K::round_query(qi, &mut self.q8);
-                    self.add[i] = K::sum(qi);
+                Params::PerRow { .. } => self.add[i] = K::sum(qi),
+                Params::PerGroup { group, offset: Some(_), .. } => {
+                    self.group_sums.extend(qi.chunks_exact(group).map(K::sum));
                 }
-                Params::PerGroup { .. } => unreachable!("the integer paths refuse per-group blocks"),
+                Params::PerGroup { offset: None, .. } => {}
                 Params::PerChannel { .. } => unreachable!("rounded above"),
             }
         }
     }
 
-    /// `out[(i0 + i) · rows + r] = score` for rows `at` of the block, from their integer dots
-    /// (`dots[i · at.len() + r − at.start]`).
+    /// What a preparation for `b` depends on besides the query rows, when that is not the
+    /// block's parameters (per-channel blocks fold their scales into the query).
     #[inline(always)]
-    fn epilogue(
-        &self,
+    fn reusable<K: IntKernel + 'static>(b: &QuantBlock<'_>) -> Option<Made> {
+        let (group, offset) = match b.params {
+            Params::PerChannel { .. } => return None,
+            Params::PerRow { offset, .. } => (None, offset.is_some()),
+            Params::PerGroup { group, offset, .. } => (Some(group), offset.is_some()),
+        };
+        Some(Made { kernel: std::any::TypeId::of::<K>(), dim: b.dim, bits: b.bits, group, offset })
+    }
+
+    /// `out[(i0 + i) · rows + r] = score` for rows `at` of the block, from their integer dots
+    /// (`dots[i · at.len() + r − at.start]`; per group, kernel `K`'s [`IntKernel::dots`]).
+    #[inline(always)]
+    fn epilogue<K: IntKernel>(
+        &mut self,
         b: &QuantBlock<'_>,
         i0: usize,
         n: usize,
@@ -187,7 +212,29 @@ impl Prepared {
         dots: &[i32],
         out: &mut [f32],
     ) {
-        let m = at.len();
+        let (m, seg) = (at.len(), K::segment(b));
+        if let Params::PerGroup { group, scale, offset } = b.params {
+            let (per_row, runs) = (b.dim / group, b.dim / seg);
+            let span = at.start * per_row..at.end * per_row;
+            for i in 0..n {
+                let o = &mut out[(i0 + i) * b.rows + at.start..(i0 + i) * b.rows + at.end];
+                let dots = &dots[i * m * runs..(i + 1) * m * runs];
+                let dots = if runs == per_row {
+                    dots
+                } else {
+                    // Several runs a group: their sums, exact in i32 (at most 255 · 127 a
+                    // value), in row order.
+                    let k = runs / per_row;
+                    self.group_dots.clear();
+                    self.group_dots.extend(dots.chunks_exact(k).map(|c| c.iter().sum::<i32>()));
+                    &self.group_dots[..]
+                };
+                let sums =
+                    offset.map(|f| (&f[span.clone()], &self.group_sums[i * per_row..(i + 1) * per_row]));
+                group_scores(self.scale[i], &scale[span.clone()], sums, dots, per_row, &mut self.terms, o);
+            }
+            return;
+        }
         for i in 0..n {
             let (qs, add) = (self.scale[i], self.add[i]);
             let o = &mut out[(i0 + i) * b.rows + at.start..(i0 + i) * b.rows + at.end];
@@ -205,7 +252,7 @@ impl Prepared {
                         *o = s * qs * dot as f32;
                     }
                 }
-                Params::PerGroup { .. } => unreachable!("the integer paths refuse per-group blocks"),
+                Params::PerGroup { .. } => unreachable!("scored above"),
                 Params::PerChannel { .. } => {
                     for (o, &dot) in o.iter_mut().zip(dots) {
                         *o = qs * dot as f32 + add;
@@ -216,6 +263,76 @@ impl Prepared {
     }
 }
 
+/// The scores of `o.len()` rows of a per-group block from their groups' integer `dots` (`per_row`
+/// a row, row-major like `scale`): row `r`'s score is the sum over its groups `g`, in order, of
+/// `scale[r, g] · qs · dot[r, g] + offset[r, g] · Σq[g]` (`sums`: the offsets and the query's
+/// sum over each group). The terms are taken eight rows at a time against the group sums
+/// repeated eight times, so that both loops vectorize whatever the number of groups.
+#[inline(always)]
+fn group_scores(
+    qs: f32,
+    scale: &[f32],
+    sums: Option<(&[f32], &[f32])>,
+    dots: &[i32],
+    per_row: usize,
+    terms: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    let len = o.len() * per_row;
+    let t = grown(terms, len);
+    match sums {
+        Some((offset, qsum)) => {
+            // Eight rows of terms at a time against the group sums repeated eight times (a
+            // fixed pattern, so the loop vectorizes), when that fits the pattern.
+            let span = 8 * per_row;
+            let mut pattern = [0f32; 64];
+            if span <= pattern.len() {
+                for p in pattern[..span].chunks_exact_mut(per_row) {
+                    p.copy_from_slice(qsum);
+                }
+            }
+            let pattern = if span <= pattern.len() { &pattern[..span] } else { qsum };
+            let span = pattern.len();
+            for (((t, d), s), f) in
+                t.chunks_mut(span).zip(dots.chunks(span)).zip(scale.chunks(span)).zip(offset.chunks(span))
+            {
+                for ((((t, &d), &s), &f), &g) in t.iter_mut().zip(d).zip(s).zip(f).zip(pattern) {
+                    *t = s * qs * d as f32 + f * g;
+                }
+            }
+        }
+        None => {
+            for ((t, &d), &s) in t.iter_mut().zip(dots).zip(scale) {
+                *t = s * qs * d as f32;
+            }
+        }
+    }
+    match per_row {
+        1 => o.copy_from_slice(&t[..o.len()]),
+        2 => add_groups::<2>(t, o),
+        4 => add_groups::<4>(t, o),
+        8 => add_groups::<8>(t, o),
+        _ => {
+            for (o, t) in o.iter_mut().zip(t.chunks_exact(per_row)) {
+                *o = t[1..].iter().fold(t[0], |a, &x| a + x);
+            }
+        }
+    }
+}
+
+/// `o[r] = t[G·r] + t[G·r + 1] + …` in that order, `G` known so that the sums unroll and the
+/// loop vectorizes over rows.
+#[inline(always)]
+fn add_groups<const G: usize>(t: &[f32], o: &mut [f32]) {
+    for (o, t) in o.iter_mut().zip(t.chunks_exact(G)) {
+        let mut a = t[0];
+        for &x in &t[1..G] {
+            a += x;
+        }
+        *o = a;
+    }
+}
+
 /// Buffers of the integer score path, kept per thread by each architecture module so that a
 /// decode step does not allocate per block.
 #[derive(Default)]
@@ -223,6 +340,21 @@ pub(crate) struct Scratch {
     prep: Prepared,
     arranged: Vec<u8>,
     dots: Vec<i32>,
+    /// What `prep` and `arranged` hold: the query rows they were made from and for which
+    /// blocks, when those do not depend on a block's parameters (see [`Prepared::reusable`]).
+    made: Option<(Made, Vec<f32>)>,
+}
+
+/// The blocks a prepared query serves: the kernel (its arrangement), the row length and width,
+/// and the parameters' layout (per row, or per group of this size) and whether they have
+/// offsets (which decide the sums the preparation took).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Made {
+    kernel: std::any::TypeId,
+    dim: usize,
+    bits: u8,
+    group: Option<usize>,
+    offset: bool,
 }
 
 /// Appends the 4-bit query `q8` (natural order) in the order an architecture unpacks a chunk of
@@ -293,8 +425,20 @@ pub(crate) trait IntKernel {
     /// Appends one query row (`dim` int8 values, natural order) in the kernel's layout.
     fn arrange(b: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>);
     /// `dots[i · rows.len() + r − rows.start] = Σ_d q_i[d] · code[r][d]` for the `n ≤ GROUP`
-    /// arranged query rows of `q` (equal lengths, back to back).
+    /// arranged query rows of `q` (equal lengths, back to back). Per-group blocks: one dot per
+    /// run of [`IntKernel::segment`] values, `dots[(i · rows.len() + r − rows.start) · dim /
+    /// seg + s]` the dot of run `s` of row `r`.
     fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]);
+
+    /// Values a dot of [`IntKernel::dots`] spans for block `b`: its rows, or for per-group
+    /// blocks a divisor of the group (the whole group by default).
+    #[inline(always)]
+    fn segment(b: &QuantBlock<'_>) -> usize {
+        match b.params {
+            Params::PerGroup { group, .. } => group,
+            _ => b.dim,
+        }
+    }
 
     /// [`quantize_query`], or an implementation that gives the same bytes and scale.
     #[inline(always)]
@@ -342,7 +486,7 @@ pub(crate) trait IntKernel {
 
 /// The integer scores of `n_q` query rows against block `b`, through kernel `K`.
 #[inline(always)]
-pub(crate) fn scores_by_block<K: IntKernel>(
+pub(crate) fn scores_by_block<K: IntKernel + 'static>(
     b: &QuantBlock<'_>,
     q: &[f32],
     n_q: usize,
@@ -350,14 +494,28 @@ pub(crate) fn scores_by_block<K: IntKernel>(
     scratch: &mut Scratch,
 ) {
     let d = b.dim;
-    let Scratch { prep, arranged, dots } = scratch;
+    let Scratch { prep, arranged, dots, made } = scratch;
+    let seg = K::segment(b);
+    let runs = d / seg;
+    // Decode scores every block of a sequence's KV head with the same query rows: where the
+    // rounding does not depend on the block's parameters, the last block's serves.
+    let key = Prepared::reusable::<K>(b).filter(|_| n_q <= GROUP);
+    let again = matches!((&*made, key), (Some((m, last)), Some(k)) if *m == k && same_bits(last, q));
     let mut i0 = 0;
     while i0 < n_q {
         let n = (n_q - i0).min(GROUP);
-        prep.prepare::<K>(b, &q[i0 * d..(i0 + n) * d]);
-        arranged.clear();
-        for qi in prep.q8.chunks_exact(d) {
-            K::arrange(b, qi, arranged);
+        if !again {
+            prep.prepare::<K>(b, &q[i0 * d..(i0 + n) * d]);
+            arranged.clear();
+            for qi in prep.q8.chunks_exact(d) {
+                K::arrange(b, qi, arranged);
+            }
+            *made = key.map(|k| {
+                let mut last = made.take().map(|(_, v)| v).unwrap_or_default();
+                last.clear();
+                last.extend_from_slice(q);
+                (k, last)
+            });
         }
         let mut r0 = 0;
         while r0 < b.rows {
@@ -365,13 +523,20 @@ pub(crate) fn scores_by_block<K: IntKernel>(
             // The kernels write every dot (no zeroing needed: it cost 3% of an integer
             // decode step); debug builds fill the buffer with garbage so that a kernel that
             // adds instead fails the tests.
-            let dots = fresh(dots, n * at.len());
+            let dots = fresh(dots, n * at.len() * runs);
             K::dots(b, at.clone(), arranged, n, dots);
-            prep.epilogue(b, i0, n, at.clone(), dots, out);
+            prep.epilogue::<K>(b, i0, n, at.clone(), dots, out);
             r0 = at.end;
         }
         i0 += n;
     }
+}
+
+/// Whether `a` and `b` hold the same floats, bit for bit (NaN payloads and the sign of zero
+/// included), without an early exit so that the comparison vectorizes.
+#[inline(always)]
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u32, |d, (x, y)| d | (x.to_bits() ^ y.to_bits())) == 0
 }
 
 /// The reference integer kernel: plain integer arithmetic on natural-order queries.
@@ -384,6 +549,8 @@ impl IntKernel for Reference {
 
     fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]) {
         let d = b.dim;
+        let seg = Self::segment(b);
+        let runs = d / seg;
         let mut codes = vec![0u8; d];
         let m = rows.len();
         for r in rows.clone() {
@@ -391,8 +558,10 @@ impl IntKernel for Reference {
                 .expect("QuantBlock::new checked the lengths");
             for i in 0..n {
                 let qi = &q[i * d..(i + 1) * d];
-                dots[i * m + r - rows.start] =
-                    codes.iter().zip(qi).map(|(&c, &x)| i32::from(c) * i32::from(x as i8)).sum();
+                for (s, (c, x)) in codes.chunks_exact(seg).zip(qi.chunks_exact(seg)).enumerate() {
+                    dots[(i * m + r - rows.start) * runs + s] =
+                        c.iter().zip(x).map(|(&c, &x)| i32::from(c) * i32::from(x as i8)).sum();
+                }
             }
         }
     }

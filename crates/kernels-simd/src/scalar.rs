@@ -5,8 +5,9 @@ use kvq_quant_core::pack::unpack_row;
 
 use crate::block::{Params, QuantBlock};
 
-/// Whether the integer paths take `b`'s parameters (per row or per channel; a per-group block
-/// has several scales per row, which one integer dot per row cannot carry).
+/// Whether the integer value paths and the fused kernels take `b`'s parameters (per row or per
+/// channel; a per-group block has several scales per row, which one integer sum per row or
+/// channel cannot carry). The integer score path takes per-group blocks too: one dot per group.
 pub(crate) fn integer_params(b: &QuantBlock<'_>) -> bool {
     !matches!(b.params, Params::PerGroup { .. })
 }
@@ -60,12 +61,12 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
 }
 
 /// The integer score path's reference: each query row (per-channel: times the scales) rounded
-/// to int8 as every integer kernel rounds it, plain integer dots with the codes, and the shared
-/// float epilogue. Every integer kernel equals it bit for bit. Returns `false`, computing
-/// nothing, for levels that are not the codes themselves (symmetric, table) and for per-group
-/// parameters.
+/// to int8 as every integer kernel rounds it, plain integer dots with the codes (per group for
+/// per-group parameters), and the shared float epilogue. Every integer kernel equals it bit for
+/// bit. Returns `false`, computing nothing, for levels that are not the codes themselves
+/// (symmetric, table).
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
-    if !matches!(b.levels, crate::block::Levels::Affine) || !integer_params(b) {
+    if !matches!(b.levels, crate::block::Levels::Affine) {
         return false;
     }
     let mut scratch = crate::int8::Scratch::default();

@@ -24,6 +24,7 @@ const DIMS: &[usize] = &[1, 8, 33];
 #[cfg(miri)]
 const ROWS: &[usize] = &[1, 5];
 
+#[derive(Clone)]
 struct Case {
     /// One code per value, before packing: what the naive oracle decodes.
     raw: Vec<u8>,
@@ -130,6 +131,16 @@ impl Case {
 }
 
 impl Case {
+    /// The case with parameters per group of `group` values (which divides the row): its
+    /// scales and offsets repeated to the new count, so that special cases keep their kind.
+    fn grouped(mut self, group: usize) -> Self {
+        let n = self.rows * (self.dim / group);
+        self.scale = self.scale.iter().copied().cycle().take(n).collect();
+        self.offset = self.offset.iter().copied().cycle().take(n).collect();
+        (self.group, self.per_channel) = (Some(group), false);
+        self
+    }
+
     /// The index of the scale and offset of value `k` of row `r`.
     fn param(&self, r: usize, k: usize) -> usize {
         match self.group {
@@ -405,7 +416,7 @@ fn integer_scores_stay_within_the_query_rounding_bound() {
             for dim in [64usize, 128, 192, 16, 48] {
                 for rows in [1usize, 5, 32] {
                     let special = rng.below(6) as u8;
-                    let mut case = Case::random(&mut rng, rows, dim, bits, special);
+                    let mut case = Case::random_with(&mut rng, rows, dim, bits, special, true);
                     case.levels_kind = 0;
                     let b = case.block();
                     let q: Vec<f32> = (0..2 * dim).map(|_| rng.normal() as f32).collect();
@@ -431,11 +442,9 @@ fn integer_scores_stay_within_the_query_rounding_bound() {
                                 .iter()
                                 .enumerate()
                                 .map(|(d, &v)| {
-                                    let (s, o) = if case.per_channel {
-                                        (case.scale[d], if case.with_offset { case.offset[d] } else { 0.0 })
-                                    } else {
-                                        (case.scale[r], if case.with_offset { case.offset[r] } else { 0.0 })
-                                    };
+                                    let k = case.param(r, d);
+                                    let (s, o) =
+                                        (case.scale[k], if case.with_offset { case.offset[k] } else { 0.0 });
                                     let level = if s > 0.0 { ((v - o) / s).abs() } else { 0.0 };
                                     f64::from(level)
                                         * if case.per_channel && integer { 1.0 } else { f64::from(s) }
@@ -485,9 +494,16 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
                 (16, 3),
                 (80, 4),
             ] {
-                for special in 0..6u8 {
+                for (special, group) in
+                    (0..6u8).flat_map(|s| [None, Some(32), Some(64), Some(128)].map(|g| (s, g)))
+                {
                     let mut case = Case::random(&mut rng, rows, dim, bits, special);
                     case.levels_kind = 0;
+                    if let Some(g) = group.filter(|g| dim.is_multiple_of(*g)) {
+                        case = case.grouped(g);
+                    } else if group.is_some() {
+                        continue;
+                    }
                     let b = case.block();
                     for n_q in [1usize, 2, 3, 4, 5, 8] {
                         let mut q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
@@ -506,7 +522,7 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
                         if !integer {
                             continue;
                         }
-                        *ran.entry(backend).or_insert(0) += 1;
+                        *ran.entry((backend, group.is_some())).or_insert(0) += 1;
                         assert!(scalar::scores_int8(&b, &q, n_q, &mut want));
                         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
                             assert_eq!(
@@ -522,7 +538,11 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
     }
     for b in available() {
         if matches!(b, Backend::Avx2 | Backend::Avx512 | Backend::Dotprod) {
-            assert!(ran.get(&b).copied().unwrap_or(0) > 0, "{b}: the integer path never ran");
+            assert!(ran.get(&(b, false)).copied().unwrap_or(0) > 0, "{b}: the integer path never ran");
+        }
+        if b == Backend::Avx2 {
+            // 4-bit per-group blocks (groups of whole 32-code runs) have an AVX2 integer kernel.
+            assert!(ran.get(&(b, true)).copied().unwrap_or(0) > 0, "{b}: no per-group block took it");
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -535,18 +555,77 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
     }
 }
 
+/// One scratch across blocks of different layouts and query rows, as decode uses it: a kernel
+/// reuses the query it rounded for the last block only where the rounding serves the next
+/// (the same rows, width, length and parameter layout; at most one group of query rows), so
+/// every result equals a fresh scratch's, bit for bit.
+#[test]
+fn integer_scores_reuse_a_rounded_query_only_where_it_fits() {
+    use kvq_kernels_simd::{Scratch, scores_int8_in};
+    let mut rng = Rng::new(0x5c7a);
+    let dim = 128;
+    let queries: Vec<Vec<f32>> =
+        (0..2).map(|_| (0..8 * dim).map(|_| rng.normal() as f32).collect()).collect();
+    let mut cases = Vec::new();
+    for bits in [4u8, 8] {
+        for (group, offset) in
+            [(None, true), (None, false), (Some(32), true), (Some(64), true), (Some(32), false)]
+        {
+            let mut case = Case::random(&mut rng, 9, dim, bits, 0);
+            (case.levels_kind, case.with_offset, case.per_channel) = (0, offset, false);
+            case.scale = (0..9).map(|_| rng.uniform() as f32 + 0.1).collect();
+            case.offset = (0..9).map(|_| rng.normal() as f32).collect();
+            cases.push(group.map_or(case.clone(), |g| case.grouped(g)));
+        }
+        let mut channel = Case::random(&mut rng, 9, dim, bits, 0);
+        (channel.levels_kind, channel.per_channel) = (0, true);
+        channel.scale = (0..dim).map(|_| rng.uniform() as f32 + 0.1).collect();
+        channel.offset = (0..dim).map(|_| rng.normal() as f32).collect();
+        cases.push(channel);
+    }
+    let calls: Vec<(usize, usize, usize)> =
+        (0..cases.len()).flat_map(|c| [(c, 0, 1), (c, 0, 4), (c, 1, 4), (c, 0, 8)]).collect();
+    let run = |backend, scratch: &mut Scratch, &(c, q, n_q): &(usize, usize, usize)| {
+        let mut out = vec![0f32; n_q * 9];
+        scores_int8_in(backend, scratch, &cases[c].block(), &queries[q][..n_q * dim], n_q, &mut out).unwrap();
+        out
+    };
+    for backend in available() {
+        // Every ordered pair of calls, the second against a fresh scratch's result.
+        for first in &calls {
+            for second in &calls {
+                let mut scratch = Scratch::default();
+                run(backend, &mut scratch, first);
+                let got = run(backend, &mut scratch, second);
+                let want = run(backend, &mut Scratch::default(), second);
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!(g.to_bits(), w.to_bits(), "{backend} {first:?} then {second:?}: {g} vs {w}");
+                }
+            }
+        }
+    }
+}
+
 /// The integer reference computes what its algebra says: the int8-rounded query (per channel,
 /// times the scales) dotted with the codes, scaled back, plus the offsets' exact term.
 #[test]
 fn the_integer_reference_follows_its_algebra() {
     let mut rng = Rng::new(31);
-    for per_channel in [false, true] {
+    // Per row, per channel, per group of 8 values (5 a row) and of 4 (10 a row: more groups
+    // than the epilogue's repeated sums hold).
+    for (per_channel, group) in [(false, None), (true, None), (false, Some(8)), (false, Some(4))] {
         let mut case = Case::random(&mut rng, 6, 40, 4, 0);
         case.levels_kind = 0;
         case.with_offset = true;
         case.per_channel = per_channel;
-        case.scale = (0..if per_channel { 40 } else { 6 }).map(|_| rng.uniform() as f32 + 0.1).collect();
-        case.offset = (0..case.scale.len()).map(|_| rng.normal() as f32).collect();
+        case.group = group;
+        let n = match group {
+            Some(g) => 6 * 40 / g,
+            None if per_channel => 40,
+            None => 6,
+        };
+        case.scale = (0..n).map(|_| rng.uniform() as f32 + 0.1).collect();
+        case.offset = (0..n).map(|_| rng.normal() as f32).collect();
         let b = case.block();
         let q: Vec<f32> = (0..40).map(|_| rng.normal() as f32).collect();
         let mut got = vec![0f32; 6];
@@ -560,11 +639,7 @@ fn the_integer_reference_follows_its_algebra() {
             let sq = qw.iter().fold(0f64, |m, v| m.max(v.abs())) / 127.0;
             let mut want = 0f64;
             for d in 0..40 {
-                let (s, o) = if per_channel {
-                    (case.scale[d], case.offset[d])
-                } else {
-                    (case.scale[r], case.offset[r])
-                };
+                let (s, o) = (case.scale[case.param(r, d)], case.offset[case.param(r, d)]);
                 let level = ((f64::from(x[r * 40 + d]) - f64::from(o)) / f64::from(s)).round();
                 let q8 = (qw[d] / sq).round_ties_even();
                 want += q8 * sq * level * if per_channel { 1.0 } else { f64::from(s) }

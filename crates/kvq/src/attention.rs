@@ -256,7 +256,10 @@ pub enum ScorePath {
     #[default]
     Float,
     /// The integer paths where the backend has them: scores with the queries rounded to int8
-    /// (as llama.cpp does), off by at most `max|q| / 254 · Σ|levels · scale|`; and, where the
+    /// (as llama.cpp does), off by at most `max|q| / 254 · Σ|levels · scale|`, for affine INT4
+    /// and INT8 keys per token or per channel (AVX2, AVX-512 VNNI, aarch64 `sdot`) and per
+    /// group of a multiple of 32 values (AVX2; elsewhere such keys take the float kernels);
+    /// and, where the
     /// backend has an integer value kernel (AVX-512 VNNI, INT4 and INT8 values; AVX2, INT4
     /// values per token under INT4 keys per channel, in the fused block kernel), the block's
     /// weights `p · scale` rounded with one scale per block (to 0..=255 for INT4 codes, which
