@@ -2190,6 +2190,57 @@ unsafe fn chunk_dots(lo: __m256i, hi: __m256i, q: *const u8) -> __m256i {
     }
 }
 
+/// As [`acc4`] for a 16-level table block: each chunk's nibbles looked up in `tab` (the
+/// levels rounded to int8, [`table_vector`]), one 32-byte chunk at a time ([`table_dots`]).
+///
+/// # Safety
+/// As [`acc4`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn acc4_table<const NQ: usize>(row: &[u8], q: &[u8], d: usize, tab: __m256i, acc: &mut [__m256i]) {
+    for (c, code) in row.chunks_exact(32).enumerate() {
+        // SAFETY: `code` is 32 bytes; the chunk's 64 values at 64c lie inside each query row.
+        unsafe {
+            let t = table_chunk(code.as_ptr(), tab);
+            for (i, a) in acc.iter_mut().enumerate().take(NQ) {
+                *a = _mm256_add_epi32(*a, table_dots(&t, q.as_ptr().add(i * d + 64 * c)));
+            }
+        }
+    }
+}
+
+/// The 64 levels of the 32 code bytes at `code` looked up in `tab` ([`table_vector`]): low
+/// nibbles' levels, their magnitudes, high nibbles' levels, their magnitudes.
+///
+/// # Safety
+/// The CPU must support AVX2; `code` points to 32 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn table_chunk(code: *const u8, tab: __m256i) -> [__m256i; 4] {
+    // SAFETY: 32 readable bytes (this function's contract).
+    let (lo, hi) = unsafe { nibbles(code) };
+    let (l, h) = (_mm256_shuffle_epi8(tab, lo), _mm256_shuffle_epi8(tab, hi));
+    [l, _mm256_abs_epi8(l), h, _mm256_abs_epi8(h)]
+}
+
+/// A chunk's 64 table levels ([`table_chunk`]) times the 64 arranged int8 query values at `q`,
+/// as eight i32 (per 128-bit lane, its 32 codes). `vpmaddubsw` takes the levels' magnitudes
+/// and the query with their signs (`vpsignb`): a pair is at most `2 · 127 · 127 = 32258`, so
+/// each plane is widened on its own.
+///
+/// # Safety
+/// The CPU must support AVX2; `q` points to 64 readable bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn table_dots(t: &[__m256i; 4], q: *const u8) -> __m256i {
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: 64 readable bytes (this function's contract).
+    let (ql, qh) = unsafe { (_mm256_loadu_si256(q.cast()), _mm256_loadu_si256(q.add(32).cast())) };
+    let lo = _mm256_maddubs_epi16(t[1], _mm256_sign_epi8(ql, t[0]));
+    let hi = _mm256_maddubs_epi16(t[3], _mm256_sign_epi8(qh, t[2]));
+    _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+}
+
 /// As [`acc4`] for 8-bit codes and i16 queries ([`int8::arrange_i16`]).
 ///
 /// # Safety
@@ -2218,11 +2269,12 @@ unsafe fn acc8<const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m25
 /// As [`idots`].
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn idot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
+unsafe fn idot_step<const BITS: u8, const NQ: usize, const STEP: usize, const TABLE: bool>(
     b: &QuantBlock<'_>,
     rows: &Range<usize>,
     r: usize,
     q: &[u8],
+    tab: __m256i,
     dots: &mut [i32],
 ) {
     let mut acc = [_mm256_setzero_si256(); 4];
@@ -2230,11 +2282,48 @@ unsafe fn idot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
         // SAFETY: row rows.start + r + j < rows.end, whose rows `idots` checked lie in `b`.
         let (row, a) = (unsafe { b.row_unchecked(rows.start + r + j) }, &mut acc[j * NQ..(j + 1) * NQ]);
         // SAFETY: forwarded from the caller.
-        unsafe { if BITS == 4 { acc4::<NQ>(row, q, b.dim, a) } else { acc8::<NQ>(row, q, b.dim, a) } }
+        unsafe {
+            if TABLE {
+                acc4_table::<NQ>(row, q, b.dim, tab, a)
+            } else if BITS == 4 {
+                acc4::<NQ>(row, q, b.dim, a)
+            } else {
+                acc8::<NQ>(row, q, b.dim, a)
+            }
+        }
     }
     // SAFETY: AVX2 is enabled by this function's target features; r + STEP <= rows.len() and
     // `dots` holds NQ · rows.len() values (checked by `idots`).
     unsafe { store_dots::<NQ>(hsum4_i32(&acc), STEP, r, rows.len(), dots) };
+}
+
+/// Integer dots of `NQ` arranged query rows with rows `rows` of `b`, its codes or (16-level
+/// tables) their levels rounded to int8 ([`int8::table8`]): [`idots_in`].
+///
+/// # Safety
+/// As [`idots_in`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn idots<const BITS: u8, const NQ: usize>(
+    b: &QuantBlock<'_>,
+    rows: Range<usize>,
+    q: &[u8],
+    dots: &mut [i32],
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        match int8::table8(b) {
+            Some((t, _)) if BITS == 4 => idots_in::<4, NQ, true>(b, rows, q, table_vector(&t), dots),
+            _ => idots_in::<BITS, NQ, false>(b, rows, q, _mm256_setzero_si256(), dots),
+        }
+    }
+}
+
+/// A 16-level table's int8 levels as a `vpshufb` table in both 128-bit lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn table_vector(t: &[i8; 16]) -> __m256i {
+    // SAFETY: `t` holds 16 bytes.
+    _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(t.as_ptr().cast()) })
 }
 
 /// Integer dots of `NQ` arranged query rows with rows `rows` of `b`: `4 / NQ` rows at a time
@@ -2243,12 +2332,14 @@ unsafe fn idot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
 ///
 /// # Safety
 /// The CPU must support AVX2; `BITS == b.bits` and the block and `q` as [`acc4`] / [`acc8`]
-/// require; `dots` holds `NQ · rows.len()` values.
+/// require (`TABLE`: a 16-level table block, `tab` its [`table_vector`]); `dots` holds `NQ ·
+/// rows.len()` values.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn idots<const BITS: u8, const NQ: usize>(
+unsafe fn idots_in<const BITS: u8, const NQ: usize, const TABLE: bool>(
     b: &QuantBlock<'_>,
     rows: Range<usize>,
     q: &[u8],
+    tab: __m256i,
     dots: &mut [i32],
 ) {
     let (m, rr) = (rows.len(), 4 / NQ);
@@ -2260,7 +2351,7 @@ unsafe fn idots<const BITS: u8, const NQ: usize>(
         // inlined and the accumulators stay in registers).
         for r in 0..m {
             // SAFETY: the CPU features and bounds are forwarded from the caller.
-            unsafe { idot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) };
+            unsafe { idot_step::<BITS, NQ, 1, TABLE>(b, &rows, r, q, tab, dots) };
         }
         return;
     }
@@ -2268,17 +2359,17 @@ unsafe fn idots<const BITS: u8, const NQ: usize>(
     while r + rr <= m {
         match NQ {
             // SAFETY: the CPU features and bounds are forwarded from the caller.
-            1 => unsafe { idot_step::<BITS, NQ, 4>(b, &rows, r, q, dots) },
+            1 => unsafe { idot_step::<BITS, NQ, 4, TABLE>(b, &rows, r, q, tab, dots) },
             // SAFETY: the CPU features and bounds are forwarded from the caller.
-            2 => unsafe { idot_step::<BITS, NQ, 2>(b, &rows, r, q, dots) },
+            2 => unsafe { idot_step::<BITS, NQ, 2, TABLE>(b, &rows, r, q, tab, dots) },
             // SAFETY: the CPU features and bounds are forwarded from the caller.
-            _ => unsafe { idot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) },
+            _ => unsafe { idot_step::<BITS, NQ, 1, TABLE>(b, &rows, r, q, tab, dots) },
         }
         r += rr;
     }
     while r < m {
         // SAFETY: the CPU features and bounds are forwarded from the caller.
-        unsafe { idot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) };
+        unsafe { idot_step::<BITS, NQ, 1, TABLE>(b, &rows, r, q, tab, dots) };
         r += 1;
     }
 }
@@ -2308,23 +2399,27 @@ fn run_len(b: &QuantBlock<'_>) -> usize {
 unsafe fn run_dots<const NQ: usize>(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], dots: &mut [i32]) {
     // SAFETY: forwarded.
     unsafe {
-        if run_len(b) == 64 {
-            runs::<NQ, true>(b, rows, q, dots)
-        } else {
-            runs::<NQ, false>(b, rows, q, dots)
+        let zero = _mm256_setzero_si256();
+        match (run_len(b) == 64, int8::table8(b)) {
+            (true, None) => runs::<NQ, true, false>(b, rows, q, zero, dots),
+            (false, None) => runs::<NQ, false, false>(b, rows, q, zero, dots),
+            (true, Some((t, _))) => runs::<NQ, true, true>(b, rows, q, table_vector(&t), dots),
+            (false, Some((t, _))) => runs::<NQ, false, true>(b, rows, q, table_vector(&t), dots),
         }
     }
 }
 
-/// [`run_dots`], a 32-byte chunk one run (`WHOLE`, runs of 64) or two.
+/// [`run_dots`], a 32-byte chunk one run (`WHOLE`, runs of 64) or two; `TABLE`: a 16-level
+/// table block, `tab` its [`table_vector`].
 ///
 /// # Safety
 /// As [`run_dots`].
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn runs<const NQ: usize, const WHOLE: bool>(
+unsafe fn runs<const NQ: usize, const WHOLE: bool, const TABLE: bool>(
     b: &QuantBlock<'_>,
     rows: Range<usize>,
     q: &[u8],
+    tab: __m256i,
     dots: &mut [i32],
 ) {
     let (d, m) = (b.dim, rows.len());
@@ -2349,13 +2444,27 @@ unsafe fn runs<const NQ: usize, const WHOLE: bool>(
         // SAFETY: chunks k..k + 4 lie in rows `rows` (total chunks), run `at + 4 · runs a
         // chunk` of each query's dots is at most m · per_row, and the query offsets stay in a
         // row.
-        unsafe { run_step::<NQ, WHOLE, true>(base, k, 4, chunks_per_row, q, dots, m * per_row, at) };
+        unsafe {
+            run_step::<NQ, WHOLE, TABLE, true>(base, k, 4, chunks_per_row, q, tab, dots, m * per_row, at)
+        };
         k += 4;
         at += 4 * runs_per_chunk;
     }
     if k < total {
         // SAFETY: as above, for the last total − k < 4 chunks.
-        unsafe { run_step::<NQ, WHOLE, false>(base, k, total - k, chunks_per_row, q, dots, m * per_row, at) };
+        unsafe {
+            run_step::<NQ, WHOLE, TABLE, false>(
+                base,
+                k,
+                total - k,
+                chunks_per_row,
+                q,
+                tab,
+                dots,
+                m * per_row,
+                at,
+            )
+        };
     }
 }
 
@@ -2370,33 +2479,47 @@ unsafe fn runs<const NQ: usize, const WHOLE: bool>(
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
-unsafe fn run_step<const NQ: usize, const WHOLE: bool, const FULL: bool>(
+unsafe fn run_step<const NQ: usize, const WHOLE: bool, const TABLE: bool, const FULL: bool>(
     base: *const u8,
     k: usize,
     n: usize,
     chunks_per_row: usize,
     q: &[u8],
+    tab: __m256i,
     dots: &mut [i32],
     len: usize,
     at: usize,
 ) {
     let n = if FULL { 4 } else { n.min(4) };
     let zero = _mm256_setzero_si256();
-    let mut code = [(zero, zero); 4];
+    let mut code = [[zero; 4]; 4];
     let mut offset = [0usize; 4];
     for j in 0..n {
         // SAFETY: chunk k + j (32 bytes) lies in the block (this function's contract).
-        code[j] = unsafe { nibbles(base.add(32 * (k + j))) };
+        code[j] = unsafe {
+            let p = base.add(32 * (k + j));
+            if TABLE {
+                table_chunk(p, tab)
+            } else {
+                let (lo, hi) = nibbles(p);
+                [lo, hi, zero, zero]
+            }
+        };
         offset[j] = 64 * ((k + j) % chunks_per_row);
     }
     let (ones, q_row) = (_mm256_set1_epi16(1), 64 * chunks_per_row);
     for i in 0..NQ {
         let mut v = [zero; 4];
         for j in 0..n {
-            let (lo, hi) = code[j];
             // SAFETY: query row i's 64 bytes at the chunk's place in a row.
-            v[j] =
-                unsafe { _mm256_madd_epi16(chunk_dots(lo, hi, q.as_ptr().add(i * q_row + offset[j])), ones) };
+            v[j] = unsafe {
+                let p = q.as_ptr().add(i * q_row + offset[j]);
+                if TABLE {
+                    table_dots(&code[j], p)
+                } else {
+                    _mm256_madd_epi16(chunk_dots(code[j][0], code[j][1], p), ones)
+                }
+            };
         }
         // SAFETY: `at + runs <= len` and `dots` holds NQ · len values (the contract).
         unsafe {
@@ -2451,13 +2574,13 @@ pub(crate) unsafe fn arrange4_32(q8: &[i8], out: &mut [u8]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn int_dots_4bit<const NQ: usize>(b: &QuantBlock<'_>, q: &[u8], dots: &mut [i32]) {
     // SAFETY: forwarded from the caller.
-    unsafe { idots::<4, NQ>(b, 0..b.rows, q, dots) }
+    unsafe { idots_in::<4, NQ, false>(b, 0..b.rows, q, _mm256_setzero_si256(), dots) }
 }
 
 /// Whether [`scores_int8`] has an integer kernel for this block: affine 4-bit rows of a
 /// multiple of 64 codes or 8-bit rows of a multiple of 16, parameters per row or per channel,
-/// and 4-bit rows with parameters per group of a multiple of 32 values; on a CPU with AVX2 and
-/// FMA.
+/// and 4-bit rows with parameters per group of a multiple of 32 values; 4-bit rows of a
+/// 16-level table (NF4, 4-bit codebooks) as affine 4-bit ones; on a CPU with AVX2 and FMA.
 pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
     let ok_dim = match b.bits {
         4 => b.dim.is_multiple_of(64),
@@ -2471,7 +2594,8 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
         Params::PerGroup { group, .. } => b.bits == 4 && group.is_multiple_of(32),
         _ => true,
     };
-    ok_dim && ok_params && b.dim > 0 && matches!(b.levels, Levels::Affine) && cpu_ok()
+    let ok_levels = matches!(b.levels, Levels::Affine) || int8::table8(b).is_some();
+    ok_dim && ok_params && ok_levels && b.dim > 0 && cpu_ok()
 }
 
 /// Scores through the integer path: the query (per-channel: the query times the scales) is

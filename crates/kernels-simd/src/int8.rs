@@ -9,12 +9,15 @@
 //! epilogue adds exactly in i32), each scaled by its group's scale, the offsets through the
 //! float sum of the query over the group.
 //!
+//! Blocks of a 16-level table (NF4, 4-bit codebooks) take it too, the table's levels rounded to
+//! int8 with one scale ([`table8`]) in place of the codes, that scale joining the query's.
+//!
 //! Everything but the integer dots is this module's code, so every architecture gives the same
 //! scores bit for bit as [`crate::scalar::scores_int8`].
 
 use std::ops::Range;
 
-use crate::block::{Params, QuantBlock};
+use crate::block::{Levels, Params, QuantBlock};
 use crate::portable::{dot_lanes, sum_lanes};
 
 /// Rows handed to an architecture kernel per call: the dots of one call stay in L1 when a
@@ -23,6 +26,20 @@ const CHUNK_ROWS: usize = 256;
 
 /// Query rows at a time: every key row is loaded once for up to this many (a GQA group).
 pub(crate) const GROUP: usize = 4;
+
+/// The levels of a 16-level table block (4-bit codes) rounded to int8: `round(T[c] / st)` with
+/// `st = max|T| / 127` (ties to even), and `st`; `None` for other blocks. NaN levels give a NaN
+/// `st`, which reaches every score.
+#[inline]
+pub(crate) fn table8(b: &QuantBlock<'_>) -> Option<([i8; 16], f32)> {
+    let Levels::Table(t) = b.levels else { return None };
+    if b.bits != 4 || t.len() != 16 {
+        return None;
+    }
+    let max = t.iter().fold(0f32, |m, &v| if v.abs() > m { v.abs() } else { m });
+    let (st, inv) = scale_of(max, t.iter().any(|v| v.is_nan()), 127.0);
+    Some((std::array::from_fn(|c| round_code(t[c], inv, 127.0) as i8), st))
+}
 
 /// `max|q| / 127`, returned, and `q / scale` rounded into −127..=127, appended to `out`.
 #[inline(always)]
@@ -213,6 +230,8 @@ impl Prepared {
         out: &mut [f32],
     ) {
         let (m, seg) = (at.len(), K::segment(b));
+        // A table's int8 levels carry a scale of their own (1 for codes, which changes no bit).
+        let st = table8(b).map_or(1.0, |(_, st)| st);
         if let Params::PerGroup { group, scale, offset } = b.params {
             let (per_row, runs) = (b.dim / group, b.dim / seg);
             let span = at.start * per_row..at.end * per_row;
@@ -231,12 +250,20 @@ impl Prepared {
                 };
                 let sums =
                     offset.map(|f| (&f[span.clone()], &self.group_sums[i * per_row..(i + 1) * per_row]));
-                group_scores(self.scale[i], &scale[span.clone()], sums, dots, per_row, &mut self.terms, o);
+                group_scores(
+                    self.scale[i] * st,
+                    &scale[span.clone()],
+                    sums,
+                    dots,
+                    per_row,
+                    &mut self.terms,
+                    o,
+                );
             }
             return;
         }
         for i in 0..n {
-            let (qs, add) = (self.scale[i], self.add[i]);
+            let (qs, add) = (self.scale[i] * st, self.add[i]);
             let o = &mut out[(i0 + i) * b.rows + at.start..(i0 + i) * b.rows + at.end];
             let dots = &dots[i * m..(i + 1) * m];
             match b.params {
@@ -425,7 +452,8 @@ pub(crate) trait IntKernel {
     /// Appends one query row (`dim` int8 values, natural order) in the kernel's layout.
     fn arrange(b: &QuantBlock<'_>, q8: &[i8], out: &mut Vec<u8>);
     /// `dots[i · rows.len() + r − rows.start] = Σ_d q_i[d] · code[r][d]` for the `n ≤ GROUP`
-    /// arranged query rows of `q` (equal lengths, back to back). Per-group blocks: one dot per
+    /// arranged query rows of `q` (equal lengths, back to back); for a 16-level table, its
+    /// [`table8`] level of each code in place of the code. Per-group blocks: one dot per
     /// run of [`IntKernel::segment`] values, `dots[(i · rows.len() + r − rows.start) · dim /
     /// seg + s]` the dot of run `s` of row `r`.
     fn dots(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], n: usize, dots: &mut [i32]);
@@ -553,6 +581,8 @@ impl IntKernel for Reference {
         let runs = d / seg;
         let mut codes = vec![0u8; d];
         let m = rows.len();
+        let table = table8(b);
+        let level = |c: u8| table.map_or(i32::from(c), |(t, _)| i32::from(t[usize::from(c)]));
         for r in rows.clone() {
             kvq_quant_core::pack::unpack_row(b.row(r), b.bits, &mut codes)
                 .expect("QuantBlock::new checked the lengths");
@@ -560,7 +590,7 @@ impl IntKernel for Reference {
                 let qi = &q[i * d..(i + 1) * d];
                 for (s, (c, x)) in codes.chunks_exact(seg).zip(qi.chunks_exact(seg)).enumerate() {
                     dots[(i * m + r - rows.start) * runs + s] =
-                        c.iter().zip(x).map(|(&c, &x)| i32::from(c) * i32::from(x as i8)).sum();
+                        c.iter().zip(x).map(|(&c, &x)| level(c) * i32::from(x as i8)).sum();
                 }
             }
         }

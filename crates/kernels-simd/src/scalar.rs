@@ -62,11 +62,11 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
 
 /// The integer score path's reference: each query row (per-channel: times the scales) rounded
 /// to int8 as every integer kernel rounds it, plain integer dots with the codes (per group for
-/// per-group parameters), and the shared float epilogue. Every integer kernel equals it bit for
-/// bit. Returns `false`, computing nothing, for levels that are not the codes themselves
-/// (symmetric, table).
+/// per-group parameters; a 16-level table's levels rounded to int8 in place of the codes), and
+/// the shared float epilogue. Every integer kernel equals it bit for bit. Returns `false`,
+/// computing nothing, for other levels (symmetric, FP8, wider tables).
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
-    if !matches!(b.levels, crate::block::Levels::Affine) {
+    if !matches!(b.levels, crate::block::Levels::Affine) && crate::int8::table8(b).is_none() {
         return false;
     }
     let mut scratch = crate::int8::Scratch::default();

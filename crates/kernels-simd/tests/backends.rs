@@ -382,15 +382,23 @@ fn integer_scores_hold_extreme_rows_bit_for_bit() {
                 let codes = vec![0xffu8; rows * row_bytes];
                 let (scale, offset) = (vec![1.0f32; rows], vec![0.0f32; rows]);
                 let params = Params::PerRow { scale: &scale, offset: Some(&offset) };
-                let b = QuantBlock::new(&codes, rows, dim, bits, Levels::Affine, params).unwrap();
-                for sign in [1.0f32, -1.0] {
+                // 4-bit rows also as a 16-level table whose last level (every code here) is the
+                // largest in size: int8 level −127 against a query at ±127.
+                let mut table = [0.25f32; 16];
+                table[15] = -3.0;
+                let levels: &[Levels<'_>] =
+                    if bits == 4 { &[Levels::Affine, Levels::Table(&table)] } else { &[Levels::Affine] };
+                for (&levels, sign) in levels.iter().flat_map(|l| [(l, 1.0f32), (l, -1.0)]) {
+                    let b = QuantBlock::new(&codes, rows, dim, bits, levels, params).unwrap();
                     let q = vec![sign; 2 * dim];
                     let (mut got, mut want) = (vec![0f32; 2 * rows], vec![0f32; 2 * rows]);
                     if !scores_int8_with(backend, &b, &q, 2, &mut got).unwrap() {
                         continue;
                     }
                     assert!(scalar::scores_int8(&b, &q, 2, &mut want));
-                    let exact = sign * ((1u32 << bits) - 1) as f32 * dim as f32;
+                    let level =
+                        if matches!(levels, Levels::Table(_)) { -3.0 } else { ((1u32 << bits) - 1) as f32 };
+                    let exact = sign * level * dim as f32;
                     for (g, w) in got.iter().zip(&want) {
                         assert_eq!(g.to_bits(), w.to_bits(), "{backend} bits {bits} dim {dim} sign {sign}");
                         assert!(
@@ -417,7 +425,12 @@ fn integer_scores_stay_within_the_query_rounding_bound() {
                 for rows in [1usize, 5, 32] {
                     let special = rng.below(6) as u8;
                     let mut case = Case::random_with(&mut rng, rows, dim, bits, special, true);
-                    case.levels_kind = 0;
+                    // Affine codes, or (4-bit) a 16-level table, whose levels the integer path
+                    // rounds to int8: half a step of `max|T| / 127` more a level.
+                    let table = bits == 4 && rng.below(2) == 0;
+                    case.levels_kind = if table { 2 } else { 0 };
+                    let step =
+                        if table { case.table.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0 } else { 0.0 };
                     let b = case.block();
                     let q: Vec<f32> = (0..2 * dim).map(|_| rng.normal() as f32).collect();
                     let (mut got, mut want) = (vec![0f32; 2 * rows], vec![0f32; 2 * rows]);
@@ -446,12 +459,19 @@ fn integer_scores_stay_within_the_query_rounding_bound() {
                                     let (s, o) =
                                         (case.scale[k], if case.with_offset { case.offset[k] } else { 0.0 });
                                     let level = if s > 0.0 { ((v - o) / s).abs() } else { 0.0 };
-                                    f64::from(level)
+                                    f64::from(level + step / 2.0)
                                         * if case.per_channel && integer { 1.0 } else { f64::from(s) }
                                 })
                                 .sum();
-                            let bound =
-                                if integer { f64::from(qmax) / 254.0 * codes_mag * 1.001 } else { 0.0 };
+                            // The table's own rounding: half a step a level, times |q · scale|.
+                            let table_err: f64 = (0..dim)
+                                .map(|d| f64::from((qi[d] * case.scale[case.param(r, d)]).abs() * step / 2.0))
+                                .sum();
+                            let bound = if integer {
+                                (f64::from(qmax) / 254.0 * codes_mag + table_err) * 1.001
+                            } else {
+                                0.0
+                            };
                             let tol = bound + 1e-5 * mags[idx] + 1e-30 + 1e-6 * f64::from(want[idx].abs());
                             assert!(
                                 (f64::from(got[idx]) - f64::from(want[idx])).abs() <= tol,
@@ -479,6 +499,7 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
     use kvq_kernels_simd::scores_int8_with;
     let mut rng = Rng::new(0x1d07);
     let mut ran = std::collections::BTreeMap::new();
+    let mut tables = std::collections::BTreeMap::new();
     for backend in available() {
         for bits in [4u8, 8] {
             for (dim, rows) in [
@@ -494,11 +515,16 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
                 (16, 3),
                 (80, 4),
             ] {
-                for (special, group) in
-                    (0..6u8).flat_map(|s| [None, Some(32), Some(64), Some(128)].map(|g| (s, g)))
+                let layouts =
+                    [None, Some(32), Some(64), Some(128)].into_iter().flat_map(|g| [(g, 0u8), (g, 2)]);
+                for (special, (group, levels)) in (0..6u8).flat_map(|s| layouts.clone().map(move |l| (s, l)))
                 {
+                    if levels == 2 && bits != 4 {
+                        continue;
+                    }
                     let mut case = Case::random(&mut rng, rows, dim, bits, special);
-                    case.levels_kind = 0;
+                    // Affine codes, or a 16-level table (rounded to int8 by the integer path).
+                    case.levels_kind = levels;
                     if let Some(g) = group.filter(|g| dim.is_multiple_of(*g)) {
                         case = case.grouped(g);
                     } else if group.is_some() {
@@ -523,6 +549,9 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
                             continue;
                         }
                         *ran.entry((backend, group.is_some())).or_insert(0) += 1;
+                        if levels == 2 {
+                            *tables.entry(backend).or_insert(0) += 1;
+                        }
                         assert!(scalar::scores_int8(&b, &q, n_q, &mut want));
                         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
                             assert_eq!(
@@ -541,8 +570,10 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
             assert!(ran.get(&(b, false)).copied().unwrap_or(0) > 0, "{b}: the integer path never ran");
         }
         if b == Backend::Avx2 {
-            // 4-bit per-group blocks (groups of whole 32-code runs) have an AVX2 integer kernel.
+            // 4-bit per-group blocks (groups of whole 32-code runs) and 16-level tables have an
+            // AVX2 integer kernel.
             assert!(ran.get(&(b, true)).copied().unwrap_or(0) > 0, "{b}: no per-group block took it");
+            assert!(tables.get(&b).copied().unwrap_or(0) > 0, "{b}: no table block took it");
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -652,9 +683,35 @@ fn the_integer_reference_follows_its_algebra() {
             );
         }
     }
-    // Symmetric and table levels are not the codes: the reference declines them.
+    // A 16-level table: its levels rounded to int8 with the scale max|T| / 127 (ties to even)
+    // in place of the codes.
+    let mut case = Case::random(&mut rng, 6, 64, 4, 0);
+    (case.levels_kind, case.with_offset, case.per_channel, case.group) = (2, true, false, None);
+    case.scale = (0..6).map(|_| rng.uniform() as f32 + 0.1).collect();
+    case.offset = (0..6).map(|_| rng.normal() as f32).collect();
+    case.table[3] = 0.0;
+    let q: Vec<f32> = (0..64).map(|_| rng.normal() as f32).collect();
+    let mut got = vec![0f32; 6];
+    assert!(scalar::scores_int8(&case.block(), &q, 1, &mut got));
+    let st = case.table.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs())) / 127.0;
+    let sq = q.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs())) / 127.0;
+    for (r, &got) in got.iter().enumerate() {
+        let want: f64 = (0..64)
+            .map(|d| {
+                let level = (f64::from(case.table[usize::from(case.raw[r * 64 + d])]) / st).round_ties_even();
+                let q8 = (f64::from(q[d]) / sq).round_ties_even();
+                q8 * sq * level * st * f64::from(case.scale[r]) + f64::from(q[d]) * f64::from(case.offset[r])
+            })
+            .sum();
+        assert!((f64::from(got) - want).abs() <= 1e-4 * (1.0 + want.abs()), "table {r}: {got} vs {want}");
+    }
+    // Symmetric levels are not the codes, nor a table: the reference declines them, as 8-bit
+    // tables.
     let mut case = Case::random(&mut rng, 2, 16, 4, 0);
     case.levels_kind = 1;
+    assert!(!scalar::scores_int8(&case.block(), &[0.5; 16], 1, &mut [0.0; 2]));
+    let mut case = Case::random(&mut rng, 2, 16, 8, 0);
+    (case.levels_kind, case.fp8) = (2, None);
     assert!(!scalar::scores_int8(&case.block(), &[0.5; 16], 1, &mut [0.0; 2]));
 }
 
