@@ -2580,7 +2580,8 @@ pub(crate) unsafe fn int_dots_4bit<const NQ: usize>(b: &QuantBlock<'_>, q: &[u8]
 /// Whether [`scores_int8`] has an integer kernel for this block: affine 4-bit rows of a
 /// multiple of 64 codes or 8-bit rows of a multiple of 16, parameters per row or per channel,
 /// and 4-bit rows with parameters per group of a multiple of 32 values; 4-bit rows of a
-/// 16-level table (NF4, 4-bit codebooks) as affine 4-bit ones; on a CPU with AVX2 and FMA.
+/// 16-level table (NF4, 4-bit codebooks) or of symmetric levels as affine 4-bit ones; on a CPU
+/// with AVX2 and FMA.
 pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
     let ok_dim = match b.bits {
         4 => b.dim.is_multiple_of(64),

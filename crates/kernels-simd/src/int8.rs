@@ -10,7 +10,8 @@
 //! float sum of the query over the group.
 //!
 //! Blocks of a 16-level table (NF4, 4-bit codebooks) take it too, the table's levels rounded to
-//! int8 with one scale ([`table8`]) in place of the codes, that scale joining the query's.
+//! int8 with one scale ([`table8`]) in place of the codes, that scale joining the query's; and
+//! symmetric 4-bit blocks, their levels `c − 8` exact in int8.
 //!
 //! Everything but the integer dots is this module's code, so every architecture gives the same
 //! scores bit for bit as [`crate::scalar::scores_int8`].
@@ -28,14 +29,22 @@ const CHUNK_ROWS: usize = 256;
 pub(crate) const GROUP: usize = 4;
 
 /// The levels of a 16-level table block (4-bit codes) rounded to int8: `round(T[c] / st)` with
-/// `st = max|T| / 127` (ties to even), and `st`; `None` for other blocks. NaN levels give a NaN
-/// `st`, which reaches every score.
+/// `st = max|T| / 127` (ties to even), and `st`; symmetric 4-bit levels `c − zero` as they are
+/// (`st = 1`, exact); `None` for other blocks. NaN levels give a NaN `st`, which reaches every
+/// score.
 #[inline]
 pub(crate) fn table8(b: &QuantBlock<'_>) -> Option<([i8; 16], f32)> {
-    let Levels::Table(t) = b.levels else { return None };
-    if b.bits != 4 || t.len() != 16 {
+    if b.bits != 4 {
         return None;
     }
+    let t = match b.levels {
+        Levels::Table(t) if t.len() == 16 => t,
+        // An integer zero point within the codes' range keeps every level an exact int8.
+        Levels::Symmetric { zero } if zero.fract() == 0.0 && (0.0..=15.0).contains(&zero) => {
+            return Some((std::array::from_fn(|c| (c as f32 - zero) as i8), 1.0));
+        }
+        _ => return None,
+    };
     let max = t.iter().fold(0f32, |m, &v| if v.abs() > m { v.abs() } else { m });
     let (st, inv) = scale_of(max, t.iter().any(|v| v.is_nan()), 127.0);
     Some((std::array::from_fn(|c| round_code(t[c], inv, 127.0) as i8), st))

@@ -62,9 +62,10 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
 
 /// The integer score path's reference: each query row (per-channel: times the scales) rounded
 /// to int8 as every integer kernel rounds it, plain integer dots with the codes (per group for
-/// per-group parameters; a 16-level table's levels rounded to int8 in place of the codes), and
-/// the shared float epilogue. Every integer kernel equals it bit for bit. Returns `false`,
-/// computing nothing, for other levels (symmetric, FP8, wider tables).
+/// per-group parameters; a 16-level table's levels rounded to int8, or 4-bit symmetric levels,
+/// in place of the codes), and the shared float epilogue. Every integer kernel equals it bit
+/// for bit. Returns `false`, computing nothing, for other levels (wider symmetric codes, FP8,
+/// wider tables).
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
     if !matches!(b.levels, crate::block::Levels::Affine) && crate::int8::table8(b).is_none() {
         return false;

@@ -427,8 +427,9 @@ fn integer_scores_stay_within_the_query_rounding_bound() {
                     let mut case = Case::random_with(&mut rng, rows, dim, bits, special, true);
                     // Affine codes, or (4-bit) a 16-level table, whose levels the integer path
                     // rounds to int8: half a step of `max|T| / 127` more a level.
-                    let table = bits == 4 && rng.below(2) == 0;
-                    case.levels_kind = if table { 2 } else { 0 };
+                    // (Symmetric 4-bit levels are exact in int8.)
+                    case.levels_kind = if bits == 4 { rng.below(3) as u8 } else { 0 };
+                    let table = case.levels_kind == 2;
                     let step =
                         if table { case.table.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0 } else { 0.0 };
                     let b = case.block();
@@ -515,15 +516,17 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
                 (16, 3),
                 (80, 4),
             ] {
-                let layouts =
-                    [None, Some(32), Some(64), Some(128)].into_iter().flat_map(|g| [(g, 0u8), (g, 2)]);
+                let layouts = [None, Some(32), Some(64), Some(128)]
+                    .into_iter()
+                    .flat_map(|g| [(g, 0u8), (g, 1), (g, 2)]);
                 for (special, (group, levels)) in (0..6u8).flat_map(|s| layouts.clone().map(move |l| (s, l)))
                 {
-                    if levels == 2 && bits != 4 {
+                    if levels > 0 && bits != 4 {
                         continue;
                     }
                     let mut case = Case::random(&mut rng, rows, dim, bits, special);
-                    // Affine codes, or a 16-level table (rounded to int8 by the integer path).
+                    // Affine codes, symmetric ones, or a 16-level table (rounded to int8 by the
+                    // integer path).
                     case.levels_kind = levels;
                     if let Some(g) = group.filter(|g| dim.is_multiple_of(*g)) {
                         case = case.grouped(g);
@@ -549,8 +552,8 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
                             continue;
                         }
                         *ran.entry((backend, group.is_some())).or_insert(0) += 1;
-                        if levels == 2 {
-                            *tables.entry(backend).or_insert(0) += 1;
+                        if levels > 0 {
+                            *tables.entry((backend, levels)).or_insert(0) += 1;
                         }
                         assert!(scalar::scores_int8(&b, &q, n_q, &mut want));
                         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -573,7 +576,12 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
             // 4-bit per-group blocks (groups of whole 32-code runs) and 16-level tables have an
             // AVX2 integer kernel.
             assert!(ran.get(&(b, true)).copied().unwrap_or(0) > 0, "{b}: no per-group block took it");
-            assert!(tables.get(&b).copied().unwrap_or(0) > 0, "{b}: no table block took it");
+            for levels in [1, 2] {
+                assert!(
+                    tables.get(&(b, levels)).copied().unwrap_or(0) > 0,
+                    "{b}: no block of levels {levels}"
+                );
+            }
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -705,10 +713,26 @@ fn the_integer_reference_follows_its_algebra() {
             .sum();
         assert!((f64::from(got) - want).abs() <= 1e-4 * (1.0 + want.abs()), "table {r}: {got} vs {want}");
     }
-    // Symmetric levels are not the codes, nor a table: the reference declines them, as 8-bit
-    // tables.
-    let mut case = Case::random(&mut rng, 2, 16, 4, 0);
-    case.levels_kind = 1;
+    // Symmetric 4-bit levels are exact int8 levels (`c − 8`); wider symmetric codes and 8-bit
+    // tables are not: the reference declines them.
+    let mut case = Case::random(&mut rng, 3, 64, 4, 0);
+    (case.levels_kind, case.per_channel, case.group, case.with_offset) = (1, false, None, false);
+    case.scale = vec![0.5, 1.0, 2.0];
+    let q: Vec<f32> = (0..64).map(|_| rng.normal() as f32).collect();
+    let mut got = vec![0f32; 3];
+    assert!(scalar::scores_int8(&case.block(), &q, 1, &mut got));
+    let sq = q.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs())) / 127.0;
+    for (r, &got) in got.iter().enumerate() {
+        let want: f64 = (0..64)
+            .map(|d| {
+                let level = f64::from(case.raw[r * 64 + d]) - 8.0;
+                (f64::from(q[d]) / sq).round_ties_even() * sq * level * f64::from(case.scale[r])
+            })
+            .sum();
+        assert!((f64::from(got) - want).abs() <= 1e-4 * (1.0 + want.abs()), "symmetric {r}: {got} vs {want}");
+    }
+    let mut case = Case::random(&mut rng, 2, 16, 8, 0);
+    (case.levels_kind, case.fp8) = (1, None);
     assert!(!scalar::scores_int8(&case.block(), &[0.5; 16], 1, &mut [0.0; 2]));
     let mut case = Case::random(&mut rng, 2, 16, 8, 0);
     (case.levels_kind, case.fp8) = (2, None);
