@@ -376,9 +376,11 @@ pub(crate) struct Scratch {
     prep: Prepared,
     arranged: Vec<u8>,
     dots: Vec<i32>,
-    /// What `prep` and `arranged` hold: the query rows they were made from and for which
-    /// blocks, when those do not depend on a block's parameters (see [`Prepared::reusable`]).
-    made: Option<(Made, Vec<f32>)>,
+    /// The blocks `prep` and `arranged` serve when they do not depend on a block's
+    /// parameters (see [`Prepared::reusable`]), and the query rows they were made from (kept
+    /// allocated whatever the blocks, so that no step allocates).
+    made: Option<Made>,
+    made_from: Vec<f32>,
 }
 
 /// The blocks a prepared query serves: the kernel (its arrangement), the row length and width,
@@ -531,13 +533,13 @@ pub(crate) fn scores_by_block<K: IntKernel + 'static>(
     scratch: &mut Scratch,
 ) {
     let d = b.dim;
-    let Scratch { prep, arranged, dots, made } = scratch;
+    let Scratch { prep, arranged, dots, made, made_from } = scratch;
     let seg = K::segment(b);
     let runs = d / seg;
     // Decode scores every block of a sequence's KV head with the same query rows: where the
     // rounding does not depend on the block's parameters, the last block's serves.
     let key = Prepared::reusable::<K>(b).filter(|_| n_q <= GROUP);
-    let again = matches!((&*made, key), (Some((m, last)), Some(k)) if *m == k && same_bits(last, q));
+    let again = key.is_some() && *made == key && same_bits(made_from, q);
     let mut i0 = 0;
     while i0 < n_q {
         let n = (n_q - i0).min(GROUP);
@@ -547,12 +549,11 @@ pub(crate) fn scores_by_block<K: IntKernel + 'static>(
             for qi in prep.q8.chunks_exact(d) {
                 K::arrange(b, qi, arranged);
             }
-            *made = key.map(|k| {
-                let mut last = made.take().map(|(_, v)| v).unwrap_or_default();
-                last.clear();
-                last.extend_from_slice(q);
-                (k, last)
-            });
+            *made = key;
+            if key.is_some() {
+                made_from.clear();
+                made_from.extend_from_slice(q);
+            }
         }
         let mut r0 = 0;
         while r0 < b.rows {
