@@ -2384,9 +2384,9 @@ fn run_len(b: &QuantBlock<'_>) -> usize {
 }
 
 /// Integer dots of `NQ` arranged query rows with each run of `len` = [`run_len`] codes of rows
-/// `rows` of the 4-bit per-group block `b` (groups of a multiple of 32 values): run `s` of row
-/// `r` into `dots[(i · m + r) · d / len + s]` (the epilogue adds a group's runs and scales
-/// them). The rows' codes lie back to back, so the kernel walks them as one run of 32-byte
+/// `rows` of the 4-bit per-group block `b` (groups of a multiple of 32 values; codes, or a
+/// 16-level table's int8 levels, [`int8::table8`]): run `s` of row `r` into `dots[(i · m + r)
+/// · d / len + s]` (the epilogue adds a group's runs and scales them). The rows' codes lie back to back, so the kernel walks them as one run of 32-byte
 /// chunks, four at a time whatever the row length, each against the query values of its place
 /// in a row. A chunk holds two runs of 32 (one a 128-bit lane, [`int8::arrange4`]'s order) or
 /// one of 64; one reduction of four chunks' sums gives eight dots or four, in order.
