@@ -257,12 +257,12 @@ pub enum ScorePath {
     Float,
     /// The integer paths where the backend has them: scores with the queries rounded to int8
     /// (as llama.cpp does), off by at most `max|q| / 254 · Σ|levels · scale|`, for affine INT4
-    /// and INT8 keys per token or per channel (AVX2, AVX-512 VNNI, aarch64 `sdot`), and on
-    /// AVX2 also INT4 keys per group of a multiple of 32 values, symmetric INT4 keys, and keys
-    /// of a 16-level table (NF4, 4-bit codebooks), whose levels are rounded to int8 as well
-    /// (half a step of `max|level| / 127` more a level); other keys take the float kernels.
-    /// And, where the
-    /// backend has an integer value kernel (AVX-512 VNNI, INT4 and INT8 values; AVX2, INT4
+    /// and INT8 keys per token or per channel (AVX2, AVX-512 VNNI, aarch64 `sdot`), and with
+    /// the AVX2 kernels (x86-64, AVX-512 CPUs included) also INT4 keys per group of a multiple
+    /// of 32 values, symmetric INT4 keys, and keys of a 16-level table (NF4, 4-bit
+    /// codebooks), whose levels are rounded to int8 as well (half a step of `max|level| / 127`
+    /// more a level); other keys take the float kernels. And, where the backend has an
+    /// integer value kernel (AVX-512 VNNI, INT4 and INT8 values; AVX2, INT4
     /// values per token under INT4 keys per channel, in the fused block kernel), the block's
     /// weights `p · scale` rounded with one scale per block (to 0..=255 for INT4 codes, which
     /// are summed centred on 8; to ±32767 for INT8, centred on 128), each output off by at most
