@@ -2595,7 +2595,7 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
         Params::PerGroup { group, .. } => b.bits == 4 && group.is_multiple_of(32),
         _ => true,
     };
-    let ok_levels = matches!(b.levels, Levels::Affine) || int8::table8(b).is_some();
+    let ok_levels = matches!(b.levels, Levels::Affine) || int8::has_table8(b);
     ok_dim && ok_params && ok_levels && b.dim > 0 && cpu_ok()
 }
 

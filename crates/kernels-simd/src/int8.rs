@@ -34,20 +34,30 @@ pub(crate) const GROUP: usize = 4;
 /// score.
 #[inline]
 pub(crate) fn table8(b: &QuantBlock<'_>) -> Option<([i8; 16], f32)> {
-    if b.bits != 4 {
+    if !has_table8(b) {
         return None;
     }
     let t = match b.levels {
-        Levels::Table(t) if t.len() == 16 => t,
-        // An integer zero point within the codes' range keeps every level an exact int8.
-        Levels::Symmetric { zero } if zero.fract() == 0.0 && (0.0..=15.0).contains(&zero) => {
-            return Some((std::array::from_fn(|c| (c as f32 - zero) as i8), 1.0));
-        }
-        _ => return None,
+        Levels::Table(t) => t,
+        Levels::Symmetric { zero } => return Some((std::array::from_fn(|c| (c as f32 - zero) as i8), 1.0)),
+        Levels::Affine | Levels::Fp8(_) => unreachable!("has_table8"),
     };
     let max = t.iter().fold(0f32, |m, &v| if v.abs() > m { v.abs() } else { m });
     let (st, inv) = scale_of(max, t.iter().any(|v| v.is_nan()), 127.0);
     Some((std::array::from_fn(|c| round_code(t[c], inv, 127.0) as i8), st))
+}
+
+/// Whether [`table8`] has levels for `b`, without rounding them (the support checks, once per
+/// block): 4-bit codes of a 16-level table, or symmetric ones with an integer zero point
+/// within the codes' range (which keeps every level an exact int8).
+#[inline]
+pub(crate) fn has_table8(b: &QuantBlock<'_>) -> bool {
+    b.bits == 4
+        && match b.levels {
+            Levels::Table(t) => t.len() == 16,
+            Levels::Symmetric { zero } => zero.fract() == 0.0 && (0.0..=15.0).contains(&zero),
+            Levels::Affine | Levels::Fp8(_) => false,
+        }
 }
 
 /// `max|q| / 127`, returned, and `q / scale` rounded into −127..=127, appended to `out`.

@@ -67,7 +67,7 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
 /// for bit. Returns `false`, computing nothing, for other levels (wider symmetric codes, FP8,
 /// wider tables).
 pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
-    if !matches!(b.levels, crate::block::Levels::Affine) && crate::int8::table8(b).is_none() {
+    if !matches!(b.levels, crate::block::Levels::Affine) && !crate::int8::has_table8(b) {
         return false;
     }
     let mut scratch = crate::int8::Scratch::default();
