@@ -12,7 +12,8 @@
 //! register and looked up with `vpermps`; of 16, as four byte planes looked up with `vpshufb`;
 //! larger tables: the 8 levels of 8 codes come from one `vgatherdps`) and FP8 levels (decoded from their bits: e5m2 codes are the high byte
 //! of an f16, e4m3's seven magnitude bits placed in an f16 are the value / 256, both widened
-//! by `vcvtph2ps`; no table), 2-, 4- and 8-bit codes, rows whose length is a multiple of the chunk (64,
+//! by `vcvtph2ps`; no table; the 256 is applied once per row, weight or group, and only
+//! blocks holding e4m3's NaN code, looked for once per block, pay for keeping it a NaN), 2-, 4- and 8-bit codes, rows whose length is a multiple of the chunk (64,
 //! 32, 16 codes), and 3-bit codes in rows of a multiple of 64 (both bit planes read per 16
 //! codes); symmetric levels subtract the zero point from the codes in i32 before the
 //! conversion (exact). Per-row and per-channel parameters, and per-group parameters (`gN`) in
@@ -132,8 +133,10 @@ enum LutKind {
     Permute8,
     Permute16,
     Gather,
-    /// FP8 codes decoded from their bits (see [`fp8_halves`]).
+    /// FP8 codes decoded from their bits (see [`fp8_halves`]): e4m3 blocks without the NaN
+    /// code ([`kernel_kind`] looks), e4m3 blocks that may hold it, e5m2.
     E4m3,
+    E4m3Any,
     E5m2,
 }
 
@@ -146,13 +149,14 @@ const PERMUTE8: u8 = LutKind::Permute8 as u8;
 const PERMUTE16: u8 = LutKind::Permute16 as u8;
 const GATHER: u8 = LutKind::Gather as u8;
 const E4M3: u8 = LutKind::E4m3 as u8;
+const E4M3_ANY: u8 = LutKind::E4m3Any as u8;
 const E5M2: u8 = LutKind::E5m2 as u8;
 
-/// The kind of a block's levels: what its [`Lut`] holds and which monomorphization of the
-/// kernels runs it ([`by_layout`]).
+/// The kind of a block's levels: what its [`Lut`] holds. (e4m3 blocks as `E4m3Any`: which
+/// of the two e4m3 kernels runs one is [`kernel_kind`]'s choice.)
 fn kind_of(b: &QuantBlock<'_>) -> LutKind {
     match b.levels {
-        Levels::Fp8(Fp8Format::E4M3) => LutKind::E4m3,
+        Levels::Fp8(Fp8Format::E4M3) => LutKind::E4m3Any,
         Levels::Fp8(Fp8Format::E5M2) => LutKind::E5m2,
         Levels::Table(t) if t.len() <= 8 => LutKind::Permute8,
         Levels::Table(t) if t.len() <= 16 => LutKind::Permute16,
@@ -160,6 +164,50 @@ fn kind_of(b: &QuantBlock<'_>) -> LutKind {
         _ if zero_of(b) != 0 => LutKind::Shifted,
         _ => LutKind::Codes,
     }
+}
+
+/// The monomorphization of the kernels that runs a block ([`by_layout`]): its [`kind_of`],
+/// except that an e4m3 block without the NaN code (as every quantizer writes) takes the
+/// kernels that do not look for it.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn kernel_kind(b: &QuantBlock<'_>) -> LutKind {
+    match kind_of(b) {
+        // SAFETY: AVX2 is enabled by this function's target features.
+        LutKind::E4m3Any if !unsafe { holds_e4m3_nan(b.codes) } => LutKind::E4m3,
+        kind => kind,
+    }
+}
+
+/// Whether any of `codes` is e4m3's NaN (magnitude bits 0x7f), 32 bytes per two vector
+/// instructions: each byte with its sign bit set is 0xff only for the NaN, so the running
+/// unsigned maximum reaches 0xff in some byte exactly when a NaN is there. About 2% of the
+/// work of the kernels that read the block after it (in L1 by then).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn holds_e4m3_nan(codes: &[u8]) -> bool {
+    let sign = _mm256_set1_epi8(i8::MIN);
+    let mut top = _mm256_setzero_si256();
+    let chunks = codes.chunks_exact(32);
+    let tail = chunks.remainder();
+    for c in chunks {
+        // SAFETY: `c` holds 32 bytes.
+        let v = unsafe { _mm256_loadu_si256(c.as_ptr().cast()) };
+        top = _mm256_max_epu8(top, _mm256_or_si256(v, sign));
+    }
+    _mm256_movemask_epi8(_mm256_cmpeq_epi8(top, _mm256_set1_epi8(-1))) != 0
+        || tail.iter().any(|&c| c & 0x7f == 0x7f)
+}
+
+/// What the kernels' levels must be multiplied by to be the block's: 256 for e4m3, whose
+/// levels [`fp8_halves`] leaves at 1/256 of their value (the factor is exact, so that applying
+/// it to the dots, the weights or a group's scale instead gives the same results), else 1.
+fn unit_of(b: &QuantBlock<'_>) -> f32 {
+    if matches!(b.levels, Levels::Fp8(Fp8Format::E4M3)) { 256.0 } else { 1.0 }
 }
 
 /// The [`Lut`] of a block.
@@ -238,16 +286,20 @@ unsafe fn levels8<const K: u8>(idx: __m256i, lut: &Lut) -> __m256 {
     }
 }
 
-/// The FP8 values of the 16 byte codes of `v`, as two vectors of 8 floats (codes 0..8 and
+/// The FP8 levels of the 16 byte codes of `v`, as two vectors of 8 floats (codes 0..8 and
 /// 8..16). e5m2 is the high byte of an f16, so `code << 8` is the value's f16 bits. For e4m3,
 /// `code << 8` shifted right arithmetically by one puts the sign at f16 bits 15 and 14 and the
 /// magnitude bits `eeee mmm` at 13..7; with bit 14 cleared that is an f16 of exponent
-/// `e − 15 + 7` less than the value's, subnormals included, so the f16 times 2^8 is the value,
-/// exact. The magnitude code 0x7f (NaN in e4m3, a number in f16) gets bit 14 set: exponent
-/// all ones, mantissa not zero, an f16 NaN.
+/// `e − 15 + 7` less than the value's, subnormals included: the value / 2^8, exact. The
+/// kernels leave e4m3 levels so and apply the 2^8 once per row, weight or group
+/// ([`unit_of`]). Only `E4M3_ANY` looks for the magnitude code 0x7f (NaN in e4m3, a number in
+/// f16) and sets bit 14 for it: exponent all ones, mantissa not zero, an f16 NaN; that is four
+/// of the nine vector instructions per 8 codes, so blocks without it (every block a quantizer
+/// writes) run `E4M3`, which does not look.
 ///
 /// # Safety
-/// The CPU must support AVX2 and F16C; `K` is `E4M3` or `E5M2`.
+/// The CPU must support AVX2 and F16C; `K` is `E4M3`, `E4M3_ANY` or `E5M2`. (`E4M3` decodes
+/// the NaN code as a number, 480: callers give it blocks without one.)
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn fp8_halves<const K: u8>(v: __m128i) -> (__m256, __m256) {
@@ -258,10 +310,12 @@ unsafe fn fp8_halves<const K: u8>(v: __m128i) -> (__m256, __m256) {
     }
     let half = |w: __m128i| {
         let bits = _mm_and_si128(_mm_srai_epi16::<1>(w), _mm_set1_epi16(0xbf80u16 as i16));
+        if K == E4M3 {
+            return _mm256_cvtph_ps(bits);
+        }
         let mag = _mm_set1_epi16(0x3f80);
         let nan = _mm_cmpeq_epi16(_mm_and_si128(bits, mag), mag);
-        let bits = _mm_or_si128(bits, _mm_and_si128(nan, _mm_set1_epi16(0x4000)));
-        _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.0))
+        _mm256_cvtph_ps(_mm_or_si128(bits, _mm_and_si128(nan, _mm_set1_epi16(0x4000))))
     };
     (half(lo), half(hi))
 }
@@ -304,12 +358,12 @@ pub(crate) unsafe fn load_pair(p: *const u8) -> __m256i {
 /// in-lane `vpshufb` per 8 (`lut.spread`), not `vpmovzxbd`.
 ///
 /// # Safety
-/// The CPU must support AVX2; `K` is `lut`'s kind; every code is below the length of `lut`'s
-/// table.
+/// The CPU must support AVX2; `K` is `lut`'s kind (or `E4M3` for an `E4m3Any` table: see
+/// [`kernel_kind`]); every code is below the length of `lut`'s table.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn widen_codes<const K: u8>(v: __m256i, lut: &Lut) -> (__m256, __m256) {
-    if K == E4M3 || K == E5M2 {
+    if K == E4M3 || K == E4M3_ANY || K == E5M2 {
         // SAFETY: as this function's; F16C comes with the kernels' CPU check.
         return unsafe { fp8_halves::<K>(_mm256_castsi256_si128(v)) };
     }
@@ -512,6 +566,8 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
 struct Groups {
     per_row: usize,
     steps: usize,
+    /// The block's [`unit_of`], which [`Groups::at`] applies to the scales.
+    unit: f32,
     scale: *const f32,
     /// Null without offsets.
     offset: *const f32,
@@ -523,14 +579,22 @@ impl Groups {
             Params::PerGroup { group, scale, offset } => Groups {
                 per_row: b.dim / group,
                 steps: group / 16,
+                unit: unit_of(b),
                 scale: scale.as_ptr(),
                 offset: offset.map_or(std::ptr::null(), <[f32]>::as_ptr),
             },
-            _ => Groups { per_row: 1, steps: b.dim / 16, scale: std::ptr::null(), offset: std::ptr::null() },
+            _ => Groups {
+                per_row: 1,
+                steps: b.dim / 16,
+                unit: 1.0,
+                scale: std::ptr::null(),
+                offset: std::ptr::null(),
+            },
         }
     }
 
-    /// The scale and offset (0 without offsets) of group `g` of row `r`, broadcast.
+    /// The scale (times the block's [`unit_of`]) and offset (0 without offsets) of group `g`
+    /// of row `r`, broadcast.
     ///
     /// # Safety
     /// The CPU must support AVX2; the block is per group (`QuantBlock::new` checked its
@@ -546,7 +610,7 @@ impl Groups {
             } else {
                 _mm256_broadcast_ss(&*self.offset.add(i))
             };
-            (_mm256_broadcast_ss(&*self.scale.add(i)), ov)
+            (_mm256_set1_ps(*self.scale.add(i) * self.unit), ov)
         }
     }
 }
@@ -921,6 +985,7 @@ macro_rules! by_layout {
             (8, LutKind::Shifted) => $f::<8, $nq, SHIFTED, $g>($($arg),*),
             (8, LutKind::Gather) => $f::<8, $nq, GATHER, $g>($($arg),*),
             (8, LutKind::E4m3) => $f::<8, $nq, E4M3, $g>($($arg),*),
+            (8, LutKind::E4m3Any) => $f::<8, $nq, E4M3_ANY, $g>($($arg),*),
             (8, LutKind::E5m2) => $f::<8, $nq, E5M2, $g>($($arg),*),
             (4, LutKind::Codes) => $f::<4, $nq, CODES, $g>($($arg),*),
             (4, LutKind::Shifted) => $f::<4, $nq, SHIFTED, $g>($($arg),*),
@@ -1028,7 +1093,8 @@ unsafe fn scores_group(
         arrange_query(q, n_q, d, b.bits, &mut w.arranged);
     }
     let arranged = &w.arranged.q;
-    let kind = kind_of(b);
+    // SAFETY: AVX2 is enabled by this function's target features.
+    let kind = unsafe { kernel_kind(b) };
     in_groups_of_4(n_q, |i0, n| {
         let qg = &q[i0 * d..(i0 + n) * d];
         // SAFETY: callers checked `supported(b)` (per-group blocks: groups of a multiple of
@@ -1043,6 +1109,11 @@ unsafe fn scores_group(
             }
         }
     });
+    // e4m3 levels came as their value / 2^8 (a per-group block's scales carried the factor).
+    let unit = unit_of(b);
+    if unit != 1.0 && !matches!(b.params, Params::PerGroup { .. }) {
+        out[..n_q * rows].iter_mut().for_each(|x| *x *= unit);
+    }
     match b.params {
         Params::PerRow { scale, offset } => {
             for (qi, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(rows)) {
@@ -1086,7 +1157,11 @@ unsafe fn axpy_group_with(
     sums.resize(4 * d, 0.0);
     w.resize(4 * rows, 0.0);
     let any_width = !fast(b);
-    let kind = kind_of(b);
+    // SAFETY: AVX2 is enabled by this function's target features.
+    let kind = unsafe { kernel_kind(b) };
+    // e4m3 levels come as their value / 2^8: the factor goes into the weights or the
+    // per-channel scales (a per-group block's scales carry it in the kernel).
+    let unit = unit_of(b);
     // A loop rather than `in_groups_of_4`: the body stays in this function's AVX2 code.
     let mut i0 = 0;
     while i0 < n_q {
@@ -1097,7 +1172,7 @@ unsafe fn axpy_group_with(
             Params::PerRow { scale, offset } => {
                 for (wi, pi) in w.chunks_exact_mut(rows).zip(pg.chunks_exact(rows)) {
                     for ((x, &pr), &s) in wi.iter_mut().zip(pi).zip(scale) {
-                        *x = pr * s;
+                        *x = pr * (s * unit);
                     }
                 }
                 // SAFETY: callers checked `supported(b)` (`generic(b)` where not `fast(b)`);
@@ -1132,7 +1207,7 @@ unsafe fn axpy_group_with(
                     let psum: f32 = portable::sum_lanes(pi);
                     let o = &mut out[(i0 + i) * d..(i0 + i + 1) * d];
                     for (c, (o, &x)) in o.iter_mut().zip(&sums[i * d..(i + 1) * d]).enumerate() {
-                        *o += x * scale[c] + offset.map_or(0.0, |f| f[c]) * psum;
+                        *o += x * (scale[c] * unit) + offset.map_or(0.0, |f| f[c]) * psum;
                     }
                 }
             }
