@@ -523,7 +523,7 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
             for g in 0..groups.per_row {
                 let (p0, p1) = if GROUPED {
                     // SAFETY: AVX2 is enabled; a per-group block; r, r1 < rows and g < per_row.
-                    unsafe { (groups.at(r, g), groups.at(r1, g)) }
+                    unsafe { (groups.at::<K>(r, g), groups.at::<K>(r1, g)) }
                 } else {
                     (zero, zero)
                 };
@@ -566,8 +566,6 @@ unsafe fn group_dots<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
 struct Groups {
     per_row: usize,
     steps: usize,
-    /// The block's [`unit_of`], which [`Groups::at`] applies to the scales.
-    unit: f32,
     scale: *const f32,
     /// Null without offsets.
     offset: *const f32,
@@ -579,29 +577,22 @@ impl Groups {
             Params::PerGroup { group, scale, offset } => Groups {
                 per_row: b.dim / group,
                 steps: group / 16,
-                unit: unit_of(b),
                 scale: scale.as_ptr(),
                 offset: offset.map_or(std::ptr::null(), <[f32]>::as_ptr),
             },
-            _ => Groups {
-                per_row: 1,
-                steps: b.dim / 16,
-                unit: 1.0,
-                scale: std::ptr::null(),
-                offset: std::ptr::null(),
-            },
+            _ => Groups { per_row: 1, steps: b.dim / 16, scale: std::ptr::null(), offset: std::ptr::null() },
         }
     }
 
-    /// The scale (times the block's [`unit_of`]) and offset (0 without offsets) of group `g`
-    /// of row `r`, broadcast.
+    /// The scale and offset (0 without offsets) of group `g` of row `r`, broadcast; for
+    /// e4m3 levels (`K`), the scale times 2^8 ([`unit_of`]).
     ///
     /// # Safety
     /// The CPU must support AVX2; the block is per group (`QuantBlock::new` checked its
     /// parameters: `rows · per_row` of each); `r < rows`, `g < per_row`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn at(&self, r: usize, g: usize) -> (__m256, __m256) {
+    unsafe fn at<const K: u8>(&self, r: usize, g: usize) -> (__m256, __m256) {
         let i = r * self.per_row + g;
         // SAFETY: i < rows · per_row, the length of the scales and of the offsets if any.
         unsafe {
@@ -610,7 +601,8 @@ impl Groups {
             } else {
                 _mm256_broadcast_ss(&*self.offset.add(i))
             };
-            (_mm256_set1_ps(*self.scale.add(i) * self.unit), ov)
+            let sv = _mm256_broadcast_ss(&*self.scale.add(i));
+            (if K == E4M3 || K == E4M3_ANY { _mm256_mul_ps(sv, _mm256_set1_ps(256.0)) } else { sv }, ov)
         }
     }
 }
@@ -638,7 +630,8 @@ unsafe fn group_axpy<const BITS: u8, const NQ: usize, const K: u8, const GROUPED
         for r in 0..rows {
             // SAFETY: as this function's; r < rows, 16t < d, so g < per_row.
             let (lo, hi) = unsafe {
-                let gp = if GROUPED { groups.at(r, g) } else { (_mm256_setzero_ps(), _mm256_setzero_ps()) };
+                let gp =
+                    if GROUPED { groups.at::<K>(r, g) } else { (_mm256_setzero_ps(), _mm256_setzero_ps()) };
                 values16::<BITS, K, GROUPED>(b, &lut, r, t, gp)
             };
             for (i, a) in acc.iter_mut().enumerate() {
