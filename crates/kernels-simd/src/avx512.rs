@@ -10,7 +10,10 @@
 //!
 //! `attend_int_in` fuses one block of KIVI-style INT4 keys and values (scores, the online
 //! softmax step, value sums) for decode's integer path; it follows the same algebra with
-//! float sums in other orders, so it matches `scalar::attend_int` to rounding.
+//! float sums in other orders, so it matches `scalar::attend_int` to rounding. It also takes
+//! INT4 values per group (`int4-g32`, which `kvq recommend` picks for most layers), byte
+//! weights rounded per query row and group, each 16-byte lane of a `vpdpbusd` operand (32
+//! channels) carrying its group's.
 //!
 //! The float kernels of the `avx512` backend are the AVX2 ones: on the AMD Zen 4 this crate
 //! is measured on, 512-bit float FMAs run as two 256-bit halves, and the float kernels are
@@ -299,32 +302,43 @@ unsafe fn vsums_u8<const NQ: usize>(b: &QuantBlock<'_>, rows: Range<usize>, w: &
         let at = rows.start + j0..rows.start + j0 + len;
         // SAFETY: forwarded from the caller; `wb` holds NQ rows of U8_ROWS bytes, zero past
         // `len`.
-        unsafe { vsums_bytes::<NQ>(b, at, &wb, U8_ROWS, j0 > 0, acc) };
+        unsafe { vsums_bytes::<NQ, false>(b, at, &wb, U8_ROWS, j0 > 0, &[], acc) };
         j0 += len;
     }
 }
 
 /// The sums of [`vsums_u8`] from weights already bytes: query row `i`'s weight of row
 /// `rows.start + j` is `wb[i · stride + j]`, and `wb` is zero from `rows.len()` to the next
-/// multiple of 4 in each row. Adds to `acc` when `add`, writes it otherwise.
+/// multiple of 4 in each row. Adds to `acc` when `add`, writes it otherwise. With weights per
+/// group (`GW`, values per group), the `vpdpbusd` operand of 64-byte chunk `c`, query row `i`
+/// and rows `4t .. 4t + 4` is `wx[16 · ((c · NQ + i) · QUADS + t)..][..16]` (each 16-byte
+/// lane, 32 channels of one group, with that group's four weights), and `wb` is not read.
 ///
 /// # Safety
 /// As [`vsums_u8`], `rows` not empty; `stride >= rows.len()` rounded up to a multiple of 4 and
-/// `wb.len() >= NQ · stride`.
+/// `wb.len() >= NQ · stride`; with `GW`, `rows` starts at 0 and `wx` holds the operands of
+/// every chunk, query row and quad of the rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn vsums_bytes<const NQ: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn vsums_bytes<const NQ: usize, const GW: bool>(
     b: &QuantBlock<'_>,
     rows: Range<usize>,
     wb: &[u8],
     stride: usize,
     add: bool,
+    wx: &[i32],
     acc: &mut [i32],
 ) {
     let (d, len) = (b.dim, rows.len());
     let mask = _mm512_set1_epi8(0x0f);
     let centre = _mm512_set1_epi8(intv::center(4) as i8);
-    assert!(len > 0 && stride >= len.next_multiple_of(4) && wb.len() >= NQ * stride && acc.len() >= NQ * d);
+    if GW {
+        assert!(rows.start == 0 && wx.len() >= 16 * (d / 128 * NQ * QUADS) && len <= FUSED_ROWS);
+    } else {
+        assert!(stride >= len.next_multiple_of(4) && wb.len() >= NQ * stride);
+    }
+    assert!(len > 0 && acc.len() >= NQ * d);
     for c in 0..d / 128 {
         for plane in 0..2 {
             let mut sums = [[_mm512_setzero_si512(); 4]; NQ];
@@ -342,10 +356,18 @@ unsafe fn vsums_bytes<const NQ: usize>(
                 // one per i32 lane, bytes = rows j .. j + 4.
                 let x = interleave4([nib(0), nib(1), nib(2), nib(3)]);
                 for (i, s) in sums.iter_mut().enumerate() {
-                    // SAFETY: j is a multiple of 4 below len, so i · stride + j + 4 <=
-                    // NQ · stride <= wb.len() (asserted above).
-                    let quad = unsafe { wb.as_ptr().add(i * stride + j).cast::<i32>().read_unaligned() };
-                    let wv = _mm512_set1_epi32(quad);
+                    let wv = if GW {
+                        // SAFETY: c < d / 128, i < NQ and j / 4 < QUADS (len <= FUSED_ROWS):
+                        // inside `wx` (asserted above).
+                        unsafe {
+                            _mm512_loadu_si512(wx.as_ptr().add(16 * ((c * NQ + i) * QUADS + j / 4)).cast())
+                        }
+                    } else {
+                        // SAFETY: j is a multiple of 4 below len, so i · stride + j + 4 <=
+                        // NQ · stride <= wb.len() (asserted above).
+                        let quad = unsafe { wb.as_ptr().add(i * stride + j).cast::<i32>().read_unaligned() };
+                        _mm512_set1_epi32(quad)
+                    };
                     for (s, &x) in s.iter_mut().zip(&x) {
                         *s = _mm512_dpbusd_epi32(*s, wv, x);
                     }
@@ -544,10 +566,23 @@ const FUSED_DIM: usize = 256;
 /// Whether [`crate::attend_int_with`] has a fused kernel for keys `k`, values `v` and `n_q` query rows on
 /// this CPU: INT4 affine keys with per-channel parameters and INT4 affine values with per-row
 /// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (64, 128 or 256), any
-/// number of query rows (four at a time).
+/// number of query rows (four at a time); or such keys with INT4 affine values per group of
+/// 32, 64, 128 or 256 values at head_dim 128 or 256.
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    crate::fused_layout(k, v, n_q) && cpu_ok() && std::arch::is_x86_feature_detected!("avx512vl")
+    (crate::fused_layout(k, v, n_q) || crate::fused_layout_grouped(k, v, n_q))
+        && cpu_ok()
+        && std::arch::is_x86_feature_detected!("avx512vl")
 }
+
+/// Most value groups of a row the fused kernel takes: groups of 32 along [`FUSED_DIM`].
+const MAX_GROUPS: usize = FUSED_DIM / 32;
+
+/// Row quads of a block's weight rows (4 rows' byte weights make one `vpdpbusd` operand).
+const QUADS: usize = (FUSED_ROWS + 16) / 4;
+
+/// Groups per quad in [`FusedScratch::wq`]: padded so that the 16 bytes of 4 groups' quads can
+/// be loaded from any group.
+const QUAD_GROUPS: usize = MAX_GROUPS + 4;
 
 /// The buffers of [`attend_int_in`], grown once to the largest block it takes and then reused
 /// (never cleared: the kernel writes what it reads).
@@ -558,6 +593,13 @@ pub(crate) struct FusedScratch {
     wb: Vec<u8>,
     p: Vec<f32>,
     acc: Vec<i32>,
+    /// Values per group: their scales and offsets by group (row `g` and `MAX_GROUPS + g`, rows
+    /// along), the float weights of every (query row, group), the byte weights as quads
+    /// (query row, quad, group), and each (chunk, query row, quad)'s `vpdpbusd` operand.
+    vt: Vec<f32>,
+    wg: Vec<f32>,
+    wq: Vec<u32>,
+    wx: Vec<i32>,
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -588,25 +630,39 @@ pub(crate) fn attend_int_in(
         w.wb.resize(g * (FUSED_ROWS + 16), 0);
         w.p.resize(g * (FUSED_ROWS + 16).max(FUSED_DIM), 0.0);
         w.acc.resize(g * FUSED_DIM, 0);
+        let pr = FUSED_ROWS + 16;
+        w.vt.resize(2 * MAX_GROUPS * pr, 0.0);
+        w.wg.resize(g * MAX_GROUPS * pr, 0.0);
+        w.wq.resize(g * QUADS * QUAD_GROUPS, 0);
+        w.wx.resize(FUSED_DIM / 128 * g * QUADS * 16, 0);
     }
+    let grouped = matches!(v.params, Params::PerGroup { .. });
     crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
         // SAFETY: `attend_int_supported` checked the CPU, the widths, the layouts and the sizes
         // against the buffers' (grown above to the largest block); `fused_groups` checked the
         // value scales and the shapes.
         unsafe {
-            match (nq, d) {
-                (1, 128) => attend4::<1, 128>(k, v, q, m, l, o, w),
-                (2, 128) => attend4::<2, 128>(k, v, q, m, l, o, w),
-                (3, 128) => attend4::<3, 128>(k, v, q, m, l, o, w),
-                (_, 128) => attend4::<4, 128>(k, v, q, m, l, o, w),
-                (1, 64) => attend4::<1, 64>(k, v, q, m, l, o, w),
-                (2, 64) => attend4::<2, 64>(k, v, q, m, l, o, w),
-                (3, 64) => attend4::<3, 64>(k, v, q, m, l, o, w),
-                (_, 64) => attend4::<4, 64>(k, v, q, m, l, o, w),
-                (1, _) => attend4::<1, 256>(k, v, q, m, l, o, w),
-                (2, _) => attend4::<2, 256>(k, v, q, m, l, o, w),
-                (3, _) => attend4::<3, 256>(k, v, q, m, l, o, w),
-                (_, _) => attend4::<4, 256>(k, v, q, m, l, o, w),
+            match (nq, d, grouped) {
+                (1, 128, false) => attend4::<1, 128, false>(k, v, q, m, l, o, w),
+                (2, 128, false) => attend4::<2, 128, false>(k, v, q, m, l, o, w),
+                (3, 128, false) => attend4::<3, 128, false>(k, v, q, m, l, o, w),
+                (_, 128, false) => attend4::<4, 128, false>(k, v, q, m, l, o, w),
+                (1, 64, _) => attend4::<1, 64, false>(k, v, q, m, l, o, w),
+                (2, 64, _) => attend4::<2, 64, false>(k, v, q, m, l, o, w),
+                (3, 64, _) => attend4::<3, 64, false>(k, v, q, m, l, o, w),
+                (_, 64, _) => attend4::<4, 64, false>(k, v, q, m, l, o, w),
+                (1, 128, true) => attend4::<1, 128, true>(k, v, q, m, l, o, w),
+                (2, 128, true) => attend4::<2, 128, true>(k, v, q, m, l, o, w),
+                (3, 128, true) => attend4::<3, 128, true>(k, v, q, m, l, o, w),
+                (_, 128, true) => attend4::<4, 128, true>(k, v, q, m, l, o, w),
+                (1, _, false) => attend4::<1, 256, false>(k, v, q, m, l, o, w),
+                (2, _, false) => attend4::<2, 256, false>(k, v, q, m, l, o, w),
+                (3, _, false) => attend4::<3, 256, false>(k, v, q, m, l, o, w),
+                (_, _, false) => attend4::<4, 256, false>(k, v, q, m, l, o, w),
+                (1, _, true) => attend4::<1, 256, true>(k, v, q, m, l, o, w),
+                (2, _, true) => attend4::<2, 256, true>(k, v, q, m, l, o, w),
+                (3, _, true) => attend4::<3, 256, true>(k, v, q, m, l, o, w),
+                (_, _, true) => attend4::<4, 256, true>(k, v, q, m, l, o, w),
             }
         }
     })
@@ -618,13 +674,15 @@ fn lanes(len: usize) -> __mmask16 {
     if len >= 16 { 0xffff } else { ((1u32 << len) - 1) as __mmask16 }
 }
 
-/// The fused kernel of [`attend_int_in`] for `NQ` query rows.
+/// The fused kernel of [`attend_int_in`] for `NQ` query rows, values per row or, `GV`, per
+/// group ([`grouped_values`]).
 ///
 /// # Safety
 /// [`attend_int_supported`]`(k, v, NQ)`; every value scale of `v` is `>= 0`; `q` and `o` hold
-/// `NQ · dim` values, `m` and `l` `NQ`; the buffers of `w` are grown to the largest block.
+/// `NQ · dim` values, `m` and `l` `NQ`; the buffers of `w` are grown to the largest block;
+/// `GV` exactly when `v` is per group.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
-unsafe fn attend4<const NQ: usize, const D: usize>(
+unsafe fn attend4<const NQ: usize, const D: usize, const GV: bool>(
     k: &QuantBlock<'_>,
     v: &QuantBlock<'_>,
     q: &[f32],
@@ -633,12 +691,11 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
     o: &mut [f32],
     w: &mut FusedScratch,
 ) {
-    let FusedScratch { q8, dots, wb, p, acc } = w;
+    let FusedScratch { q8, dots, wb, p, acc, vt, wg, wq, wx } = w;
     use int8::MAGIC;
     let (d, n) = (D, k.rows);
     debug_assert_eq!(k.dim, D);
     let Params::PerChannel { scale: ks, offset: ko } = k.params else { unreachable!("checked") };
-    let Params::PerRow { scale: vs, offset: vo } = v.params else { unreachable!("checked") };
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
 
     // 1. Each query row times the channel scales, rounded to int8 with the scale max / 127,
@@ -797,6 +854,13 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
         unsafe { _mm512_storeu_ps(f.as_mut_ptr(), crate::softmax::x86::exp16(_mm512_loadu_ps(t.as_ptr()))) };
         factor[..NQ].copy_from_slice(&f[..NQ]);
     }
+    if GV {
+        let bufs = Grouped { p, vt, wg, wq, wx, acc };
+        // SAFETY: forwarded from this function's contract (values per group, `GV`).
+        unsafe { grouped_values::<NQ, D>(v, &top, &mut factor, m, l, o, bufs) };
+        return;
+    }
+    let Params::PerRow { scale: vs, offset: vo } = v.params else { unreachable!("checked") };
     let (mut wmax, mut wnan, mut vadd) = ([0f32; int8::GROUP], [false; int8::GROUP], [0f32; int8::GROUP]);
     for i in 0..NQ {
         if top[i] == f32::NEG_INFINITY {
@@ -864,7 +928,7 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
         if D == 64 {
             vsums_bytes64::<NQ>(v, n, wb, stride, acc)
         } else {
-            vsums_bytes::<NQ>(v, 0..n, wb, stride, false, acc)
+            vsums_bytes::<NQ, false>(v, 0..n, wb, stride, false, &[], acc)
         }
     };
     for i in 0..NQ {
@@ -883,6 +947,195 @@ unsafe fn attend4<const NQ: usize, const D: usize>(
                 let old = _mm512_loadu_ps(at);
                 let old = if factor[i] != 1.0 { _mm512_mul_ps(old, f) } else { old };
                 _mm512_storeu_ps(at, _mm512_add_ps(old, x));
+            }
+        }
+    }
+}
+
+/// The buffers [`grouped_values`] works in (see [`FusedScratch`]).
+struct Grouped<'a> {
+    p: &'a mut [f32],
+    vt: &'a mut [f32],
+    wg: &'a mut [f32],
+    wq: &'a mut [u32],
+    wx: &'a mut [i32],
+    acc: &'a mut [i32],
+}
+
+/// Steps 3 and 4 of [`attend4`] for values per group (`int4-g32`, the values `kvq recommend`
+/// picks for most layers), after the scores (`p`, query row `i` at `i · (FUSED_ROWS + 16)`),
+/// their maxima `top` and the rescaling `factor` of the running state: the exponentials and
+/// their sums, then per query row and group the weights `p · scale` rounded to bytes with
+/// their own scale (the per-row algebra of the `intv` module, one group of channels at a time,
+/// as `intv::axpy_grouped_reference`), and the sums through `vpdpbusd` as for values per row,
+/// each 16-byte lane of an operand (32 channels, inside one group) carrying its group's
+/// weights.
+///
+/// # Safety
+/// As [`attend4`], `v` per group with groups of a multiple of 32 and `D` 128 or 256
+/// ([`crate::fused_layout_grouped`]); `top` and `factor` as [`attend4`] computed them.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+unsafe fn grouped_values<const NQ: usize, const D: usize>(
+    v: &QuantBlock<'_>,
+    top: &[f32; int8::GROUP],
+    factor: &mut [f32; int8::GROUP],
+    m: &mut [f32],
+    l: &mut [f32],
+    o: &mut [f32],
+    w: Grouped<'_>,
+) {
+    use int8::MAGIC;
+    let Grouped { p, vt, wg, wq, wx, acc } = w;
+    let Params::PerGroup { group, scale: vs, offset: vo } = v.params else { unreachable!("checked") };
+    let (n, per, pr) = (v.rows, D / group, FUSED_ROWS + 16);
+    let quads = n.div_ceil(4);
+    assert!(
+        (1..=FUSED_ROWS).contains(&n)
+            && per <= MAX_GROUPS
+            && p.len() >= NQ * pr
+            && vt.len() >= 2 * MAX_GROUPS * pr
+            && wg.len() >= NQ * MAX_GROUPS * pr
+            && wq.len() >= NQ * QUADS * QUAD_GROUPS
+            && wx.len() >= D / 128 * NQ * QUADS * 16
+            && acc.len() >= NQ * D
+    );
+    let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+    let z = _mm512_set1_ps(f32::from(intv::center(4)));
+    // The parameters by group, rows along (one vector load per 16 rows). (Indexed, the bounds
+    // checks took most of this loop's time.)
+    assert!(vs.len() >= n * per && vo.is_none_or(|o| o.len() >= n * per));
+    for r in 0..n {
+        for g in 0..per {
+            // SAFETY: r < n and g < per: inside the parameters (asserted above) and inside
+            // `vt`, whose rows hold pr > n values (asserted at the top).
+            unsafe {
+                *vt.get_unchecked_mut(g * pr + r) = *vs.get_unchecked(r * per + g);
+                if let Some(vo) = vo {
+                    *vt.get_unchecked_mut((MAX_GROUPS + g) * pr + r) = *vo.get_unchecked(r * per + g);
+                }
+            }
+        }
+    }
+    let (mut gsw, mut gadd) = ([[0f32; MAX_GROUPS]; int8::GROUP], [[0f32; MAX_GROUPS]; int8::GROUP]);
+    for i in 0..NQ {
+        let quad_row = &mut wq[i * QUADS * QUAD_GROUPS..(i + 1) * QUADS * QUAD_GROUPS];
+        if top[i] == f32::NEG_INFINITY {
+            // Nothing of this row seen yet: no change. Its weight scales stay 0, which zeroes
+            // whatever integer sums its (stale) byte weights give.
+            factor[i] = 1.0;
+            continue;
+        }
+        let (mv, pi) = (_mm512_set1_ps(top[i]), &mut p[i * pr..(i + 1) * pr]);
+        let mut sum = _mm512_setzero_ps();
+        for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
+            // SAFETY: r + 16 <= n + 15 < pr, inside row i of `p`.
+            unsafe {
+                let at = pi.as_mut_ptr().add(r);
+                let e = _mm512_maskz_mov_ps(
+                    lanes(n - r),
+                    crate::softmax::x86::exp16(_mm512_sub_ps(_mm512_loadu_ps(at), mv)),
+                );
+                sum = _mm512_add_ps(sum, e);
+                _mm512_storeu_ps(at, e);
+            }
+        }
+        l[i] = l[i] * factor[i] + _mm512_reduce_add_ps(sum);
+        m[i] = top[i];
+        let (mut gmax, mut gnan) = ([0f32; MAX_GROUPS], [false; MAX_GROUPS]);
+        for g in 0..per {
+            let (mut mx, mut add) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let wrow = &mut wg[(i * MAX_GROUPS + g) * pr..(i * MAX_GROUPS + g + 1) * pr];
+            for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
+                let mask = lanes(n - r);
+                // SAFETY: r + 16 < pr: inside row i of `p`, the group's rows of `vt` and its
+                // row of `wg`.
+                unsafe {
+                    let e = _mm512_loadu_ps(pi.as_ptr().add(r));
+                    let wv = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(mask, vt.as_ptr().add(g * pr + r)));
+                    // What the offsets and the centre add: Σ p · offset + z · Σ w.
+                    add = _mm512_fmadd_ps(z, wv, add);
+                    if vo.is_some() {
+                        let f = _mm512_maskz_loadu_ps(mask, vt.as_ptr().add((MAX_GROUPS + g) * pr + r));
+                        add = _mm512_fmadd_ps(e, f, add);
+                    }
+                    mx = _mm512_max_ps(wv, mx);
+                    _mm512_storeu_ps(wrow.as_mut_ptr().add(r), wv);
+                }
+            }
+            gmax[g] = _mm512_reduce_max_ps(mx);
+            gadd[i][g] = _mm512_reduce_add_ps(add);
+            // A NaN weight makes `add` NaN (z ≠ 0), and the maximum skips it: the group's scale
+            // becomes NaN, so do its outputs. (`add` NaN without one: the outputs are NaN
+            // through it anyway.)
+            gnan[g] = gadd[i][g].is_nan();
+        }
+        let mut ginv = [0f32; MAX_GROUPS];
+        for g4 in (0..per).step_by(4) {
+            let four = |x: &[f32]| [x[g4], x[g4 + 1], x[g4 + 2], x[g4 + 3]];
+            let (s, inv) =
+                int8::scales_of4(four(&gmax), [gnan[g4], gnan[g4 + 1], gnan[g4 + 2], gnan[g4 + 3]], 255.0);
+            gsw[i][g4..g4 + 4].copy_from_slice(&s);
+            ginv[g4..g4 + 4].copy_from_slice(&inv);
+        }
+        for g in 0..per {
+            let (invv, hi) = (_mm512_set1_ps(ginv[g]), _mm512_set1_ps(255.0));
+            for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
+                // SAFETY: r + 16 < pr, inside the group's row of `wg` (zero weights past n).
+                let bytes = unsafe {
+                    let y = _mm512_min_ps(
+                        _mm512_mul_ps(_mm512_loadu_ps(wg.as_ptr().add((i * MAX_GROUPS + g) * pr + r)), invv),
+                        hi,
+                    );
+                    let code = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
+                    let mut b = [0u32; 4];
+                    _mm_storeu_si128(b.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(code));
+                    b
+                };
+                // Quads past the block's rows land in the padding (r + 16 <= pr = 4 · QUADS).
+                for (t, &b) in bytes.iter().enumerate() {
+                    quad_row[(r / 4 + t) * QUAD_GROUPS + g] = b;
+                }
+            }
+        }
+    }
+    // Each (chunk, query row, quad)'s operand: 16-byte lane L holds channels 128c + 32L ..
+    // + 32, of group (128c + 32L) / group; its four weights repeated over the lane's 4 i32s.
+    for c in 0..D / 128 {
+        let g0 = 128 * c / group;
+        let mut ix = [0i32; 16];
+        for (k, x) in ix.iter_mut().enumerate() {
+            *x = ((128 * c + 32 * (k / 4)) / group - g0) as i32;
+        }
+        // SAFETY: `ix` holds 16 values.
+        let idx = unsafe { _mm512_loadu_si512(ix.as_ptr().cast()) };
+        for i in 0..NQ {
+            for t in 0..quads {
+                // SAFETY: g0 + 4 <= per + 3 < QUAD_GROUPS, so the 16 bytes lie in quad t's
+                // groups of row i of `wq`; the operand lies inside `wx` (t < QUADS).
+                unsafe {
+                    let src = _mm_loadu_si128(wq.as_ptr().add((i * QUADS + t) * QUAD_GROUPS + g0).cast());
+                    let x = _mm512_permutexvar_epi32(idx, _mm512_castsi128_si512(src));
+                    _mm512_storeu_si512(wx.as_mut_ptr().add(16 * ((c * NQ + i) * QUADS + t)).cast(), x);
+                }
+            }
+        }
+    }
+    // SAFETY: `v` is 4-bit with D a multiple of 128 and 1..=FUSED_ROWS rows; `wx` holds the
+    // operands of every chunk, query row and quad of the rows; `acc` NQ · D values.
+    unsafe { vsums_bytes::<NQ, true>(v, 0..n, &[], 0, false, wx, acc) };
+    for i in 0..NQ {
+        let f = _mm512_set1_ps(factor[i]);
+        for c in (0..D / 16).map(|j| 16 * j) {
+            // A shift: groups are 32, 64, 128 or 256 values (they divide D).
+            let g = c >> group.trailing_zeros();
+            let (s, a) = (_mm512_set1_ps(gsw[i][g]), _mm512_set1_ps(gadd[i][g]));
+            // SAFETY: c + 16 <= D, inside row i of `o` and `acc`.
+            unsafe {
+                let at = o.as_mut_ptr().add(i * D + c);
+                let x = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc.as_ptr().add(i * D + c).cast()));
+                let old = _mm512_loadu_ps(at);
+                let old = if factor[i] != 1.0 { _mm512_mul_ps(old, f) } else { old };
+                _mm512_storeu_ps(at, _mm512_add_ps(old, _mm512_add_ps(_mm512_mul_ps(s, x), a)));
             }
         }
     }

@@ -131,6 +131,42 @@ pub(crate) fn axpy_by_block<K: IntAxpyKernel>(
     }
 }
 
+/// The reference of the fused kernels' values per group (the separate integer value path
+/// refuses per-group blocks): each group of channels is a block of its own with per-row
+/// parameters, `o[c] += sw_g · Σ_r W_g[r] · (L[r][c] − z) + Σ_r p[r] · (f[r][g] + z · s[r][g])`
+/// for the channels `c` of group `g`, `W_g[r] = round(p[r] · s[r][g] / sw_g)` and
+/// `sw_g = max_r |p[r] · s[r][g]| / W_max`: the per-row algebra above, one weight scale per
+/// query row and group.
+///
+/// # Panics
+/// When `b` is not per group or the shapes differ from `n_q` rows of weights and outputs.
+pub(crate) fn axpy_grouped_reference(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
+    let Params::PerGroup { group, scale, offset } = b.params else { panic!("a per-group block") };
+    let (d, rows, per) = (b.dim, b.rows, b.dim / group);
+    assert!(p.len() == n_q * rows && out.len() == n_q * d, "shapes");
+    let (limit, z) = (weight_limit(b.bits), i32::from(center(b.bits)));
+    let mut codes = vec![0u8; rows * d];
+    for (r, c) in codes.chunks_exact_mut(d).enumerate() {
+        kvq_quant_core::pack::unpack_row(b.row(r), b.bits, c).expect("QuantBlock::new checked the lengths");
+    }
+    let (mut wf, mut w) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
+    for i in 0..n_q {
+        let pi = &p[i * rows..(i + 1) * rows];
+        for g in 0..per {
+            wf.clear();
+            wf.extend((0..rows).map(|r| pi[r] * scale[r * per + g]));
+            let add = offset.map_or(0.0, |f| (0..rows).map(|r| pi[r] * f[r * per + g]).sum::<f32>())
+                + z as f32 * wf.iter().sum::<f32>();
+            w.clear();
+            let sw = round_weights(&wf, limit, &mut w);
+            for c in g * group..(g + 1) * group {
+                let a: i32 = (0..rows).map(|r| i32::from(w[r]) * (i32::from(codes[r * d + c]) - z)).sum();
+                out[i * d + c] += sw * a as f32 + add;
+            }
+        }
+    }
+}
+
 /// The reference integer kernel: codes unpacked and summed one by one.
 pub(crate) struct Reference;
 

@@ -92,8 +92,10 @@ pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> b
 
 /// The reference of `kvq_kernels_simd::attend_int_with`: [`scores_int8`] of the block's keys,
 /// the online softmax step of each query row (maximum skipping NaN scores, `f32::exp`, sums in
-/// order) and [`axpy_int`] of the values, as decode runs them one after the other. Returns
-/// `false`, changing nothing, where either integer path does not apply.
+/// order) and [`axpy_int`] of the values, as decode runs them one after the other; values per
+/// group (which [`axpy_int`] refuses) take the same algebra one group of channels at a time,
+/// each with its own weight scale per query row. Returns `false`, changing nothing, where the
+/// integer paths do not apply (keys per group, levels that are not affine).
 pub fn attend_int(
     k: &QuantBlock<'_>,
     v: &QuantBlock<'_>,
@@ -102,8 +104,8 @@ pub fn attend_int(
     state: crate::Online<'_>,
 ) -> bool {
     let crate::Online { m, l, o } = state;
-    let int = |b: &QuantBlock<'_>| matches!(b.levels, crate::block::Levels::Affine) && integer_params(b);
-    if !int(k) || !int(v) || k.rows != v.rows || k.dim != v.dim {
+    let affine = |b: &QuantBlock<'_>| matches!(b.levels, crate::block::Levels::Affine);
+    if !affine(k) || !integer_params(k) || !affine(v) || k.rows != v.rows || k.dim != v.dim {
         return false;
     }
     let (n, d) = (k.rows, k.dim);
@@ -127,6 +129,10 @@ pub fn attend_int(
         if f != 1.0 {
             o[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= f);
         }
+    }
+    if matches!(v.params, Params::PerGroup { .. }) {
+        crate::intv::axpy_grouped_reference(v, &s, n_q, o);
+        return true;
     }
     axpy_int(v, &s, n_q, o)
 }

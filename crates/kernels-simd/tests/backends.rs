@@ -1307,9 +1307,22 @@ fn fused_block_attention_matches_its_reference() {
             (64, 13),
             (64, 130),
         ] {
-            for special in [0u8, 5, 6] {
+            // Values per row, and per group (the AVX-512 kernel's, at head_dim 128 and 256).
+            let groups = [None, Some(32usize), Some(64), Some(128)]
+                .into_iter()
+                .filter(|g| g.is_none_or(|g| dim % g == 0));
+            for (special, group) in [0u8, 5, 6].into_iter().flat_map(|s| groups.clone().map(move |g| (s, g)))
+            {
                 let kc = affine_case(&mut rng, rows, dim, true, if special == 5 { 0 } else { special });
-                let vc = affine_case(&mut rng, rows, dim, false, special);
+                let mut vc = affine_case(&mut rng, rows, dim, false, special);
+                if let Some(g) = group {
+                    vc = vc.grouped(g);
+                    // Every group's own scale and offset (special 5: every other scale zero).
+                    for (j, (s, f)) in vc.scale.iter_mut().zip(vc.offset.iter_mut()).enumerate() {
+                        *s = if special == 5 && j % 2 == 0 { 0.0 } else { rng.uniform() as f32 + 0.01 };
+                        *f = rng.normal() as f32;
+                    }
+                }
                 let (k, v) = (kc.block(), vc.block());
                 for n_q in [1usize, 2, 3, 4, 5, 8] {
                     // Special 6: scores spread over a wide range (most weights underflow).
@@ -1334,7 +1347,7 @@ fn fused_block_attention_matches_its_reference() {
                             continue;
                         }
                         ran += 1;
-                        ran_at.insert((backend, dim));
+                        ran_at.insert((backend, dim, group.is_some()));
                         assert!(scalar::attend_int(
                             &k,
                             &v,
@@ -1343,7 +1356,7 @@ fn fused_block_attention_matches_its_reference() {
                             Online { m: &mut wm, l: &mut wl, o: &mut wo }
                         ));
                         let what = format!(
-                            "{backend} dim {dim} rows {rows} special {special} n_q {n_q} running {running}"
+                            "{backend} dim {dim} rows {rows} values per group {group:?} special {special} n_q {n_q} running {running}"
                         );
                         let mut x = vec![0f32; rows * dim];
                         scalar::dequantize(&v, &mut x);
@@ -1381,9 +1394,12 @@ fn fused_block_attention_matches_its_reference() {
                             let p: Vec<f64> = (0..rows)
                                 .map(|r| (f64::from(si[i * rows + r]) - f64::from(top)).exp())
                                 .collect();
-                            let sw =
-                                (0..rows).map(|r| p[r] * f64::from(vc.scale[r])).fold(0f64, f64::max) / 255.0;
                             for c in 0..dim {
+                                // The largest weight of the channel's row or group, over 255.
+                                let sw = (0..rows)
+                                    .map(|r| p[r] * f64::from(vc.scale[vc.param(r, c)]))
+                                    .fold(0f64, f64::max)
+                                    / 255.0;
                                 let j = i * dim + c;
                                 let mag: f64 = f64::from(o0[j].abs()) * f
                                     + (0..rows).map(|r| p[r] * f64::from(x[r * dim + c].abs())).sum::<f64>();
@@ -1397,19 +1413,32 @@ fn fused_block_attention_matches_its_reference() {
             }
         }
     }
-    let dims = |b: Backend| ran_at.iter().filter(|x| x.0 == b).map(|x| x.1).collect::<Vec<_>>();
+    let dims = |b: Backend, grouped: bool| {
+        ran_at.iter().filter(|x| x.0 == b && x.2 == grouped).map(|x| x.1).collect::<Vec<_>>()
+    };
     #[cfg(target_arch = "aarch64")]
     if available().contains(&Backend::Dotprod) {
-        assert_eq!(dims(Backend::Dotprod), vec![64, 128, 256], "head_dims the dotprod kernel ran at");
+        assert_eq!(dims(Backend::Dotprod, false), vec![64, 128, 256], "head_dims the dotprod kernel ran at");
+        assert_eq!(dims(Backend::Dotprod, true), Vec::<usize>::new(), "values per group: no dotprod kernel");
     }
     #[cfg(target_arch = "x86_64")]
     {
         if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
             assert!(ran > 0, "the fused kernel never ran on a machine that has it");
-            assert_eq!(dims(Backend::Avx512), vec![64, 128, 256], "head_dims the AVX-512 kernel ran at");
+            assert_eq!(
+                dims(Backend::Avx512, false),
+                vec![64, 128, 256],
+                "head_dims the AVX-512 kernel ran at"
+            );
+            assert_eq!(
+                dims(Backend::Avx512, true),
+                vec![128, 256],
+                "values per group: head_dims of the AVX-512 kernel"
+            );
         }
         if available().contains(&Backend::Avx2) {
-            assert_eq!(dims(Backend::Avx2), vec![64, 128, 256], "head_dims the AVX2 kernel ran at");
+            assert_eq!(dims(Backend::Avx2, false), vec![64, 128, 256], "head_dims the AVX2 kernel ran at");
+            assert_eq!(dims(Backend::Avx2, true), Vec::<usize>::new(), "values per group: no AVX2 kernel");
         }
     }
     let _ = (ran, dims);
@@ -1467,7 +1496,7 @@ fn fused_block_attention_declines_and_propagates_nan() {
     let mut rng = Rng::new(77);
     for backend in available() {
         let kc = affine_case(&mut rng, 32, 128, true, 0);
-        let mut vc = affine_case(&mut rng, 32, 128, false, 0);
+        let vc = affine_case(&mut rng, 32, 128, false, 0);
         let kr = affine_case(&mut rng, 32, 128, false, 0);
         let (k32, v32) = (affine_case(&mut rng, 32, 32, true, 0), affine_case(&mut rng, 32, 32, false, 0));
         let run = |k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize, q: &[f32]| {
@@ -1487,18 +1516,26 @@ fn fused_block_attention_declines_and_propagates_nan() {
         unchanged(run(&kc.block(), &kc.block(), 2, &q[..256]));
         unchanged(run(&kr.block(), &vc.block(), 2, &q[..256]));
         unchanged(run(&k32.block(), &v32.block(), 2, &q[..64]));
-        let (ran, ..) = run(&kc.block(), &vc.block(), 2, &q[..256]);
-        if ran {
-            let mut nan = q[..256].to_vec();
-            nan[128 + 9] = f32::NAN;
-            let (_, _, l, o) = run(&kc.block(), &vc.block(), 2, &nan);
-            assert!(l[0].is_finite() && l[1].is_nan(), "{backend}: {l:?}");
-            assert!(
-                o[..128].iter().all(|x| x.is_finite()) && o[128..].iter().all(|x| x.is_nan()),
-                "{backend}"
-            );
-            vc.scale[3] = -vc.scale[3];
-            unchanged(run(&kc.block(), &vc.block(), 2, &q[..256]));
+        // Values per group of 16 (not a multiple of 32), and per group at head_dim 32.
+        unchanged(run(&kc.block(), &vc.clone().grouped(16).block(), 2, &q[..256]));
+        unchanged(run(&k32.block(), &v32.clone().grouped(32).block(), 2, &q[..64]));
+        // Values per row, then per group of 32.
+        for vc in [vc.clone(), vc.clone().grouped(32)] {
+            let mut vc = vc;
+            let (ran, ..) = run(&kc.block(), &vc.block(), 2, &q[..256]);
+            if ran {
+                let mut nan = q[..256].to_vec();
+                nan[128 + 9] = f32::NAN;
+                let (_, _, l, o) = run(&kc.block(), &vc.block(), 2, &nan);
+                assert!(l[0].is_finite() && l[1].is_nan(), "{backend}: {l:?}");
+                assert!(
+                    o[..128].iter().all(|x| x.is_finite()) && o[128..].iter().all(|x| x.is_nan()),
+                    "{backend}"
+                );
+                let last = vc.scale.len() - 1;
+                vc.scale[last] = -vc.scale[last];
+                unchanged(run(&kc.block(), &vc.block(), 2, &q[..256]));
+            }
         }
         // Shapes that do not fit are errors.
         let (mut m, mut l, mut o) = (vec![0f32; 2], vec![0f32; 2], vec![0f32; 200]);
