@@ -567,7 +567,7 @@ const FUSED_DIM: usize = 256;
 /// this CPU: INT4 affine keys with per-channel parameters and INT4 affine values with per-row
 /// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (64, 128 or 256), any
 /// number of query rows (four at a time); or such keys with INT4 affine values per group of
-/// 32, 64, 128 or 256 values at head_dim 128 or 256.
+/// 32, 64, 128 or 256 values (dividing the head_dim).
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     (crate::fused_layout(k, v, n_q) || crate::fused_layout_grouped(k, v, n_q))
         && cpu_ok()
@@ -647,10 +647,14 @@ pub(crate) fn attend_int_in(
                 (2, 128, false) => attend4::<2, 128, false>(k, v, q, m, l, o, w),
                 (3, 128, false) => attend4::<3, 128, false>(k, v, q, m, l, o, w),
                 (_, 128, false) => attend4::<4, 128, false>(k, v, q, m, l, o, w),
-                (1, 64, _) => attend4::<1, 64, false>(k, v, q, m, l, o, w),
-                (2, 64, _) => attend4::<2, 64, false>(k, v, q, m, l, o, w),
-                (3, 64, _) => attend4::<3, 64, false>(k, v, q, m, l, o, w),
-                (_, 64, _) => attend4::<4, 64, false>(k, v, q, m, l, o, w),
+                (1, 64, false) => attend4::<1, 64, false>(k, v, q, m, l, o, w),
+                (2, 64, false) => attend4::<2, 64, false>(k, v, q, m, l, o, w),
+                (3, 64, false) => attend4::<3, 64, false>(k, v, q, m, l, o, w),
+                (_, 64, false) => attend4::<4, 64, false>(k, v, q, m, l, o, w),
+                (1, 64, true) => attend4::<1, 64, true>(k, v, q, m, l, o, w),
+                (2, 64, true) => attend4::<2, 64, true>(k, v, q, m, l, o, w),
+                (3, 64, true) => attend4::<3, 64, true>(k, v, q, m, l, o, w),
+                (_, 64, true) => attend4::<4, 64, true>(k, v, q, m, l, o, w),
                 (1, 128, true) => attend4::<1, 128, true>(k, v, q, m, l, o, w),
                 (2, 128, true) => attend4::<2, 128, true>(k, v, q, m, l, o, w),
                 (3, 128, true) => attend4::<3, 128, true>(k, v, q, m, l, o, w),
@@ -926,7 +930,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GV: bool>(
     // past n, zero weights there); `acc` NQ · d values.
     unsafe {
         if D == 64 {
-            vsums_bytes64::<NQ>(v, n, wb, stride, acc)
+            vsums_bytes64::<NQ, false>(v, n, wb, stride, &[], acc)
         } else {
             vsums_bytes::<NQ, false>(v, 0..n, wb, stride, false, &[], acc)
         }
@@ -972,7 +976,7 @@ struct Grouped<'a> {
 /// weights.
 ///
 /// # Safety
-/// As [`attend4`], `v` per group with groups of a multiple of 32 and `D` 128 or 256
+/// As [`attend4`], `v` per group with groups of a multiple of 32 and `D` 64, 128 or 256
 /// ([`crate::fused_layout_grouped`]); `top` and `factor` as [`attend4`] computed them.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
 unsafe fn grouped_values<const NQ: usize, const D: usize>(
@@ -996,7 +1000,7 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
             && vt.len() >= 2 * MAX_GROUPS * pr
             && wg.len() >= NQ * MAX_GROUPS * pr
             && wq.len() >= NQ * QUADS * QUAD_GROUPS
-            && wx.len() >= D / 128 * NQ * QUADS * 16
+            && wx.len() >= D.div_ceil(128) * NQ * QUADS * 16
             && acc.len() >= NQ * D
     );
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
@@ -1120,9 +1124,40 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
             }
         }
     }
-    // SAFETY: `v` is 4-bit with D a multiple of 128 and 1..=FUSED_ROWS rows; `wx` holds the
-    // operands of every chunk, query row and quad of the rows; `acc` NQ · D values.
-    unsafe { vsums_bytes::<NQ, true>(v, 0..n, &[], 0, false, wx, acc) };
+    if D == 64 {
+        // Rows of 64 codes ([`vsums_bytes64`]): lane L of the operand of query row i and rows
+        // 8t .. 8t + 8 holds channels 32 (L % 2) .. + 32 of rows 8t + 4 (L / 2) .. + 4, so
+        // quad 2t + L / 2 of group 32 (L % 2) / group; from the quads' first two groups.
+        let mut ix = [0i32; 16];
+        for (k, x) in ix.iter_mut().enumerate() {
+            let lane = k / 4;
+            *x = (2 * (lane / 2) + 32 * (lane % 2) / group) as i32;
+        }
+        // SAFETY: `ix` holds 16 values.
+        let idx = unsafe { _mm512_loadu_si512(ix.as_ptr().cast()) };
+        for i in 0..NQ {
+            for t in 0..n.div_ceil(8) {
+                let q = (i * QUADS + 2 * t) * QUAD_GROUPS;
+                // SAFETY: 2t + 1 < QUADS (n <= FUSED_ROWS), so both quads' first two groups
+                // lie in row i of `wq`; the operand lies inside `wx`.
+                unsafe {
+                    let src = _mm_unpacklo_epi64(
+                        _mm_loadl_epi64(wq.as_ptr().add(q).cast()),
+                        _mm_loadl_epi64(wq.as_ptr().add(q + QUAD_GROUPS).cast()),
+                    );
+                    let x = _mm512_permutexvar_epi32(idx, _mm512_castsi128_si512(src));
+                    _mm512_storeu_si512(wx.as_mut_ptr().add(16 * (i * QUADS + t)).cast(), x);
+                }
+            }
+        }
+        // SAFETY: `v` is 4-bit with rows of 64 codes and n rows; `wx` holds the operands of
+        // every query row and 8 rows; `acc` NQ · 64 values.
+        unsafe { vsums_bytes64::<NQ, true>(v, n, &[], 0, wx, acc) };
+    } else {
+        // SAFETY: `v` is 4-bit with D a multiple of 128 and 1..=FUSED_ROWS rows; `wx` holds
+        // the operands of every chunk, query row and quad of the rows; `acc` NQ · D values.
+        unsafe { vsums_bytes::<NQ, true>(v, 0..n, &[], 0, false, wx, acc) };
+    }
     for i in 0..NQ {
         let f = _mm512_set1_ps(factor[i]);
         for c in (0..D / 16).map(|j| 16 * j) {
@@ -1221,24 +1256,33 @@ unsafe fn dots64<const NQ: usize>(k: &QuantBlock<'_>, q8: &[u8], dots: &mut [i32
 
 /// [`vsums_bytes`] for rows of 64 codes, written (not added): eight rows at a time, rows
 /// `j .. j + 4` in the low 256 bits of each register and rows `j + 4 .. j + 8` in the high
-/// ones against their own four byte weights, the two halves added at the end.
+/// ones against their own four byte weights, the two halves added at the end. With weights
+/// per group (`GW`), the operand of query row `i` and rows `j .. j + 8` is
+/// `wx[16 · (i · QUADS + j / 8)..][..16]`, and `wb` is not read.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL and VNNI; `v.bits == 4`, `v.dim == 64`, `n ==
 /// v.rows >= 1`; `stride >= n` rounded up to a multiple of 8, `wb` holds `NQ · stride` bytes,
-/// zero from `n` to the stride in each row; `acc` holds `NQ · 64` values.
+/// zero from `n` to the stride in each row (`GW`: `wx` holds the operands of every query row
+/// and 8 rows instead); `acc` holds `NQ · 64` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
-unsafe fn vsums_bytes64<const NQ: usize>(
+unsafe fn vsums_bytes64<const NQ: usize, const GW: bool>(
     v: &QuantBlock<'_>,
     n: usize,
     wb: &[u8],
     stride: usize,
+    wx: &[i32],
     acc: &mut [i32],
 ) {
     let mask = _mm512_set1_epi8(0x0f);
     let centre = _mm512_set1_epi8(intv::center(4) as i8);
-    assert!(v.dim == 64 && n >= 1 && n <= v.rows && stride >= n.next_multiple_of(8));
-    assert!(wb.len() >= NQ * stride && acc.len() >= NQ * 64);
+    assert!(v.dim == 64 && n >= 1 && n <= v.rows && n <= FUSED_ROWS);
+    if GW {
+        assert!(wx.len() >= 16 * NQ * QUADS);
+    } else {
+        assert!(stride >= n.next_multiple_of(8) && wb.len() >= NQ * stride);
+    }
+    assert!(acc.len() >= NQ * 64);
     let row = |r: usize| -> __m256i {
         // SAFETY: row min(r, n − 1) is 32 bytes of the block.
         unsafe { _mm256_loadu_si256(v.row(r.min(n - 1)).as_ptr().cast()) }
@@ -1257,12 +1301,17 @@ unsafe fn vsums_bytes64<const NQ: usize>(
             // of the plane, bytes = rows j .. j + 4 (L < 2) or j + 4 .. j + 8 (L >= 2).
             let x = interleave4([nib(0), nib(1), nib(2), nib(3)]);
             for (i, s) in sums.iter_mut().enumerate() {
-                // SAFETY: j is a multiple of 8 below n, so i · stride + j + 8 <= NQ · stride.
-                let (w0, w1) = unsafe {
-                    let p = wb.as_ptr().add(i * stride + j);
-                    (p.cast::<i32>().read_unaligned(), p.add(4).cast::<i32>().read_unaligned())
+                let wv = if GW {
+                    // SAFETY: j / 8 < QUADS (n <= FUSED_ROWS): inside `wx` (asserted above).
+                    unsafe { _mm512_loadu_si512(wx.as_ptr().add(16 * (i * QUADS + j / 8)).cast()) }
+                } else {
+                    // SAFETY: j is a multiple of 8 below n, so i · stride + j + 8 <= NQ · stride.
+                    let (w0, w1) = unsafe {
+                        let p = wb.as_ptr().add(i * stride + j);
+                        (p.cast::<i32>().read_unaligned(), p.add(4).cast::<i32>().read_unaligned())
+                    };
+                    _mm512_inserti64x4::<1>(_mm512_set1_epi32(w0), _mm256_set1_epi32(w1))
                 };
-                let wv = _mm512_inserti64x4::<1>(_mm512_set1_epi32(w0), _mm256_set1_epi32(w1));
                 for (s, &x) in s.iter_mut().zip(&x) {
                     *s = _mm512_dpbusd_epi32(*s, wv, x);
                 }

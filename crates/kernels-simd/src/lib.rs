@@ -551,7 +551,7 @@ pub struct Online<'a> {
 ///
 /// Where it runs (INT4 affine keys per channel, INT4 affine values per row with non-negative
 /// scales, blocks of up to 256 tokens, head_dim 64, 128 or 256, query rows four at a time;
-/// on `avx512` also values per group of 32, 64, 128 or 256 at head_dim 128 and 256, each
+/// on `avx512` also values per group of 32, 64, 128 or 256, each
 /// group's weights rounded with their own scale, as [`scalar::attend_int`] does; on
 /// the `avx512` backend with VNNI, see `avx512::attend_int_supported`, on the `avx2`
 /// backend, see `fused_avx2::attend_int_supported`, and on the `dotprod` backend of aarch64,
@@ -599,16 +599,15 @@ pub(crate) fn fused_layout(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -
         && matches!(v.params, Params::PerRow { .. })
 }
 
-/// [`fused_layout`] with INT4 values per group instead of per row, groups of a multiple of 32
-/// values along a head_dim of 128 or 256 (the values `kvq recommend` picks for most layers:
-/// `int4-g32`), which the AVX-512 kernel takes.
+/// [`fused_layout`] with INT4 values per group instead of per row, groups of 32, 64, 128 or
+/// 256 values (the values `kvq recommend` picks for most layers: `int4-g32`), which the
+/// AVX-512 kernel takes.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn fused_layout_grouped(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     let Params::PerGroup { group, .. } = v.params else { return false };
     let per_row = Params::PerRow { scale: &[], offset: None };
     group.is_multiple_of(32)
         && group.is_power_of_two()
-        && matches!(k.dim, 128 | 256)
         && fused_layout(k, &QuantBlock { params: per_row, ..*v }, n_q)
 }
 
