@@ -14,6 +14,11 @@
 //! kernel (`crate::avx512::attend_int_in`) eight lanes wide, so the results equal
 //! [`crate::scalar::attend_int`] to the rounding of float sums taken in another order and of
 //! `exp` (the softmax module's polynomial), not bit for bit.
+//!
+//! Values per group (`int4-g32`, which `kvq recommend` picks for most layers) take the same
+//! path with byte weights per query row and group, each rounded with its own scale: a 16-byte
+//! lane of a row (32 channels) lies inside one group, so the value loop reads that group's
+//! weights.
 
 use std::arch::x86_64::*;
 
@@ -26,10 +31,14 @@ use crate::softmax::x86::exp8;
 /// Whether [`crate::attend_int_with`] has a fused AVX2 kernel for keys `k`, values `v` and
 /// `n_q` query rows on this CPU: INT4 affine keys with per-channel parameters and INT4 affine
 /// values with per-row parameters, the same tokens (1 to 256) and head_dim (64, 128 or 256),
-/// any number of query rows (four at a time), a CPU with AVX2, FMA and F16C.
+/// any number of query rows (four at a time), a CPU with AVX2, FMA and F16C; or such keys
+/// with INT4 affine values per group of 32, 64, 128 or 256 values (dividing the head_dim).
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    crate::fused_layout(k, v, n_q) && avx2::int8_supported(k)
+    (crate::fused_layout(k, v, n_q) || crate::fused_layout_grouped(k, v, n_q)) && avx2::int8_supported(k)
 }
+
+/// Most value groups of a row: groups of 32 along a head_dim of 256.
+const MAX_GROUPS: usize = 8;
 
 /// The buffers of [`attend_int_in`], grown to the largest block and query group seen, then
 /// reused.
@@ -41,6 +50,10 @@ pub(crate) struct FusedScratch {
     p: Vec<f32>,
     wb: Vec<u8>,
     acc: Vec<i32>,
+    /// Values per group: their scales and offsets by group (rows along), and the float
+    /// weights of every (query row, group).
+    vt: Vec<f32>,
+    pw: Vec<f32>,
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -138,8 +151,7 @@ unsafe fn attend<const NQ: usize>(
 ) {
     let (d, n) = (k.dim, k.rows);
     let Params::PerChannel { scale: ks, offset: ko } = k.params else { unreachable!("checked") };
-    let Params::PerRow { scale: vs, offset: vo } = v.params else { unreachable!("checked") };
-    let FusedScratch { q8, arranged, dots, p, wb, acc } = w;
+    let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw } = w;
 
     // 1. The query rows times the channel scales, rounded to int8 and arranged as the scores
     //    kernel rounds and arranges them; what the keys' offsets add, `Σ q · offset`.
@@ -167,7 +179,6 @@ unsafe fn attend<const NQ: usize>(
     //    runs over the rows with the query rows inside, so that their chains overlap.
     let stride = n.next_multiple_of(8);
     let p = grown(p, NQ * stride);
-    let wb = grown(wb, NQ * stride);
     let mut mx = [_mm256_setzero_ps(); int8::GROUP];
     for i in 0..NQ {
         mx[i] = _mm256_set1_ps(m[i]);
@@ -202,16 +213,138 @@ unsafe fn attend<const NQ: usize>(
     // A row whose maximum is still −∞ has seen nothing: no weight, no change (its byte
     // weights are zeroed below).
     let live: [bool; int8::GROUP] = std::array::from_fn(|i| i < NQ && top[i] != f32::NEG_INFINITY);
+    let mut sums = [0f32; int8::GROUP];
+    // Each query row's weight scale and what the offsets and the centre add, per value group
+    // (values per row: one group of d channels).
+    let (mut gsw, mut gadd) = ([[0f32; MAX_GROUPS]; int8::GROUP], [[0f32; MAX_GROUPS]; int8::GROUP]);
+    let group = match v.params {
+        Params::PerRow { scale: vs, offset: vo } => {
+            let wb = grown(wb, NQ * stride);
+            // SAFETY: as this function's; `p` and `wb` hold NQ rows of `stride`.
+            let (sw, vadd) = unsafe { row_weights::<NQ>(n, stride, vs, vo, &live, &top, p, wb, &mut sums) };
+            for i in 0..NQ {
+                (gsw[i][0], gadd[i][0]) = (sw[i], vadd[i]);
+            }
+            d
+        }
+        Params::PerGroup { group, scale: vs, offset: vo } => {
+            let per = d / group;
+            let wb = grown(wb, NQ * per * stride);
+            let (vt, pw) = (grown(vt, 2 * per * stride), grown(pw, NQ * per * stride));
+            // SAFETY: as this function's; `p` holds NQ rows of `stride` scores.
+            unsafe { exponentials::<NQ>(n, stride, &live, &top, p, &mut sums) };
+            // SAFETY: as this function's; the buffers are sized as `group_weights` asks.
+            unsafe {
+                group_weights::<NQ>(n, stride, group, d, vs, vo, &live, p, vt, pw, wb, &mut gsw, &mut gadd)
+            };
+            group
+        }
+        Params::PerChannel { .. } => unreachable!("checked"),
+    };
+    for i in 0..NQ {
+        if live[i] {
+            l[i] = l[i] * factor[i] + sums[i];
+            m[i] = top[i];
+        } else {
+            factor[i] = 1.0;
+        }
+    }
+
+    // 4. The integer sums of the centred value codes under the byte weights, and the epilogue:
+    //    `o ← o · factor + (sw · sum + add)`, sw and add those of the channel's group.
+    let acc = grown(acc, NQ * d);
+    // SAFETY: `v` is 4-bit with rows of d / 2 bytes, d a multiple of 32 and n >= 1 rows; `wb`
+    // holds NQ · (d / group) rows of `stride >= n` bytes, zero from n; `acc` NQ · d values.
+    unsafe { value_sums::<NQ>(v, wb, stride, group, acc) };
+    for i in 0..NQ {
+        let f = _mm256_set1_ps(factor[i]);
+        // Group by group (values per row: one group of d channels).
+        for (g, start) in (0..d).step_by(group).enumerate() {
+            let (s, a) = (_mm256_set1_ps(gsw[i][g]), _mm256_set1_ps(gadd[i][g]));
+            for c in (start..start + group).step_by(8) {
+                // SAFETY: c + 8 <= d, inside row i of `o` and `acc`.
+                unsafe {
+                    let at = o.as_mut_ptr().add(i * d + c);
+                    let x = _mm256_cvtepi32_ps(_mm256_loadu_si256(acc.as_ptr().add(i * d + c).cast()));
+                    let x = _mm256_add_ps(_mm256_mul_ps(s, x), a);
+                    let old = _mm256_loadu_ps(at);
+                    let old = if factor[i] != 1.0 { _mm256_mul_ps(old, f) } else { old };
+                    _mm256_storeu_ps(at, _mm256_add_ps(old, x));
+                }
+            }
+        }
+    }
+}
+
+/// The exponentials `e^(s − top)` of the scores in `p` (in place, zero from n to the stride)
+/// and their sums, for the rows that saw something (`live`).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `p` holds `NQ` rows of `stride >= n`, a multiple of 8.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn exponentials<const NQ: usize>(
+    n: usize,
+    stride: usize,
+    live: &[bool; int8::GROUP],
+    top: &[f32; int8::GROUP],
+    p: &mut [f32],
+    sums: &mut [f32; int8::GROUP],
+) {
+    assert!(p.len() >= NQ * stride && stride >= n && stride.is_multiple_of(8));
+    let mut sum = [_mm256_setzero_ps(); int8::GROUP];
+    for r in (0..stride).step_by(8) {
+        let keep = lanes8(n - r);
+        for i in (0..NQ).filter(|&i| live[i]) {
+            // SAFETY: r + 8 <= stride: inside row i of `p`.
+            unsafe {
+                let at = p.as_mut_ptr().add(i * stride + r);
+                let e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(at), _mm256_set1_ps(top[i]))), keep);
+                sum[i] = _mm256_add_ps(sum[i], e);
+                _mm256_storeu_ps(at, e);
+            }
+        }
+    }
+    for i in (0..NQ).filter(|&i| live[i]) {
+        sums[i] = hsum8(sum[i]);
+    }
+}
+
+/// The values' weights of a block per row: the exponentials `e^(s − top)` of the scores in
+/// `p` and their sums (into `sums`), in the same pass the weights `p · scale` (into `p`),
+/// rounded to bytes in `wb` with one scale per query row (max / 255), zero from n to the
+/// stride and for rows that saw nothing; returns each row's weight scale and
+/// `Σ p · offset + z · Σ w`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `p` and `wb` hold `NQ` rows of `stride >= n` (a multiple
+/// of 8), `p` the scores; `vs` and `vo` hold n values.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn row_weights<const NQ: usize>(
+    n: usize,
+    stride: usize,
+    vs: &[f32],
+    vo: Option<&[f32]>,
+    live: &[bool; int8::GROUP],
+    top: &[f32; int8::GROUP],
+    p: &mut [f32],
+    wb: &mut [u8],
+    sums: &mut [f32; int8::GROUP],
+) -> ([f32; 4], [f32; int8::GROUP]) {
+    assert!(
+        vs.len() >= n && vo.is_none_or(|o| o.len() >= n) && p.len() >= NQ * stride && wb.len() >= NQ * stride
+    );
     let z = _mm256_set1_ps(f32::from(crate::intv::center(4)));
     let zero = _mm256_setzero_ps();
-    let (mut sum, mut add, mut wmx, mut any) =
-        ([zero; int8::GROUP], [zero; int8::GROUP], [zero; int8::GROUP], [zero; int8::GROUP]);
-    let mv: [__m256; int8::GROUP] =
-        std::array::from_fn(|i| _mm256_set1_ps(if live[i] { top[i] } else { 0.0 }));
+    let (mut add, mut wmx, mut any) = ([zero; int8::GROUP], [zero; int8::GROUP], [zero; int8::GROUP]);
+    let mut sum = [zero; int8::GROUP];
+    let mv: [__m256; int8::GROUP] = std::array::from_fn(|i| _mm256_set1_ps(top[i]));
     for r in (0..stride).step_by(8) {
         let keep = lanes8(n - r);
         let km = _mm256_castps_si256(keep);
-        // SAFETY: the lanes in `keep` lie inside the value scales and offsets (n of each).
+        // SAFETY: the lanes in `km` lie inside the value scales and offsets (n of each).
         let (vsr, vor) = unsafe {
             // A `match`, not `Option::map`: the intrinsic stays in this function's AVX2 code.
             #[allow(clippy::manual_map)]
@@ -221,10 +354,7 @@ unsafe fn attend<const NQ: usize>(
             };
             (_mm256_maskload_ps(vs.as_ptr().add(r), km), vor)
         };
-        for i in 0..NQ {
-            if !live[i] {
-                continue;
-            }
+        for i in (0..NQ).filter(|&i| live[i]) {
             // SAFETY: row i of `p` holds `stride` values.
             unsafe {
                 let at = p.as_mut_ptr().add(i * stride + r);
@@ -243,67 +373,144 @@ unsafe fn attend<const NQ: usize>(
         }
     }
     let (mut wmax, mut wnan, mut vadd) = ([0f32; 4], [false; 4], [0f32; int8::GROUP]);
-    for i in 0..NQ {
-        if !live[i] {
-            factor[i] = 1.0;
-            continue;
-        }
-        l[i] = l[i] * factor[i] + hsum8(sum[i]);
-        m[i] = top[i];
+    for i in (0..NQ).filter(|&i| live[i]) {
+        sums[i] = hsum8(sum[i]);
         vadd[i] = hsum8(add[i]);
         wmax[i] = hmax8(wmx[i]);
         wnan[i] = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(any[i], any[i])) != 0;
     }
     let (sw, winv) = crate::int8::scales_of4(wmax, wnan, 255.0);
-    let (hi, order) = (_mm256_set1_ps(255.0), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
     for i in 0..NQ {
-        if !live[i] {
+        let row = &mut wb[i * stride..(i + 1) * stride];
+        if live[i] {
+            // SAFETY: row i of `p` holds `stride` weights (zero past n), `row` stride bytes.
+            unsafe { to_bytes(&p[i * stride..(i + 1) * stride], winv[i], row) };
+        } else {
             // A row that saw nothing gets zero weights (its `p` holds scores, not weights).
-            wb[i * stride..(i + 1) * stride].fill(0);
+            row.fill(0);
         }
     }
-    for r in (0..stride).step_by(8) {
-        for i in (0..NQ).filter(|&i| live[i]) {
-            let inv = _mm256_set1_ps(winv[i]);
-            // SAFETY: row i of `p` and of `wb` hold `stride` values (zero weights past n).
-            unsafe {
-                let y =
-                    _mm256_min_ps(_mm256_mul_ps(_mm256_loadu_ps(p.as_ptr().add(i * stride + r)), inv), hi);
-                // Rounded to nearest, ties to even, as the reference's `int8::MAGIC` addition.
-                let code = _mm256_cvtps_epi32(y);
-                // Eight i32 in 0..=255 to bytes: two saturating packs (per 128-bit lane), then
-                // the two lanes' first four bytes side by side.
-                let b = _mm256_packus_epi16(_mm256_packus_epi32(code, code), _mm256_setzero_si256());
-                let b = _mm256_permutevar8x32_epi32(b, order);
-                _mm_storel_epi64(wb.as_mut_ptr().add(i * stride + r).cast(), _mm256_castsi256_si128(b));
+    (sw, vadd)
+}
+
+/// [`row_weights`] for values per group of `group` channels: each (query row, group)'s
+/// weights `p · scale` rounded to bytes with their own scale, in row `i · (d / group) + g` of
+/// `wb` (`pw` the float weights, `vt` the parameters by group); each one's scale and
+/// `Σ p · offset + z · Σ w` in `gsw` and `gadd`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `p` holds `NQ` rows of `stride >= n` (a multiple of 8)
+/// exponentials, zero past n; `vs` and `vo` `n · d / group` values; `vt` `2 · d / group`
+/// rows of `stride`, `pw` and `wb` `NQ · d / group`; `d / group <= MAX_GROUPS`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_weights<const NQ: usize>(
+    n: usize,
+    stride: usize,
+    group: usize,
+    d: usize,
+    vs: &[f32],
+    vo: Option<&[f32]>,
+    live: &[bool; int8::GROUP],
+    p: &[f32],
+    vt: &mut [f32],
+    pw: &mut [f32],
+    wb: &mut [u8],
+    gsw: &mut [[f32; MAX_GROUPS]; int8::GROUP],
+    gadd: &mut [[f32; MAX_GROUPS]; int8::GROUP],
+) {
+    let per = d / group;
+    assert!(per <= MAX_GROUPS && vs.len() >= n * per && vo.is_none_or(|o| o.len() >= n * per));
+    assert!(p.len() >= NQ * stride && vt.len() >= 2 * per * stride && pw.len() >= NQ * per * stride);
+    assert!(wb.len() >= NQ * per * stride && stride >= n && stride.is_multiple_of(8));
+    // The parameters by group, rows along, zero past n.
+    for g in 0..per {
+        for r in 0..stride {
+            let at = r.min(n - 1) * per + g;
+            vt[g * stride + r] = if r < n { vs[at] } else { 0.0 };
+            vt[(per + g) * stride + r] = match vo {
+                Some(vo) if r < n => vo[at],
+                _ => 0.0,
+            };
+        }
+    }
+    let z = _mm256_set1_ps(f32::from(crate::intv::center(4)));
+    let zero = _mm256_setzero_ps();
+    for g in 0..per {
+        let (mut add, mut wmx, mut any) = ([zero; int8::GROUP], [zero; int8::GROUP], [zero; int8::GROUP]);
+        for r in (0..stride).step_by(8) {
+            // SAFETY: r + 8 <= stride: inside the group's rows of `vt`.
+            let (sv, ov) = unsafe {
+                (
+                    _mm256_loadu_ps(vt.as_ptr().add(g * stride + r)),
+                    _mm256_loadu_ps(vt.as_ptr().add((per + g) * stride + r)),
+                )
+            };
+            for i in (0..NQ).filter(|&i| live[i]) {
+                // SAFETY: r + 8 <= stride: inside row i of `p` and row i · per + g of `pw`.
+                unsafe {
+                    let e = _mm256_loadu_ps(p.as_ptr().add(i * stride + r));
+                    let wv = _mm256_mul_ps(e, sv);
+                    add[i] = _mm256_fmadd_ps(z, wv, add[i]);
+                    if vo.is_some() {
+                        add[i] = _mm256_fmadd_ps(e, ov, add[i]);
+                    }
+                    wmx[i] = _mm256_max_ps(wv, wmx[i]);
+                    any[i] = _mm256_add_ps(any[i], wv);
+                    _mm256_storeu_ps(pw.as_mut_ptr().add((i * per + g) * stride + r), wv);
+                }
             }
         }
-    }
-
-    // 4. The integer sums of the centred value codes under the byte weights, and the epilogue:
-    //    `o ← o · factor + (sw · sum + add)`.
-    let acc = grown(acc, NQ * d);
-    // SAFETY: `v` is 4-bit with rows of d / 2 bytes, d a multiple of 32 and n >= 1 rows; row
-    // i of `wb` holds `stride >= n` bytes, zero from n; `acc` NQ · d values.
-    unsafe { value_sums::<NQ>(v, wb, stride, acc) };
-    for i in 0..NQ {
-        let (f, s, a) = (_mm256_set1_ps(factor[i]), _mm256_set1_ps(sw[i]), _mm256_set1_ps(vadd[i]));
-        for c in (0..d).step_by(8) {
-            // SAFETY: c + 8 <= d, inside row i of `o` and `acc`.
-            unsafe {
-                let at = o.as_mut_ptr().add(i * d + c);
-                let x = _mm256_cvtepi32_ps(_mm256_loadu_si256(acc.as_ptr().add(i * d + c).cast()));
-                let x = _mm256_add_ps(_mm256_mul_ps(s, x), a);
-                let old = _mm256_loadu_ps(at);
-                let old = if factor[i] != 1.0 { _mm256_mul_ps(old, f) } else { old };
-                _mm256_storeu_ps(at, _mm256_add_ps(old, x));
+        let (mut wmax, mut wnan) = ([0f32; 4], [false; 4]);
+        for i in (0..NQ).filter(|&i| live[i]) {
+            gadd[i][g] = hsum8(add[i]);
+            wmax[i] = hmax8(wmx[i]);
+            wnan[i] = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(any[i], any[i])) != 0;
+        }
+        let (sw, winv) = crate::int8::scales_of4(wmax, wnan, 255.0);
+        for i in 0..NQ {
+            gsw[i][g] = sw[i];
+            let row = &mut wb[(i * per + g) * stride..(i * per + g + 1) * stride];
+            if live[i] {
+                let at = (i * per + g) * stride;
+                // SAFETY: row i · per + g of `pw` holds `stride` weights (zero past n).
+                unsafe { to_bytes(&pw[at..at + stride], winv[i], row) };
+            } else {
+                row.fill(0);
             }
         }
     }
 }
 
-/// `acc[i · d + c] = Σ_r wb[i · stride + r] · (code[r][c] − 8)` for every row of the 4-bit block
-/// `v` and `NQ` rows of byte weights, channels in natural order. Per 16-byte lane of the rows
+/// `w · inv` rounded (to nearest, ties to even, as the reference's `int8::MAGIC` addition) to
+/// bytes, at most 255, 8 at a time.
+///
+/// # Safety
+/// The CPU must support AVX2; `w` and `out` hold the same multiple of 8 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn to_bytes(w: &[f32], inv: f32, out: &mut [u8]) {
+    assert!(w.len() == out.len() && w.len().is_multiple_of(8));
+    let (hi, order) = (_mm256_set1_ps(255.0), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    let inv = _mm256_set1_ps(inv);
+    for r in (0..w.len()).step_by(8) {
+        // SAFETY: r + 8 <= len: inside `w` and `out`.
+        unsafe {
+            let y = _mm256_min_ps(_mm256_mul_ps(_mm256_loadu_ps(w.as_ptr().add(r)), inv), hi);
+            let code = _mm256_cvtps_epi32(y);
+            // Eight i32 in 0..=255 to bytes: two saturating packs (per 128-bit lane), then the
+            // two lanes' first four bytes side by side.
+            let b = _mm256_packus_epi16(_mm256_packus_epi32(code, code), _mm256_setzero_si256());
+            let b = _mm256_permutevar8x32_epi32(b, order);
+            _mm_storel_epi64(out.as_mut_ptr().add(r).cast(), _mm256_castsi256_si128(b));
+        }
+    }
+}
+
+/// `acc[i · d + c] = Σ_r wb[(i · d / group + c / group) · stride + r] · (code[r][c] − 8)` for
+/// every row of the 4-bit block `v` and `NQ` rows of byte weights per group of `group`
+/// channels (a multiple of 32; values per row: `d`), channels in natural order. Per 16-byte lane of the rows
 /// (low nibbles: 16 channels, high nibbles: the next 16) and pair of rows: the two rows' bytes
 /// interleaved in one register (each lane broadcast to both halves, two in-lane `vpshufb`),
 /// nibbles split and centred, then per query one `vpmaddubsw` per nibble plane against the
@@ -311,13 +518,21 @@ unsafe fn attend<const NQ: usize>(
 /// last row is paired with itself under a zero weight.
 ///
 /// # Safety
-/// The CPU must support AVX2; `v.bits == 4`, `v.dim` a multiple of 32, `v.rows >= 1`; each row
-/// of `wb` holds `stride > v.rows` rounded down to even bytes, zero from `v.rows`; `acc` holds
-/// `NQ · v.dim` values.
+/// The CPU must support AVX2; `v.bits == 4`, `v.dim` a multiple of 32, `v.rows >= 1`; each of
+/// the `NQ · dim / group` rows of `wb` holds `stride > v.rows` rounded down to even bytes, zero
+/// from `v.rows`; `acc` holds `NQ · v.dim` values.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usize, acc: &mut [i32]) {
+unsafe fn value_sums<const NQ: usize>(
+    v: &QuantBlock<'_>,
+    wb: &[u8],
+    stride: usize,
+    group: usize,
+    acc: &mut [i32],
+) {
     let (d, n, rb) = (v.dim, v.rows, v.row_bytes);
-    assert!(wb.len() >= NQ * stride && stride >= n.next_multiple_of(2) && acc.len() >= NQ * d);
+    let per = d / group;
+    assert!(group.is_multiple_of(32) && d.is_multiple_of(group));
+    assert!(wb.len() >= NQ * per * stride && stride >= n.next_multiple_of(2) && acc.len() >= NQ * d);
     // What `QuantBlock::new` checked, restated for the reads below through a pointer: n rows
     // of d / 2 bytes (slicing each row cost a third of the loop's instructions).
     assert!(rb == d / 2 && n.checked_mul(rb).is_some_and(|len| len <= v.codes.len()));
@@ -339,6 +554,8 @@ unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usi
         ),
     ]);
     for lane in 0..d / 32 {
+        // The lane's 32 channels lie in one group: its weight rows.
+        let g = 32 * lane / group;
         // Sixteen rows (eight pairs) at a time, then the widening into `acc`: the first batch
         // writes it, later ones add.
         for batch in 0..n.div_ceil(16) {
@@ -372,8 +589,10 @@ unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usi
                     _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(x, 4), mask), eight),
                 ];
                 for (i, s) in s.iter_mut().enumerate().take(NQ) {
-                    // SAFETY: bytes r and r + 1 of weight row i lie inside it (r + 1 < stride).
-                    let pair = unsafe { weights.add(i * stride + r).cast::<i16>().read_unaligned() };
+                    // SAFETY: bytes r and r + 1 of weight row i · per + g lie inside it (r + 1 <
+                    // stride), inside `wb` (asserted above).
+                    let pair =
+                        unsafe { weights.add((i * per + g) * stride + r).cast::<i16>().read_unaligned() };
                     let wv = _mm256_set1_epi16(pair);
                     s[0] = _mm256_add_epi16(s[0], _mm256_maddubs_epi16(wv, planes[0]));
                     s[1] = _mm256_add_epi16(s[1], _mm256_maddubs_epi16(wv, planes[1]));

@@ -551,8 +551,8 @@ pub struct Online<'a> {
 ///
 /// Where it runs (INT4 affine keys per channel, INT4 affine values per row with non-negative
 /// scales, blocks of up to 256 tokens, head_dim 64, 128 or 256, query rows four at a time;
-/// on `avx512` also values per group of 32, 64, 128 or 256, each
-/// group's weights rounded with their own scale, as [`scalar::attend_int`] does; on
+/// on `avx512` and `avx2` also values per group of 32, 64, 128 or 256, each group's weights
+/// rounded with their own scale, as [`scalar::attend_int`] does; on
 /// the `avx512` backend with VNNI, see `avx512::attend_int_supported`, on the `avx2`
 /// backend, see `fused_avx2::attend_int_supported`, and on the `dotprod` backend of aarch64,
 /// see `fused_dotprod::attend_int_supported`) nothing of a block goes through memory but its
@@ -601,7 +601,7 @@ pub(crate) fn fused_layout(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -
 
 /// [`fused_layout`] with INT4 values per group instead of per row, groups of 32, 64, 128 or
 /// 256 values (the values `kvq recommend` picks for most layers: `int4-g32`), which the
-/// AVX-512 kernel takes.
+/// AVX-512 and AVX2 kernels take.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn fused_layout_grouped(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     let Params::PerGroup { group, .. } = v.params else { return false };
