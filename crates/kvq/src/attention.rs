@@ -263,7 +263,8 @@ pub enum ScorePath {
     /// codebooks), whose levels are rounded to int8 as well (half a step of `max|level| / 127`
     /// more a level); other keys take the float kernels. And, where the backend has an
     /// integer value kernel (AVX-512 VNNI, INT4 and INT8 values; AVX2, INT4
-    /// values per token under INT4 keys per channel, in the fused block kernel), the block's
+    /// values per token under INT4 keys per channel, in the fused block kernel; both fused
+    /// kernels also INT4 values per group, one scale per group), the block's
     /// weights `p · scale` rounded with one scale per block (to 0..=255 for INT4 codes, which
     /// are summed centred on 8; to ±32767 for INT8, centred on 128), each output off by at most
     /// `max|w| / (2 · W_max) · Σ|levels − centre|` (`W_max` 255 or 32767).
@@ -703,7 +704,7 @@ impl Task {
 /// The kernels that decode's integer path ([`ScorePath::Int8`]) runs on the quantized blocks
 /// of `seq` on `backend` with `query_rows` query rows per KV head: `"fused block"` where one
 /// kernel (AVX-512 VNNI, AVX2 or aarch64 `sdot`) takes a whole block of keys and values
-/// (KIVI-style INT4, see
+/// (KIVI-style INT4; on x86-64 also INT4 values per group, see
 /// [`kvq_kernels_simd::attend_int_with`]), `"separate kernels"` otherwise; judged from the
 /// first quantized unit of layer 0, KV head 0. `None` when that head holds no quantized block
 /// yet. Units near a sliding window's start or a chunk's causal end, and soft-capped
