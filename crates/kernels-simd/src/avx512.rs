@@ -13,7 +13,8 @@
 //! float sums in other orders, so it matches `scalar::attend_int` to rounding. It also takes
 //! INT4 values per group (`int4-g32`, which `kvq recommend` picks for most layers), byte
 //! weights rounded per query row and group, each 16-byte lane of a `vpdpbusd` operand (32
-//! channels) carrying its group's.
+//! channels) carrying its group's; four groups of a row (32 of 128) take their weights in the
+//! parameters' own layout, 4 rows × 4 groups a register.
 //!
 //! The float kernels of the `avx512` backend are the AVX2 ones: on the AMD Zen 4 this crate
 //! is measured on, 512-bit float FMAs run as two 256-bit halves, and the float kernels are
@@ -1008,7 +1009,8 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
     // The parameters by group, rows along (one vector load per 16 rows). (Indexed, the bounds
     // checks took most of this loop's time.)
     assert!(vs.len() >= n * per && vo.is_none_or(|o| o.len() >= n * per));
-    for r in 0..n {
+    // Four groups (32 of 128 values) take their parameters as they lie (`four_groups`).
+    for r in 0..if per == 4 { 0 } else { n } {
         for g in 0..per {
             // SAFETY: r < n and g < per: inside the parameters (asserted above) and inside
             // `vt`, whose rows hold pr > n values (asserted at the top).
@@ -1045,6 +1047,14 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
         }
         l[i] = l[i] * factor[i] + _mm512_reduce_add_ps(sum);
         m[i] = top[i];
+        if per == 4 {
+            let wrow = &mut wg[i * MAX_GROUPS * pr..(i + 1) * MAX_GROUPS * pr];
+            // SAFETY: as this function's (AVX-512 F/BW/VL, n <= FUSED_ROWS, 4n parameters);
+            // row i of `p` holds the exponentials, zero past n; `wrow` and `quad_row` are this
+            // query row's.
+            unsafe { four_groups(n, vs, vo, pi, wrow, quad_row, &mut gsw[i], &mut gadd[i]) };
+            continue;
+        }
         let (mut gmax, mut gnan) = ([0f32; MAX_GROUPS], [false; MAX_GROUPS]);
         for g in 0..per {
             let (mut mx, mut add) = (_mm512_setzero_ps(), _mm512_setzero_ps());
@@ -1172,6 +1182,115 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
                 let old = if factor[i] != 1.0 { _mm512_mul_ps(old, f) } else { old };
                 _mm512_storeu_ps(at, _mm512_add_ps(old, _mm512_add_ps(_mm512_mul_ps(s, x), a)));
             }
+        }
+    }
+}
+
+/// [`grouped_values`]' weights of one query row for four groups (32 channels each of 128), in
+/// the parameters' own layout: 16 lanes are 4 rows × 4 groups, each row's exponential spread
+/// over its 4 lanes by one permute, the groups' maxima and sums taken by two lane folds, and
+/// each 4 rows' 16 byte weights turned into the 4 groups' quads by one `vpshufb`, stored as
+/// one row of `wq` (no transposition of the parameters, no pass per group).
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VL; `n <= FUSED_ROWS`; `vs` (and `vo`) hold `4n`
+/// values; `e` holds the row's exponentials, zero from n to a multiple of 16; `w` holds
+/// `4 · (n rounded up to 16)` floats; `quads` holds the row's `QUADS · QUAD_GROUPS`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn four_groups(
+    n: usize,
+    vs: &[f32],
+    vo: Option<&[f32]>,
+    e: &[f32],
+    w: &mut [f32],
+    quads: &mut [u32],
+    gsw: &mut [f32; MAX_GROUPS],
+    gadd: &mut [f32; MAX_GROUPS],
+) {
+    use int8::MAGIC;
+    let rows16 = n.next_multiple_of(16);
+    assert!(n <= FUSED_ROWS && vs.len() >= 4 * n && vo.is_none_or(|o| o.len() >= 4 * n));
+    assert!(e.len() >= rows16 && w.len() >= 4 * rows16 && quads.len() >= QUADS * QUAD_GROUPS);
+    let z = _mm512_set1_ps(f32::from(intv::center(4)));
+    let (mut mx, mut add) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    // Lane k of sub-chunk s: row 4s + k / 4 of the 16 rows, group k % 4.
+    let spread: [__m512i; 4] = std::array::from_fn(|s| {
+        _mm512_set_epi32(
+            (4 * s + 3) as i32,
+            (4 * s + 3) as i32,
+            (4 * s + 3) as i32,
+            (4 * s + 3) as i32,
+            (4 * s + 2) as i32,
+            (4 * s + 2) as i32,
+            (4 * s + 2) as i32,
+            (4 * s + 2) as i32,
+            (4 * s + 1) as i32,
+            (4 * s + 1) as i32,
+            (4 * s + 1) as i32,
+            (4 * s + 1) as i32,
+            (4 * s) as i32,
+            (4 * s) as i32,
+            (4 * s) as i32,
+            (4 * s) as i32,
+        )
+    });
+    for r16 in (0..rows16).step_by(16) {
+        // SAFETY: r16 + 16 <= rows16 <= e.len().
+        let e16 = unsafe { _mm512_loadu_ps(e.as_ptr().add(r16)) };
+        for (s, idx) in spread.iter().enumerate() {
+            let r = r16 + 4 * s;
+            // The lanes of rows below n (parameters past them are not read).
+            let mask = lanes(4 * n.saturating_sub(r));
+            let ee = _mm512_permutexvar_ps(*idx, e16);
+            // SAFETY: the masked lanes lie inside the parameters (rows below n); `w` holds
+            // 4 · rows16 > 4r + 15 floats.
+            unsafe {
+                let wv = _mm512_mul_ps(ee, _mm512_maskz_loadu_ps(mask, vs.as_ptr().add(4 * r.min(n))));
+                add = _mm512_fmadd_ps(z, wv, add);
+                if let Some(vo) = vo {
+                    add =
+                        _mm512_fmadd_ps(ee, _mm512_maskz_loadu_ps(mask, vo.as_ptr().add(4 * r.min(n))), add);
+                }
+                // A NaN weight is skipped here (the second operand is returned) and makes
+                // its group's `add` NaN.
+                mx = _mm512_max_ps(wv, mx);
+                _mm512_storeu_ps(w.as_mut_ptr().add(4 * r), wv);
+            }
+        }
+    }
+    // Lanes k, k + 4, k + 8, k + 12 hold group k: fold the 256-bit halves, then the 128-bit
+    // lanes of each half.
+    let fold = |x: __m512, max: bool| {
+        let op = |a, b| if max { _mm512_max_ps(a, b) } else { _mm512_add_ps(a, b) };
+        let x = op(x, _mm512_shuffle_f32x4::<0x4E>(x, x));
+        op(x, _mm512_shuffle_f32x4::<0xB1>(x, x))
+    };
+    let (mut gm, mut ga) = ([0f32; 16], [0f32; 16]);
+    // SAFETY: both hold 16 floats.
+    unsafe {
+        _mm512_storeu_ps(gm.as_mut_ptr(), fold(mx, true));
+        _mm512_storeu_ps(ga.as_mut_ptr(), fold(add, false));
+    }
+    let four = |x: &[f32; 16]| [x[0], x[1], x[2], x[3]];
+    // A NaN weight makes its group's `add` NaN (z ≠ 0): the scale becomes NaN, so do the
+    // group's outputs.
+    let (sw, inv) = int8::scales_of4(four(&gm), four(&ga).map(f32::is_nan), 255.0);
+    gsw[..4].copy_from_slice(&sw);
+    gadd[..4].copy_from_slice(&four(&ga));
+    // SAFETY: `inv` holds 4 floats.
+    let invv = _mm512_broadcast_f32x4(unsafe { _mm_loadu_ps(inv.as_ptr()) });
+    let (hi, magic, magic_bits) =
+        (_mm512_set1_ps(255.0), _mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+    // Bytes (row, group) of 4 rows to quads (group, row).
+    let turn = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for q in 0..n.div_ceil(4) {
+        // SAFETY: 4q + 4 <= rows16: inside `w` (zero weights past n); quad row q < QUADS.
+        unsafe {
+            let y = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(w.as_ptr().add(16 * q)), invv), hi);
+            let code = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
+            let b = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(code), turn);
+            _mm_storeu_si128(quads.as_mut_ptr().add(q * QUAD_GROUPS).cast(), b);
         }
     }
 }
