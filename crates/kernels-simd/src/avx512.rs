@@ -643,32 +643,27 @@ pub(crate) fn attend_int_in(
         // against the buffers' (grown above to the largest block); `fused_groups` checked the
         // value scales and the shapes.
         unsafe {
-            match (nq, d, grouped) {
-                (1, 128, false) => attend4::<1, 128, false>(k, v, q, m, l, o, w),
-                (2, 128, false) => attend4::<2, 128, false>(k, v, q, m, l, o, w),
-                (3, 128, false) => attend4::<3, 128, false>(k, v, q, m, l, o, w),
-                (_, 128, false) => attend4::<4, 128, false>(k, v, q, m, l, o, w),
-                (1, 64, false) => attend4::<1, 64, false>(k, v, q, m, l, o, w),
-                (2, 64, false) => attend4::<2, 64, false>(k, v, q, m, l, o, w),
-                (3, 64, false) => attend4::<3, 64, false>(k, v, q, m, l, o, w),
-                (_, 64, false) => attend4::<4, 64, false>(k, v, q, m, l, o, w),
-                (1, 64, true) => attend4::<1, 64, true>(k, v, q, m, l, o, w),
-                (2, 64, true) => attend4::<2, 64, true>(k, v, q, m, l, o, w),
-                (3, 64, true) => attend4::<3, 64, true>(k, v, q, m, l, o, w),
-                (_, 64, true) => attend4::<4, 64, true>(k, v, q, m, l, o, w),
-                (1, 128, true) => attend4::<1, 128, true>(k, v, q, m, l, o, w),
-                (2, 128, true) => attend4::<2, 128, true>(k, v, q, m, l, o, w),
-                (3, 128, true) => attend4::<3, 128, true>(k, v, q, m, l, o, w),
-                (_, 128, true) => attend4::<4, 128, true>(k, v, q, m, l, o, w),
-                (1, _, false) => attend4::<1, 256, false>(k, v, q, m, l, o, w),
-                (2, _, false) => attend4::<2, 256, false>(k, v, q, m, l, o, w),
-                (3, _, false) => attend4::<3, 256, false>(k, v, q, m, l, o, w),
-                (_, _, false) => attend4::<4, 256, false>(k, v, q, m, l, o, w),
-                (1, _, true) => attend4::<1, 256, true>(k, v, q, m, l, o, w),
-                (2, _, true) => attend4::<2, 256, true>(k, v, q, m, l, o, w),
-                (3, _, true) => attend4::<3, 256, true>(k, v, q, m, l, o, w),
-                (_, _, true) => attend4::<4, 256, true>(k, v, q, m, l, o, w),
+            // One monomorphization per query group size, head_dim (64, 128, else 256) and
+            // layout of the values (per row, per group).
+            macro_rules! by_shape {
+                ($gv:literal) => {
+                    match (nq, d) {
+                        (1, 64) => attend4::<1, 64, $gv>(k, v, q, m, l, o, w),
+                        (2, 64) => attend4::<2, 64, $gv>(k, v, q, m, l, o, w),
+                        (3, 64) => attend4::<3, 64, $gv>(k, v, q, m, l, o, w),
+                        (_, 64) => attend4::<4, 64, $gv>(k, v, q, m, l, o, w),
+                        (1, 128) => attend4::<1, 128, $gv>(k, v, q, m, l, o, w),
+                        (2, 128) => attend4::<2, 128, $gv>(k, v, q, m, l, o, w),
+                        (3, 128) => attend4::<3, 128, $gv>(k, v, q, m, l, o, w),
+                        (_, 128) => attend4::<4, 128, $gv>(k, v, q, m, l, o, w),
+                        (1, _) => attend4::<1, 256, $gv>(k, v, q, m, l, o, w),
+                        (2, _) => attend4::<2, 256, $gv>(k, v, q, m, l, o, w),
+                        (3, _) => attend4::<3, 256, $gv>(k, v, q, m, l, o, w),
+                        (_, _) => attend4::<4, 256, $gv>(k, v, q, m, l, o, w),
+                    }
+                };
             }
+            if grouped { by_shape!(true) } else { by_shape!(false) }
         }
     })
 }
@@ -1009,8 +1004,10 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
     // The parameters by group, rows along (one vector load per 16 rows). (Indexed, the bounds
     // checks took most of this loop's time.)
     assert!(vs.len() >= n * per && vo.is_none_or(|o| o.len() >= n * per));
-    // Four groups (32 of 128 values) take their parameters as they lie (`four_groups`).
-    for r in 0..if per == 4 { 0 } else { n } {
+    // Four groups (32 of 128 values) take their parameters as they lie (`four_groups`): no
+    // rows to transpose.
+    let transposed = if per == 4 { 0 } else { n };
+    for r in 0..transposed {
         for g in 0..per {
             // SAFETY: r < n and g < per: inside the parameters (asserted above) and inside
             // `vt`, whose rows hold pr > n values (asserted at the top).
@@ -1216,24 +1213,9 @@ unsafe fn four_groups(
     let (mut mx, mut add) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     // Lane k of sub-chunk s: row 4s + k / 4 of the 16 rows, group k % 4.
     let spread: [__m512i; 4] = std::array::from_fn(|s| {
-        _mm512_set_epi32(
-            (4 * s + 3) as i32,
-            (4 * s + 3) as i32,
-            (4 * s + 3) as i32,
-            (4 * s + 3) as i32,
-            (4 * s + 2) as i32,
-            (4 * s + 2) as i32,
-            (4 * s + 2) as i32,
-            (4 * s + 2) as i32,
-            (4 * s + 1) as i32,
-            (4 * s + 1) as i32,
-            (4 * s + 1) as i32,
-            (4 * s + 1) as i32,
-            (4 * s) as i32,
-            (4 * s) as i32,
-            (4 * s) as i32,
-            (4 * s) as i32,
-        )
+        let ix: [i32; 16] = std::array::from_fn(|k| (4 * s + k / 4) as i32);
+        // SAFETY: `ix` holds 16 values.
+        unsafe { _mm512_loadu_si512(ix.as_ptr().cast()) }
     });
     for r16 in (0..rows16).step_by(16) {
         // SAFETY: r16 + 16 <= rows16 <= e.len().

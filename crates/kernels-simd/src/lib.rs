@@ -586,6 +586,13 @@ pub(crate) const FUSED_ROWS: usize = 256;
 /// least one query row.
 #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
 pub(crate) fn fused_layout(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
+    fused_shapes(k, v, n_q) && matches!(v.params, Params::PerRow { .. })
+}
+
+/// What [`fused_layout`] and [`fused_layout_grouped`] ask of both blocks, but the layout of
+/// the values' parameters.
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
+fn fused_shapes(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     k.bits == 4
         && v.bits == 4
         && k.dim == v.dim
@@ -596,7 +603,6 @@ pub(crate) fn fused_layout(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -
         && matches!(k.levels, Levels::Affine)
         && matches!(v.levels, Levels::Affine)
         && matches!(k.params, Params::PerChannel { .. })
-        && matches!(v.params, Params::PerRow { .. })
 }
 
 /// [`fused_layout`] with INT4 values per group instead of per row, groups of 32, 64, 128 or
@@ -605,10 +611,7 @@ pub(crate) fn fused_layout(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn fused_layout_grouped(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     let Params::PerGroup { group, .. } = v.params else { return false };
-    let per_row = Params::PerRow { scale: &[], offset: None };
-    group.is_multiple_of(32)
-        && group.is_power_of_two()
-        && fused_layout(k, &QuantBlock { params: per_row, ..*v }, n_q)
+    group.is_multiple_of(32) && group.is_power_of_two() && fused_shapes(k, v, n_q)
 }
 
 /// The driver of a fused kernel: `f(nq, q, m, l, o)` on the `n_q` query rows of `q` (`dim`
