@@ -14,7 +14,10 @@
 //! INT4 values per group (`int4-g32`, which `kvq recommend` picks for most layers), byte
 //! weights rounded per query row and group, each 16-byte lane of a `vpdpbusd` operand (32
 //! channels) carrying its group's; four groups of a row (32 of 128) take their weights in the
-//! parameters' own layout, 4 rows × 4 groups a register.
+//! parameters' own layout, 4 rows × 4 groups a register. And INT4 keys per token (`int4-g32`,
+//! `int4-token`: parameters per row or per group) at head_dim 128 and 256: the sums of four
+//! rows reduced 16-byte lane by lane give 4 rows × 4 runs of 32 channels, each run inside one
+//! group, scaled by their group's parameters in the same register.
 //!
 //! The float kernels of the `avx512` backend are the AVX2 ones: on the AMD Zen 4 this crate
 //! is measured on, 512-bit float FMAs run as two 256-bit halves, and the float kernels are
@@ -135,15 +138,25 @@ unsafe fn vacc<const BITS: u8, const NQ: usize>(row: &[u8], q: &[u8], d: usize, 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn hsum4_zmm(a: &[__m512i; 4]) -> [i32; 4] {
-    let t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
-    let t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
-    let u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    let u = lane_sums4(a);
     let y = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64::<1>(u));
     let x = _mm_add_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256::<1>(y));
     let mut out = [0i32; 4];
     // SAFETY: `out` holds 4 i32.
     unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), x) };
     out
+}
+
+/// The sums of each 128-bit lane of 4 accumulators: lane `L` of the result holds the sums of
+/// lane `L` of `a[0]`, `a[1]`, `a[2]` and `a[3]`, in that order (element `4L + j` from
+/// `a[j]`): pairs interleaved and added, 32-bit, then 64-bit unpacks. Callable without
+/// `unsafe` from the kernels compiled with these features.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn lane_sums4(a: &[__m512i; 4]) -> __m512i {
+    let t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+    let t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+    _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1))
 }
 
 /// The dots of `STEP` rows from `rows.start + r` with `NQ` queries (`STEP · NQ ≤ 4`), reduced
@@ -568,9 +581,12 @@ const FUSED_DIM: usize = 256;
 /// this CPU: INT4 affine keys with per-channel parameters and INT4 affine values with per-row
 /// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (64, 128 or 256), any
 /// number of query rows (four at a time); or such keys with INT4 affine values per group of
-/// 32, 64, 128 or 256 values (dividing the head_dim).
+/// 32, 64, 128 or 256 values (dividing the head_dim); or, at head_dim 128 and 256, INT4
+/// affine keys per row or per group of 32 to 256 values with either of those values.
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    (crate::fused_layout(k, v, n_q) || crate::fused_layout_grouped(k, v, n_q))
+    (crate::fused_layout(k, v, n_q)
+        || crate::fused_layout_grouped(k, v, n_q)
+        || crate::fused_layout_row_keys(k, v, n_q))
         && cpu_ok()
         && std::arch::is_x86_feature_detected!("avx512vl")
 }
@@ -638,32 +654,40 @@ pub(crate) fn attend_int_in(
         w.wx.resize(FUSED_DIM / 128 * g * QUADS * 16, 0);
     }
     let grouped = matches!(v.params, Params::PerGroup { .. });
+    let grouped_keys = matches!(k.params, Params::PerGroup { .. } | Params::PerRow { .. });
     crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
         // SAFETY: `attend_int_supported` checked the CPU, the widths, the layouts and the sizes
         // against the buffers' (grown above to the largest block); `fused_groups` checked the
         // value scales and the shapes.
         unsafe {
             // One monomorphization per query group size, head_dim (64, 128, else 256) and
-            // layout of the values (per row, per group).
+            // layout of the keys' and the values' parameters (per channel or group, per row
+            // or group; keys per group at head_dim 128 and 256 only).
             macro_rules! by_shape {
-                ($gv:literal) => {
+                ($gk:literal, $gv:literal) => {
                     match (nq, d) {
-                        (1, 64) => attend4::<1, 64, $gv>(k, v, q, m, l, o, w),
-                        (2, 64) => attend4::<2, 64, $gv>(k, v, q, m, l, o, w),
-                        (3, 64) => attend4::<3, 64, $gv>(k, v, q, m, l, o, w),
-                        (_, 64) => attend4::<4, 64, $gv>(k, v, q, m, l, o, w),
-                        (1, 128) => attend4::<1, 128, $gv>(k, v, q, m, l, o, w),
-                        (2, 128) => attend4::<2, 128, $gv>(k, v, q, m, l, o, w),
-                        (3, 128) => attend4::<3, 128, $gv>(k, v, q, m, l, o, w),
-                        (_, 128) => attend4::<4, 128, $gv>(k, v, q, m, l, o, w),
-                        (1, _) => attend4::<1, 256, $gv>(k, v, q, m, l, o, w),
-                        (2, _) => attend4::<2, 256, $gv>(k, v, q, m, l, o, w),
-                        (3, _) => attend4::<3, 256, $gv>(k, v, q, m, l, o, w),
-                        (_, _) => attend4::<4, 256, $gv>(k, v, q, m, l, o, w),
+                        (1, 64) if !$gk => attend4::<1, 64, $gk, $gv>(k, v, q, m, l, o, w),
+                        (2, 64) if !$gk => attend4::<2, 64, $gk, $gv>(k, v, q, m, l, o, w),
+                        (3, 64) if !$gk => attend4::<3, 64, $gk, $gv>(k, v, q, m, l, o, w),
+                        (_, 64) if !$gk => attend4::<4, 64, $gk, $gv>(k, v, q, m, l, o, w),
+                        (_, 64) => unreachable!("keys per group at head_dim 128 or 256"),
+                        (1, 128) => attend4::<1, 128, $gk, $gv>(k, v, q, m, l, o, w),
+                        (2, 128) => attend4::<2, 128, $gk, $gv>(k, v, q, m, l, o, w),
+                        (3, 128) => attend4::<3, 128, $gk, $gv>(k, v, q, m, l, o, w),
+                        (_, 128) => attend4::<4, 128, $gk, $gv>(k, v, q, m, l, o, w),
+                        (1, _) => attend4::<1, 256, $gk, $gv>(k, v, q, m, l, o, w),
+                        (2, _) => attend4::<2, 256, $gk, $gv>(k, v, q, m, l, o, w),
+                        (3, _) => attend4::<3, 256, $gk, $gv>(k, v, q, m, l, o, w),
+                        (_, _) => attend4::<4, 256, $gk, $gv>(k, v, q, m, l, o, w),
                     }
                 };
             }
-            if grouped { by_shape!(true) } else { by_shape!(false) }
+            match (grouped_keys, grouped) {
+                (false, false) => by_shape!(false, false),
+                (false, true) => by_shape!(false, true),
+                (true, false) => by_shape!(true, false),
+                (true, true) => by_shape!(true, true),
+            }
         }
     })
 }
@@ -674,15 +698,15 @@ fn lanes(len: usize) -> __mmask16 {
     if len >= 16 { 0xffff } else { ((1u32 << len) - 1) as __mmask16 }
 }
 
-/// The fused kernel of [`attend_int_in`] for `NQ` query rows, values per row or, `GV`, per
-/// group ([`grouped_values`]).
+/// The fused kernel of [`attend_int_in`] for `NQ` query rows, keys per channel or, `GK`, per
+/// group ([`grouped_key_scores`]), values per row or, `GV`, per group ([`grouped_values`]).
 ///
 /// # Safety
 /// [`attend_int_supported`]`(k, v, NQ)`; every value scale of `v` is `>= 0`; `q` and `o` hold
 /// `NQ · dim` values, `m` and `l` `NQ`; the buffers of `w` are grown to the largest block;
-/// `GV` exactly when `v` is per group.
+/// `GK` exactly when `k` is per group, `GV` exactly when `v` is.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
-unsafe fn attend4<const NQ: usize, const D: usize, const GV: bool>(
+unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: bool>(
     k: &QuantBlock<'_>,
     v: &QuantBlock<'_>,
     q: &[f32],
@@ -695,20 +719,43 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GV: bool>(
     use int8::MAGIC;
     let (d, n) = (D, k.rows);
     debug_assert_eq!(k.dim, D);
-    let Params::PerChannel { scale: ks, offset: ko } = k.params else { unreachable!("checked") };
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
 
-    // 1. Each query row times the channel scales, rounded to int8 with the scale max / 127,
-    //    stored in the order `vacc` reads a 4-bit row (`int8::arrange4` with 64-byte chunks:
-    //    16-value piece w of each 128 goes to slot 4 · (w % 2) + w / 2); what the keys'
-    //    offsets add, `Σ q · offset`.
+    // 1. Each query row times the channel scales (keys per group: the query row as it is),
+    //    rounded to int8 with the scale max / 127, stored in the order `vacc` reads a 4-bit
+    //    row (`int8::arrange4` with 64-byte chunks: 16-value piece w of each 128 goes to slot
+    //    4 · (w % 2) + w / 2); what the keys' offsets add, `Σ q · offset` (per group: the
+    //    query's sums over each 32 channels, `lane_sums`).
     let mut kadd = [0f32; int8::GROUP];
+    let mut lane_sums = [[0f32; FUSED_DIM / 32]; int8::GROUP];
     let (mut qmax, mut qnan) = ([0f32; int8::GROUP], [false; int8::GROUP]);
-    let mut ksv = [_mm512_setzero_ps(); FUSED_DIM / 16];
-    for (j, x) in ksv.iter_mut().enumerate().take(D / 16) {
-        // SAFETY: 16 · j + 16 <= d, inside the scales.
-        *x = unsafe { _mm512_loadu_ps(ks.as_ptr().add(16 * j)) };
-    }
+    let mut ksv = [_mm512_set1_ps(1.0); FUSED_DIM / 16];
+    let ko = match k.params {
+        Params::PerChannel { scale: ks, offset } => {
+            for (j, x) in ksv.iter_mut().enumerate().take(D / 16) {
+                // SAFETY: 16 · j + 16 <= d, inside the scales.
+                *x = unsafe { _mm512_loadu_ps(ks.as_ptr().add(16 * j)) };
+            }
+            offset
+        }
+        Params::PerGroup { offset, .. } | Params::PerRow { offset, .. } => {
+            if offset.is_some() {
+                for (i, sums) in lane_sums.iter_mut().enumerate().take(NQ) {
+                    for (t, x) in sums.iter_mut().enumerate().take(D / 32) {
+                        // SAFETY: 32 · t + 32 <= d, inside query row i.
+                        *x = unsafe {
+                            let at = q.as_ptr().add(i * d + 32 * t);
+                            _mm512_reduce_add_ps(_mm512_add_ps(
+                                _mm512_loadu_ps(at),
+                                _mm512_loadu_ps(at.add(16)),
+                            ))
+                        };
+                    }
+                }
+            }
+            None
+        }
+    };
     for i in 0..NQ {
         let qi = &q[i * d..(i + 1) * d];
         let (mut mx, mut any, mut dot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
@@ -755,8 +802,14 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GV: bool>(
     }
 
     // 2. The integer dots of every row of the block with the rounded query rows: four rows'
-    //    bytes held in registers, one row of codes at a time.
-    if D == 64 {
+    //    bytes held in registers, one row of codes at a time. Keys per group: their scores.
+    let pr = FUSED_ROWS + 16;
+    if GK {
+        // SAFETY: `k` is 4-bit per group (groups of a power of two multiple of 32) with rows
+        // of D / 2 bytes, D 128 or 256; `q8` holds NQ arranged rows of D bytes; row i of `p`
+        // (at i · pr) has room for n rounded up to 4; the CPU features are this function's.
+        unsafe { grouped_key_scores::<NQ, D>(k, &q8[..NQ * D], &sq, &lane_sums, p) };
+    } else if D == 64 {
         // SAFETY: the block is 4-bit with rows of 32 bytes; `q8` holds NQ rows of 64 bytes,
         // `dots` NQ · n values; the CPU features are this function's.
         unsafe { dots64::<NQ>(k, &q8[..NQ * 64], &mut dots[..NQ * n]) };
@@ -822,7 +875,6 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GV: bool>(
     //    weights `p · scale`, rounded to bytes (scale max / 255), zero past the block's rows
     //    up to the stride. `p` holds row i's values at i · (FUSED_ROWS + 16).
     let stride = n.next_multiple_of(8);
-    let pr = FUSED_ROWS + 16;
     let z = f32::from(intv::center(4));
     let mut top = [f32::NEG_INFINITY; int8::GROUP];
     for i in 0..NQ {
@@ -834,9 +886,14 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GV: bool>(
             // SAFETY: the masked lanes lie inside `di`; row i of `p` has 16 values of room
             // past n.
             unsafe {
-                let dv = _mm512_maskz_loadu_epi32(mask, di.as_ptr().add(r));
-                let s = _mm512_add_ps(_mm512_mul_ps(sqv, _mm512_cvtepi32_ps(dv)), addv);
-                _mm512_storeu_ps(p.as_mut_ptr().add(i * pr + r), s);
+                let s = if GK {
+                    _mm512_loadu_ps(p.as_ptr().add(i * pr + r))
+                } else {
+                    let dv = _mm512_maskz_loadu_epi32(mask, di.as_ptr().add(r));
+                    let s = _mm512_add_ps(_mm512_mul_ps(sqv, _mm512_cvtepi32_ps(dv)), addv);
+                    _mm512_storeu_ps(p.as_mut_ptr().add(i * pr + r), s);
+                    s
+                };
                 // NaN scores are skipped by the maximum (the second operand is returned).
                 mx = _mm512_mask_max_ps(mx, mask, s, mx);
             }
@@ -949,6 +1006,153 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GV: bool>(
                 _mm512_storeu_ps(at, _mm512_add_ps(old, x));
             }
         }
+    }
+}
+
+/// Step 2 of [`attend4`] for INT4 keys per group (`int4-g32`): the scores themselves, query
+/// row `i`'s into `p[i · (FUSED_ROWS + 16)..]`, four rows at a time and up to n rounded up
+/// to 4 (zero past n). Each 16-byte lane of a 64-byte chunk of codes holds 32 consecutive
+/// channels (`int8::arrange4`'s order), inside one group, so the `vpdpbusd` sums of four rows
+/// reduced lane by lane ([`lane_sums4`]) are the dots of 4 rows × 4 runs of 32 channels; one
+/// permute of the quad's parameters puts each run's group scale and offset beside its dot, and
+/// the score is `sq · Σ_runs scale · dot + Σ_runs offset · Σq`, the query's sum over the run
+/// (`lane_sums`) in place of the group's (their sum): the algebra of the integer score path's
+/// per-group epilogue with float sums in another order.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL and VNNI; `k` is 4-bit per group with groups of a
+/// power of two multiple of 32 values, `D` (128 or 256) values a row and 1 to
+/// [`FUSED_ROWS`] rows; `q8` holds `NQ` rows of `D` bytes arranged as [`vacc`] reads them;
+/// `sq` and `lane_sums` hold the rows' scales and sums over each 32 channels; `p` holds `NQ`
+/// rows of `FUSED_ROWS + 16`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+unsafe fn grouped_key_scores<const NQ: usize, const D: usize>(
+    k: &QuantBlock<'_>,
+    q8: &[u8],
+    sq: &[f32; int8::GROUP],
+    lane_sums: &[[f32; FUSED_DIM / 32]; int8::GROUP],
+    p: &mut [f32],
+) {
+    let (group, ks, ko) = match k.params {
+        Params::PerGroup { group, scale, offset } => (group, scale, offset),
+        // Per row: one group of D values.
+        Params::PerRow { scale, offset } => (D, scale, offset),
+        Params::PerChannel { .. } => unreachable!("checked"),
+    };
+    let (n, pr, rb) = (k.rows, FUSED_ROWS + 16, D / 2);
+    let (per, lanes_per_group) = (D / group, group / 32);
+    let held = n.checked_mul(rb).is_some_and(|b| b <= k.codes.len());
+    assert!(
+        (1..=FUSED_ROWS).contains(&n)
+            && (D == 128 || D == 256)
+            && k.dim == D
+            && k.bits == 4
+            && group.is_multiple_of(32)
+            && per * group == D
+            && k.row_bytes == rb
+            && held
+            && ks.len() >= n * per
+            && ko.is_none_or(|o| o.len() >= n * per)
+            && q8.len() >= NQ * D
+            && p.len() >= NQ * pr,
+        "a 4-bit block per group of whole lanes, its parameters, the queries and the scores"
+    );
+    let mask = _mm512_set1_epi8(0x0f);
+    // Element 4L + j (lane L of chunk c, row j of the quad) takes the quad's parameter
+    // j · per + (4c + L) / lanes_per_group; each query's sums over 32 channels, lane L of
+    // chunk c holding run 4c + L's.
+    let (mut idx, mut spread) = ([_mm512_setzero_si512(); FUSED_DIM / 128], [0i32; 16]);
+    for (c, x) in idx.iter_mut().enumerate().take(D / 128) {
+        let mut t = [0i32; 16];
+        for (e, t) in t.iter_mut().enumerate() {
+            *t = ((e % 4) * per + (4 * c + e / 4) / lanes_per_group) as i32;
+        }
+        // SAFETY: `t` holds 16 i32.
+        *x = unsafe { _mm512_loadu_si512(t.as_ptr().cast()) };
+    }
+    let mut qs = [[_mm512_setzero_ps(); FUSED_DIM / 128]; int8::GROUP];
+    if ko.is_some() {
+        for (i, q) in qs.iter_mut().enumerate().take(NQ) {
+            for (c, x) in q.iter_mut().enumerate().take(D / 128) {
+                for (e, t) in spread.iter_mut().enumerate() {
+                    *t = (4 * c + e / 4) as i32;
+                }
+                // SAFETY: `spread` holds 16 i32, row i of `lane_sums` FUSED_DIM / 32 = 8
+                // floats (the masked lanes).
+                *x = unsafe {
+                    let sums = _mm512_maskz_loadu_ps(0xff, lane_sums[i].as_ptr());
+                    _mm512_permutexvar_ps(_mm512_loadu_si512(spread.as_ptr().cast()), sums)
+                };
+            }
+        }
+    }
+    let mut qr = [[_mm512_setzero_si512(); 2 * FUSED_DIM / 128]; int8::GROUP];
+    for (i, x) in qr.iter_mut().enumerate().take(NQ) {
+        for (t, x) in x.iter_mut().enumerate().take(2 * D / 128) {
+            // SAFETY: 64 · t + 64 <= D, inside row i of `q8`.
+            *x = unsafe { _mm512_loadu_si512(q8.as_ptr().add(i * D + 64 * t).cast()) };
+        }
+    }
+    let sqv: [__m512; int8::GROUP] = std::array::from_fn(|i| _mm512_set1_ps(sq[i]));
+    let mut r = 0;
+    while r < n {
+        let valid = (n - r).min(4);
+        // The quad's parameters, row-major (`per` a row): 4 · per <= 32 values.
+        let (m0, m1) = (lanes(valid * per), lanes((valid * per).saturating_sub(16)));
+        // SAFETY: the masked lanes lie inside rows r .. r + valid of the parameters.
+        let (s0, s1, f0, f1) = unsafe {
+            let at = r * per;
+            let s1 = if per > 4 {
+                _mm512_maskz_loadu_ps(m1, ks.as_ptr().add(at + 16))
+            } else {
+                _mm512_setzero_ps()
+            };
+            let (f0, f1) = match ko {
+                Some(f) if per > 4 => (
+                    _mm512_maskz_loadu_ps(m0, f.as_ptr().add(at)),
+                    _mm512_maskz_loadu_ps(m1, f.as_ptr().add(at + 16)),
+                ),
+                Some(f) => (_mm512_maskz_loadu_ps(m0, f.as_ptr().add(at)), _mm512_setzero_ps()),
+                None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+            };
+            (_mm512_maskz_loadu_ps(m0, ks.as_ptr().add(at)), s1, f0, f1)
+        };
+        let mut t = [_mm512_setzero_ps(); int8::GROUP];
+        for c in 0..D / 128 {
+            let mut acc = [[_mm512_setzero_si512(); 4]; int8::GROUP];
+            for j in 0..4 {
+                let v = if j < valid {
+                    // SAFETY: row r + j < n lies in the codes (`held`); chunk c in the row.
+                    unsafe { _mm512_loadu_si512(k.codes.as_ptr().add((r + j) * rb + 64 * c).cast()) }
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let (lo, hi) = (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+                for (a, q) in acc.iter_mut().zip(&qr).take(NQ) {
+                    a[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[j], lo, q[2 * c]), hi, q[2 * c + 1]);
+                }
+            }
+            let sc = _mm512_permutex2var_ps(s0, idx[c], s1);
+            let fc = _mm512_permutex2var_ps(f0, idx[c], f1);
+            for i in 0..NQ {
+                let dots = _mm512_cvtepi32_ps(lane_sums4(&acc[i]));
+                t[i] = _mm512_fmadd_ps(_mm512_mul_ps(sc, sqv[i]), dots, t[i]);
+                if ko.is_some() {
+                    t[i] = _mm512_fmadd_ps(fc, qs[i][c], t[i]);
+                }
+            }
+        }
+        for (i, t) in t.iter().enumerate().take(NQ) {
+            // The four lanes (runs) of each row added: rows r .. r + 4.
+            let h = _mm256_add_ps(
+                _mm512_castps512_ps256(*t),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*t))),
+            );
+            let x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+            // SAFETY: r + 4 <= n + 3 < pr, inside row i of `p`.
+            unsafe { _mm_storeu_ps(p.as_mut_ptr().add(i * pr + r), x) };
+        }
+        r += 4;
     }
 }
 

@@ -552,7 +552,8 @@ pub struct Online<'a> {
 /// Where it runs (INT4 affine keys per channel, INT4 affine values per row with non-negative
 /// scales, blocks of up to 256 tokens, head_dim 64, 128 or 256, query rows four at a time;
 /// on `avx512` and `avx2` also values per group of 32, 64, 128 or 256, each group's weights
-/// rounded with their own scale, as [`scalar::attend_int`] does; on
+/// rounded with their own scale, as [`scalar::attend_int`] does; on `avx512` at head_dim 128
+/// and 256 also INT4 keys per row or per group of 32 to 256 values; on
 /// the `avx512` backend with VNNI, see `avx512::attend_int_supported`, on the `avx2`
 /// backend, see `fused_avx2::attend_int_supported`, and on the `dotprod` backend of aarch64,
 /// see `fused_dotprod::attend_int_supported`) nothing of a block goes through memory but its
@@ -586,11 +587,13 @@ pub(crate) const FUSED_ROWS: usize = 256;
 /// least one query row.
 #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
 pub(crate) fn fused_layout(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    fused_shapes(k, v, n_q) && matches!(v.params, Params::PerRow { .. })
+    fused_shapes(k, v, n_q)
+        && matches!(k.params, Params::PerChannel { .. })
+        && matches!(v.params, Params::PerRow { .. })
 }
 
-/// What [`fused_layout`] and [`fused_layout_grouped`] ask of both blocks, but the layout of
-/// the values' parameters.
+/// What [`fused_layout`], [`fused_layout_grouped`] and [`fused_layout_row_keys`] ask of
+/// both blocks, but the layout of their parameters.
 #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
 fn fused_shapes(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     k.bits == 4
@@ -602,7 +605,13 @@ fn fused_shapes(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
         && n_q >= 1
         && matches!(k.levels, Levels::Affine)
         && matches!(v.levels, Levels::Affine)
-        && matches!(k.params, Params::PerChannel { .. })
+}
+
+/// Whether `b` is per group with groups of 32, 64, 128 or 256 values (a power of two
+/// multiple of 32: whole 16-byte lanes of 4-bit codes).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn lane_groups(b: &QuantBlock<'_>) -> bool {
+    matches!(b.params, Params::PerGroup { group, .. } if group.is_multiple_of(32) && group.is_power_of_two())
 }
 
 /// [`fused_layout`] with INT4 values per group instead of per row, groups of 32, 64, 128 or
@@ -610,8 +619,18 @@ fn fused_shapes(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
 /// AVX-512 and AVX2 kernels take.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn fused_layout_grouped(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    let Params::PerGroup { group, .. } = v.params else { return false };
-    group.is_multiple_of(32) && group.is_power_of_two() && fused_shapes(k, v, n_q)
+    fused_shapes(k, v, n_q) && matches!(k.params, Params::PerChannel { .. }) && lane_groups(v)
+}
+
+/// INT4 keys per token, their parameters per row or per group (groups as
+/// [`fused_layout_grouped`]'s values), at head_dim 128 or 256, with values per row or per
+/// group (`int4-g32`, `int4-token`, `int4-g32/int4-token`), which the AVX-512 kernel takes.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn fused_layout_row_keys(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
+    fused_shapes(k, v, n_q)
+        && k.dim >= 128
+        && (matches!(k.params, Params::PerRow { .. }) || lane_groups(k))
+        && (matches!(v.params, Params::PerRow { .. }) || lane_groups(v))
 }
 
 /// The driver of a fused kernel: `f(nq, q, m, l, o)` on the `n_q` query rows of `q` (`dim`

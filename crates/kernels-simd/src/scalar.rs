@@ -94,8 +94,9 @@ pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> b
 /// the online softmax step of each query row (maximum skipping NaN scores, `f32::exp`, sums in
 /// order) and [`axpy_int`] of the values, as decode runs them one after the other; values per
 /// group (which [`axpy_int`] refuses) take the same algebra one group of channels at a time,
-/// each with its own weight scale per query row. Returns `false`, changing nothing, where the
-/// integer paths do not apply (keys per group, levels that are not affine).
+/// each with its own weight scale per query row (keys per group take [`scores_int8`]'s
+/// per-group epilogue). Returns `false`, changing nothing, where the integer paths do not
+/// apply (levels that are not affine).
 pub fn attend_int(
     k: &QuantBlock<'_>,
     v: &QuantBlock<'_>,
@@ -105,7 +106,7 @@ pub fn attend_int(
 ) -> bool {
     let crate::Online { m, l, o } = state;
     let affine = |b: &QuantBlock<'_>| matches!(b.levels, crate::block::Levels::Affine);
-    if !affine(k) || !integer_params(k) || !affine(v) || k.rows != v.rows || k.dim != v.dim {
+    if !affine(k) || !affine(v) || k.rows != v.rows || k.dim != v.dim {
         return false;
     }
     let (n, d) = (k.rows, k.dim);

@@ -1307,20 +1307,39 @@ fn fused_block_attention_matches_its_reference() {
             (64, 13),
             (64, 130),
         ] {
-            // Values per row, and per group (the AVX-512 kernel's).
-            let groups = [None, Some(32usize), Some(64), Some(128)]
-                .into_iter()
-                .filter(|g| g.is_none_or(|g| dim % g == 0));
-            for (special, group) in [0u8, 5, 6].into_iter().flat_map(|s| groups.clone().map(move |g| (s, g)))
+            // Keys per channel (`Some(0)`) and values per row or per group (the AVX-512 and
+            // AVX2 kernels'); keys per row (`None`) or per group (the AVX-512 kernel's at
+            // head_dim 128 and 256) with values per row or per group.
+            let layouts = [
+                (Some(0), None),
+                (Some(0), Some(32usize)),
+                (Some(0), Some(64)),
+                (Some(0), Some(128)),
+                (None, None),
+                (None, Some(32)),
+                (Some(32), None),
+                (Some(32), Some(32)),
+                (Some(64), Some(32)),
+                (Some(128), Some(64)),
+            ]
+            .into_iter()
+            .filter(|(kg, vg)| [kg, vg].iter().all(|g| g.is_none_or(|g| g == 0 || dim % g == 0)));
+            for (special, (key_layout, group)) in
+                [0u8, 5, 6].into_iter().flat_map(|s| layouts.clone().map(move |g| (s, g)))
             {
-                let kc = affine_case(&mut rng, rows, dim, true, if special == 5 { 0 } else { special });
+                let per_channel = key_layout == Some(0);
+                let key_group = key_layout.filter(|&g| g > 0);
+                let mut kc =
+                    affine_case(&mut rng, rows, dim, per_channel, if special == 5 { 0 } else { special });
                 let mut vc = affine_case(&mut rng, rows, dim, false, special);
-                if let Some(g) = group {
-                    vc = vc.grouped(g);
-                    // Every group's own scale and offset (special 5: every other scale zero).
-                    for (j, (s, f)) in vc.scale.iter_mut().zip(vc.offset.iter_mut()).enumerate() {
-                        *s = if special == 5 && j % 2 == 0 { 0.0 } else { rng.uniform() as f32 + 0.01 };
-                        *f = rng.normal() as f32;
+                // Every group's own scale and offset (values, special 5: every other scale zero).
+                for (c, g, zeros) in [(&mut kc, key_group, false), (&mut vc, group, special == 5)] {
+                    if let Some(g) = g {
+                        *c = c.clone().grouped(g);
+                        for (j, (s, f)) in c.scale.iter_mut().zip(c.offset.iter_mut()).enumerate() {
+                            *s = if zeros && j % 2 == 0 { 0.0 } else { rng.uniform() as f32 + 0.01 };
+                            *f = rng.normal() as f32;
+                        }
                     }
                 }
                 let (k, v) = (kc.block(), vc.block());
@@ -1347,7 +1366,7 @@ fn fused_block_attention_matches_its_reference() {
                             continue;
                         }
                         ran += 1;
-                        ran_at.insert((backend, dim, group.is_some()));
+                        ran_at.insert((backend, dim, group.is_some(), !per_channel));
                         assert!(scalar::attend_int(
                             &k,
                             &v,
@@ -1356,7 +1375,7 @@ fn fused_block_attention_matches_its_reference() {
                             Online { m: &mut wm, l: &mut wl, o: &mut wo }
                         ));
                         let what = format!(
-                            "{backend} dim {dim} rows {rows} values per group {group:?} special {special} n_q {n_q} running {running}"
+                            "{backend} dim {dim} rows {rows} keys per channel {per_channel} per group {key_group:?} values per group {group:?} special {special} n_q {n_q} running {running}"
                         );
                         let mut x = vec![0f32; rows * dim];
                         scalar::dequantize(&v, &mut x);
@@ -1368,10 +1387,14 @@ fn fused_block_attention_matches_its_reference() {
                         for i in 0..n_q {
                             let qi = &q[i * dim..(i + 1) * dim];
                             // The scores' magnitude: the query times every key value's terms.
+                            // (Keys per group: each channel's largest over the rows.)
                             let mag: f64 = (0..dim)
                                 .map(|c| {
-                                    f64::from(qi[c].abs())
-                                        * (f64::from(kc.scale[c]) * 15.0 + f64::from(kc.offset[c].abs()))
+                                    let term = |r| {
+                                        let j = kc.param(r, c);
+                                        f64::from(kc.scale[j]) * 15.0 + f64::from(kc.offset[j].abs())
+                                    };
+                                    f64::from(qi[c].abs()) * (0..rows).map(term).fold(0f64, f64::max)
                                 })
                                 .sum();
                             let dm = 2e-6 * mag + 1e-30;
@@ -1413,39 +1436,46 @@ fn fused_block_attention_matches_its_reference() {
             }
         }
     }
-    let dims = |b: Backend, grouped: bool| {
-        ran_at.iter().filter(|x| x.0 == b && x.2 == grouped).map(|x| x.1).collect::<Vec<_>>()
+    // The head_dims each backend's kernel ran at, with values per group or not and keys per
+    // row or group or per channel.
+    let dims = |b: Backend, grouped: bool, keys: bool| {
+        let at = ran_at.iter().filter(|x| x.0 == b && x.2 == grouped && x.3 == keys).map(|x| x.1);
+        at.collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>()
     };
+    let none = Vec::<usize>::new();
     #[cfg(target_arch = "aarch64")]
     if available().contains(&Backend::Dotprod) {
-        assert_eq!(dims(Backend::Dotprod, false), vec![64, 128, 256], "head_dims the dotprod kernel ran at");
-        assert_eq!(dims(Backend::Dotprod, true), Vec::<usize>::new(), "values per group: no dotprod kernel");
+        assert_eq!(
+            dims(Backend::Dotprod, false, false),
+            vec![64, 128, 256],
+            "head_dims the dotprod kernel ran at"
+        );
+        assert_eq!(dims(Backend::Dotprod, true, false), none, "values per group: no dotprod kernel");
+        assert_eq!(dims(Backend::Dotprod, false, true), none, "keys per row or group: no dotprod kernel");
     }
     #[cfg(target_arch = "x86_64")]
     {
         if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
             assert!(ran > 0, "the fused kernel never ran on a machine that has it");
-            assert_eq!(
-                dims(Backend::Avx512, false),
-                vec![64, 128, 256],
-                "head_dims the AVX-512 kernel ran at"
-            );
-            assert_eq!(
-                dims(Backend::Avx512, true),
-                vec![64, 128, 256],
-                "values per group: head_dims of the AVX-512 kernel"
-            );
+            let all = vec![64, 128, 256];
+            assert_eq!(dims(Backend::Avx512, false, false), all, "head_dims the AVX-512 kernel ran at");
+            assert_eq!(dims(Backend::Avx512, true, false), all, "values per group: the AVX-512 kernel");
+            let wide = vec![128, 256];
+            assert_eq!(dims(Backend::Avx512, false, true), wide, "keys per row or group: the AVX-512 kernel");
+            assert_eq!(dims(Backend::Avx512, true, true), wide, "keys and values per group: AVX-512");
         }
         if available().contains(&Backend::Avx2) {
-            assert_eq!(dims(Backend::Avx2, false), vec![64, 128, 256], "head_dims the AVX2 kernel ran at");
+            let all = vec![64, 128, 256];
+            assert_eq!(dims(Backend::Avx2, false, false), all, "head_dims the AVX2 kernel ran at");
             assert_eq!(
-                dims(Backend::Avx2, true),
-                vec![64, 128, 256],
+                dims(Backend::Avx2, true, false),
+                all,
                 "values per group: head_dims of the AVX2 kernel"
             );
+            assert_eq!(dims(Backend::Avx2, false, true), none, "keys per row or group: no AVX2 kernel");
         }
     }
-    let _ = (ran, dims);
+    let _ = (ran, dims, none);
 }
 
 /// The fused kernels' value sums at their largest: every weight rounded to 255 (equal scores,
@@ -1492,7 +1522,8 @@ fn fused_block_attention_holds_extreme_value_sums() {
 }
 
 /// What the fused kernel does not take leaves the state as it was (`Ok(false)`): a negative
-/// value scale, keys per row, values per channel, 32 channels. A NaN in a query row
+/// value scale, keys per row or per group at head_dim 64, keys per group of 16, values per
+/// channel, 32 channels. A NaN in a query row
 /// makes that row's sum and outputs NaN (with a running state), and only that row's.
 #[test]
 fn fused_block_attention_declines_and_propagates_nan() {
@@ -1501,7 +1532,8 @@ fn fused_block_attention_declines_and_propagates_nan() {
     for backend in available() {
         let kc = affine_case(&mut rng, 32, 128, true, 0);
         let vc = affine_case(&mut rng, 32, 128, false, 0);
-        let kr = affine_case(&mut rng, 32, 128, false, 0);
+        let (kr, vr) = (affine_case(&mut rng, 32, 64, false, 0), affine_case(&mut rng, 32, 64, false, 0));
+        let k16 = affine_case(&mut rng, 32, 128, false, 0).grouped(16);
         let (k32, v32) = (affine_case(&mut rng, 32, 32, true, 0), affine_case(&mut rng, 32, 32, false, 0));
         let run = |k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize, q: &[f32]| {
             let (mut m, mut l, mut o) = (vec![0.5f32; n_q], vec![1.0f32; n_q], vec![0.25f32; n_q * k.dim()]);
@@ -1518,7 +1550,9 @@ fn fused_block_attention_declines_and_propagates_nan() {
             );
         };
         unchanged(run(&kc.block(), &kc.block(), 2, &q[..256]));
-        unchanged(run(&kr.block(), &vc.block(), 2, &q[..256]));
+        unchanged(run(&kr.block(), &vr.block(), 2, &q[..128]));
+        unchanged(run(&kr.clone().grouped(32).block(), &vr.block(), 2, &q[..128]));
+        unchanged(run(&k16.block(), &vc.block(), 2, &q[..256]));
         unchanged(run(&k32.block(), &v32.block(), 2, &q[..64]));
         // Values per group of 16 (not a multiple of 32), and per group at head_dim 32.
         unchanged(run(&kc.block(), &vc.clone().grouped(16).block(), 2, &q[..256]));
