@@ -15,9 +15,9 @@
 //! weights rounded per query row and group, each 16-byte lane of a `vpdpbusd` operand (32
 //! channels) carrying its group's; four groups of a row (32 of 128) take their weights in the
 //! parameters' own layout, 4 rows × 4 groups a register. And INT4 keys per token (`int4-g32`,
-//! `int4-token`: parameters per row or per group) at head_dim 128 and 256: the sums of four
-//! rows reduced 16-byte lane by lane give 4 rows × 4 runs of 32 channels, each run inside one
-//! group, scaled by their group's parameters in the same register.
+//! `int4-token`: parameters per row or per group): the sums of four rows reduced 16-byte lane
+//! by lane give 4 rows × 4 runs of 32 channels (at head_dim 64, 8 rows × 2 runs), each run
+//! inside one group, scaled by their group's parameters in the same register.
 //!
 //! The float kernels of the `avx512` backend are the AVX2 ones: on the AMD Zen 4 this crate
 //! is measured on, 512-bit float FMAs run as two 256-bit halves, and the float kernels are
@@ -581,8 +581,8 @@ const FUSED_DIM: usize = 256;
 /// this CPU: INT4 affine keys with per-channel parameters and INT4 affine values with per-row
 /// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (64, 128 or 256), any
 /// number of query rows (four at a time); or such keys with INT4 affine values per group of
-/// 32, 64, 128 or 256 values (dividing the head_dim); or, at head_dim 128 and 256, INT4
-/// affine keys per row or per group of 32 to 256 values with either of those values.
+/// 32, 64, 128 or 256 values (dividing the head_dim); or INT4 affine keys per row or per
+/// group of 32 to 256 values with either of those values.
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     (crate::fused_layout(k, v, n_q)
         || crate::fused_layout_grouped(k, v, n_q)
@@ -661,16 +661,15 @@ pub(crate) fn attend_int_in(
         // value scales and the shapes.
         unsafe {
             // One monomorphization per query group size, head_dim (64, 128, else 256) and
-            // layout of the keys' and the values' parameters (per channel or group, per row
-            // or group; keys per group at head_dim 128 and 256 only).
+            // layout of the keys' and the values' parameters (per channel, or per row or
+            // group; per row or group).
             macro_rules! by_shape {
                 ($gk:literal, $gv:literal) => {
                     match (nq, d) {
-                        (1, 64) if !$gk => attend4::<1, 64, $gk, $gv>(k, v, q, m, l, o, w),
-                        (2, 64) if !$gk => attend4::<2, 64, $gk, $gv>(k, v, q, m, l, o, w),
-                        (3, 64) if !$gk => attend4::<3, 64, $gk, $gv>(k, v, q, m, l, o, w),
-                        (_, 64) if !$gk => attend4::<4, 64, $gk, $gv>(k, v, q, m, l, o, w),
-                        (_, 64) => unreachable!("keys per group at head_dim 128 or 256"),
+                        (1, 64) => attend4::<1, 64, $gk, $gv>(k, v, q, m, l, o, w),
+                        (2, 64) => attend4::<2, 64, $gk, $gv>(k, v, q, m, l, o, w),
+                        (3, 64) => attend4::<3, 64, $gk, $gv>(k, v, q, m, l, o, w),
+                        (_, 64) => attend4::<4, 64, $gk, $gv>(k, v, q, m, l, o, w),
                         (1, 128) => attend4::<1, 128, $gk, $gv>(k, v, q, m, l, o, w),
                         (2, 128) => attend4::<2, 128, $gk, $gv>(k, v, q, m, l, o, w),
                         (3, 128) => attend4::<3, 128, $gk, $gv>(k, v, q, m, l, o, w),
@@ -699,7 +698,8 @@ fn lanes(len: usize) -> __mmask16 {
 }
 
 /// The fused kernel of [`attend_int_in`] for `NQ` query rows, keys per channel or, `GK`, per
-/// group ([`grouped_key_scores`]), values per row or, `GV`, per group ([`grouped_values`]).
+/// group or per row ([`grouped_key_scores`], [`grouped_key_scores64`]), values per row or,
+/// `GV`, per group ([`grouped_values`]).
 ///
 /// # Safety
 /// [`attend_int_supported`]`(k, v, NQ)`; every value scale of `v` is `>= 0`; `q` and `o` hold
@@ -805,10 +805,16 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     //    bytes held in registers, one row of codes at a time. Keys per group: their scores.
     let pr = FUSED_ROWS + 16;
     if GK {
-        // SAFETY: `k` is 4-bit per group (groups of a power of two multiple of 32) with rows
-        // of D / 2 bytes, D 128 or 256; `q8` holds NQ arranged rows of D bytes; row i of `p`
-        // (at i · pr) has room for n rounded up to 4; the CPU features are this function's.
-        unsafe { grouped_key_scores::<NQ, D>(k, &q8[..NQ * D], &sq, &lane_sums, p) };
+        // SAFETY: `k` is 4-bit per row or per group (groups of a power of two multiple of 32)
+        // with rows of D / 2 bytes; `q8` holds NQ arranged rows of D bytes; row i of `p` (at
+        // i · pr) has room for n rounded up to 8; the CPU features are this function's.
+        unsafe {
+            if D == 64 {
+                grouped_key_scores64::<NQ>(k, &q8[..NQ * D], &sq, &lane_sums, p)
+            } else {
+                grouped_key_scores::<NQ, D>(k, &q8[..NQ * D], &sq, &lane_sums, p)
+            }
+        };
     } else if D == 64 {
         // SAFETY: the block is 4-bit with rows of 32 bytes; `q8` holds NQ rows of 64 bytes,
         // `dots` NQ · n values; the CPU features are this function's.
@@ -1033,12 +1039,7 @@ unsafe fn grouped_key_scores<const NQ: usize, const D: usize>(
     lane_sums: &[[f32; FUSED_DIM / 32]; int8::GROUP],
     p: &mut [f32],
 ) {
-    let (group, ks, ko) = match k.params {
-        Params::PerGroup { group, scale, offset } => (group, scale, offset),
-        // Per row: one group of D values.
-        Params::PerRow { scale, offset } => (D, scale, offset),
-        Params::PerChannel { .. } => unreachable!("checked"),
-    };
+    let (group, ks, ko) = row_key_params(k);
     let (n, pr, rb) = (k.rows, FUSED_ROWS + 16, D / 2);
     let (per, lanes_per_group) = (D / group, group / 32);
     let held = n.checked_mul(rb).is_some_and(|b| b <= k.codes.len());
@@ -1153,6 +1154,129 @@ unsafe fn grouped_key_scores<const NQ: usize, const D: usize>(
             unsafe { _mm_storeu_ps(p.as_mut_ptr().add(i * pr + r), x) };
         }
         r += 4;
+    }
+}
+
+/// The group size, scales and offsets of keys per row (one group of a row) or per group.
+///
+/// # Panics
+/// When `k` is per channel (the callers take keys per row or group only).
+fn row_key_params<'a>(k: &QuantBlock<'a>) -> (usize, &'a [f32], Option<&'a [f32]>) {
+    match k.params {
+        Params::PerGroup { group, scale, offset } => (group, scale, offset),
+        Params::PerRow { scale, offset } => (k.dim, scale, offset),
+        Params::PerChannel { .. } => unreachable!("keys per row or group"),
+    }
+}
+
+/// [`grouped_key_scores`] at head_dim 64 (rows of 32 bytes, two runs of 32 channels, one or
+/// two groups): as [`dots64`], two rows side by side in a register against the query's nibble
+/// planes repeated in both halves, four registers (eight rows) reduced lane by lane
+/// ([`lane_sums4`]): element `4L + j` is row `2j + L / 2`'s run `L % 2`. The runs of each row
+/// added, the scores of rows `r .. r + 8` come out as two vectors of alternate rows,
+/// interleaved back into order.
+///
+/// # Safety
+/// As [`grouped_key_scores`], with rows of 64 values; `p`'s rows have room for n rounded up
+/// to 8.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+unsafe fn grouped_key_scores64<const NQ: usize>(
+    k: &QuantBlock<'_>,
+    q8: &[u8],
+    sq: &[f32; int8::GROUP],
+    lane_sums: &[[f32; FUSED_DIM / 32]; int8::GROUP],
+    p: &mut [f32],
+) {
+    let (group, ks, ko) = row_key_params(k);
+    let (n, pr) = (k.rows, FUSED_ROWS + 16);
+    let (per, lanes_per_group) = (64 / group, group / 32);
+    let held = n.checked_mul(32).is_some_and(|b| b <= k.codes.len());
+    assert!(
+        (1..=FUSED_ROWS).contains(&n)
+            && k.dim == 64
+            && k.bits == 4
+            && (group == 32 || group == 64)
+            && k.row_bytes == 32
+            && held
+            && ks.len() >= n * per
+            && ko.is_none_or(|o| o.len() >= n * per)
+            && q8.len() >= NQ * 64
+            && p.len() >= NQ * pr,
+        "a 4-bit block of 64 values per row or group of 32, its parameters, the queries and the scores"
+    );
+    let mask = _mm512_set1_epi8(0x0f);
+    // Element 4L + j: row 2j + L / 2 of the eight, run L % 2; its parameter in the eight
+    // rows' (per ≤ 2 a row: at most 16).
+    let (mut idx, mut spread) = ([0i32; 16], [0i32; 16]);
+    for (e, (x, y)) in idx.iter_mut().zip(spread.iter_mut()).enumerate() {
+        let (lane, j) = (e / 4, e % 4);
+        *x = ((2 * j + lane / 2) * per + (lane % 2) / lanes_per_group) as i32;
+        *y = (lane % 2) as i32;
+    }
+    // SAFETY: both arrays hold 16 i32.
+    let (idx, spread) =
+        unsafe { (_mm512_loadu_si512(idx.as_ptr().cast()), _mm512_loadu_si512(spread.as_ptr().cast())) };
+    let mut qs = [_mm512_setzero_ps(); int8::GROUP];
+    let (mut ql, mut qh) = ([_mm512_setzero_si512(); int8::GROUP], [_mm512_setzero_si512(); int8::GROUP]);
+    for i in 0..NQ {
+        // SAFETY: row i of `q8` is 64 bytes; row i of `lane_sums` holds 8 floats (the masked
+        // lanes).
+        unsafe {
+            ql[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(q8.as_ptr().add(64 * i).cast()));
+            qh[i] = _mm512_broadcast_i64x4(_mm256_loadu_si256(q8.as_ptr().add(64 * i + 32).cast()));
+            if ko.is_some() {
+                qs[i] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(0x03, lane_sums[i].as_ptr()));
+            }
+        }
+    }
+    let sqv: [__m512; int8::GROUP] = std::array::from_fn(|i| _mm512_set1_ps(sq[i]));
+    let codes = &k.codes[..n * 32];
+    let mut r = 0;
+    while r < n {
+        let valid = (n - r).min(8);
+        let pm = lanes(valid * per);
+        // SAFETY: the masked lanes lie inside rows r .. r + valid of the parameters.
+        let (sc, fc) = unsafe {
+            let s = _mm512_maskz_loadu_ps(pm, ks.as_ptr().add(r * per));
+            let f = ko.map_or(_mm512_setzero_ps(), |f| _mm512_maskz_loadu_ps(pm, f.as_ptr().add(r * per)));
+            (_mm512_permutexvar_ps(idx, s), _mm512_permutexvar_ps(idx, f))
+        };
+        let mut acc = [[_mm512_setzero_si512(); 4]; int8::GROUP];
+        for j in 0..4 {
+            let v = if 2 * j + 2 <= valid {
+                // SAFETY: rows r + 2j and r + 2j + 1 are the 64 bytes from 32 · (r + 2j).
+                unsafe { _mm512_loadu_si512(codes.as_ptr().add(32 * (r + 2 * j)).cast()) }
+            } else if 2 * j < valid {
+                // SAFETY: the last row is the 32 bytes from 32 · (r + 2j); the upper half
+                // stays zero.
+                unsafe {
+                    _mm512_zextsi256_si512(_mm256_loadu_si256(codes.as_ptr().add(32 * (r + 2 * j)).cast()))
+                }
+            } else {
+                _mm512_setzero_si512()
+            };
+            let (lo, hi) = (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+            for ((a, &l), &h) in acc.iter_mut().zip(&ql).zip(&qh).take(NQ) {
+                a[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[j], lo, l), hi, h);
+            }
+        }
+        for i in 0..NQ {
+            let dots = _mm512_cvtepi32_ps(lane_sums4(&acc[i]));
+            let mut t = _mm512_mul_ps(_mm512_mul_ps(sc, sqv[i]), dots);
+            if ko.is_some() {
+                t = _mm512_fmadd_ps(fc, qs[i], t);
+            }
+            // Lanes 0 + 1: rows r, r + 2, r + 4, r + 6; lanes 2 + 3: the rows between.
+            let even = _mm_add_ps(_mm512_castps512_ps128(t), _mm512_extractf32x4_ps::<1>(t));
+            let odd = _mm_add_ps(_mm512_extractf32x4_ps::<2>(t), _mm512_extractf32x4_ps::<3>(t));
+            // SAFETY: r + 8 <= n + 7 < pr, inside row i of `p`.
+            unsafe {
+                let at = p.as_mut_ptr().add(i * pr + r);
+                _mm_storeu_ps(at, _mm_unpacklo_ps(even, odd));
+                _mm_storeu_ps(at.add(4), _mm_unpackhi_ps(even, odd));
+            }
+        }
+        r += 8;
     }
 }
 
@@ -1489,9 +1613,7 @@ unsafe fn four_groups(
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn hsum4_halves(a: &[__m512i; 4]) -> ([i32; 4], [i32; 4]) {
-    let t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
-    let t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
-    let u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    let u = lane_sums4(a);
     let fold = |y: __m256i| _mm_add_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256::<1>(y));
     let (lo, hi) = (fold(_mm512_castsi512_si256(u)), fold(_mm512_extracti64x4_epi64::<1>(u)));
     let (mut a, mut b) = ([0i32; 4], [0i32; 4]);

@@ -552,8 +552,8 @@ pub struct Online<'a> {
 /// Where it runs (INT4 affine keys per channel, INT4 affine values per row with non-negative
 /// scales, blocks of up to 256 tokens, head_dim 64, 128 or 256, query rows four at a time;
 /// on `avx512` and `avx2` also values per group of 32, 64, 128 or 256, each group's weights
-/// rounded with their own scale, as [`scalar::attend_int`] does; on `avx512` at head_dim 128
-/// and 256 also INT4 keys per row or per group of 32 to 256 values; on
+/// rounded with their own scale, as [`scalar::attend_int`] does; on `avx512` also INT4 keys
+/// per row or per group of 32 to 256 values; on
 /// the `avx512` backend with VNNI, see `avx512::attend_int_supported`, on the `avx2`
 /// backend, see `fused_avx2::attend_int_supported`, and on the `dotprod` backend of aarch64,
 /// see `fused_dotprod::attend_int_supported`) nothing of a block goes through memory but its
@@ -623,12 +623,11 @@ pub(crate) fn fused_layout_grouped(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: 
 }
 
 /// INT4 keys per token, their parameters per row or per group (groups as
-/// [`fused_layout_grouped`]'s values), at head_dim 128 or 256, with values per row or per
-/// group (`int4-g32`, `int4-token`, `int4-g32/int4-token`), which the AVX-512 kernel takes.
+/// [`fused_layout_grouped`]'s values), with values per row or per group (`int4-g32`,
+/// `int4-token`, `int4-g32/int4-token`), which the AVX-512 kernel takes.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn fused_layout_row_keys(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     fused_shapes(k, v, n_q)
-        && k.dim >= 128
         && (matches!(k.params, Params::PerRow { .. }) || lane_groups(k))
         && (matches!(v.params, Params::PerRow { .. }) || lane_groups(v))
 }
