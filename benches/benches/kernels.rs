@@ -309,6 +309,10 @@ fn decode_at(c: &mut Criterion, len: usize) {
         // Bits per key channel (three widths, `ChannelBits::spread`) with those values.
         ("int4-channel-qa", "int4-token-mse-rot"),
         ("int3-channel-qa", "int3-token-mse-rot"),
+        // What `kvq recommend --budget-bits 4.5` picks for most layers of SmolLM2 (values per
+        // group), and INT4 per group on both sides: fused kernels on AVX-512 VNNI.
+        ("int4-channel32-p8", "int4-g32-mse-rot-p8"),
+        ("int4-g32", "int4-g32"),
     ] {
         let mut cache = layer_cache(kv_heads, D, kv_heads * len / 32, k, v);
         let seq = cache.create();
