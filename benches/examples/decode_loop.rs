@@ -12,7 +12,8 @@
 //! Prints the mean, fastest and median time per step; `--steps 0` builds the cache only (subtract it from a
 //! profile's totals). With `--seqs N` a step is one `decode_attention_batch` call over N
 //! sequences of `--tokens` each (one workspace kept across steps), as the `decode_batch`
-//! bench runs it.
+//! bench runs it. `KVQ_FORCE_BACKEND=avx2` (or another backend's name) runs that backend
+//! instead of the best one, on both paths.
 
 use kvq::attention::{
     AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch, decode_attention_path,
@@ -71,11 +72,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let q: Vec<f32> = q.iter().cycle().take(n * q.len()).copied().collect();
     let mut out = vec![0f32; q.len()];
     let mut ws = DecodeWorkspace::new();
+    let forced =
+        std::env::var_os("KVQ_FORCE_BACKEND").map(|_| kvq_kernels_simd::dispatch::selected()).transpose()?;
     let (backend, path) = if integer {
         let best = if Backend::Avx512.is_available() { Backend::Avx512 } else { best_float() };
-        (best, ScorePath::Int8)
+        (forced.unwrap_or(best), ScorePath::Int8)
     } else {
-        (best_float(), ScorePath::Float)
+        (forced.unwrap_or_else(best_float), ScorePath::Float)
     };
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
     // Each step timed on its own: on a shared VM the fastest and the median step compare two

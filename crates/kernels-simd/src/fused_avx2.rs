@@ -18,7 +18,9 @@
 //! Values per group (`int4-g32`, which `kvq recommend` picks for most layers) take the same
 //! path with byte weights per query row and group, each rounded with its own scale: a 16-byte
 //! lane of a row (32 channels) lies inside one group, so the value loop reads that group's
-//! weights.
+//! weights. Keys per row or per group (`int4-token`, `int4-g32`) take the integer scores
+//! kernel's scores as they are (its per-group dots and epilogue), then the same softmax step
+//! and value sums.
 
 use std::arch::x86_64::*;
 
@@ -32,9 +34,13 @@ use crate::softmax::x86::exp8;
 /// `n_q` query rows on this CPU: INT4 affine keys with per-channel parameters and INT4 affine
 /// values with per-row parameters, the same tokens (1 to 256) and head_dim (64, 128 or 256),
 /// any number of query rows (four at a time), a CPU with AVX2, FMA and F16C; or such keys
-/// with INT4 affine values per group of 32, 64, 128 or 256 values (dividing the head_dim).
+/// with INT4 affine values per group of 32, 64, 128 or 256 values (dividing the head_dim); or
+/// INT4 affine keys per row or per group of 32 to 256 values with either of those values.
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    (crate::fused_layout(k, v, n_q) || crate::fused_layout_grouped(k, v, n_q)) && avx2::int8_supported(k)
+    (crate::fused_layout(k, v, n_q)
+        || crate::fused_layout_grouped(k, v, n_q)
+        || crate::fused_layout_row_keys(k, v, n_q))
+        && avx2::int8_supported(k)
 }
 
 /// Most value groups of a row: groups of 32 along a head_dim of 256.
@@ -54,6 +60,9 @@ pub(crate) struct FusedScratch {
     /// weights of every (query row, group).
     vt: Vec<f32>,
     pw: Vec<f32>,
+    /// Keys per row or group: the scores kernel's scratch, and its scores.
+    int8: int8::Scratch,
+    scores: Vec<f32>,
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -150,28 +159,33 @@ unsafe fn attend<const NQ: usize>(
     w: &mut FusedScratch,
 ) {
     let (d, n) = (k.dim, k.rows);
-    let Params::PerChannel { scale: ks, offset: ko } = k.params else { unreachable!("checked") };
-    let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw } = w;
+    let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw, int8: scratch, scores } = w;
+    let (mut sq, mut kadd) = ([0f32; int8::GROUP], [0f32; int8::GROUP]);
+    let per_channel = matches!(k.params, Params::PerChannel { .. });
+    if let Params::PerChannel { scale: ks, offset: ko } = k.params {
+        // 1. The query rows times the channel scales, rounded to int8 and arranged as the
+        //    scores kernel rounds and arranges them; what the keys' offsets add, `Σ q · offset`.
+        // Written in full by the two calls (d is a multiple of 64), so only grown, never cleared.
+        let (q8, arranged) = (grown(q8, NQ * d), grown(arranged, NQ * d));
+        // SAFETY: AVX2 (this function's contract); q holds NQ rows of d (a multiple of 8) values.
+        unsafe { avx2::round_queries_by::<NQ>(q, ks, q8, &mut sq) };
+        // SAFETY: AVX2 (this function's contract).
+        unsafe { avx2::arrange4_32(q8, arranged) };
+        if let Some(ko) = ko {
+            kadd = offset_dots::<NQ>(q, ko);
+        }
 
-    // 1. The query rows times the channel scales, rounded to int8 and arranged as the scores
-    //    kernel rounds and arranges them; what the keys' offsets add, `Σ q · offset`.
-    let mut sq = [0f32; int8::GROUP];
-    // Written in full by the two calls (d is a multiple of 64), so only grown, never cleared.
-    let (q8, arranged) = (grown(q8, NQ * d), grown(arranged, NQ * d));
-    // SAFETY: AVX2 (this function's contract); q holds NQ rows of d (a multiple of 8) values.
-    unsafe { avx2::round_queries_by::<NQ>(q, ks, q8, &mut sq) };
-    // SAFETY: AVX2 (this function's contract).
-    unsafe { avx2::arrange4_32(q8, arranged) };
-    let kadd = match ko {
-        Some(ko) => offset_dots::<NQ>(q, ko),
-        None => [0f32; int8::GROUP],
-    };
-
-    // 2. The integer dots of every row with the rounded query rows.
-    let dots = grown(dots, NQ * n);
-    // SAFETY: `int8_supported(k)` (checked by the caller): 4-bit rows of d codes, d a
-    // multiple of 64; `arranged` holds NQ rows of d bytes, `dots` NQ · n values.
-    unsafe { avx2::int_dots_4bit::<NQ>(k, arranged, dots) };
+        // 2. The integer dots of every row with the rounded query rows.
+        let dots = grown(dots, NQ * n);
+        // SAFETY: `int8_supported(k)` (checked by the caller): 4-bit rows of d codes, d a
+        // multiple of 64; `arranged` holds NQ rows of d bytes, `dots` NQ · n values.
+        unsafe { avx2::int_dots_4bit::<NQ>(k, arranged, dots) };
+    } else {
+        // 1-2. Keys per row or per group: the integer scores kernel's scores themselves (its
+        //      per-group dots and epilogue), so the same bits as it gives.
+        let done = avx2::scores_int8_in(k, q, NQ, grown(scores, NQ * n), scratch);
+        debug_assert!(done, "`attend_int_supported` checked `int8_supported(k)`");
+    }
 
     // 3. The scores (`sq · dot + kadd`, the scores kernel's epilogue), their maxima with the
     //    running ones, the rescaling factors, the exponentials, their sums and the weights
@@ -186,14 +200,19 @@ unsafe fn attend<const NQ: usize>(
     for r in (0..stride).step_by(8) {
         let keep = lanes8(n - r);
         for i in 0..NQ {
-            // SAFETY: the lanes in `keep` lie inside row i of `dots` (n values); row i of `p`
-            // holds `stride` values.
+            // SAFETY: the lanes in `keep` lie inside row i of `dots` or of `scores` (n values
+            // each); row i of `p` holds `stride` values.
             unsafe {
-                let dv = _mm256_maskload_epi32(dots.as_ptr().add(i * n + r), _mm256_castps_si256(keep));
-                let s = _mm256_add_ps(
-                    _mm256_mul_ps(_mm256_set1_ps(sq[i]), _mm256_cvtepi32_ps(dv)),
-                    _mm256_set1_ps(kadd[i]),
-                );
+                let mask = _mm256_castps_si256(keep);
+                let s = if per_channel {
+                    let dv = _mm256_maskload_epi32(dots.as_ptr().add(i * n + r), mask);
+                    _mm256_add_ps(
+                        _mm256_mul_ps(_mm256_set1_ps(sq[i]), _mm256_cvtepi32_ps(dv)),
+                        _mm256_set1_ps(kadd[i]),
+                    )
+                } else {
+                    _mm256_maskload_ps(scores.as_ptr().add(i * n + r), mask)
+                };
                 _mm256_storeu_ps(p.as_mut_ptr().add(i * stride + r), s);
                 // NaN scores are skipped by the maximum (the second operand is returned).
                 mx[i] = _mm256_blendv_ps(mx[i], _mm256_max_ps(s, mx[i]), keep);

@@ -552,8 +552,8 @@ pub struct Online<'a> {
 /// Where it runs (INT4 affine keys per channel, INT4 affine values per row with non-negative
 /// scales, blocks of up to 256 tokens, head_dim 64, 128 or 256, query rows four at a time;
 /// on `avx512` and `avx2` also values per group of 32, 64, 128 or 256, each group's weights
-/// rounded with their own scale, as [`scalar::attend_int`] does; on `avx512` also INT4 keys
-/// per row or per group of 32 to 256 values; on
+/// rounded with their own scale, as [`scalar::attend_int`] does, and INT4 keys per row or per
+/// group of 32 to 256 values; on
 /// the `avx512` backend with VNNI, see `avx512::attend_int_supported`, on the `avx2`
 /// backend, see `fused_avx2::attend_int_supported`, and on the `dotprod` backend of aarch64,
 /// see `fused_dotprod::attend_int_supported`) nothing of a block goes through memory but its

@@ -1308,8 +1308,8 @@ fn fused_block_attention_matches_its_reference() {
             (64, 130),
         ] {
             // Keys per channel (`Some(0)`) and values per row or per group (the AVX-512 and
-            // AVX2 kernels'); keys per row (`None`) or per group (the AVX-512 kernel's) with
-            // values per row or per group.
+            // AVX2 kernels'); keys per row (`None`) or per group (theirs too) with values per
+            // row or per group.
             let layouts = [
                 (Some(0), None),
                 (Some(0), Some(32usize)),
@@ -1471,7 +1471,8 @@ fn fused_block_attention_matches_its_reference() {
                 all,
                 "values per group: head_dims of the AVX2 kernel"
             );
-            assert_eq!(dims(Backend::Avx2, false, true), none, "keys per row or group: no AVX2 kernel");
+            assert_eq!(dims(Backend::Avx2, false, true), all, "keys per row or group: the AVX2 kernel");
+            assert_eq!(dims(Backend::Avx2, true, true), all, "keys and values per group: AVX2");
         }
     }
     let _ = (ran, dims, none);

@@ -264,8 +264,8 @@ pub enum ScorePath {
     /// more a level); other keys take the float kernels. And, where the backend has an
     /// integer value kernel (AVX-512 VNNI, INT4 and INT8 values; AVX2, INT4
     /// values per token under INT4 keys per channel, in the fused block kernel; both fused
-    /// kernels also INT4 values per group, one scale per group; the AVX-512 one also INT4 keys
-    /// per token or per group), the block's
+    /// kernels also INT4 values per group, one scale per group, and INT4 keys per token or
+    /// per group), the block's
     /// weights `p · scale` rounded with one scale per block (to 0..=255 for INT4 codes, which
     /// are summed centred on 8; to ±32767 for INT8, centred on 128), each output off by at most
     /// `max|w| / (2 · W_max) · Σ|levels − centre|` (`W_max` 255 or 32767).

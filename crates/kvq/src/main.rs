@@ -96,8 +96,8 @@ enum Command {
         /// Also time the integer paths (int8 queries for scores; 8-bit weights for INT4
         /// values, 16-bit for INT8, where the CPU has AVX-512 VNNI; for INT4 keys per channel
         /// with INT4 values per token or per group also on AVX2, in one fused kernel per
-        /// block, and with AVX-512 VNNI also for INT4 keys per token or per group), one more
-        /// row per spec.
+        /// block, and for INT4 keys per token or per group with those values), one more row
+        /// per spec.
         #[arg(long)]
         integer: bool,
         /// Full-precision (f16) residual blocks of each cache after its quantized ones, as a
