@@ -4,8 +4,9 @@
 //! 64-byte load holds a whole 128-value INT4 row.
 //!
 //! Covered: affine 4-bit rows of a multiple of 128 codes and 8-bit rows of a multiple of 64
-//! (u8 codes × i8 query directly: no widening and no shift). Other blocks run the AVX2
-//! integer kernel. The query rounding, the epilogue and so the scores are those of every
+//! (u8 codes × i8 query directly: no widening and no shift), and rows of the other widths
+//! (1 to 7 bits: INT2, INT3) of a multiple of 128 codes, unpacked 64 at a time in order
+//! (`codes64`). Other blocks run the AVX2 integer kernel. The query rounding, the epilogue and so the scores are those of every
 //! other integer kernel (the crate's shared `int8` algebra), bit for bit.
 //!
 //! `attend_int_in` fuses one block of KIVI-style INT4 keys and values (scores, the online
@@ -39,14 +40,145 @@ fn cpu_ok() -> bool {
         && std::arch::is_x86_feature_detected!("f16c")
 }
 
-/// Whether [`scores_int8`] has a VNNI kernel for this block on this CPU.
+/// Whether [`scores_int8`] has a VNNI kernel for this block on this CPU: affine codes per row
+/// or per channel, 4-bit rows of a multiple of 128 codes, 8-bit rows of a multiple of 64, and
+/// rows of the other widths (1 to 7 bits: INT2, INT3) of a multiple of 128 (`vdots_planes`).
 pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
     let ok_dim = match b.bits {
         4 => b.dim.is_multiple_of(128),
         8 => b.dim.is_multiple_of(64),
+        1..=7 => b.dim.is_multiple_of(128) && std::arch::is_x86_feature_detected!("avx512vl"),
         _ => false,
     };
     ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && crate::scalar::integer_params(b) && cpu_ok()
+}
+
+/// The 64 codes `64v .. 64v + 64` of a packed row of any width but 4 and 8 bits and a
+/// multiple of 128 codes (docs/formats.md, "Codes: bit planes"), one per byte, in order. Over
+/// whole chunks of each plane (16 bytes: `16 · 8 / w` codes of `w` bits, byte `j` holding code
+/// `j + 16k` in bits `k·w`), the 16 codes `64v + 16λ ..` lie in one 16-byte lane of the plane
+/// and one field: lane `v` field `λ` of a 2-bit plane, lane `v / 2` field `4(v % 2) + λ` of a
+/// 1-bit one, lanes `2v + λ / 2` field `λ % 2` of a 4-bit one. So each plane gives its bits
+/// of all 64 codes in a few instructions (its lane or lanes broadcast, each 16-byte lane
+/// shifted by its field with `vpsrlvw`, masked), and the planes or together into the codes.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VL; `row` is a whole packed row of `bits`-bit codes
+/// (1 to 7) of `64 · (v + 1)` codes or more, a multiple of 128.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn codes64(row: &[u8], d: usize, bits: u8, v: usize) -> __m512i {
+    // Each 16-byte lane's field shift (16-bit counts).
+    let counts = |f: fn(i16) -> i16| {
+        _mm512_set_epi16(
+            f(3),
+            f(3),
+            f(3),
+            f(3),
+            f(3),
+            f(3),
+            f(3),
+            f(3),
+            f(2),
+            f(2),
+            f(2),
+            f(2),
+            f(2),
+            f(2),
+            f(2),
+            f(2),
+            f(1),
+            f(1),
+            f(1),
+            f(1),
+            f(1),
+            f(1),
+            f(1),
+            f(1),
+            f(0),
+            f(0),
+            f(0),
+            f(0),
+            f(0),
+            f(0),
+            f(0),
+            f(0),
+        )
+    };
+    let (mut codes, mut at, mut shift) = (_mm512_setzero_si512(), 0usize, 0u32);
+    for &w in kvq_quant_core::pack::planes(bits) {
+        let plane = row.as_ptr().wrapping_add(at);
+        // SAFETY: every lane read lies inside the plane (`d · w / 8` bytes from `at`, whole
+        // 16-byte lanes since d is a multiple of 128).
+        let bits_of = unsafe {
+            match w {
+                1 => {
+                    let x = _mm512_broadcast_i32x4(_mm_loadu_si128(plane.add(16 * (v / 2)).cast()));
+                    let c = if v.is_multiple_of(2) { counts(|l| l) } else { counts(|l| 4 + l) };
+                    _mm512_and_si512(_mm512_srlv_epi16(x, c), _mm512_set1_epi8(0x01))
+                }
+                2 => {
+                    let x = _mm512_broadcast_i32x4(_mm_loadu_si128(plane.add(16 * v).cast()));
+                    _mm512_and_si512(_mm512_srlv_epi16(x, counts(|l| 2 * l)), _mm512_set1_epi8(0x03))
+                }
+                _ => {
+                    let x = _mm512_zextsi256_si512(_mm256_loadu_si256(plane.add(32 * v).cast()));
+                    let x = _mm512_shuffle_i64x2::<0b01_01_00_00>(x, x);
+                    _mm512_and_si512(_mm512_srlv_epi16(x, counts(|l| 4 * (l % 2))), _mm512_set1_epi8(0x0f))
+                }
+            }
+        };
+        // The plane's bits under those of the planes before (w + shift <= 8: no bit leaves its
+        // byte).
+        codes = _mm512_or_si512(codes, _mm512_sll_epi16(bits_of, _mm_cvtsi32_si128(shift as i32)));
+        at += d * usize::from(w) / 8;
+        shift += u32::from(w);
+    }
+    codes
+}
+
+/// [`vdots`] for rows of 1 to 7 bits (not 4) and a multiple of 128 codes: each 64 codes
+/// unpacked in order ([`codes64`]) against the query in natural order, `4 / NQ` rows a
+/// reduction.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL and VNNI; `b.bits` is 1 to 7 and `b.dim` a multiple
+/// of 128; `q` holds `NQ` rows of `b.dim` bytes in natural order; `dots` `NQ · rows.len()`
+/// values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+unsafe fn vdots_planes<const NQ: usize>(b: &QuantBlock<'_>, rows: Range<usize>, q: &[u8], dots: &mut [i32]) {
+    let (d, m, rr) = (b.dim, rows.len(), 4 / NQ);
+    let held = b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len());
+    assert!(
+        rows.end <= b.rows
+            && held
+            && (1..=7).contains(&b.bits)
+            && d.is_multiple_of(128)
+            && b.row_bytes == d * usize::from(b.bits) / 8
+            && q.len() >= NQ * d
+            && dots.len() >= NQ * m,
+        "whole rows of whole chunks inside the block, the queries and the dots"
+    );
+    let mut r = 0;
+    while r < m {
+        let step = if r + rr <= m { rr } else { 1 };
+        let mut acc = [_mm512_setzero_si512(); 4];
+        for j in 0..step {
+            let row = b.row(rows.start + r + j);
+            for v in 0..d / 64 {
+                // SAFETY: the row is whole (asserted above), 64 · (v + 1) <= d.
+                let codes = unsafe { codes64(row, d, b.bits, v) };
+                for (i, a) in acc[j * NQ..(j + 1) * NQ].iter_mut().enumerate() {
+                    // SAFETY: 64 · v + 64 <= d, inside query row i.
+                    let qv = unsafe { _mm512_loadu_si512(q.as_ptr().add(i * d + 64 * v).cast()) };
+                    *a = _mm512_dpbusd_epi32(*a, codes, qv);
+                }
+            }
+        }
+        // SAFETY: AVX-512 is enabled; r + step <= m and `dots` holds NQ · m values.
+        unsafe { store_dots::<NQ>(hsum4_zmm(&acc), step, r, m, dots) };
+        r += step;
+    }
 }
 
 struct Vnni;
@@ -89,7 +221,12 @@ impl int8::IntKernel for Vnni {
         // SAFETY: `int8_supported(b)` (checked by `scores_int8`, the only caller) covers the
         // CPU, the bit width and the row length; the driver passes n arranged rows of `dim`
         // bytes and n · rows.len() dots.
-        unsafe { by_4_or_8_and_group!(vdots, b.bits, n, (b, rows, q, dots)) }
+        unsafe {
+            match b.bits {
+                4 | 8 => by_4_or_8_and_group!(vdots, b.bits, n, (b, rows, q, dots)),
+                _ => by_group!(vdots_planes, n, (b, rows, q, dots)),
+            }
+        }
     }
 }
 

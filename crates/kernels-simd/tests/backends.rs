@@ -549,8 +549,9 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
     let mut rng = Rng::new(0x1d07);
     let mut ran = std::collections::BTreeMap::new();
     let mut tables = std::collections::BTreeMap::new();
+    let mut widths = std::collections::BTreeSet::new();
     for backend in available() {
-        for bits in [4u8, 8] {
+        for bits in 1..=8u8 {
             for (dim, rows) in [
                 (64, 1),
                 (128, 33),
@@ -569,7 +570,10 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
                     .flat_map(|g| [(g, 0u8), (g, 1), (g, 2)]);
                 for (special, (group, levels)) in (0..6u8).flat_map(|s| layouts.clone().map(move |l| (s, l)))
                 {
-                    if levels > 0 && bits != 4 {
+                    // Other widths than 4 and 8: affine codes per row or per channel (the VNNI
+                    // kernel takes rows of a multiple of 128 of them).
+                    let other = bits != 4 && bits != 8;
+                    if (levels > 0 && bits != 4) || (other && (group.is_some() || special > 3)) {
                         continue;
                     }
                     let mut case = Case::random(&mut rng, rows, dim, bits, special);
@@ -600,6 +604,9 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
                             continue;
                         }
                         *ran.entry((backend, group.is_some())).or_insert(0) += 1;
+                        if other {
+                            widths.insert((backend, bits, case.per_channel));
+                        }
                         if levels > 0 {
                             *tables.entry((backend, levels)).or_insert(0) += 1;
                         }
@@ -632,6 +639,19 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
             }
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512vnni") && Backend::Avx512.is_available() {
+        // The VNNI kernel took every other width, per row and per channel.
+        for bits in [1u8, 2, 3, 5, 6, 7] {
+            for per_channel in [false, true] {
+                assert!(
+                    widths.contains(&(Backend::Avx512, bits, per_channel)),
+                    "{bits} bits, per channel {per_channel}"
+                );
+            }
+        }
+    }
+    let _ = &widths;
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512vnni") && Backend::Avx512.is_available() {
         // The VNNI kernel itself (not its AVX2 fallback) takes INT4 rows of 128.

@@ -257,7 +257,9 @@ pub enum ScorePath {
     Float,
     /// The integer paths where the backend has them: scores with the queries rounded to int8
     /// (as llama.cpp does), off by at most `max|q| / 254 · Σ|levels · scale|`, for affine INT4
-    /// and INT8 keys per token or per channel (AVX2, AVX-512 VNNI, aarch64 `sdot`), and with
+    /// and INT8 keys per token or per channel (AVX2, AVX-512 VNNI, aarch64 `sdot`; with
+    /// AVX-512 VNNI also keys of 1 to 7 bits, INT2 and INT3, at a head_dim that is a multiple
+    /// of 128), and with
     /// the AVX2 kernels (x86-64, AVX-512 CPUs included) also INT4 keys per group of a multiple
     /// of 32 values, symmetric INT4 keys, and keys of a 16-level table (NF4, 4-bit
     /// codebooks), whose levels are rounded to int8 as well (half a step of `max|level| / 127`
