@@ -1152,9 +1152,9 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     }
 }
 
-/// Step 2 of [`attend4`] for INT4 keys per group (`int4-g32`): the scores themselves, query
-/// row `i`'s into `p[i · (FUSED_ROWS + 16)..]`, four rows at a time and up to n rounded up
-/// to 4 (zero past n). Each 16-byte lane of a 64-byte chunk of codes holds 32 consecutive
+/// Step 2 of [`attend4`] for INT4 keys per group (`int4-g32`) or per row (`int4-token`, one
+/// group of `D`): the scores themselves, query row `i`'s into `p[i · (FUSED_ROWS + 16)..]`,
+/// four rows at a time and up to n rounded up to 4 (zero past n). Each 16-byte lane of a 64-byte chunk of codes holds 32 consecutive
 /// channels (`int8::arrange4`'s order), inside one group, so the `vpdpbusd` sums of four rows
 /// reduced lane by lane ([`lane_sums4`]) are the dots of 4 rows × 4 runs of 32 channels; one
 /// permute of the quad's parameters puts each run's group scale and offset beside its dot, and
@@ -1163,8 +1163,8 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
 /// per-group epilogue with float sums in another order.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW, VL and VNNI; `k` is 4-bit per group with groups of a
-/// power of two multiple of 32 values, `D` (128 or 256) values a row and 1 to
+/// The CPU must support AVX-512 F, BW, VL and VNNI; `k` is 4-bit per row or per group with
+/// groups of a power of two multiple of 32 values, `D` (128 or 256) values a row and 1 to
 /// [`FUSED_ROWS`] rows; `q8` holds `NQ` rows of `D` bytes arranged as [`vacc`] reads them;
 /// `sq` and `lane_sums` hold the rows' scales and sums over each 32 channels; `p` holds `NQ`
 /// rows of `FUSED_ROWS + 16`.
