@@ -68,42 +68,10 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
 #[inline]
 unsafe fn codes64(row: &[u8], d: usize, bits: u8, v: usize) -> __m512i {
-    // Each 16-byte lane's field shift (16-bit counts).
-    let counts = |f: fn(i16) -> i16| {
-        _mm512_set_epi16(
-            f(3),
-            f(3),
-            f(3),
-            f(3),
-            f(3),
-            f(3),
-            f(3),
-            f(3),
-            f(2),
-            f(2),
-            f(2),
-            f(2),
-            f(2),
-            f(2),
-            f(2),
-            f(2),
-            f(1),
-            f(1),
-            f(1),
-            f(1),
-            f(1),
-            f(1),
-            f(1),
-            f(1),
-            f(0),
-            f(0),
-            f(0),
-            f(0),
-            f(0),
-            f(0),
-            f(0),
-            f(0),
-        )
+    // Each 16-byte lane's field shift: `f(lane)` in each of its eight 16-bit counts.
+    let counts = |f: fn(i64) -> i64| {
+        let x = |l| f(l) * 0x0001_0001_0001_0001;
+        _mm512_set_epi64(x(3), x(3), x(2), x(2), x(1), x(1), x(0), x(0))
     };
     let (mut codes, mut at, mut shift) = (_mm512_setzero_si512(), 0usize, 0u32);
     for &w in kvq_quant_core::pack::planes(bits) {
@@ -901,7 +869,8 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
             // GROUP · FUSED_DIM values.
             unsafe {
                 let x = _mm512_loadu_ps(qi.as_ptr().add(16 * j));
-                let y = _mm512_mul_ps(x, s);
+                // Keys per row or group: the query as it is (`ksv` stays 1).
+                let y = if GK { x } else { _mm512_mul_ps(x, s) };
                 _mm512_storeu_ps(p.as_mut_ptr().add(i * d + 16 * j), y);
                 // A NaN is skipped by the maximum (the second operand is returned) and makes
                 // the sum `any` NaN.
@@ -1208,19 +1177,21 @@ unsafe fn grouped_key_scores<const NQ: usize, const D: usize>(
         // SAFETY: `t` holds 16 i32.
         *x = unsafe { _mm512_loadu_si512(t.as_ptr().cast()) };
     }
+    let mut spreads = [_mm512_setzero_si512(); FUSED_DIM / 128];
+    for (c, x) in spreads.iter_mut().enumerate().take(D / 128) {
+        for (e, t) in spread.iter_mut().enumerate() {
+            *t = (4 * c + e / 4) as i32;
+        }
+        // SAFETY: `spread` holds 16 i32.
+        *x = unsafe { _mm512_loadu_si512(spread.as_ptr().cast()) };
+    }
     let mut qs = [[_mm512_setzero_ps(); FUSED_DIM / 128]; int8::GROUP];
     if ko.is_some() {
         for (i, q) in qs.iter_mut().enumerate().take(NQ) {
-            for (c, x) in q.iter_mut().enumerate().take(D / 128) {
-                for (e, t) in spread.iter_mut().enumerate() {
-                    *t = (4 * c + e / 4) as i32;
-                }
-                // SAFETY: `spread` holds 16 i32, row i of `lane_sums` FUSED_DIM / 32 = 8
-                // floats (the masked lanes).
-                *x = unsafe {
-                    let sums = _mm512_maskz_loadu_ps(0xff, lane_sums[i].as_ptr());
-                    _mm512_permutexvar_ps(_mm512_loadu_si512(spread.as_ptr().cast()), sums)
-                };
+            // SAFETY: row i of `lane_sums` holds FUSED_DIM / 32 = 8 floats (the masked lanes).
+            let sums = unsafe { _mm512_maskz_loadu_ps(0xff, lane_sums[i].as_ptr()) };
+            for (x, &sp) in q.iter_mut().zip(&spreads).take(D / 128) {
+                *x = _mm512_permutexvar_ps(sp, sums);
             }
         }
     }
