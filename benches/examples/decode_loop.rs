@@ -5,7 +5,8 @@
 //!
 //! ```sh
 //! cargo run --release -p kvq-benches --example decode_loop -- int4-channel int4-token \
-//!     --steps 2000 [--tokens 4096] [--threads 1] [--integer] [--seqs 16] [--window]
+//!     --steps 2000 [--tokens 4096] [--threads 1] [--integer] [--seqs 16] [--window] \
+//!     [--block-size 32]
 //! ```
 //! `--window` gives the cache the facade builder's window: one residual block, 4 sinks, the
 //! values' window and sinks in 8 bits (without it: none, as the criterion benches).
@@ -27,7 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(k), Some(v)) = (args.first(), args.get(1)) else {
         return Err(
-            "usage: decode_loop KSPEC VSPEC [--steps N] [--tokens N] [--threads N] [--integer] [--seqs N] [--window]"
+            "usage: decode_loop KSPEC VSPEC [--steps N] [--tokens N] [--threads N] [--integer] [--seqs N] [--window] [--block-size N]"
                 .into(),
         );
     };
@@ -40,6 +41,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (steps, len, threads) =
         (option("--steps", 1000)?, option("--tokens", 4096)?, option("--threads", 1)?);
     let seqs = option("--seqs", 0)?;
+    // Tokens per block (per-channel keys: `channel` groups over the block, `channelN` in groups
+    // of N inside it).
+    let bs = option("--block-size", 32)?.max(1);
     let integer = args.iter().any(|a| a == "--integer");
     let window = args.iter().any(|a| a == "--window");
     // Checked here: the bench helper below unwraps them.
@@ -52,8 +56,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rng = Rng::new(9);
     let q: Vec<f32> = (0..q_heads * d).map(|_| rng.normal() as f32).collect();
     let n = seqs.max(1);
-    let blocks = n * kv_heads * (len.div_ceil(32) + 2);
+    let blocks = n * kv_heads * (len.div_ceil(bs) + 2);
     let mut cache = layer_cache_with(kv_heads, d, blocks, k, v, |c| {
+        let c = c.with_block_size(bs);
         if window {
             c.with_residual_blocks(1)
                 .with_sink_tokens(4)

@@ -385,10 +385,25 @@ impl CacheConfig {
                     ));
                 }
                 Granularity::PerChannel { token_group: Some(n) }
-                    if n != self.block_size && self.calibration.is_none() =>
+                    if (n == 0
+                        || !self.block_size.is_multiple_of(n)
+                        || self.block_size / n > crate::part::MAX_CHANNEL_SETS)
+                        && self.calibration.is_none() =>
                 {
                     return bad(format!(
-                        "{name} spec {spec}: per-channel groups stream one block at a time; use `channel` or `channel{}`",
+                        "{name} spec {spec}: per-channel groups stream a block at a time, in token groups that divide it (at most {} a block); use `channel`, `channel{}` or a divisor of {}",
+                        crate::part::MAX_CHANNEL_SETS,
+                        self.block_size,
+                        self.block_size
+                    ));
+                }
+                Granularity::PerChannel { token_group: Some(n) }
+                    if n < self.block_size
+                        && self.calibration.is_none()
+                        && (spec.channel_bits() || spec.pre_rope()) =>
+                {
+                    return bad(format!(
+                        "{name} spec {spec}: -qa and -prerope keys take per-channel groups of the whole block; use `channel` or `channel{}`",
                         self.block_size
                     ));
                 }

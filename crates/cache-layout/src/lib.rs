@@ -44,7 +44,7 @@ pub mod reserve;
 pub use cache::{CacheStats, PagedCache, SeqId};
 pub use config::{CacheConfig, TailDtype};
 pub use error::{CacheError, Result};
-pub use part::{INT8_ROWS_ZERO, Int8Rows, Mode, PartLayout, TailBuf};
+pub use part::{INT8_ROWS_ZERO, Int8Rows, MAX_CHANNEL_SETS, Mode, PartLayout, TailBuf};
 pub use pool::{BlockId, BlockPool};
 pub use read::{BlockView, CacheMemory, LayerMemory, ParamWidening, Segment, Segments};
 pub use reserve::Reservation;

@@ -20,6 +20,10 @@ use kvq_quant_core::{
 use crate::config::TailDtype;
 use crate::error::Result;
 
+/// Most sets of per-channel parameters a block holds ([`PartLayout::channel_sets`]):
+/// `channel32` in blocks of up to 512 tokens.
+pub const MAX_CHANNEL_SETS: usize = 16;
+
 /// How a part's tokens become codes as they stream in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -28,7 +32,8 @@ pub enum Mode {
         /// Channels per group.
         seg: usize,
     },
-    /// One group per channel over a block, quantized when the block leaves the residual window.
+    /// One group per channel over a block (or over each of its token groups, see
+    /// [`PartLayout::channel_sets`]), quantized when the block leaves the residual window.
     Channel,
     /// Calibrated parameters: `seg = head_dim` (one group per row) or 1 (per channel).
     Static {
@@ -48,6 +53,9 @@ pub struct PartLayout {
     pub(crate) row_bytes: usize,
     /// Parameter groups stored in each block.
     pub(crate) groups: usize,
+    /// Per-channel parts: the sets of channel parameters in a block, one per token group
+    /// (`channel32` in blocks of 128 tokens: 4); 1 otherwise.
+    pub(crate) sets: usize,
     pub(crate) dtype: ParamDtype,
     /// Row parts wait in the residual window ([`PartLayout::with_row_window`]).
     windowed: bool,
@@ -68,9 +76,22 @@ impl PartLayout {
             Granularity::PerChannel { .. } => Mode::Channel,
             Granularity::PerTensor | Granularity::PerHead => Mode::Static { seg: head_dim },
         };
+        // Per-channel groups of fewer tokens than a block: a set of channel parameters per
+        // token group (the configuration checks that the group divides the block).
+        let sets = match spec.granularity() {
+            Granularity::PerChannel { token_group: Some(n) } if mode == Mode::Channel && n < block_size => {
+                if n == 0 || !block_size.is_multiple_of(n) || block_size / n > MAX_CHANNEL_SETS {
+                    return Err(crate::error::CacheError::Config(format!(
+                        "spec {spec}: per-channel groups of {n} tokens do not divide blocks of {block_size} in at most {MAX_CHANNEL_SETS}"
+                    )));
+                }
+                block_size / n
+            }
+            _ => 1,
+        };
         let groups = match mode {
             Mode::Row { seg } => block_size * (head_dim / seg),
-            Mode::Channel => head_dim,
+            Mode::Channel => head_dim * sets,
             Mode::Static { .. } => 0,
         };
         Ok(Self {
@@ -81,6 +102,7 @@ impl PartLayout {
             block_size,
             row_bytes: packed_len(head_dim, spec.bits())?,
             groups,
+            sets,
             dtype: spec.param_dtype(),
             has_offset: spec.has_offset(),
             windowed: false,
@@ -116,6 +138,19 @@ impl PartLayout {
     /// Values per row.
     pub fn head_dim(&self) -> usize {
         self.head_dim
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The sets of per-channel parameters in a block of a per-channel part: one per token group
+    /// of the spec (`int4-channel32` in blocks of 128 tokens: 4, set `j` for rows `32j ..
+    /// 32j + 32`), stored one after the other (`head_dim` scales each, then the offsets the
+    /// same way); 1 for a group of the whole block and for every other part.
+    pub fn channel_sets(&self) -> usize {
+        self.sets
     }
 
     /// Bytes of one packed row.
@@ -283,25 +318,29 @@ impl PartLayout {
             return self.on_grid(params);
         }
         let d = self.head_dim;
-        let mut lo = vec![f32::INFINITY; d];
-        let mut hi = vec![f32::NEG_INFINITY; d];
-        for x in rows.chunks_exact(d) {
-            for ((l, h), &v) in lo.iter_mut().zip(hi.iter_mut()).zip(x) {
-                *l = if v < *l { v } else { *l };
-                *h = if v > *h { v } else { *h };
+        let mut params = Vec::with_capacity(self.groups);
+        // Each token group's channels (the whole block's, one set).
+        let per_set = rows.len() / self.sets;
+        for rows in rows.chunks_exact(per_set.max(1)) {
+            let mut lo = vec![f32::INFINITY; d];
+            let mut hi = vec![f32::NEG_INFINITY; d];
+            for x in rows.chunks_exact(d) {
+                for ((l, h), &v) in lo.iter_mut().zip(hi.iter_mut()).zip(x) {
+                    *l = if v < *l { v } else { *l };
+                    *h = if v > *h { v } else { *h };
+                }
             }
-        }
-        let mut params = Vec::with_capacity(d);
-        if self.spec.ranges() == RangeRule::MinMax {
-            for (&l, &h) in lo.iter().zip(&hi) {
-                params.push(self.codec.params(l, h)?);
-            }
-        } else {
-            let mut channel = Vec::with_capacity(rows.len() / d);
-            for (c, (&l, &h)) in lo.iter().zip(&hi).enumerate() {
-                channel.clear();
-                channel.extend(rows.chunks_exact(d).map(|x| x[c]));
-                params.push(self.codec.group_params(&channel, l, h)?);
+            if self.spec.ranges() == RangeRule::MinMax {
+                for (&l, &h) in lo.iter().zip(&hi) {
+                    params.push(self.codec.params(l, h)?);
+                }
+            } else {
+                let mut channel = Vec::with_capacity(rows.len() / d);
+                for (c, (&l, &h)) in lo.iter().zip(&hi).enumerate() {
+                    channel.clear();
+                    channel.extend(rows.chunks_exact(d).map(|x| x[c]));
+                    params.push(self.codec.group_params(&channel, l, h)?);
+                }
             }
         }
         self.on_grid(params)
@@ -355,12 +394,20 @@ impl PartLayout {
             }
             return;
         }
-        let channels = ChannelParams::new(params);
-        for (r, x) in rows.chunks_exact(d).enumerate() {
-            self.codec.encode_channels(x, &channels, scratch);
-            kernels
-                .pack(scratch, self.spec.bits(), &mut region[r * self.row_bytes..(r + 1) * self.row_bytes])
-                .expect("a block region holds whole rows of head_dim codes");
+        // Each token group's rows with its set of channel parameters.
+        let per_set = self.block_size / self.sets;
+        for (j, set) in params.chunks_exact(d).enumerate() {
+            let channels = ChannelParams::new(set);
+            for (r, x) in rows.chunks_exact(d).enumerate().skip(j * per_set).take(per_set) {
+                self.codec.encode_channels(x, &channels, scratch);
+                kernels
+                    .pack(
+                        scratch,
+                        self.spec.bits(),
+                        &mut region[r * self.row_bytes..(r + 1) * self.row_bytes],
+                    )
+                    .expect("a block region holds whole rows of head_dim codes");
+            }
         }
     }
 
@@ -384,8 +431,9 @@ impl PartLayout {
                 }
             }
             Mode::Channel => {
+                let set = row / (self.block_size / self.sets) * self.head_dim;
                 let params: Vec<GroupParams> =
-                    (0..self.head_dim).map(|g| self.read_param(region, g)).collect();
+                    (set..set + self.head_dim).map(|g| self.read_param(region, g)).collect();
                 self.codec.decode_per_element(scratch, &params, out);
             }
             Mode::Static { seg: 1 } => self.codec.decode_per_element(scratch, statics, out),

@@ -190,7 +190,7 @@ impl<'a> BlockView<'a> {
         let l = self.layout;
         let n = match l.mode() {
             crate::part::Mode::Row { seg } => self.tokens * (l.head_dim() / seg),
-            crate::part::Mode::Channel => l.head_dim(),
+            crate::part::Mode::Channel => l.groups,
             crate::part::Mode::Static { .. } => 0,
         };
         let area = &self.region[l.code_bytes()..];

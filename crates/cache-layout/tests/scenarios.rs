@@ -91,10 +91,24 @@ fn bad_configs_and_inputs() {
     let good =
         base.clone().with_specs(spec("int4-channel-prerope"), spec("int4-token")).with_rope(rope.clone());
     assert!(PagedCache::new(good).is_ok());
+    // Key groups that divide the block: a set of channel parameters per group.
+    let sets = base.clone().with_specs(spec("int4-channel16-p8"), spec("int4-channel32")).with_block_size(64);
+    assert!(PagedCache::new(sets).is_ok());
     for cfg in [
         base.clone().with_specs(spec("int4-head"), spec("int4-token")),
         base.clone().with_specs(spec("lloyd4-token"), spec("int4-token")),
         base.clone().with_specs(spec("int4-channel8"), spec("int4-token")).with_block_size(4),
+        // Key groups that do not divide the block; groups inside a block with -qa or -prerope.
+        base.clone().with_specs(spec("int4-channel24"), spec("int4-token")).with_block_size(64),
+        base.clone().with_specs(spec("int4-channel2"), spec("int4-token")).with_block_size(64),
+        base.clone()
+            .with_specs(spec("int2-channel16-qa"), spec("int4-token"))
+            .with_channel_bits(vec![kvq_quant_core::ChannelBits::uniform(8, 2).unwrap(); 2])
+            .with_block_size(64),
+        base.clone()
+            .with_specs(spec("int4-channel16-prerope"), spec("int4-token"))
+            .with_rope(rope.clone())
+            .with_block_size(64),
         base.clone().with_specs(spec("int4-g3"), spec("int4-token")),
         base.clone().with_specs(spec("int4-token-rot"), spec("int4-token")),
         base.clone().with_specs(spec("int4-channel-prerope"), spec("int4-token")),
@@ -232,9 +246,12 @@ fn streaming_real_data_matches_offline_quantization() {
     let s = k.shape();
     let tokens = s.tokens;
     let mut errors = Vec::new();
-    for bs in [16usize, 64] {
+    // Key groups of the whole block, and of 16 tokens inside blocks of 64 (a set of channel
+    // parameters per group: the same codes and parameters as blocks of 16).
+    for (bs, group) in [(16usize, 16usize), (64, 64), (64, 16)] {
         let config = CacheConfig::new(1, s.heads, s.head_dim, s.heads * tokens.div_ceil(bs))
             .with_block_size(bs)
+            .with_specs(format!("int4-channel{group}").parse().unwrap(), "int4-token".parse().unwrap())
             .with_tail_dtype(TailDtype::F32);
         let (c, a) = streamed(config, &k, &v);
         let d = s.head_dim;
@@ -243,13 +260,24 @@ fn streaming_real_data_matches_offline_quantization() {
             Tensor::new(Shape::new(s.heads, tokens, d), data).unwrap()
         };
         let (k_hat, v_hat) = (collect(Part::K), collect(Part::V));
+        // Saved and loaded, and the sequence offloaded and brought back: the same blocks.
+        let loaded = PagedCache::from_bytes(&c.to_bytes().unwrap()).unwrap();
+        assert!(loaded == c, "block size {bs}, groups of {group}: a saved cache loads as it was");
+        let mut other = PagedCache::new(c.config().clone()).unwrap();
+        let back = other.import_sequence(&c.export_sequence(a).unwrap()).unwrap();
+        for h in 0..s.heads {
+            assert_eq!(
+                other.dequantize(back, 0, h, Part::K).unwrap(),
+                c.dequantize(a, 0, h, Part::K).unwrap()
+            );
+        }
         let streamed =
             compare_attention(&reference, &attention(&q, &k_hat, &v_hat, &positions).unwrap()).unwrap();
 
         // Offline: the same grouping (blocks of bs tokens) over the tokens the cache quantized,
         // with the residual tail exact.
         let done = tokens / bs * bs;
-        let k_off = quantize(&k.prefix(done).unwrap(), &format!("int4-channel{bs}").parse().unwrap())
+        let k_off = quantize(&k.prefix(done).unwrap(), &format!("int4-channel{group}").parse().unwrap())
             .unwrap()
             .dequantize();
         let mut k_data = Vec::new();
@@ -261,13 +289,20 @@ fn streaming_real_data_matches_offline_quantization() {
         let v_off = quantize(&v, &"int4-token".parse().unwrap()).unwrap().dequantize();
         let offline =
             compare_attention(&reference, &attention(&q, &k_off, &v_off, &positions).unwrap()).unwrap();
-        assert_eq!(k_hat.data(), k_off.data(), "block size {bs}: streamed keys equal offline keys");
+        assert_eq!(
+            k_hat.data(),
+            k_off.data(),
+            "block size {bs}, groups of {group}: streamed keys equal offline keys"
+        );
         assert_eq!(v_hat.data(), v_off.data(), "block size {bs}: streamed values equal offline values");
         assert!((streamed.output_rel_l2 - offline.output_rel_l2).abs() < 1e-12);
         errors.push(streamed.output_rel_l2);
     }
-    eprintln!("attention-output relative error, blocks of 16 and 64 tokens: {errors:?}");
+    eprintln!(
+        "attention-output relative error, key groups of 16, 64 and 16 tokens (blocks of 16, 64, 64): {errors:?}"
+    );
     assert!(errors[0] < errors[1], "smaller blocks should fit key ranges better: {errors:?}");
+    assert!(errors[2] < errors[1], "smaller key groups inside a block should too: {errors:?}");
 }
 
 /// Rotated values (`-rot`) stream as the offline quantizer stores them: the cache's values,

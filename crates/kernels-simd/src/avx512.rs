@@ -711,6 +711,8 @@ const QUAD_GROUPS: usize = MAX_GROUPS + 4;
 #[derive(Default)]
 pub(crate) struct FusedScratch {
     q8: Vec<u8>,
+    /// The query rows times the channel scales, between the two passes of their rounding.
+    qp: Vec<f32>,
     dots: Vec<i32>,
     wb: Vec<u8>,
     p: Vec<f32>,
@@ -735,19 +737,21 @@ pub(crate) struct FusedScratch {
 /// changing nothing, when [`attend_int_supported`] is false or a value scale is negative or
 /// NaN (byte weights need `p · scale ≥ 0`).
 pub(crate) fn attend_int_in(
-    k: &QuantBlock<'_>,
+    parts: &[QuantBlock<'_>],
     v: &QuantBlock<'_>,
     q: &[f32],
     n_q: usize,
     state: crate::Online<'_>,
     w: &mut FusedScratch,
 ) -> bool {
-    if !attend_int_supported(k, v, n_q) {
+    if !crate::parts_supported(parts, v, |k, v| attend_int_supported(k, v, n_q)) {
         return false;
     }
+    let k = &parts[0];
     let (d, g) = (k.dim, int8::GROUP);
     if w.acc.len() < g * FUSED_DIM {
         w.q8.resize(g * FUSED_DIM, 0);
+        w.qp.resize(g * FUSED_DIM, 0.0);
         w.dots.resize(g * FUSED_ROWS, 0);
         w.wb.resize(g * (FUSED_ROWS + 16), 0);
         w.p.resize(g * (FUSED_ROWS + 16).max(FUSED_DIM), 0.0);
@@ -771,18 +775,18 @@ pub(crate) fn attend_int_in(
             macro_rules! by_shape {
                 ($gk:literal, $gv:literal) => {
                     match (nq, d) {
-                        (1, 64) => attend4::<1, 64, $gk, $gv>(k, v, q, m, l, o, w),
-                        (2, 64) => attend4::<2, 64, $gk, $gv>(k, v, q, m, l, o, w),
-                        (3, 64) => attend4::<3, 64, $gk, $gv>(k, v, q, m, l, o, w),
-                        (_, 64) => attend4::<4, 64, $gk, $gv>(k, v, q, m, l, o, w),
-                        (1, 128) => attend4::<1, 128, $gk, $gv>(k, v, q, m, l, o, w),
-                        (2, 128) => attend4::<2, 128, $gk, $gv>(k, v, q, m, l, o, w),
-                        (3, 128) => attend4::<3, 128, $gk, $gv>(k, v, q, m, l, o, w),
-                        (_, 128) => attend4::<4, 128, $gk, $gv>(k, v, q, m, l, o, w),
-                        (1, _) => attend4::<1, 256, $gk, $gv>(k, v, q, m, l, o, w),
-                        (2, _) => attend4::<2, 256, $gk, $gv>(k, v, q, m, l, o, w),
-                        (3, _) => attend4::<3, 256, $gk, $gv>(k, v, q, m, l, o, w),
-                        (_, _) => attend4::<4, 256, $gk, $gv>(k, v, q, m, l, o, w),
+                        (1, 64) => attend4::<1, 64, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (2, 64) => attend4::<2, 64, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (3, 64) => attend4::<3, 64, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (_, 64) => attend4::<4, 64, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (1, 128) => attend4::<1, 128, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (2, 128) => attend4::<2, 128, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (3, 128) => attend4::<3, 128, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (_, 128) => attend4::<4, 128, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (1, _) => attend4::<1, 256, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (2, _) => attend4::<2, 256, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (3, _) => attend4::<3, 256, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (_, _) => attend4::<4, 256, $gk, $gv>(parts, v, q, m, l, o, w),
                     }
                 };
             }
@@ -812,7 +816,7 @@ fn lanes(len: usize) -> __mmask16 {
 /// `GK` exactly when `k` is per group, `GV` exactly when `v` is.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
 unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: bool>(
-    k: &QuantBlock<'_>,
+    parts: &[QuantBlock<'_>],
     v: &QuantBlock<'_>,
     q: &[f32],
     m: &mut [f32],
@@ -820,97 +824,183 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     o: &mut [f32],
     w: &mut FusedScratch,
 ) {
-    let FusedScratch { q8, dots, wb, p, acc, vt, wg, wq, wx } = w;
+    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx } = w;
     use int8::MAGIC;
-    let (d, n) = (D, k.rows);
-    debug_assert_eq!(k.dim, D);
+    let (d, n) = (D, v.rows);
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
 
-    // 1. Each query row times the channel scales (keys per group: the query row as it is),
-    //    rounded to int8 with the scale max / 127, stored in the order `vacc` reads a 4-bit
-    //    row (`int8::arrange4` with 64-byte chunks: 16-value piece w of each 128 goes to slot
-    //    4 · (w % 2) + w / 2); what the keys' offsets add, `Σ q · offset` (per group: the
-    //    query's sums over each 32 channels, `lane_sums`).
-    let mut kadd = [0f32; int8::GROUP];
-    let mut lane_sums = [[0f32; FUSED_DIM / 32]; int8::GROUP];
-    let (mut qmax, mut qnan) = ([0f32; int8::GROUP], [false; int8::GROUP]);
-    let mut ksv = [_mm512_set1_ps(1.0); FUSED_DIM / 16];
-    let ko = match k.params {
-        Params::PerChannel { scale: ks, offset } => {
-            for (j, x) in ksv.iter_mut().enumerate().take(D / 16) {
-                // SAFETY: 16 · j + 16 <= d, inside the scales.
-                *x = unsafe { _mm512_loadu_ps(ks.as_ptr().add(16 * j)) };
+    // 1-2. The query rows rounded to int8 against each part of the keys, and the integer
+    //      dots of its rows (keys per group or row: their scores, into `p`). Keys in several
+    //      parts: each part's scores into `p`, side by side.
+    let pr = FUSED_ROWS + 16;
+    let (mut sq, mut kadd) = ([0f32; int8::GROUP], [0f32; int8::GROUP]);
+    let scored = GK || parts.len() > 1;
+    // Step 1 for the keys `k`: each query row times the channel scales (keys per row or
+    // group, `GK`: the query row as it is), rounded to int8 into `q8`, and the rows' scales
+    // and (keys per channel) what the offsets add; with keys per row or group each row's sums
+    // over every 32 channels. `qp` holds the products between the two passes. A closure, so
+    // that it compiles inside this function with its target features.
+    let round_query = |k: &QuantBlock<'_>, q8: &mut [u8], qp: &mut [f32]| {
+        use int8::MAGIC;
+        let d = D;
+        assert!(q.len() >= NQ * D && q8.len() >= NQ * D && qp.len() >= NQ * D && k.dim == D, "shapes");
+        let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+        // 1. Each query row times the channel scales (keys per group: the query row as it is),
+        //    rounded to int8 with the scale max / 127, stored in the order `vacc` reads a 4-bit
+        //    row (`int8::arrange4` with 64-byte chunks: 16-value piece w of each 128 goes to slot
+        //    4 · (w % 2) + w / 2); what the keys' offsets add, `Σ q · offset` (per group: the
+        //    query's sums over each 32 channels, `lane_sums`).
+        let mut kadd = [0f32; int8::GROUP];
+        let mut lane_sums = [[0f32; FUSED_DIM / 32]; int8::GROUP];
+        let (mut qmax, mut qnan) = ([0f32; int8::GROUP], [false; int8::GROUP]);
+        let mut ksv = [_mm512_set1_ps(1.0); FUSED_DIM / 16];
+        let ko = match k.params {
+            Params::PerChannel { scale: ks, offset } => {
+                for (j, x) in ksv.iter_mut().enumerate().take(D / 16) {
+                    // SAFETY: 16 · j + 16 <= d, inside the scales.
+                    *x = unsafe { _mm512_loadu_ps(ks.as_ptr().add(16 * j)) };
+                }
+                offset
             }
-            offset
-        }
-        Params::PerGroup { offset, .. } | Params::PerRow { offset, .. } => {
-            if offset.is_some() {
-                for (i, sums) in lane_sums.iter_mut().enumerate().take(NQ) {
-                    for (t, x) in sums.iter_mut().enumerate().take(D / 32) {
-                        // SAFETY: 32 · t + 32 <= d, inside query row i.
-                        *x = unsafe {
-                            let at = q.as_ptr().add(i * d + 32 * t);
-                            _mm512_reduce_add_ps(_mm512_add_ps(
-                                _mm512_loadu_ps(at),
-                                _mm512_loadu_ps(at.add(16)),
-                            ))
-                        };
+            Params::PerGroup { offset, .. } | Params::PerRow { offset, .. } => {
+                if offset.is_some() {
+                    for (i, sums) in lane_sums.iter_mut().enumerate().take(NQ) {
+                        for (t, x) in sums.iter_mut().enumerate().take(D / 32) {
+                            // SAFETY: 32 · t + 32 <= d, inside query row i.
+                            *x = unsafe {
+                                let at = q.as_ptr().add(i * d + 32 * t);
+                                _mm512_reduce_add_ps(_mm512_add_ps(
+                                    _mm512_loadu_ps(at),
+                                    _mm512_loadu_ps(at.add(16)),
+                                ))
+                            };
+                        }
+                    }
+                }
+                None
+            }
+        };
+        for i in 0..NQ {
+            let qi = &q[i * d..(i + 1) * d];
+            let (mut mx, mut any, mut dot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+            for (j, &s) in ksv.iter().enumerate().take(D / 16) {
+                // SAFETY: 16 · j + 16 <= d, inside the query row and the offsets; `p` holds
+                // GROUP · FUSED_DIM values.
+                unsafe {
+                    let x = _mm512_loadu_ps(qi.as_ptr().add(16 * j));
+                    // Keys per row or group: the query as it is (`ksv` stays 1).
+                    let y = if GK { x } else { _mm512_mul_ps(x, s) };
+                    _mm512_storeu_ps(qp.as_mut_ptr().add(i * d + 16 * j), y);
+                    // A NaN is skipped by the maximum (the second operand is returned) and makes
+                    // the sum `any` NaN.
+                    mx = _mm512_max_ps(_mm512_abs_ps(y), mx);
+                    any = _mm512_add_ps(any, y);
+                    if let Some(ko) = ko {
+                        dot = _mm512_fmadd_ps(x, _mm512_loadu_ps(ko.as_ptr().add(16 * j)), dot);
                     }
                 }
             }
-            None
+            kadd[i] = _mm512_reduce_add_ps(dot);
+            qmax[i] = _mm512_reduce_max_ps(mx);
+            qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
         }
-    };
-    for i in 0..NQ {
-        let qi = &q[i * d..(i + 1) * d];
-        let (mut mx, mut any, mut dot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
-        for (j, &s) in ksv.iter().enumerate().take(D / 16) {
-            // SAFETY: 16 · j + 16 <= d, inside the query row and the offsets; `p` holds
-            // GROUP · FUSED_DIM values.
-            unsafe {
-                let x = _mm512_loadu_ps(qi.as_ptr().add(16 * j));
-                // Keys per row or group: the query as it is (`ksv` stays 1).
-                let y = if GK { x } else { _mm512_mul_ps(x, s) };
-                _mm512_storeu_ps(p.as_mut_ptr().add(i * d + 16 * j), y);
-                // A NaN is skipped by the maximum (the second operand is returned) and makes
-                // the sum `any` NaN.
-                mx = _mm512_max_ps(_mm512_abs_ps(y), mx);
-                any = _mm512_add_ps(any, y);
-                if let Some(ko) = ko {
-                    dot = _mm512_fmadd_ps(x, _mm512_loadu_ps(ko.as_ptr().add(16 * j)), dot);
+        let (sq, qinv) = int8::scales_of4(qmax, qnan, 127.0);
+        for (i, &inv) in qinv.iter().enumerate().take(NQ) {
+            let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+            for j in 0..D / 16 {
+                // Rows of 64 values are read as 32-byte chunks (`int8::arrange4` with 32: the low
+                // nibbles' values 0..16 and 32..48, then the high nibbles' 16..32 and 48..64).
+                let slot = if D == 64 {
+                    16 * (2 * (j % 2) + j / 2)
+                } else {
+                    128 * (j / 8) + 16 * (4 * (j % 2) + (j % 8) / 2)
+                };
+                // SAFETY: the products of row i lie in `p` (stored above); the slot lies inside
+                // row i of `q8` (d <= FUSED_DIM).
+                unsafe {
+                    let y = _mm512_loadu_ps(qp.as_ptr().add(i * d + 16 * j));
+                    let y = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(y, invv), hi), lo);
+                    let r = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
+                    _mm_storeu_si128(q8.as_mut_ptr().add(i * d + slot).cast(), _mm512_cvtepi32_epi8(r));
                 }
             }
         }
-        kadd[i] = _mm512_reduce_add_ps(dot);
-        qmax[i] = _mm512_reduce_max_ps(mx);
-        qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
-    }
-    let (sq, qinv) = int8::scales_of4(qmax, qnan, 127.0);
-    for (i, &inv) in qinv.iter().enumerate().take(NQ) {
-        let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
-        for j in 0..D / 16 {
-            // Rows of 64 values are read as 32-byte chunks (`int8::arrange4` with 32: the low
-            // nibbles' values 0..16 and 32..48, then the high nibbles' 16..32 and 48..64).
-            let slot = if D == 64 {
-                16 * (2 * (j % 2) + j / 2)
-            } else {
-                128 * (j / 8) + 16 * (4 * (j % 2) + (j % 8) / 2)
-            };
-            // SAFETY: the products of row i lie in `p` (stored above); the slot lies inside
-            // row i of `q8` (d <= FUSED_DIM).
-            unsafe {
-                let y = _mm512_loadu_ps(p.as_ptr().add(i * d + 16 * j));
-                let y = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(y, invv), hi), lo);
-                let r = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
-                _mm_storeu_si128(q8.as_mut_ptr().add(i * d + slot).cast(), _mm512_cvtepi32_epi8(r));
-            }
-        }
-    }
 
-    // 2. The integer dots of every row of the block with the rounded query rows: four rows'
-    //    bytes held in registers, one row of codes at a time. Keys per group: their scores.
-    let pr = FUSED_ROWS + 16;
+        (sq, kadd, lane_sums)
+    };
+    // Step 2 for keys per channel: the integer dots of every row of `k` with the rounded
+    // query rows (`q8`, as `round_query` leaves them) into `dots` (`NQ` rows of `k.rows`):
+    // four rows' bytes held in registers, one row of codes at a time.
+    let channel_dots = |k: &QuantBlock<'_>, q8: &[u8], dots: &mut [i32]| {
+        let (d, n) = (D, k.rows);
+        assert!(k.dim == D && k.bits == 4 && q8.len() >= NQ * D && dots.len() >= NQ * n, "shapes");
+        if D == 64 {
+            // SAFETY: the block is 4-bit with rows of 32 bytes; `q8` holds NQ rows of 64 bytes,
+            // `dots` NQ · n values; the CPU features are this function's.
+            unsafe { dots64::<NQ>(k, &q8[..NQ * 64], &mut dots[..NQ * n]) };
+        } else if NQ == 4 {
+            let mask = _mm512_set1_epi8(0x0f);
+            let per = 2 * D / 128;
+            let mut qr = [_mm512_setzero_si512(); 2 * int8::GROUP * FUSED_DIM / 128];
+            for (t, x) in qr.iter_mut().enumerate().take(NQ * per) {
+                // SAFETY: 64 · t + 64 <= NQ · d, inside `q8`.
+                *x = unsafe { _mm512_loadu_si512(q8.as_ptr().add(64 * t).cast()) };
+            }
+            // Four rows at a time: sixteen independent (row, query) sums, reduced per query into
+            // the dots of four consecutive rows (one 128-bit store each).
+            let mut r = 0;
+            while r + 4 <= n {
+                let mut sums = [[_mm512_setzero_si512(); 4]; 4];
+                for c in 0..D / 128 {
+                    for j in 0..4 {
+                        // SAFETY: chunk c (64 bytes) lies within row r + j (row_bytes = d / 2).
+                        let v = unsafe { _mm512_loadu_si512(k.row(r + j).as_ptr().add(64 * c).cast()) };
+                        let (lo, hi) =
+                            (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+                        for (i, a) in sums.iter_mut().enumerate() {
+                            a[j] = _mm512_dpbusd_epi32(a[j], lo, qr[i * per + 2 * c]);
+                            a[j] = _mm512_dpbusd_epi32(a[j], hi, qr[i * per + 2 * c + 1]);
+                        }
+                    }
+                }
+                for (i, a) in sums.iter().enumerate() {
+                    // SAFETY: AVX-512 is enabled by this function's target features.
+                    let t = unsafe { hsum4_zmm(a) };
+                    dots[i * n + r..i * n + r + 4].copy_from_slice(&t);
+                }
+                r += 4;
+            }
+            while r < n {
+                let row = k.row(r);
+                let mut sums = [_mm512_setzero_si512(); 4];
+                for c in 0..D / 128 {
+                    // SAFETY: chunk c (64 bytes) lies within the row (row_bytes = d / 2).
+                    let v = unsafe { _mm512_loadu_si512(row.as_ptr().add(64 * c).cast()) };
+                    let (lo, hi) =
+                        (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+                    for (i, a) in sums.iter_mut().enumerate() {
+                        *a = _mm512_dpbusd_epi32(*a, lo, qr[i * per + 2 * c]);
+                        *a = _mm512_dpbusd_epi32(*a, hi, qr[i * per + 2 * c + 1]);
+                    }
+                }
+                // SAFETY: AVX-512 is enabled by this function's target features.
+                let t = unsafe { hsum4_zmm(&sums) };
+                for (i, &x) in t.iter().enumerate() {
+                    dots[i * n + r] = x;
+                }
+                r += 1;
+            }
+        } else {
+            // SAFETY: the block is 4-bit with d a multiple of 128 (checked by the caller); `q8`
+            // holds NQ rows of d bytes, `dots` NQ · n values.
+            unsafe { vdots::<4, NQ>(k, 0..n, &q8[..NQ * d], &mut dots[..NQ * n]) };
+        }
+    };
     if GK {
+        let k = &parts[0];
+        // SAFETY: forwarded from this function's contract (keys per row or group); the
+        // buffers are grown to the largest block.
+        let (sq, _, lane_sums) = round_query(k, q8, qp);
         // SAFETY: `k` is 4-bit per row or per group (groups of a power of two multiple of 32)
         // with rows of D / 2 bytes; `q8` holds NQ arranged rows of D bytes; row i of `p` (at
         // i · pr) has room for n rounded up to 8; the CPU features are this function's.
@@ -921,65 +1011,34 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
                 grouped_key_scores::<NQ, D>(k, &q8[..NQ * D], &sq, &lane_sums, p)
             }
         };
-    } else if D == 64 {
-        // SAFETY: the block is 4-bit with rows of 32 bytes; `q8` holds NQ rows of 64 bytes,
-        // `dots` NQ · n values; the CPU features are this function's.
-        unsafe { dots64::<NQ>(k, &q8[..NQ * 64], &mut dots[..NQ * n]) };
-    } else if NQ == 4 {
-        let mask = _mm512_set1_epi8(0x0f);
-        let per = 2 * D / 128;
-        let mut qr = [_mm512_setzero_si512(); 2 * int8::GROUP * FUSED_DIM / 128];
-        for (t, x) in qr.iter_mut().enumerate().take(NQ * per) {
-            // SAFETY: 64 · t + 64 <= NQ · d, inside `q8`.
-            *x = unsafe { _mm512_loadu_si512(q8.as_ptr().add(64 * t).cast()) };
-        }
-        // Four rows at a time: sixteen independent (row, query) sums, reduced per query into
-        // the dots of four consecutive rows (one 128-bit store each).
-        let mut r = 0;
-        while r + 4 <= n {
-            let mut sums = [[_mm512_setzero_si512(); 4]; 4];
-            for c in 0..D / 128 {
-                for j in 0..4 {
-                    // SAFETY: chunk c (64 bytes) lies within row r + j (row_bytes = d / 2).
-                    let v = unsafe { _mm512_loadu_si512(k.row(r + j).as_ptr().add(64 * c).cast()) };
-                    let (lo, hi) =
-                        (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
-                    for (i, a) in sums.iter_mut().enumerate() {
-                        a[j] = _mm512_dpbusd_epi32(a[j], lo, qr[i * per + 2 * c]);
-                        a[j] = _mm512_dpbusd_epi32(a[j], hi, qr[i * per + 2 * c + 1]);
+    } else {
+        let mut at = 0;
+        for k in parts {
+            let nk = k.rows;
+            // SAFETY: forwarded from this function's contract (each part per channel, D values
+            // a row, 1 to FUSED_ROWS rows in all); the buffers are grown to the largest block.
+            let (s, add, _) = round_query(k, q8, qp);
+            // SAFETY: as above; `dots` holds GROUP · FUSED_ROWS values.
+            channel_dots(k, &q8[..NQ * D], &mut dots[..NQ * nk]);
+            if parts.len() == 1 {
+                (sq, kadd) = (s, add);
+            } else {
+                for i in 0..NQ {
+                    let (sqv, addv) = (_mm512_set1_ps(s[i]), _mm512_set1_ps(add[i]));
+                    for r in (0..nk.div_ceil(16)).map(|j| 16 * j) {
+                        // SAFETY: the masked lanes lie inside row i of the part's dots and, at
+                        // `at + r`, inside row i of `p` (at + nk <= n <= FUSED_ROWS).
+                        unsafe {
+                            let mask = lanes(nk - r);
+                            let dv = _mm512_maskz_loadu_epi32(mask, dots.as_ptr().add(i * nk + r));
+                            let x = _mm512_add_ps(_mm512_mul_ps(sqv, _mm512_cvtepi32_ps(dv)), addv);
+                            _mm512_mask_storeu_ps(p.as_mut_ptr().add(i * pr + at + r), mask, x);
+                        }
                     }
                 }
             }
-            for (i, a) in sums.iter().enumerate() {
-                // SAFETY: AVX-512 is enabled by this function's target features.
-                let t = unsafe { hsum4_zmm(a) };
-                dots[i * n + r..i * n + r + 4].copy_from_slice(&t);
-            }
-            r += 4;
+            at += nk;
         }
-        while r < n {
-            let row = k.row(r);
-            let mut sums = [_mm512_setzero_si512(); 4];
-            for c in 0..D / 128 {
-                // SAFETY: chunk c (64 bytes) lies within the row (row_bytes = d / 2).
-                let v = unsafe { _mm512_loadu_si512(row.as_ptr().add(64 * c).cast()) };
-                let (lo, hi) = (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
-                for (i, a) in sums.iter_mut().enumerate() {
-                    *a = _mm512_dpbusd_epi32(*a, lo, qr[i * per + 2 * c]);
-                    *a = _mm512_dpbusd_epi32(*a, hi, qr[i * per + 2 * c + 1]);
-                }
-            }
-            // SAFETY: AVX-512 is enabled by this function's target features.
-            let t = unsafe { hsum4_zmm(&sums) };
-            for (i, &x) in t.iter().enumerate() {
-                dots[i * n + r] = x;
-            }
-            r += 1;
-        }
-    } else {
-        // SAFETY: the block is 4-bit with d a multiple of 128 (checked by the caller); `q8`
-        // holds NQ rows of d bytes, `dots` NQ · n values.
-        unsafe { vdots::<4, NQ>(k, 0..n, &q8[..NQ * d], &mut dots[..NQ * n]) };
     }
 
     // 3. The scores of every query row and their maxima with the running ones; the rescaling
@@ -998,7 +1057,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
             // SAFETY: the masked lanes lie inside `di`; row i of `p` has 16 values of room
             // past n.
             unsafe {
-                let s = if GK {
+                let s = if scored {
                     _mm512_loadu_ps(p.as_ptr().add(i * pr + r))
                 } else {
                     let dv = _mm512_maskz_loadu_epi32(mask, di.as_ptr().add(r));

@@ -70,20 +70,21 @@ pub(crate) struct FusedScratch {
 /// module. Returns `false`, changing nothing, when [`attend_int_supported`] is false or a value
 /// scale is negative or NaN (byte weights need `p · scale ≥ 0`).
 pub(crate) fn attend_int_in(
-    k: &QuantBlock<'_>,
+    parts: &[QuantBlock<'_>],
     v: &QuantBlock<'_>,
     q: &[f32],
     n_q: usize,
     state: Online<'_>,
     w: &mut FusedScratch,
 ) -> bool {
-    if !attend_int_supported(k, v, n_q) {
+    if !crate::parts_supported(parts, v, |k, v| attend_int_supported(k, v, n_q)) {
         return false;
     }
     crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
-        // SAFETY: `attend_int_supported` checked the CPU (AVX2, FMA, F16C), the widths, the
-        // layouts and the sizes; `fused_groups` checked the value scales and the shapes.
-        unsafe { by_group!(attend, nq, (k, v, q, m, l, o, w)) }
+        // SAFETY: `parts_supported` checked the CPU (AVX2, FMA, F16C), the widths, the
+        // layouts and the sizes of every part; `fused_groups` checked the value scales and
+        // the shapes.
+        unsafe { by_group!(attend, nq, (parts, v, q, m, l, o, w)) }
     })
 }
 
@@ -143,14 +144,15 @@ fn offset_dots<const NQ: usize>(q: &[f32], offset: &[f32]) -> [f32; int8::GROUP]
     out
 }
 
-/// The fused kernel for `NQ` query rows.
+/// The fused kernel for `NQ` query rows, the keys in one part or several (per channel).
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; [`attend_int_supported`]`(k, v, NQ)`; every value
-/// scale of `v` is `>= 0`; `q` and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
+/// The CPU must support AVX2, FMA and F16C; [`crate::parts_supported`] with
+/// [`attend_int_supported`]`(k, v, NQ)` for `parts` and `v`; every value scale of `v` is
+/// `>= 0`; `q` and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend<const NQ: usize>(
-    k: &QuantBlock<'_>,
+    parts: &[QuantBlock<'_>],
     v: &QuantBlock<'_>,
     q: &[f32],
     m: &mut [f32],
@@ -158,28 +160,47 @@ unsafe fn attend<const NQ: usize>(
     o: &mut [f32],
     w: &mut FusedScratch,
 ) {
-    let (d, n) = (k.dim, k.rows);
+    let (d, n) = (v.dim, v.rows);
     let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw, int8: scratch, scores } = w;
     let (mut sq, mut kadd) = ([0f32; int8::GROUP], [0f32; int8::GROUP]);
-    let per_channel = matches!(k.params, Params::PerChannel { .. });
-    if let Params::PerChannel { scale: ks, offset: ko } = k.params {
-        // 1. The query rows times the channel scales, rounded to int8 and arranged as the
-        //    scores kernel rounds and arranges them; what the keys' offsets add, `Σ q · offset`.
-        // Written in full by the two calls (d is a multiple of 64), so only grown, never cleared.
-        let (q8, arranged) = (grown(q8, NQ * d), grown(arranged, NQ * d));
-        // SAFETY: AVX2 (this function's contract); q holds NQ rows of d (a multiple of 8) values.
-        unsafe { avx2::round_queries_by::<NQ>(q, ks, q8, &mut sq) };
-        // SAFETY: AVX2 (this function's contract).
-        unsafe { avx2::arrange4_32(q8, arranged) };
-        if let Some(ko) = ko {
-            kadd = offset_dots::<NQ>(q, ko);
-        }
+    let k = &parts[0];
+    // Keys per channel in one part: the dots, scaled in step 3; otherwise the scores.
+    let per_channel = matches!(k.params, Params::PerChannel { .. }) && parts.len() == 1;
+    if matches!(k.params, Params::PerChannel { .. }) {
+        let scores = grown(scores, NQ * n);
+        let mut at = 0;
+        for k in parts {
+            let Params::PerChannel { scale: ks, offset: ko } = k.params else { unreachable!("checked") };
+            let nk = k.rows;
+            // 1. The query rows times the channel scales, rounded to int8 and arranged as the
+            //    scores kernel rounds and arranges them; what the keys' offsets add, `Σ q · offset`.
+            // Written in full by the two calls (d is a multiple of 64), so only grown, never cleared.
+            let (q8, arranged) = (grown(q8, NQ * d), grown(arranged, NQ * d));
+            // SAFETY: AVX2 (this function's contract); q holds NQ rows of d (a multiple of 8) values.
+            unsafe { avx2::round_queries_by::<NQ>(q, ks, q8, &mut sq) };
+            // SAFETY: AVX2 (this function's contract).
+            unsafe { avx2::arrange4_32(q8, arranged) };
+            kadd = match ko {
+                Some(ko) => offset_dots::<NQ>(q, ko),
+                None => [0.0; int8::GROUP],
+            };
 
-        // 2. The integer dots of every row with the rounded query rows.
-        let dots = grown(dots, NQ * n);
-        // SAFETY: `int8_supported(k)` (checked by the caller): 4-bit rows of d codes, d a
-        // multiple of 64; `arranged` holds NQ rows of d bytes, `dots` NQ · n values.
-        unsafe { avx2::int_dots_4bit::<NQ>(k, arranged, dots) };
+            // 2. The integer dots of every row of the part with the rounded query rows.
+            let dots = grown(dots, NQ * nk);
+            // SAFETY: `int8_supported(k)` (checked by the caller): 4-bit rows of d codes, d a
+            // multiple of 64; `arranged` holds NQ rows of d bytes, `dots` NQ · nk values.
+            unsafe { avx2::int_dots_4bit::<NQ>(k, arranged, dots) };
+            if parts.len() > 1 {
+                // Several parts: each part's scores (the scores kernel's epilogue) in place.
+                for i in 0..NQ {
+                    let row = &mut scores[i * n + at..i * n + at + nk];
+                    for (x, &dot) in row.iter_mut().zip(&dots[i * nk..(i + 1) * nk]) {
+                        *x = sq[i] * dot as f32 + kadd[i];
+                    }
+                }
+            }
+            at += nk;
+        }
     } else {
         // 1-2. Keys per row or per group: the integer scores kernel's scores themselves (its
         //      per-group dots and epilogue), so the same bits as it gives.

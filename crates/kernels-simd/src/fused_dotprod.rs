@@ -48,31 +48,32 @@ pub(crate) struct FusedScratch {
 /// module. Returns `false`, changing nothing, when [`attend_int_supported`] is false or a value
 /// scale is negative or NaN (byte weights need `p · scale ≥ 0`).
 pub(crate) fn attend_int_in(
-    k: &QuantBlock<'_>,
+    parts: &[QuantBlock<'_>],
     v: &QuantBlock<'_>,
     q: &[f32],
     n_q: usize,
     state: Online<'_>,
     w: &mut FusedScratch,
 ) -> bool {
-    if !attend_int_supported(k, v, n_q) {
+    if !crate::parts_supported(parts, v, |k, v| attend_int_supported(k, v, n_q)) {
         return false;
     }
     crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
-        // SAFETY: `attend_int_supported` checked the CPU (dotprod), the widths, the layouts and
-        // the sizes; `fused_groups` checked the value scales and the shapes.
-        unsafe { by_group!(attend, nq, (k, v, q, m, l, o, w)) }
+        // SAFETY: `parts_supported` checked the CPU (dotprod), the widths, the layouts and the
+        // sizes of every part; `fused_groups` checked the value scales and the shapes.
+        unsafe { by_group!(attend, nq, (parts, v, q, m, l, o, w)) }
     })
 }
 
-/// The fused kernel for `NQ` query rows.
+/// The fused kernel for `NQ` query rows, the keys in one part or several.
 ///
 /// # Safety
-/// The CPU must support the dot-product extension; [`attend_int_supported`]`(k, v, NQ)`; every
-/// value scale of `v` is `>= 0`; `q` and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
+/// The CPU must support the dot-product extension; [`crate::parts_supported`] with
+/// [`attend_int_supported`]`(k, v, NQ)` for `parts` and `v`; every value scale of `v` is
+/// `>= 0`; `q` and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
 #[target_feature(enable = "neon,dotprod")]
 unsafe fn attend<const NQ: usize>(
-    k: &QuantBlock<'_>,
+    parts: &[QuantBlock<'_>],
     v: &QuantBlock<'_>,
     q: &[f32],
     m: &mut [f32],
@@ -80,25 +81,38 @@ unsafe fn attend<const NQ: usize>(
     o: &mut [f32],
     w: &mut FusedScratch,
 ) {
-    let (d, n) = (k.dim, k.rows);
+    let (d, n) = (v.dim, v.rows);
     let Params::PerRow { scale: vs, offset: vo } = v.params else { unreachable!("checked") };
     let FusedScratch { prep, dots, p, wb, acc } = w;
     assert!(q.len() == NQ * d && o.len() == NQ * d && m.len() == NQ && l.len() == NQ, "shapes");
 
-    // 1. The query rows times the channel scales, rounded to int8 as the scores kernel rounds
-    //    them, with what the keys' offsets add (`Σ q · offset`); 2. the integer dots.
-    prep.prepare::<Sdot>(k, q);
-    let dots = grown(dots, NQ * n);
-    // SAFETY: i8 and u8 have one size and alignment, and every byte is a valid u8.
-    let q8 = unsafe { std::slice::from_raw_parts(prep.q8.as_ptr().cast::<u8>(), prep.q8.len()) };
-    // SAFETY: dotprod (this function's contract); `int8_supported(k)`: 4-bit rows of d codes, d
-    // a multiple of 32; `q8` holds NQ rows of d values, `dots` NQ · n.
-    unsafe { crate::dotprod::dots_4bit::<NQ>(k, 0..n, q8, dots) };
+    // 1. Per part of the keys, the query rows times its channel scales, rounded to int8 as the
+    //    scores kernel rounds them, with what its offsets add (`Σ q · offset`); 2. the integer
+    //    dots; the scores (the scores kernel's epilogue) into `p`, the parts side by side.
+    let p = grown(p, NQ * n);
+    let mut at = 0;
+    for k in parts {
+        let nk = k.rows;
+        prep.prepare::<Sdot>(k, q);
+        let dots = grown(dots, NQ * nk);
+        // SAFETY: i8 and u8 have one size and alignment, and every byte is a valid u8.
+        let q8 = unsafe { std::slice::from_raw_parts(prep.q8.as_ptr().cast::<u8>(), prep.q8.len()) };
+        // SAFETY: dotprod (this function's contract); `int8_supported(k)`: 4-bit rows of d codes,
+        // d a multiple of 32; `q8` holds NQ rows of d values, `dots` NQ · nk.
+        unsafe { crate::dotprod::dots_4bit::<NQ>(k, 0..nk, q8, dots) };
+        for i in 0..NQ {
+            let (qs, kadd) = (prep.scale[i], prep.add[i]);
+            let row = &mut p[i * n + at..i * n + at + nk];
+            for (x, &dot) in row.iter_mut().zip(&dots[i * nk..(i + 1) * nk]) {
+                *x = qs * dot as f32 + kadd;
+            }
+        }
+        at += nk;
+    }
 
-    // 3. Per query row: the scores (the scores kernel's epilogue), their maximum with the
+    // 3. Per query row: the scores' maximum with the
     //    running one, the rescaling factor, the exponentials and their sum, then the weights
     //    `p · scale` rounded to bytes (scale max / 255) and what the offsets and the centre add.
-    let p = grown(p, NQ * n);
     let wb = grown(wb, NQ * n);
     let z = f32::from(crate::intv::center(4));
     let (mut factor, mut sw, mut vadd, mut wsum) =
@@ -106,10 +120,6 @@ unsafe fn attend<const NQ: usize>(
     let mut live = [false; GROUP];
     for i in 0..NQ {
         let (s, wbi) = (&mut p[i * n..(i + 1) * n], &mut wb[i * n..(i + 1) * n]);
-        let (qs, kadd) = (prep.scale[i], prep.add[i]);
-        for (x, &dot) in s.iter_mut().zip(&dots[i * n..(i + 1) * n]) {
-            *x = qs * dot as f32 + kadd;
-        }
         // NaN scores are skipped by the maximum.
         let top = s.iter().fold(m[i], |a, &x| if x > a { x } else { a });
         if top == f32::NEG_INFINITY {

@@ -670,18 +670,57 @@ pub(crate) fn fused_groups(
 /// Whether [`attend_int_with`] runs its fused kernel for blocks like `k` and `v` and `n_q`
 /// query rows on `backend` (it still declines a block whose value scales are negative).
 pub fn attend_int_fused(backend: Backend, k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
+    attend_int_fused_parts(backend, std::slice::from_ref(k), v, n_q)
+}
+
+/// [`attend_int_fused`] for keys in parts ([`attend_int_parts_with`]).
+pub fn attend_int_fused_parts(
+    backend: Backend,
+    parts: &[QuantBlock<'_>],
+    v: &QuantBlock<'_>,
+    n_q: usize,
+) -> bool {
     #[cfg(target_arch = "x86_64")]
     match backend {
-        Backend::Avx512 => return avx512::attend_int_supported(k, v, n_q),
-        Backend::Avx2 => return fused_avx2::attend_int_supported(k, v, n_q),
+        Backend::Avx512 => return parts_supported(parts, v, |k, v| avx512::attend_int_supported(k, v, n_q)),
+        Backend::Avx2 => {
+            return parts_supported(parts, v, |k, v| fused_avx2::attend_int_supported(k, v, n_q));
+        }
         _ => {}
     }
     #[cfg(target_arch = "aarch64")]
     if backend == Backend::Dotprod {
-        return fused_dotprod::attend_int_supported(k, v, n_q);
+        return parts_supported(parts, v, |k, v| fused_dotprod::attend_int_supported(k, v, n_q));
     }
-    let _ = (backend, k, v, n_q);
+    let _ = (backend, parts, v, n_q);
     false
+}
+
+/// Whether a fused kernel whose blocks `supported` accepts takes keys in `parts` with the
+/// values `v`: one part as `supported(part, v)`; several (per-channel keys whose parameters
+/// change every few rows of the values' block) when each is per channel and `supported`
+/// with the values of its own rows, and they cover the values' rows, at most [`FUSED_ROWS`].
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
+pub(crate) fn parts_supported(
+    parts: &[QuantBlock<'_>],
+    v: &QuantBlock<'_>,
+    supported: impl Fn(&QuantBlock<'_>, &QuantBlock<'_>) -> bool,
+) -> bool {
+    if let [k] = parts {
+        return supported(k, v);
+    }
+    let mut at = 0;
+    for k in parts {
+        if !matches!(k.params, Params::PerChannel { .. })
+            || k.rows == 0
+            || at + k.rows > v.rows
+            || !supported(k, &v.sub_rows(at..at + k.rows))
+        {
+            return false;
+        }
+        at += k.rows;
+    }
+    !parts.is_empty() && at == v.rows && v.rows <= FUSED_ROWS
 }
 
 /// [`attend_int_with`] with the caller's [`Scratch`], as [`scores_in`].
@@ -697,18 +736,60 @@ pub fn attend_int_in(
     n_q: usize,
     state: Online<'_>,
 ) -> Result<bool, KernelError> {
+    attend_int_parts_in(backend, scratch, std::slice::from_ref(k), v, q, n_q, state)
+}
+
+/// [`attend_int_with`] with the keys in parts: consecutive blocks of keys with parameters of
+/// their own (a cache block of per-channel keys whose parameters change every few tokens,
+/// `int4-channel32` in blocks of 128) against one block of values of all their rows, in one
+/// call: each part's rows scored with its own parameters ([`scores_int8_with`]), then one
+/// online softmax step and one sum of the values over all the rows, as for one block
+/// ([`scalar::attend_int_parts`] is the reference). The fused kernels take parts of INT4 keys
+/// per channel (each part and the values of its rows as [`attend_int_with`] takes a block);
+/// elsewhere it returns `Ok(false)`, changing nothing.
+///
+/// # Errors
+/// [`KernelError::Shape`] when there are no parts, their rows do not add up to the values',
+/// a part's head_dim differs from the values', or `q` and `state` do not hold `n_q` rows.
+pub fn attend_int_parts_with(
+    backend: Backend,
+    parts: &[QuantBlock<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+) -> Result<bool, KernelError> {
+    with_scratch(|w| attend_int_parts_in(backend, w, parts, v, q, n_q, state))
+}
+
+/// [`attend_int_parts_with`] with the caller's [`Scratch`], as [`scores_in`].
+///
+/// # Errors
+/// As [`attend_int_parts_with`].
+pub fn attend_int_parts_in(
+    backend: Backend,
+    scratch: &mut Scratch,
+    parts: &[QuantBlock<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+) -> Result<bool, KernelError> {
+    let rows = parts.iter().try_fold(0usize, |a, k| a.checked_add(k.rows));
+    let d = v.dim;
     check(
-        k.rows == v.rows
-            && k.dim == v.dim
-            && q.len() == n_q * k.dim
+        !parts.is_empty()
+            && rows == Some(v.rows)
+            && parts.iter().all(|k| k.dim == d)
+            && q.len() == n_q * d
             && state.m.len() == n_q
             && state.l.len() == n_q
-            && state.o.len() == n_q * k.dim,
+            && state.o.len() == n_q * d,
         || {
+            let keys: Vec<String> = parts.iter().map(|k| format!("{} × {}", k.rows, k.dim)).collect();
             format!(
-                "keys {} × {}, values {} × {}, {n_q} query rows: {} query values, state {} / {} / {}",
-                k.rows,
-                k.dim,
+                "keys [{}], values {} × {}, {n_q} query rows: {} query values, state {} / {} / {}",
+                keys.join(", "),
                 v.rows,
                 v.dim,
                 q.len(),
@@ -720,13 +801,15 @@ pub fn attend_int_in(
     )?;
     #[cfg(target_arch = "x86_64")]
     match backend {
-        Backend::Avx512 => return Ok(avx512::attend_int_in(k, v, q, n_q, state, &mut scratch.fused)),
-        Backend::Avx2 => return Ok(fused_avx2::attend_int_in(k, v, q, n_q, state, &mut scratch.fused_avx2)),
+        Backend::Avx512 => return Ok(avx512::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused)),
+        Backend::Avx2 => {
+            return Ok(fused_avx2::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused_avx2));
+        }
         _ => {}
     }
     #[cfg(target_arch = "aarch64")]
     if backend == Backend::Dotprod {
-        return Ok(fused_dotprod::attend_int_in(k, v, q, n_q, state, &mut scratch.fused_dotprod));
+        return Ok(fused_dotprod::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused_dotprod));
     }
     let _ = (backend, scratch);
     Ok(false)

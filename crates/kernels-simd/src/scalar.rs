@@ -104,14 +104,41 @@ pub fn attend_int(
     n_q: usize,
     state: crate::Online<'_>,
 ) -> bool {
+    attend_int_parts(std::slice::from_ref(k), v, q, n_q, state)
+}
+
+/// The reference of `kvq_kernels_simd::attend_int_parts_with`: [`attend_int`] with the keys
+/// in parts, consecutive blocks of their own parameters (per-channel keys whose parameters
+/// change every few tokens of a longer block of values): the scores of each part by
+/// [`scores_int8`], side by side, then one online softmax step and one value sum over all
+/// the rows, as [`attend_int`] takes one block. Returns `false`, changing nothing, where the
+/// integer paths do not apply (levels that are not affine) or the parts' rows do not add up
+/// to the values' (or differ from them in head_dim).
+pub fn attend_int_parts(
+    ks: &[QuantBlock<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: crate::Online<'_>,
+) -> bool {
     let crate::Online { m, l, o } = state;
     let affine = |b: &QuantBlock<'_>| matches!(b.levels, crate::block::Levels::Affine);
-    if !affine(k) || !affine(v) || k.rows != v.rows || k.dim != v.dim {
+    let rows: usize = ks.iter().map(|k| k.rows).sum();
+    if ks.is_empty() || ks.iter().any(|k| !affine(k) || k.dim != v.dim) || !affine(v) || rows != v.rows {
         return false;
     }
-    let (n, d) = (k.rows, k.dim);
+    let (n, d) = (v.rows, v.dim);
     let mut s = vec![0f32; n_q * n];
-    scores_int8(k, q, n_q, &mut s);
+    let mut part = Vec::new();
+    let mut at = 0;
+    for k in ks {
+        part.resize(n_q * k.rows, 0.0);
+        scores_int8(k, q, n_q, &mut part);
+        for i in 0..n_q {
+            s[i * n + at..i * n + at + k.rows].copy_from_slice(&part[i * k.rows..(i + 1) * k.rows]);
+        }
+        at += k.rows;
+    }
     for i in 0..n_q {
         let row = &mut s[i * n..(i + 1) * n];
         let top = row.iter().fold(m[i], |a, &x| if x > a { x } else { a });

@@ -1301,6 +1301,62 @@ fn affine_case(rng: &mut Rng, rows: usize, dim: usize, per_channel: bool, specia
     case
 }
 
+/// A fused call's softmax state after one block against its reference's, for the query rows
+/// of `q`: the running maxima to the rounding of the scores' float epilogue (`key_term(c)`
+/// bounds channel `c` of every key row), the sums and outputs to that of `exp` and of float
+/// sums in other orders, plus two flips of a rounded weight per output. `si` holds the
+/// integer path's scores (a row of the values' rows per query row) that both sides weight the
+/// values `vc` with; `m0` and `o0` the state before the call.
+#[allow(clippy::too_many_arguments)]
+fn assert_fused_close(
+    what: &str,
+    q: &[f32],
+    key_term: impl Fn(usize) -> f64,
+    si: &[f32],
+    vc: &Case,
+    (m0, o0): (&[f32], &[f32]),
+    got: Outcome<'_>,
+    want: Outcome<'_>,
+) {
+    let (rows, dim) = (vc.rows, vc.dim);
+    let mut x = vec![0f32; rows * dim];
+    scalar::dequantize(&vc.block(), &mut x);
+    for i in 0..got.m.len() {
+        let qi = &q[i * dim..(i + 1) * dim];
+        let mag: f64 = (0..dim).map(|c| f64::from(qi[c].abs()) * key_term(c)).sum();
+        let dm = 2e-6 * mag + 1e-30;
+        let (m, wm) = (got.m[i], want.m[i]);
+        assert!((m - wm).abs() as f64 <= dm, "{what} m[{i}]: {m} vs {wm}");
+        // A shift δ of the maximum scales every exponential by e^δ.
+        let rel = 1e-5 + 2.0 * dm;
+        let (l, wl) = (got.l[i], want.l[i]);
+        assert!(((l - wl).abs() as f64) <= rel * f64::from(wl.abs()) + 1e-30, "{what} l[{i}]: {l} vs {wl}");
+        let f = f64::from((m0[i] - wm).exp());
+        let p: Vec<f64> = (0..rows).map(|r| (f64::from(si[i * rows + r]) - f64::from(wm)).exp()).collect();
+        for c in 0..dim {
+            // The largest weight of the channel's row or group, over 255.
+            let sw =
+                (0..rows).map(|r| p[r] * f64::from(vc.scale[vc.param(r, c)])).fold(0f64, f64::max) / 255.0;
+            let j = i * dim + c;
+            let mag: f64 = f64::from(o0[j].abs()) * f
+                + (0..rows).map(|r| p[r] * f64::from(x[r * dim + c].abs())).sum::<f64>();
+            let tol = rel * mag + 16.0 * sw + 1e-30;
+            let (o, wo) = (got.o[j], want.o[j]);
+            assert!(
+                (f64::from(o) - f64::from(wo)).abs() <= tol,
+                "{what} o[{j}]: {o} vs {wo} (tolerance {tol})"
+            );
+        }
+    }
+}
+
+/// A softmax state read back: maxima, sums, outputs.
+struct Outcome<'a> {
+    m: &'a [f32],
+    l: &'a [f32],
+    o: &'a [f32],
+}
+
 /// The fused block kernel (keys' scores, the online softmax step, the values' sums in one
 /// call) against its reference, the integer kernels run one after the other: the running
 /// maxima to the rounding of the scores' float epilogue, the sums and outputs to that of
@@ -1397,60 +1453,23 @@ fn fused_block_attention_matches_its_reference() {
                         let what = format!(
                             "{backend} dim {dim} rows {rows} keys per channel {per_channel} per group {key_group:?} values per group {group:?} special {special} n_q {n_q} running {running}"
                         );
-                        let mut x = vec![0f32; rows * dim];
-                        scalar::dequantize(&v, &mut x);
                         // The scores both sides weight the values with: the integer path's
                         // (its rounded query), not the float ones, which differ by the query's
                         // rounding (several units at special 6's spread).
                         let mut si = vec![0f32; n_q * rows];
                         assert!(scalar::scores_int8(&k, &q, n_q, &mut si));
-                        for i in 0..n_q {
-                            let qi = &q[i * dim..(i + 1) * dim];
-                            // The scores' magnitude: the query times every key value's terms.
-                            // (Keys per group: each channel's largest over the rows.)
-                            let mag: f64 = (0..dim)
-                                .map(|c| {
-                                    let term = |r| {
-                                        let j = kc.param(r, c);
-                                        f64::from(kc.scale[j]) * 15.0 + f64::from(kc.offset[j].abs())
-                                    };
-                                    f64::from(qi[c].abs()) * (0..rows).map(term).fold(0f64, f64::max)
-                                })
-                                .sum();
-                            let dm = 2e-6 * mag + 1e-30;
-                            assert!(
-                                (m[i] - wm[i]).abs() as f64 <= dm,
-                                "{what} m[{i}]: {} vs {}",
-                                m[i],
-                                wm[i]
-                            );
-                            // A shift δ of the maximum scales every exponential by e^δ.
-                            let rel = 1e-5 + 2.0 * dm;
-                            assert!(
-                                ((l[i] - wl[i]).abs() as f64) <= rel * f64::from(wl[i].abs()) + 1e-30,
-                                "{what} l[{i}]: {} vs {}",
-                                l[i],
-                                wl[i]
-                            );
-                            let top = wm[i];
-                            let f = f64::from((m0[i] - top).exp());
-                            let p: Vec<f64> = (0..rows)
-                                .map(|r| (f64::from(si[i * rows + r]) - f64::from(top)).exp())
-                                .collect();
-                            for c in 0..dim {
-                                // The largest weight of the channel's row or group, over 255.
-                                let sw = (0..rows)
-                                    .map(|r| p[r] * f64::from(vc.scale[vc.param(r, c)]))
-                                    .fold(0f64, f64::max)
-                                    / 255.0;
-                                let j = i * dim + c;
-                                let mag: f64 = f64::from(o0[j].abs()) * f
-                                    + (0..rows).map(|r| p[r] * f64::from(x[r * dim + c].abs())).sum::<f64>();
-                                let tol = rel * mag + 16.0 * sw + 1e-30;
-                                let err = (f64::from(o[j]) - f64::from(wo[j])).abs();
-                                assert!(err <= tol, "{what} o[{j}]: {} vs {} (tolerance {tol})", o[j], wo[j]);
-                            }
-                        }
+                        // The scores' magnitude: the query times every key value's terms (keys
+                        // per group: each channel's largest over the rows).
+                        let key_term = |c: usize| {
+                            let term = |r| {
+                                let j = kc.param(r, c);
+                                f64::from(kc.scale[j]) * 15.0 + f64::from(kc.offset[j].abs())
+                            };
+                            (0..rows).map(term).fold(0f64, f64::max)
+                        };
+                        let (got, want) =
+                            (Outcome { m: &m, l: &l, o: &o }, Outcome { m: &wm, l: &wl, o: &wo });
+                        assert_fused_close(&what, &q, key_term, &si, &vc, (&m0, &o0), got, want);
                     }
                 }
             }
@@ -1496,6 +1515,158 @@ fn fused_block_attention_matches_its_reference() {
         }
     }
     let _ = (ran, dims, none);
+}
+
+/// Keys in parts (a block of per-channel keys whose parameters change every few rows, as a
+/// cache block of `int4-channel32` keys 128 tokens long holds them) against one block of
+/// values, in one fused call, against its reference: each part's scores by the integer
+/// scores kernel, one softmax step and one value sum over all rows. Tolerances as the
+/// one-block test's. Bad splits are errors; one part is `attend_int_with` itself.
+#[test]
+fn fused_attention_over_key_parts_matches_its_reference() {
+    use kvq_kernels_simd::{Online, attend_int_fused_parts, attend_int_parts_with, attend_int_with};
+    let mut rng = Rng::new(0x9a27);
+    let mut ran = std::collections::BTreeSet::new();
+    for backend in available() {
+        for (dim, split) in [
+            (128usize, vec![32usize, 32, 32, 32]),
+            (128, vec![32, 32, 32, 7]),
+            (64, vec![16, 16]),
+            (64, vec![32, 32, 32, 32, 32, 32, 32, 32]),
+            (256, vec![64, 1, 33]),
+            (128, vec![5]),
+        ] {
+            let rows: usize = split.iter().sum();
+            for (special, group) in [(0u8, None), (5, None), (6, None), (0, Some(32usize)), (6, Some(64))] {
+                let kcs: Vec<_> = split
+                    .iter()
+                    .map(|&r| affine_case(&mut rng, r, dim, true, if special == 5 { 0 } else { special }))
+                    .collect();
+                let mut vc = affine_case(&mut rng, rows, dim, false, special);
+                if let Some(g) = group {
+                    vc = vc.grouped(g);
+                    for (s, f) in vc.scale.iter_mut().zip(vc.offset.iter_mut()) {
+                        (*s, *f) = (rng.uniform() as f32 + 0.01, rng.normal() as f32);
+                    }
+                }
+                let parts: Vec<_> = kcs.iter().map(|c| c.block()).collect();
+                let v = vc.block();
+                for n_q in [1usize, 3, 4, 8] {
+                    let spread = if special == 6 { 40.0 } else { 1.0 };
+                    let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32 * spread).collect();
+                    let m0: Vec<f32> = (0..n_q).map(|_| rng.normal() as f32 * 3.0).collect();
+                    let l0: Vec<f32> = (0..n_q).map(|_| rng.uniform() as f32 * 5.0 + 0.5).collect();
+                    let o0: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+                    let (mut m, mut l, mut o) = (m0.clone(), l0.clone(), o0.clone());
+                    let state = Online { m: &mut m, l: &mut l, o: &mut o };
+                    let fused = attend_int_fused_parts(backend, &parts, &v, n_q);
+                    let done = attend_int_parts_with(backend, &parts, &v, &q, n_q, state).unwrap();
+                    assert_eq!(done, fused, "{backend}: attend_int_fused_parts says what runs");
+                    if !done {
+                        assert!(m == m0 && l == l0 && o == o0, "{backend}: a refusal changes nothing");
+                        continue;
+                    }
+                    ran.insert((backend, dim, group.is_some()));
+                    let (mut wm, mut wl, mut wo) = (m0.clone(), l0.clone(), o0.clone());
+                    assert!(scalar::attend_int_parts(
+                        &parts,
+                        &v,
+                        &q,
+                        n_q,
+                        Online { m: &mut wm, l: &mut wl, o: &mut wo }
+                    ));
+                    let what = format!(
+                        "{backend} dim {dim} parts {split:?} values per group {group:?} special {special} n_q {n_q}"
+                    );
+                    // The scores the reference weighs with: each part's integer scores.
+                    let mut si = vec![0f32; n_q * rows];
+                    let mut at = 0;
+                    for k in &parts {
+                        let mut part = vec![0f32; n_q * k.rows()];
+                        assert!(scalar::scores_int8(k, &q, n_q, &mut part));
+                        for i in 0..n_q {
+                            si[i * rows + at..i * rows + at + k.rows()]
+                                .copy_from_slice(&part[i * k.rows()..(i + 1) * k.rows()]);
+                        }
+                        at += k.rows();
+                    }
+                    let key_term = |c: usize| {
+                        let term = |kc: &Case| f64::from(kc.scale[c]) * 15.0 + f64::from(kc.offset[c].abs());
+                        kcs.iter().map(term).fold(0f64, f64::max)
+                    };
+                    let (got, want) = (Outcome { m: &m, l: &l, o: &o }, Outcome { m: &wm, l: &wl, o: &wo });
+                    assert_fused_close(&what, &q, key_term, &si, &vc, (&m0, &o0), got, want);
+                }
+                // One part is the one-block call, bit for bit.
+                if split.len() == 1 {
+                    let q: Vec<f32> = (0..4 * dim).map(|_| rng.normal() as f32).collect();
+                    let (mut a, mut b) = (
+                        (vec![0f32; 4], vec![0f32; 4], vec![0f32; 4 * dim]),
+                        (vec![0f32; 4], vec![0f32; 4], vec![0f32; 4 * dim]),
+                    );
+                    a.0.fill(f32::NEG_INFINITY);
+                    b.0.fill(f32::NEG_INFINITY);
+                    let x = attend_int_parts_with(
+                        backend,
+                        &parts,
+                        &v,
+                        &q,
+                        4,
+                        Online { m: &mut a.0, l: &mut a.1, o: &mut a.2 },
+                    )
+                    .unwrap();
+                    let y = attend_int_with(
+                        backend,
+                        &parts[0],
+                        &v,
+                        &q,
+                        4,
+                        Online { m: &mut b.0, l: &mut b.1, o: &mut b.2 },
+                    )
+                    .unwrap();
+                    assert!(x == y && a == b, "{backend}: one part is one block");
+                }
+                // Parts that do not add up to the values' rows, or no parts: errors.
+                let q = vec![0f32; dim];
+                let (mut m, mut l, mut o) = (vec![f32::NEG_INFINITY], vec![0f32], vec![0f32; dim]);
+                for bad in [&parts[..parts.len() - 1], &[]] {
+                    if bad.iter().map(|k| k.rows()).sum::<usize>() == rows {
+                        continue;
+                    }
+                    let state = Online { m: &mut m, l: &mut l, o: &mut o };
+                    assert!(
+                        attend_int_parts_with(backend, bad, &v, &q, 1, state).is_err(),
+                        "{backend}: bad split"
+                    );
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
+            for dim in [64, 128, 256] {
+                for grouped in [false, true] {
+                    assert!(
+                        ran.contains(&(Backend::Avx512, dim, grouped)),
+                        "AVX-512 parts at {dim}, grouped {grouped}"
+                    );
+                }
+            }
+        }
+        if available().contains(&Backend::Avx2) {
+            for dim in [64, 128, 256] {
+                assert!(ran.contains(&(Backend::Avx2, dim, false)), "AVX2 parts at {dim}");
+            }
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if available().contains(&Backend::Dotprod) {
+        for dim in [64, 128, 256] {
+            assert!(ran.contains(&(Backend::Dotprod, dim, false)), "dotprod parts at {dim}");
+        }
+    }
+    let _ = ran;
 }
 
 /// The fused kernels' value sums at their largest: every weight rounded to 255 (equal scores,

@@ -198,6 +198,21 @@ fn with_block<R>(
     bufs: &mut (Vec<f32>, Vec<f32>),
     f: impl FnOnce(&QuantBlock<'_>) -> Result<R, KernelError>,
 ) -> Result<R, KernelError> {
+    with_parts(view, reader, bufs, |parts| match parts {
+        [block] => f(block),
+        _ => unreachable!("a block in parts (channel groups inside a block) read as one"),
+    })
+}
+
+/// [`with_block`] for a block whose per-channel parameters change inside it (`channel32` in
+/// blocks of 128 tokens: [`kvq_cache_layout::PartLayout::channel_sets`]): `f` gets its token
+/// groups as kernel blocks of their own, in order; every other block as one part.
+fn with_parts<R>(
+    view: &BlockView<'_>,
+    reader: &PartReader,
+    bufs: &mut (Vec<f32>, Vec<f32>),
+    f: impl FnOnce(&[QuantBlock<'_>]) -> Result<R, KernelError>,
+) -> Result<R, KernelError> {
     let layout = view.layout;
     let d = layout.head_dim();
     let rows = view.tokens;
@@ -244,9 +259,37 @@ fn with_block<R>(
         Place::Channel => Params::PerChannel { scale, offset },
         Place::Group(group) => Params::PerGroup { group, scale, offset },
     };
-    let codes = &view.region[..rows * layout.row_bytes()];
-    let block = QuantBlock::new(codes, rows, d, layout.spec().bits(), reader.levels(), params)?;
-    f(&block)
+    let (bits, rb) = (layout.spec().bits(), layout.row_bytes());
+    let sets = layout.channel_sets();
+    if sets == 1 {
+        let block = QuantBlock::new(&view.region[..rows * rb], rows, d, bits, reader.levels(), params)?;
+        return f(std::slice::from_ref(&block));
+    }
+    // Token groups of `per` rows, each with its set of channel parameters (`d` scales, then
+    // `d` offsets, in the set's order); the cache writes per-channel blocks whole.
+    let Params::PerChannel { scale, offset } = params else {
+        unreachable!("channel sets belong to per-channel parts")
+    };
+    let per = layout.block_size() / sets;
+    let part = |j: usize| {
+        let rows = per.min(rows.saturating_sub(j * per));
+        let set = j * d..(j + 1) * d;
+        let params = Params::PerChannel { scale: &scale[set.clone()], offset: offset.map(|o| &o[set]) };
+        QuantBlock::new(
+            &view.region[j * per * rb..(j * per + rows) * rb],
+            rows,
+            d,
+            bits,
+            reader.levels(),
+            params,
+        )
+    };
+    let mut parts = [part(0)?; kvq_cache_layout::MAX_CHANNEL_SETS];
+    let n = rows.div_ceil(per).min(sets);
+    for (j, x) in parts.iter_mut().enumerate().take(n).skip(1) {
+        *x = part(j)?;
+    }
+    f(&parts[..n])
 }
 
 /// How scores against quantized keys are computed.
@@ -707,7 +750,8 @@ impl Task {
 /// The kernels that decode's integer path ([`ScorePath::Int8`]) runs on the quantized blocks
 /// of `seq` on `backend` with `query_rows` query rows per KV head: `"fused block"` where one
 /// kernel (AVX-512 VNNI, AVX2 or aarch64 `sdot`) takes a whole block of keys and values
-/// (KIVI-style INT4; on x86-64 also INT4 values per group, see
+/// (KIVI-style INT4, the keys' channel groups the block or token groups inside it, see
+/// [`kvq_kernels_simd::attend_int_parts_with`]; on x86-64 also INT4 values per group, see
 /// [`kvq_kernels_simd::attend_int_with`]), `"separate kernels"` otherwise; judged from the
 /// first quantized unit of layer 0, KV head 0. `None` when that head holds no quantized block
 /// yet. Units near a sliding window's start or a chunk's causal end, and soft-capped
@@ -730,9 +774,11 @@ pub fn integer_decode_kernel(
         if let (Run::Block(kv), Run::Block(vv)) = (u.k, u.v) {
             let fused = cache.config().rope.is_none()
                 && kv.width_views().is_none()
-                && with_block(&kv, &readers[0], &mut kb, |k| {
-                    with_block(&vv, &readers[1], &mut vb, |v| {
-                        Ok(kvq_kernels_simd::attend_int_fused(backend, k, v, query_rows))
+                && with_parts(&kv, &readers[0], &mut kb, |ks| {
+                    with_parts(&vv, &readers[1], &mut vb, |vs| {
+                        Ok(
+                            matches!(vs, [v] if kvq_kernels_simd::attend_int_fused_parts(backend, ks, v, query_rows)),
+                        )
                     })
                 })?;
             return Ok(Some(if fused { "fused block" } else { "separate kernels" }));
@@ -1109,12 +1155,14 @@ fn attend<'a>(
         {
             let state = kvq_kernels_simd::Online { m: &mut st.m, l: &mut st.l, o: &mut st.o };
             // None: no fused code for this layout; Some(false): this block declined.
-            let done = with_block(kv, &readers[0], bufs, |kb| {
-                with_block(vv, &readers[1], vbufs, |vb| {
+            let done = with_parts(kv, &readers[0], bufs, |ks| {
+                with_parts(vv, &readers[1], vbufs, |vs| {
+                    // Values in parts (per channel) have no fused kernel.
+                    let [vb] = vs else { return Ok(None) };
                     // The kernel checks the layout itself; only a refusal asks which it was.
-                    Ok(if kvq_kernels_simd::attend_int_in(backend, kernel, kb, vb, qs, g, state)? {
+                    Ok(if kvq_kernels_simd::attend_int_parts_in(backend, kernel, ks, vb, qs, g, state)? {
                         Some(true)
-                    } else if kvq_kernels_simd::attend_int_fused(backend, kb, vb, g) {
+                    } else if kvq_kernels_simd::attend_int_fused_parts(backend, ks, vb, g) {
                         Some(false)
                     } else {
                         None
@@ -1165,9 +1213,27 @@ fn attend<'a>(
                     }
                 }
                 None => {
-                    with_block(&view, &readers[0], bufs, |blk| match path {
-                        ScorePath::Float => scores_in(backend, kernel, blk, qs, g, s),
-                        ScorePath::Int8 => scores_int8_in(backend, kernel, blk, qs, g, s).map(|_| ()),
+                    let ws = &mut widths.1;
+                    with_parts(&view, &readers[0], bufs, |parts| {
+                        let mut score = |blk: &QuantBlock<'_>, out: &mut [f32]| match path {
+                            ScorePath::Float => scores_in(backend, kernel, blk, qs, g, out),
+                            ScorePath::Int8 => scores_int8_in(backend, kernel, blk, qs, g, out).map(|_| ()),
+                        };
+                        if let [blk] = parts {
+                            return score(blk, s);
+                        }
+                        // Key groups inside the block: each group's scores, put in place.
+                        let mut at = 0;
+                        for blk in parts {
+                            let nk = blk.rows();
+                            ws.resize(g * nk, 0.0);
+                            score(blk, ws)?;
+                            for (row, part) in s.chunks_exact_mut(n).zip(ws.chunks_exact(nk)) {
+                                row[at..at + nk].copy_from_slice(part);
+                            }
+                            at += nk;
+                        }
+                        Ok(())
                     })?;
                 }
             },
@@ -1207,9 +1273,27 @@ fn attend<'a>(
                 dense_run(backend, kernel, false, rows, offset, n, d, s, g, &mut st.o)?
             }
             Run::Block(view) => {
-                with_block(&view, &readers[1], bufs, |blk| match path {
-                    ScorePath::Float => axpy_in(backend, kernel, blk, s, g, &mut st.o),
-                    ScorePath::Int8 => axpy_int_in(backend, kernel, blk, s, g, &mut st.o).map(|_| ()),
+                let ws = &mut widths.1;
+                with_parts(&view, &readers[1], bufs, |parts| {
+                    let mut sum = |blk: &QuantBlock<'_>, p: &[f32]| match path {
+                        ScorePath::Float => axpy_in(backend, kernel, blk, p, g, &mut st.o),
+                        ScorePath::Int8 => axpy_int_in(backend, kernel, blk, p, g, &mut st.o).map(|_| ()),
+                    };
+                    if let [blk] = parts {
+                        return sum(blk, s);
+                    }
+                    // Values per channel in token groups: each group's weights, gathered.
+                    let mut at = 0;
+                    for blk in parts {
+                        let nk = blk.rows();
+                        ws.clear();
+                        for row in s.chunks_exact(n) {
+                            ws.extend_from_slice(&row[at..at + nk]);
+                        }
+                        sum(blk, ws)?;
+                        at += nk;
+                    }
+                    Ok(())
                 })?;
             }
         }

@@ -71,6 +71,7 @@ fn decode_steps_do_not_allocate() {
         ("int3-channel-qa", "int4-token"), // keys in width regions, queries permuted per step
         ("int4-channel-prerope", "int4-token"), // keys before RoPE: turned per block and row
         ("int4-channel-p8", "int4-token-p8"), // one-byte parameters read from their grid
+        ("int4-channel16", "int4-channel8"), // channel groups inside the block: its token groups
     ];
     let mut checked = 0;
     for (i, (k, v)) in specs.iter().enumerate() {
