@@ -1751,12 +1751,18 @@ fn fused_block_attention_declines_and_propagates_nan() {
             if ran {
                 let mut nan = q[..256].to_vec();
                 nan[128 + 9] = f32::NAN;
-                let (_, _, l, o) = run(&kc.block(), &vc.block(), 2, &nan);
-                assert!(l[0].is_finite() && l[1].is_nan(), "{backend}: {l:?}");
-                assert!(
-                    o[..128].iter().all(|x| x.is_finite()) && o[128..].iter().all(|x| x.is_nan()),
-                    "{backend}"
-                );
+                // Keys with offsets (their sum `Σ q · offset` is NaN too) and without (only the
+                // query's rounding sees it).
+                let mut plain = kc.clone();
+                plain.with_offset = false;
+                for keys in [&kc, &plain] {
+                    let (_, _, l, o) = run(&keys.block(), &vc.block(), 2, &nan);
+                    assert!(l[0].is_finite() && l[1].is_nan(), "{backend}: {l:?}");
+                    assert!(
+                        o[..128].iter().all(|x| x.is_finite()) && o[128..].iter().all(|x| x.is_nan()),
+                        "{backend}"
+                    );
+                }
                 let last = vc.scale.len() - 1;
                 vc.scale[last] = -vc.scale[last];
                 unchanged(run(&kc.block(), &vc.block(), 2, &q[..256]));
