@@ -706,21 +706,26 @@ pub(crate) fn parts_supported(
     v: &QuantBlock<'_>,
     supported: impl Fn(&QuantBlock<'_>, &QuantBlock<'_>) -> bool,
 ) -> bool {
-    if let [k] = parts {
-        return supported(k, v);
+    let [first, rest @ ..] = parts else { return false };
+    if rest.is_empty() {
+        return supported(first, v);
     }
+    // The first part in full; the others as its layout (a kernel's support depends on the
+    // layout and the rows, and the rows are checked here), which is cheaper per part.
+    let layout = |k: &QuantBlock<'_>| match k.params {
+        Params::PerChannel { offset, .. } => {
+            Some((k.bits, k.dim, k.row_bytes, matches!(k.levels, Levels::Affine), offset.is_some()))
+        }
+        _ => None,
+    };
     let mut at = 0;
     for k in parts {
-        if !matches!(k.params, Params::PerChannel { .. })
-            || k.rows == 0
-            || at + k.rows > v.rows
-            || !supported(k, &v.sub_rows(at..at + k.rows))
-        {
+        if k.rows == 0 || at + k.rows > v.rows || layout(k).is_none() || layout(k) != layout(first) {
             return false;
         }
         at += k.rows;
     }
-    !parts.is_empty() && at == v.rows && v.rows <= FUSED_ROWS
+    at == v.rows && v.rows <= FUSED_ROWS && supported(first, &v.sub_rows(0..first.rows))
 }
 
 /// [`attend_int_with`] with the caller's [`Scratch`], as [`scores_in`].

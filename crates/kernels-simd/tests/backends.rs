@@ -1642,6 +1642,26 @@ fn fused_attention_over_key_parts_matches_its_reference() {
             }
         }
     }
+    // Parts of different layouts (a part per row, or 8-bit), or in parts but per row: no fused
+    // kernel, nothing changed.
+    for backend in available() {
+        let v = affine_case(&mut rng, 64, 128, false, 0);
+        let a = affine_case(&mut rng, 32, 128, true, 0);
+        let mut wide = Case::random(&mut rng, 32, 128, 8, 0);
+        (wide.levels_kind, wide.with_offset, wide.per_channel) = (0, true, true);
+        wide.scale = (0..128).map(|_| rng.uniform() as f32 + 0.01).collect();
+        wide.offset = (0..128).map(|_| rng.normal() as f32).collect();
+        let rows = affine_case(&mut rng, 32, 128, false, 0);
+        for (a, b) in [(&a, &rows), (&a, &wide), (&rows, &rows)] {
+            let parts = [a.block(), b.block()];
+            let q: Vec<f32> = (0..4 * 128).map(|_| rng.normal() as f32).collect();
+            let (mut m, mut l, mut o) = (vec![0.5f32; 4], vec![1f32; 4], vec![0.25f32; 4 * 128]);
+            let state = Online { m: &mut m, l: &mut l, o: &mut o };
+            assert!(!attend_int_fused_parts(backend, &parts, &v.block(), 4));
+            assert!(!attend_int_parts_with(backend, &parts, &v.block(), &q, 4, state).unwrap());
+            assert!(m == [0.5; 4] && l == [1.0; 4] && o.iter().all(|&x| x == 0.25), "{backend}");
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     {
         if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
