@@ -136,6 +136,45 @@ fn row_kernels_of_this_cpu_write_the_portable_bytes() {
     }
 }
 
+/// Layer 9 of the embedded SmolLM2 sample: keys, values, queries.
+fn sample_layer9() -> (kvq::quant::Tensor, kvq::quant::Tensor, kvq::quant::Tensor) {
+    let file = kvq::quant::io::TensorFile::from_bytes("sample", kvq::SAMPLE.to_vec()).unwrap();
+    let read = |s: &str| file.read(&format!("layer9.{s}")).unwrap();
+    (read("k"), read("v"), read("q"))
+}
+
+/// Appends the first `tokens` tokens of `k` and `v` (heads × tokens × head_dim) to layer 0 of
+/// `seq`, one token at a time; returns the query rows of every query head at the last one.
+fn append_tokens(
+    cache: &mut QuantizedKvCache,
+    seq: SeqId,
+    (k, v, q): (&kvq::quant::Tensor, &kvq::quant::Tensor, &kvq::quant::Tensor),
+    tokens: usize,
+) -> Vec<f32> {
+    let (s, qs) = (k.shape(), q.shape());
+    let d = s.head_dim;
+    let (mut kt, mut vt) = (vec![0f32; s.heads * d], vec![0f32; s.heads * d]);
+    for t in 0..tokens {
+        for h in 0..s.heads {
+            let at = (h * s.tokens + t) * d;
+            kt[h * d..(h + 1) * d].copy_from_slice(&k.data()[at..at + d]);
+            vt[h * d..(h + 1) * d].copy_from_slice(&v.data()[at..at + d]);
+        }
+        cache.append(seq, 0, &kt, &vt).unwrap();
+    }
+    let t = tokens - 1;
+    (0..qs.heads)
+        .flat_map(|h| q.data()[(h * qs.tokens + t) * d..(h * qs.tokens + t + 1) * d].to_vec())
+        .collect()
+}
+
+/// `‖a − b‖ / ‖b‖`.
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let e2: f64 = a.iter().zip(b).map(|(&x, &y)| f64::from(x - y).powi(2)).sum();
+    let r2: f64 = b.iter().map(|&y| f64::from(y).powi(2)).sum();
+    (e2 / r2).sqrt()
+}
+
 /// The integer paths on real keys, values and queries (the embedded sample: 3 KV heads, 9
 /// query heads, head_dim 64): INT4 keys per channel meet int8 queries, INT8 values per token
 /// meet i16 weights (on AVX-512 VNNI; elsewhere whichever integer kernels the CPU has), and
@@ -143,10 +182,7 @@ fn row_kernels_of_this_cpu_write_the_portable_bytes() {
 #[test]
 fn integer_attention_on_real_data_tracks_the_float_path() {
     use kvq::attention::ScorePath;
-    use kvq::quant::io::TensorFile;
-    let file = TensorFile::from_bytes("sample", kvq::SAMPLE.to_vec()).unwrap();
-    let (k, v, q) =
-        (file.read("layer9.k").unwrap(), file.read("layer9.v").unwrap(), file.read("layer9.q").unwrap());
+    let (k, v, q) = sample_layer9();
     let (s, qs) = (k.shape(), q.shape());
     let config = KvCacheConfig::builder(1, s.heads, qs.heads, s.head_dim)
         .block_size(32)
@@ -156,35 +192,53 @@ fn integer_attention_on_real_data_tracks_the_float_path() {
         .unwrap();
     let mut cache = QuantizedKvCache::new(config).unwrap();
     let seq = cache.create();
-    let d = s.head_dim;
-    let (mut kt, mut vt) = (vec![0f32; s.heads * d], vec![0f32; s.heads * d]);
-    for t in 0..s.tokens {
-        for h in 0..s.heads {
-            let at = (h * s.tokens + t) * d;
-            kt[h * d..(h + 1) * d].copy_from_slice(&k.data()[at..at + d]);
-            vt[h * d..(h + 1) * d].copy_from_slice(&v.data()[at..at + d]);
-        }
-        cache.append(seq, 0, &kt, &vt).unwrap();
-    }
-    let t = s.tokens - 1;
-    let query: Vec<f32> = (0..qs.heads)
-        .flat_map(|h| q.data()[(h * qs.tokens + t) * d..(h * qs.tokens + t + 1) * d].to_vec())
-        .collect();
+    let query = append_tokens(&mut cache, seq, (&k, &v, &q), s.tokens);
     let (mut float, mut int) = (vec![0f32; query.len()], vec![0f32; query.len()]);
     cache.attention_path(ScorePath::Float, seq, 0, &query, &mut float).unwrap();
     cache.attention_path(ScorePath::Int8, seq, 0, &query, &mut int).unwrap();
-    let (mut e2, mut r2) = (0f64, 0f64);
-    for (&a, &b) in int.iter().zip(&float) {
-        e2 += f64::from(a - b).powi(2);
-        r2 += f64::from(b).powi(2);
-    }
-    let rel = (e2 / r2).sqrt();
+    let rel = rel(&int, &float);
     // Where the selected backend has integer kernels they ran, and rounding shows.
     use kvq::kernels::Backend;
     if matches!(kvq::kernels::dispatch::selected(), Ok(Backend::Avx2 | Backend::Avx512 | Backend::Dotprod)) {
         assert!(rel > 0.0, "the integer path did not run");
     }
     assert!(rel < 1e-2, "relative difference {rel}");
+}
+
+/// `int4-channel32` keys in blocks of 128 tokens hold what blocks of 32 hold (a set of channel
+/// parameters per 32 tokens): with every token quantized, the same bytes of blocks and the
+/// same attention on the float path; the integer path (weights rounded per block) close to
+/// it, on real keys and values.
+#[test]
+fn key_groups_inside_larger_blocks_hold_the_same_keys() {
+    use kvq::attention::ScorePath;
+    let (k, v, q) = sample_layer9();
+    let (s, qs) = (k.shape(), q.shape());
+    let (d, tokens) = (s.head_dim, s.tokens / 128 * 128);
+    let run = |bs: usize| {
+        let config = KvCacheConfig::builder(1, s.heads, qs.heads, d)
+            .block_size(bs)
+            .residual_blocks(0)
+            .sink_tokens(0)
+            .specs("int4-channel32".parse().unwrap(), "int4-token".parse().unwrap())
+            .blocks_per_layer(s.heads * tokens.div_ceil(bs))
+            .build()
+            .unwrap();
+        let mut cache = QuantizedKvCache::new(config).unwrap();
+        let seq = cache.create();
+        let query = append_tokens(&mut cache, seq, (&k, &v, &q), tokens);
+        let mut out = [vec![0f32; query.len()], vec![0f32; query.len()]];
+        for (o, path) in out.iter_mut().zip([ScorePath::Float, ScorePath::Int8]) {
+            cache.attention_path(path, seq, 0, &query, o).unwrap();
+        }
+        let m = &cache.memory()[0].layers[0];
+        ((m.code_bytes, m.param_bytes, m.tail_bytes), out)
+    };
+    let ((small_bytes, small), (large_bytes, large)) = (run(32), run(128));
+    // The same codes and parameters (the block tables differ: a quarter of the entries).
+    assert_eq!(small_bytes, large_bytes, "the same bytes for the same tokens");
+    assert!(rel(&large[0], &small[0]) < 1e-5, "float path: {}", rel(&large[0], &small[0]));
+    assert!(rel(&large[1], &small[1]) < 3.5e-2, "integer path: {}", rel(&large[1], &small[1]));
 }
 
 fn token(n: usize, t: usize) -> Vec<f32> {
