@@ -190,23 +190,11 @@ impl ParamWidening for VectorWidening {
     }
 }
 
-/// Parameters of a block view widened to f32, and the kernel block over them: every layout of
-/// the cache (per row, per channel, per group of a row, static) has fused kernels.
-fn with_block<R>(
-    view: &BlockView<'_>,
-    reader: &PartReader,
-    bufs: &mut (Vec<f32>, Vec<f32>),
-    f: impl FnOnce(&QuantBlock<'_>) -> Result<R, KernelError>,
-) -> Result<R, KernelError> {
-    with_parts(view, reader, bufs, |parts| match parts {
-        [block] => f(block),
-        _ => unreachable!("a block in parts (channel groups inside a block) read as one"),
-    })
-}
-
-/// [`with_block`] for a block whose per-channel parameters change inside it (`channel32` in
-/// blocks of 128 tokens: [`kvq_cache_layout::PartLayout::channel_sets`]): `f` gets its token
-/// groups as kernel blocks of their own, in order; every other block as one part.
+/// Parameters of a block view widened to f32, and the kernel blocks over them: every layout of
+/// the cache (per row, per channel, per group of a row, static) has fused kernels. `f` gets
+/// one block, or for a block whose per-channel parameters change inside it (`channel32` in
+/// blocks of 128 tokens: [`kvq_cache_layout::PartLayout::channel_sets`]) its token groups as
+/// kernel blocks of their own, in order.
 fn with_parts<R>(
     view: &BlockView<'_>,
     reader: &PartReader,
@@ -285,7 +273,7 @@ fn with_parts<R>(
         )
     };
     let mut parts = [part(0)?; kvq_cache_layout::MAX_CHANNEL_SETS];
-    let n = rows.div_ceil(per).min(sets);
+    let n = rows.div_ceil(per).clamp(1, sets);
     for (j, x) in parts.iter_mut().enumerate().take(n).skip(1) {
         *x = part(j)?;
     }
@@ -1205,9 +1193,13 @@ fn attend<'a>(
                         let c = v.layout.head_dim();
                         let wq = &wq[g * first..g * (first + c)];
                         ws.resize(g * n, 0.0);
-                        with_block(&v, &readers[0], bufs, |blk| match path {
-                            ScorePath::Float => scores_in(backend, kernel, blk, wq, g, ws),
-                            ScorePath::Int8 => scores_int8_in(backend, kernel, blk, wq, g, ws).map(|_| ()),
+                        with_parts(&v, &readers[0], bufs, |parts| match (parts, path) {
+                            ([blk], ScorePath::Float) => scores_in(backend, kernel, blk, wq, g, ws),
+                            ([blk], ScorePath::Int8) => {
+                                scores_int8_in(backend, kernel, blk, wq, g, ws).map(|_| ())
+                            }
+                            // The cache refuses -qa keys with groups inside a block.
+                            _ => Err(KernelError::Shape("a -qa width region in token groups".into())),
                         })?;
                         s.iter_mut().zip(ws.iter()).for_each(|(x, y)| *x += y);
                     }

@@ -108,7 +108,8 @@ enum Command {
         #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=4096))]
         sinks: u32,
         /// Tokens per cache block: the unit decode works on, and the group of per-channel
-        /// specs (`kvq analyze --block-size` shows what it does to fidelity and bits).
+        /// specs written `channel` (`kvq analyze --block-size` shows what it does to fidelity
+        /// and bits); `channelN` keeps groups of N tokens inside it (`int4-channel32` with 128).
         #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
         block_size: u32,
     },
