@@ -829,22 +829,24 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     let (d, n) = (D, v.rows);
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
 
-    // 1-2. The query rows rounded to int8 against each part of the keys, and the integer
-    //      dots of its rows (keys per group or row: their scores, into `p`). Keys in several
-    //      parts: each part's scores into `p`, side by side.
+    // 1-2. The query rows rounded to int8 against each part of the keys, the integer dots of
+    //      its rows, and their scores into `p`, the parts' side by side (keys per group or
+    //      row: one part, scored as their dots are reduced).
     let pr = FUSED_ROWS + 16;
-    let (mut sq, mut kadd) = ([0f32; int8::GROUP], [0f32; int8::GROUP]);
-    let scored = GK || parts.len() > 1;
+    // Each query row's running maximum with its scores (NaN scores skipped: the second
+    // operand is returned), taken as keys per channel are scored; keys per group or row
+    // in step 3.
+    let mut mx = [_mm512_setzero_ps(); int8::GROUP];
+    for (x, &m) in mx.iter_mut().zip(m.iter()).take(NQ) {
+        *x = _mm512_set1_ps(m);
+    }
     // Step 1 for the keys `k`: each query row times the channel scales (keys per row or
     // group, `GK`: the query row as it is), rounded to int8 into `q8`, and the rows' scales
     // and (keys per channel) what the offsets add; with keys per row or group each row's sums
     // over every 32 channels. `qp` holds the products between the two passes. A closure, so
     // that it compiles inside this function with its target features.
     let round_query = |k: &QuantBlock<'_>, q8: &mut [u8], qp: &mut [f32]| {
-        use int8::MAGIC;
-        let d = D;
         assert!(q.len() >= NQ * D && q8.len() >= NQ * D && qp.len() >= NQ * D && k.dim == D, "shapes");
-        let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
         // 1. Each query row times the channel scales (keys per group: the query row as it is),
         //    rounded to int8 with the scale max / 127, stored in the order `vacc` reads a 4-bit
         //    row (`int8::arrange4` with 64-byte chunks: 16-value piece w of each 128 goes to slot
@@ -884,7 +886,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
             let qi = &q[i * d..(i + 1) * d];
             let (mut mx, mut any, mut dot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
             for (j, &s) in ksv.iter().enumerate().take(D / 16) {
-                // SAFETY: 16 · j + 16 <= d, inside the query row and the offsets; `p` holds
+                // SAFETY: 16 · j + 16 <= d, inside the query row and the offsets; `qp` holds
                 // GROUP · FUSED_DIM values.
                 unsafe {
                     let x = _mm512_loadu_ps(qi.as_ptr().add(16 * j));
@@ -915,7 +917,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
                 } else {
                     128 * (j / 8) + 16 * (4 * (j % 2) + (j % 8) / 2)
                 };
-                // SAFETY: the products of row i lie in `p` (stored above); the slot lies inside
+                // SAFETY: the products of row i lie in `qp` (stored above); the slot lies inside
                 // row i of `q8` (d <= FUSED_DIM).
                 unsafe {
                     let y = _mm512_loadu_ps(qp.as_ptr().add(i * d + 16 * j));
@@ -998,8 +1000,6 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     };
     if GK {
         let k = &parts[0];
-        // SAFETY: forwarded from this function's contract (keys per row or group); the
-        // buffers are grown to the largest block.
         let (sq, _, lane_sums) = round_query(k, q8, qp);
         // SAFETY: `k` is 4-bit per row or per group (groups of a power of two multiple of 32)
         // with rows of D / 2 bytes; `q8` holds NQ arranged rows of D bytes; row i of `p` (at
@@ -1015,25 +1015,21 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
         let mut at = 0;
         for k in parts {
             let nk = k.rows;
-            // SAFETY: forwarded from this function's contract (each part per channel, D values
-            // a row, 1 to FUSED_ROWS rows in all); the buffers are grown to the largest block.
-            let (s, add, _) = round_query(k, q8, qp);
-            // SAFETY: as above; `dots` holds GROUP · FUSED_ROWS values.
+            let (sq, kadd, _) = round_query(k, q8, qp);
+            // `dots` holds GROUP · FUSED_ROWS values.
             channel_dots(k, &q8[..NQ * D], &mut dots[..NQ * nk]);
-            if parts.len() == 1 {
-                (sq, kadd) = (s, add);
-            } else {
-                for i in 0..NQ {
-                    let (sqv, addv) = (_mm512_set1_ps(s[i]), _mm512_set1_ps(add[i]));
-                    for r in (0..nk.div_ceil(16)).map(|j| 16 * j) {
-                        // SAFETY: the masked lanes lie inside row i of the part's dots and, at
-                        // `at + r`, inside row i of `p` (at + nk <= n <= FUSED_ROWS).
-                        unsafe {
-                            let mask = lanes(nk - r);
-                            let dv = _mm512_maskz_loadu_epi32(mask, dots.as_ptr().add(i * nk + r));
-                            let x = _mm512_add_ps(_mm512_mul_ps(sqv, _mm512_cvtepi32_ps(dv)), addv);
-                            _mm512_mask_storeu_ps(p.as_mut_ptr().add(i * pr + at + r), mask, x);
-                        }
+            // The scores `sq · dot + kadd` (the scores kernel's epilogue) and their maxima.
+            for (i, mx) in mx.iter_mut().enumerate().take(NQ) {
+                let (sqv, addv) = (_mm512_set1_ps(sq[i]), _mm512_set1_ps(kadd[i]));
+                for r in (0..nk.div_ceil(16)).map(|j| 16 * j) {
+                    // SAFETY: the masked lanes lie inside row i of the part's dots and, at
+                    // `at + r`, inside row i of `p` (at + nk <= n <= FUSED_ROWS).
+                    unsafe {
+                        let mask = lanes(nk - r);
+                        let dv = _mm512_maskz_loadu_epi32(mask, dots.as_ptr().add(i * nk + r));
+                        let x = _mm512_add_ps(_mm512_mul_ps(sqv, _mm512_cvtepi32_ps(dv)), addv);
+                        _mm512_mask_storeu_ps(p.as_mut_ptr().add(i * pr + at + r), mask, x);
+                        *mx = _mm512_mask_max_ps(*mx, mask, x, *mx);
                     }
                 }
             }
@@ -1048,28 +1044,16 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     let stride = n.next_multiple_of(8);
     let z = f32::from(intv::center(4));
     let mut top = [f32::NEG_INFINITY; int8::GROUP];
-    for i in 0..NQ {
-        let di = &dots[i * n..(i + 1) * n];
-        let (sqv, addv) = (_mm512_set1_ps(sq[i]), _mm512_set1_ps(kadd[i]));
-        let mut mx = _mm512_set1_ps(m[i]);
-        for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
-            let mask = lanes(n - r);
-            // SAFETY: the masked lanes lie inside `di`; row i of `p` has 16 values of room
-            // past n.
-            unsafe {
-                let s = if scored {
-                    _mm512_loadu_ps(p.as_ptr().add(i * pr + r))
-                } else {
-                    let dv = _mm512_maskz_loadu_epi32(mask, di.as_ptr().add(r));
-                    let s = _mm512_add_ps(_mm512_mul_ps(sqv, _mm512_cvtepi32_ps(dv)), addv);
-                    _mm512_storeu_ps(p.as_mut_ptr().add(i * pr + r), s);
-                    s
-                };
-                // NaN scores are skipped by the maximum (the second operand is returned).
-                mx = _mm512_mask_max_ps(mx, mask, s, mx);
+    for (i, mx) in mx.iter_mut().enumerate().take(NQ) {
+        if GK {
+            for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
+                let mask = lanes(n - r);
+                // SAFETY: row i of `p` has 16 values of room past n.
+                let s = unsafe { _mm512_loadu_ps(p.as_ptr().add(i * pr + r)) };
+                *mx = _mm512_mask_max_ps(*mx, mask, s, *mx);
             }
         }
-        top[i] = _mm512_reduce_max_ps(mx);
+        top[i] = _mm512_reduce_max_ps(*mx);
     }
     let mut factor = [1f32; int8::GROUP];
     {

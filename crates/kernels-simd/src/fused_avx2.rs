@@ -162,16 +162,14 @@ unsafe fn attend<const NQ: usize>(
 ) {
     let (d, n) = (v.dim, v.rows);
     let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw, int8: scratch, scores } = w;
-    let (mut sq, mut kadd) = ([0f32; int8::GROUP], [0f32; int8::GROUP]);
     let k = &parts[0];
-    // Keys per channel in one part: the dots, scaled in step 3; otherwise the scores.
-    let per_channel = matches!(k.params, Params::PerChannel { .. }) && parts.len() == 1;
     if matches!(k.params, Params::PerChannel { .. }) {
         let scores = grown(scores, NQ * n);
         let mut at = 0;
         for k in parts {
             let Params::PerChannel { scale: ks, offset: ko } = k.params else { unreachable!("checked") };
             let nk = k.rows;
+            let mut sq = [0f32; int8::GROUP];
             // 1. The query rows times the channel scales, rounded to int8 and arranged as the
             //    scores kernel rounds and arranges them; what the keys' offsets add, `Σ q · offset`.
             // Written in full by the two calls (d is a multiple of 64), so only grown, never cleared.
@@ -180,7 +178,7 @@ unsafe fn attend<const NQ: usize>(
             unsafe { avx2::round_queries_by::<NQ>(q, ks, q8, &mut sq) };
             // SAFETY: AVX2 (this function's contract).
             unsafe { avx2::arrange4_32(q8, arranged) };
-            kadd = match ko {
+            let kadd = match ko {
                 Some(ko) => offset_dots::<NQ>(q, ko),
                 None => [0.0; int8::GROUP],
             };
@@ -190,13 +188,11 @@ unsafe fn attend<const NQ: usize>(
             // SAFETY: `int8_supported(k)` (checked by the caller): 4-bit rows of d codes, d a
             // multiple of 64; `arranged` holds NQ rows of d bytes, `dots` NQ · nk values.
             unsafe { avx2::int_dots_4bit::<NQ>(k, arranged, dots) };
-            if parts.len() > 1 {
-                // Several parts: each part's scores (the scores kernel's epilogue) in place.
-                for i in 0..NQ {
-                    let row = &mut scores[i * n + at..i * n + at + nk];
-                    for (x, &dot) in row.iter_mut().zip(&dots[i * nk..(i + 1) * nk]) {
-                        *x = sq[i] * dot as f32 + kadd[i];
-                    }
+            // The part's scores (the scores kernel's epilogue), the parts side by side.
+            for i in 0..NQ {
+                let row = &mut scores[i * n + at..i * n + at + nk];
+                for (x, &dot) in row.iter_mut().zip(&dots[i * nk..(i + 1) * nk]) {
+                    *x = sq[i] * dot as f32 + kadd[i];
                 }
             }
             at += nk;
@@ -208,10 +204,10 @@ unsafe fn attend<const NQ: usize>(
         debug_assert!(done, "`attend_int_supported` checked `int8_supported(k)`");
     }
 
-    // 3. The scores (`sq · dot + kadd`, the scores kernel's epilogue), their maxima with the
-    //    running ones, the rescaling factors, the exponentials, their sums and the weights
-    //    `p · scale` rounded to bytes (scale max / 255), zero from n to the stride. Every loop
-    //    runs over the rows with the query rows inside, so that their chains overlap.
+    // 3. The scores' maxima with the running ones, the rescaling factors, the exponentials,
+    //    their sums and the weights `p · scale` rounded to bytes (scale max / 255), zero from n
+    //    to the stride. Every loop runs over the rows with the query rows inside, so that their
+    //    chains overlap.
     let stride = n.next_multiple_of(8);
     let p = grown(p, NQ * stride);
     let mut mx = [_mm256_setzero_ps(); int8::GROUP];
@@ -220,23 +216,14 @@ unsafe fn attend<const NQ: usize>(
     }
     for r in (0..stride).step_by(8) {
         let keep = lanes8(n - r);
-        for i in 0..NQ {
-            // SAFETY: the lanes in `keep` lie inside row i of `dots` or of `scores` (n values
-            // each); row i of `p` holds `stride` values.
+        for (i, mx) in mx.iter_mut().enumerate().take(NQ) {
+            // SAFETY: the lanes in `keep` lie inside row i of `scores` (n values); row i of
+            // `p` holds `stride` values.
             unsafe {
-                let mask = _mm256_castps_si256(keep);
-                let s = if per_channel {
-                    let dv = _mm256_maskload_epi32(dots.as_ptr().add(i * n + r), mask);
-                    _mm256_add_ps(
-                        _mm256_mul_ps(_mm256_set1_ps(sq[i]), _mm256_cvtepi32_ps(dv)),
-                        _mm256_set1_ps(kadd[i]),
-                    )
-                } else {
-                    _mm256_maskload_ps(scores.as_ptr().add(i * n + r), mask)
-                };
+                let s = _mm256_maskload_ps(scores.as_ptr().add(i * n + r), _mm256_castps_si256(keep));
                 _mm256_storeu_ps(p.as_mut_ptr().add(i * stride + r), s);
                 // NaN scores are skipped by the maximum (the second operand is returned).
-                mx[i] = _mm256_blendv_ps(mx[i], _mm256_max_ps(s, mx[i]), keep);
+                *mx = _mm256_blendv_ps(*mx, _mm256_max_ps(s, *mx), keep);
             }
         }
     }

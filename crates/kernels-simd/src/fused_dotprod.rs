@@ -110,9 +110,9 @@ unsafe fn attend<const NQ: usize>(
         at += nk;
     }
 
-    // 3. Per query row: the scores' maximum with the
-    //    running one, the rescaling factor, the exponentials and their sum, then the weights
-    //    `p · scale` rounded to bytes (scale max / 255) and what the offsets and the centre add.
+    // 3. Per query row: the scores' maximum with the running one, the rescaling factor, the
+    //    exponentials and their sum, then the weights `p · scale` rounded to bytes (scale
+    //    max / 255) and what the offsets and the centre add.
     let wb = grown(wb, NQ * n);
     let z = f32::from(crate::intv::center(4));
     let (mut factor, mut sw, mut vadd, mut wsum) =

@@ -698,8 +698,9 @@ pub fn attend_int_fused_parts(
 
 /// Whether a fused kernel whose blocks `supported` accepts takes keys in `parts` with the
 /// values `v`: one part as `supported(part, v)`; several (per-channel keys whose parameters
-/// change every few rows of the values' block) when each is per channel and `supported`
-/// with the values of its own rows, and they cover the values' rows, at most [`FUSED_ROWS`].
+/// change every few rows of the values' block) when the first is `supported` with the values
+/// of its rows, every part is per channel in the first's layout, and they cover the values'
+/// rows, at most [`FUSED_ROWS`].
 #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
 pub(crate) fn parts_supported(
     parts: &[QuantBlock<'_>],
