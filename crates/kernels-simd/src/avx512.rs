@@ -724,6 +724,8 @@ pub(crate) struct FusedScratch {
     wg: Vec<f32>,
     wq: Vec<u32>,
     wx: Vec<i32>,
+    /// How to unpack the rows of each layout of key regions met so far (`-qa` keys).
+    plans: Vec<HeadPlan>,
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -748,7 +750,15 @@ pub(crate) fn attend_int_in(
         return false;
     }
     let k = &parts[0];
-    let (d, g) = (k.dim, int8::GROUP);
+    grow(w);
+    let grouped_keys = matches!(k.params, Params::PerGroup { .. } | Params::PerRow { .. });
+    // SAFETY: `parts_supported` checked the parts with `attend_int_supported`; grown above.
+    unsafe { fused_run(Keys::Parts(parts), grouped_keys, v, q, n_q, state, w) }
+}
+
+/// The buffers of the fused kernel grown to the largest block it takes (once; never shrunk).
+fn grow(w: &mut FusedScratch) {
+    let g = int8::GROUP;
     if w.acc.len() < g * FUSED_DIM {
         w.q8.resize(g * FUSED_DIM, 0);
         w.qp.resize(g * FUSED_DIM, 0.0);
@@ -762,12 +772,227 @@ pub(crate) fn attend_int_in(
         w.wq.resize(g * QUADS * QUAD_GROUPS, 0);
         w.wx.resize(FUSED_DIM / 128 * g * QUADS * 16, 0);
     }
+}
+
+/// Whether [`crate::attend_int_regions_with`] has a kernel for these key regions and values on this
+/// CPU: regions of affine codes of 1 to 8 bits with per-channel parameters, a multiple of 8
+/// channels each, at most 16 of them, tiling the row; values as [`attend_int_supported`]
+/// takes them under INT4 keys (INT4 affine, per row or per group of 32 to 256 values,
+/// head_dim 64, 128 or 256, 1 to 256 rows); at least one query row; AVX-512 VBMI besides
+/// VNNI (`vpermb` and `vpmultishiftqb` unpack the codes).
+pub fn attend_int_regions_supported(
+    regions: &[crate::KeyRegion<'_>],
+    v: &QuantBlock<'_>,
+    n_q: usize,
+) -> bool {
+    let region_ok = |r: &crate::KeyRegion<'_>| {
+        let k = &r.keys;
+        (1..=8).contains(&k.bits)
+            && k.dim.is_multiple_of(8)
+            && matches!(k.levels, Levels::Affine)
+            && matches!(k.params, Params::PerChannel { .. })
+            && k.rows.checked_mul(k.row_bytes).is_some_and(|n| n <= k.codes.len())
+            && k.row_bytes == k.dim * usize::from(k.bits) / 8
+    };
+    let values_ok = v.bits == 4
+        && matches!(v.levels, Levels::Affine)
+        && (1..=FUSED_ROWS).contains(&v.rows)
+        && matches!(v.dim, 64 | 128 | 256)
+        && (matches!(v.params, Params::PerRow { .. }) || crate::lane_groups(v));
+    n_q >= 1
+        && regions.len() <= MAX_REGIONS
+        && crate::regions_tile(regions, v)
+        && values_ok
+        && regions.iter().all(region_ok)
+        && cpu_ok()
+        && std::arch::is_x86_feature_detected!("avx512vl")
+        && std::arch::is_x86_feature_detected!("avx512vbmi")
+}
+
+/// Most key regions a fused call takes.
+const MAX_REGIONS: usize = 16;
+
+/// The fused kernel of [`crate::attend_int_regions_with`]: keys in channel regions (`-qa`),
+/// each region's rows unpacked to one code a byte (`vpermb` and `vpmultishiftqb`, as a
+/// [`RegionPlan`] says) and dotted with its columns of the query rounded to int8 with a scale
+/// of its own, the regions' scores added, then the softmax step and the value sum of
+/// [`attend_int_in`]. Returns `false`, changing nothing, when [`attend_int_regions_supported`]
+/// is false or a value scale is negative or NaN.
+pub(crate) fn attend_int_regions_in(
+    regions: &[crate::KeyRegion<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: crate::Online<'_>,
+    w: &mut FusedScratch,
+) -> bool {
+    if !attend_int_regions_supported(regions, v, n_q) {
+        return false;
+    }
+    grow(w);
+    // The plan of these regions' layout first (a head's blocks share one).
+    match w.plans.iter().position(|p| p.fits(regions)) {
+        Some(0) => {}
+        Some(j) => w.plans.swap(0, j),
+        None => {
+            let shapes: Vec<(usize, u8)> = regions.iter().map(|r| (r.keys.dim, r.keys.bits)).collect();
+            w.plans.insert(0, HeadPlan::new(&shapes));
+        }
+    }
+    // SAFETY: checked above; grown above, with the regions' plan first.
+    unsafe { fused_run(Keys::Regions(regions), false, v, q, n_q, state, w) }
+}
+
+/// One plane's bits of some codes of a region's row, placed in the bytes of their channels
+/// among 64: the row's bytes at `at ..` loaded under `mask`, byte `idx[k]` of them moved to
+/// byte `k` (`vpermb`), the 8 bits from `ctrl[k]` of its 64-bit lane taken
+/// (`vpmultishiftqb`, so that the code's field lands at the plane's shift), `keep[k]` of them
+/// kept (zero in the bytes of other pieces).
+#[derive(Clone)]
+struct PlanePiece {
+    region: usize,
+    at: usize,
+    mask: u64,
+    idx: [u8; 64],
+    ctrl: [u8; 64],
+    keep: [u8; 64],
+}
+
+/// How to unpack a row of keys in channel regions of these shapes (`(channels, bits)` each,
+/// in order) to a code a byte, 64 channels at a time: the pieces of channels `64v ..` are
+/// `pieces[starts[v]..starts[v + 1]]`, or-ed together; `lane_region[v][l]` is the region of
+/// channels `64v + 4l ..` (regions are whole multiples of 8 channels).
+#[derive(Clone)]
+struct HeadPlan {
+    shapes: Vec<(usize, u8)>,
+    pieces: Vec<PlanePiece>,
+    starts: Vec<usize>,
+    lane_region: Vec<[i32; 16]>,
+}
+
+impl HeadPlan {
+    /// The plan of the layout `kvq_quant_core::pack` writes: a plane of width `w < 8` in
+    /// chunks of `16 · 8 / w` codes filling 16 bytes, byte `j` holding code `j + 16 f` in field
+    /// `f` (bits `f · w ..`); a last, shorter chunk of `r` codes in `s = ⌈r w / 8⌉` bytes with
+    /// stride `s`. A piece's bytes span at most 64 (split where they would not).
+    fn new(shapes: &[(usize, u8)]) -> Self {
+        let d: usize = shapes.iter().map(|s| s.0).sum();
+        let chunks = d.div_ceil(64);
+        let mut by_chunk: Vec<Vec<PlanePiece>> = vec![Vec::new(); chunks];
+        let mut lane_region = vec![[0i32; 16]; chunks];
+        let mut first = 0;
+        for (region, &(dim, bits)) in shapes.iter().enumerate() {
+            for a in (first..first + dim).step_by(4) {
+                lane_region[a / 64][(a % 64) / 4] = region as i32;
+            }
+            let (mut base, mut shift) = (0usize, 0usize);
+            for &w in kvq_quant_core::pack::planes(bits) {
+                let w = usize::from(w);
+                // Byte and bit of code `i` in the plane.
+                let loc = |i: usize| -> (usize, usize) {
+                    if w == 8 {
+                        return (i, 0);
+                    }
+                    let per = 8 / w;
+                    let chunk = 16 * per;
+                    let whole = dim / chunk * chunk;
+                    if i < whole {
+                        let j = i % chunk;
+                        (i / chunk * 16 + j % 16, j / 16 * w)
+                    } else {
+                        let s = (dim - whole).div_ceil(per);
+                        let j = i - whole;
+                        (whole / chunk * 16 + j % s, j / s * w)
+                    }
+                };
+                // The plane's codes in groups: a new group at each 64 channels, or where its
+                // bytes would span more than 64.
+                let mut group: Vec<(usize, usize, usize)> = Vec::new();
+                let mut close = |group: &mut Vec<(usize, usize, usize)>| {
+                    let Some(&(a0, _, _)) = group.first() else { return };
+                    let lo = group.iter().map(|g| g.1).min().unwrap_or(0);
+                    let hi = group.iter().map(|g| g.1).max().unwrap_or(0);
+                    let len = hi + 1 - lo;
+                    let mut pc = PlanePiece {
+                        region,
+                        at: base + lo,
+                        mask: if len >= 64 { u64::MAX } else { (1u64 << len) - 1 },
+                        idx: [0; 64],
+                        ctrl: [0; 64],
+                        keep: [0; 64],
+                    };
+                    for &(a, byte, bit) in group.iter() {
+                        let k = a % 64;
+                        pc.idx[k] = (byte - lo) as u8;
+                        // The field's bits from bit `shift` of byte k (wrapping in its 64-bit lane).
+                        pc.ctrl[k] = ((8 * (k % 8) + bit + 64 - shift) % 64) as u8;
+                        pc.keep[k] = (((1u32 << w) - 1) << shift) as u8;
+                    }
+                    by_chunk[a0 / 64].push(pc);
+                    group.clear();
+                };
+                for i in 0..dim {
+                    let (a, (byte, bit)) = (first + i, loc(i));
+                    if let Some(&(a0, _, _)) = group.first() {
+                        let lo = group.iter().map(|g| g.1).min().unwrap_or(byte).min(byte);
+                        let hi = group.iter().map(|g| g.1).max().unwrap_or(byte).max(byte);
+                        if a0 / 64 != a / 64 || hi - lo >= 64 {
+                            close(&mut group);
+                        }
+                    }
+                    group.push((a, byte, bit));
+                }
+                close(&mut group);
+                base += dim * w / 8;
+                shift += w;
+            }
+            first += dim;
+        }
+        let mut starts = vec![0];
+        let mut pieces = Vec::new();
+        for chunk in by_chunk {
+            pieces.extend(chunk);
+            starts.push(pieces.len());
+        }
+        Self { shapes: shapes.to_vec(), pieces, starts, lane_region }
+    }
+
+    /// Whether this is the plan of `regions`' shapes.
+    fn fits(&self, regions: &[crate::KeyRegion<'_>]) -> bool {
+        self.shapes.len() == regions.len()
+            && self.shapes.iter().zip(regions).all(|(&(d, b), r)| r.keys.dim == d && r.keys.bits == b)
+    }
+}
+
+/// The keys of a fused call: token parts (one block, or per-channel blocks of consecutive
+/// rows), or channel regions (`-qa` keys).
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    Parts(&'a [QuantBlock<'a>]),
+    Regions(&'a [crate::KeyRegion<'a>]),
+}
+
+/// The fused kernel's monomorphizations, by query group size, head_dim and layouts.
+///
+/// # Safety
+/// [`attend_int_supported`] for the parts of `keys` as [`crate::parts_supported`] checks
+/// them, or [`attend_int_regions_supported`] for its regions; `grouped_keys` exactly when the
+/// parts are per row or per group; `w` grown by [`grow`].
+unsafe fn fused_run(
+    keys: Keys<'_>,
+    grouped_keys: bool,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: crate::Online<'_>,
+    w: &mut FusedScratch,
+) -> bool {
+    let d = v.dim;
     let grouped = matches!(v.params, Params::PerGroup { .. });
-    let grouped_keys = matches!(k.params, Params::PerGroup { .. } | Params::PerRow { .. });
     crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
-        // SAFETY: `attend_int_supported` checked the CPU, the widths, the layouts and the sizes
-        // against the buffers' (grown above to the largest block); `fused_groups` checked the
-        // value scales and the shapes.
+        // SAFETY: the callers checked the CPU, the widths, the layouts and the sizes against
+        // the buffers' (grown to the largest block); `fused_groups` checked the value scales
+        // and the shapes.
         unsafe {
             // One monomorphization per query group size, head_dim (64, 128, else 256) and
             // layout of the keys' and the values' parameters (per channel, or per row or
@@ -775,18 +1000,18 @@ pub(crate) fn attend_int_in(
             macro_rules! by_shape {
                 ($gk:literal, $gv:literal) => {
                     match (nq, d) {
-                        (1, 64) => attend4::<1, 64, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (2, 64) => attend4::<2, 64, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (3, 64) => attend4::<3, 64, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (_, 64) => attend4::<4, 64, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (1, 128) => attend4::<1, 128, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (2, 128) => attend4::<2, 128, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (3, 128) => attend4::<3, 128, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (_, 128) => attend4::<4, 128, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (1, _) => attend4::<1, 256, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (2, _) => attend4::<2, 256, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (3, _) => attend4::<3, 256, $gk, $gv>(parts, v, q, m, l, o, w),
-                        (_, _) => attend4::<4, 256, $gk, $gv>(parts, v, q, m, l, o, w),
+                        (1, 64) => attend4::<1, 64, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (2, 64) => attend4::<2, 64, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (3, 64) => attend4::<3, 64, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (_, 64) => attend4::<4, 64, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (1, 128) => attend4::<1, 128, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (2, 128) => attend4::<2, 128, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (3, 128) => attend4::<3, 128, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (_, 128) => attend4::<4, 128, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (1, _) => attend4::<1, 256, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (2, _) => attend4::<2, 256, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (3, _) => attend4::<3, 256, $gk, $gv>(keys, v, q, m, l, o, w),
+                        (_, _) => attend4::<4, 256, $gk, $gv>(keys, v, q, m, l, o, w),
                     }
                 };
             }
@@ -816,7 +1041,7 @@ fn lanes(len: usize) -> __mmask16 {
 /// `GK` exactly when `k` is per group, `GV` exactly when `v` is.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
 unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: bool>(
-    parts: &[QuantBlock<'_>],
+    keys: Keys<'_>,
     v: &QuantBlock<'_>,
     q: &[f32],
     m: &mut [f32],
@@ -824,7 +1049,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     o: &mut [f32],
     w: &mut FusedScratch,
 ) {
-    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx } = w;
+    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx, plans } = w;
     use int8::MAGIC;
     let (d, n) = (D, v.rows);
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
@@ -998,7 +1223,15 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
             unsafe { vdots::<4, NQ>(k, 0..n, &q8[..NQ * d], &mut dots[..NQ * n]) };
         }
     };
-    if GK {
+    // Keys per group or row, and key regions: the maxima are taken from `p` in step 3.
+    let late_max = GK || matches!(keys, Keys::Regions(_));
+    if let Keys::Regions(regions) = keys {
+        // SAFETY: `attend_int_regions_supported` checked VBMI and the regions; the buffers
+        // are grown and the regions' plan is the first (`attend_int_regions_in`); `p`'s rows
+        // are `FUSED_ROWS + 16` apart.
+        unsafe { region_scores::<NQ, D>(regions, q, q8, qp, p, &plans[0]) };
+    } else if GK {
+        let Keys::Parts(parts) = keys else { unreachable!("parts") };
         let k = &parts[0];
         let (sq, _, lane_sums) = round_query(k, q8, qp);
         // SAFETY: `k` is 4-bit per row or per group (groups of a power of two multiple of 32)
@@ -1011,7 +1244,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
                 grouped_key_scores::<NQ, D>(k, &q8[..NQ * D], &sq, &lane_sums, p)
             }
         };
-    } else {
+    } else if let Keys::Parts(parts) = keys {
         let mut at = 0;
         for k in parts {
             let nk = k.rows;
@@ -1045,7 +1278,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     let z = f32::from(intv::center(4));
     let mut top = [f32::NEG_INFINITY; int8::GROUP];
     for (i, mx) in mx.iter_mut().enumerate().take(NQ) {
-        if GK {
+        if late_max {
             for r in (0..n.div_ceil(16)).map(|j| 16 * j) {
                 let mask = lanes(n - r);
                 // SAFETY: row i of `p` has 16 values of room past n.
@@ -1162,6 +1395,179 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
             }
         }
     }
+}
+
+/// Steps 1-2 of [`attend4`] for keys in channel regions: each region's columns of the `NQ`
+/// query rows times its channel scales, rounded to int8 with a scale of its own (`sq`, one
+/// per region and query row) into one row of bytes in the keys' channel order; each key row
+/// unpacked to a code a byte, every region into its channels' bytes, 64 channels at a time
+/// ([`HeadPlan`]: `vpermb` and `vpmultishiftqb`); each 64 bytes dotted with the query's
+/// (`vpdpbusd`), every 4-channel lane scaled by its region's `sq` and summed in floats, so that
+/// a row takes one reduction whatever its regions; the scores `Σ sq · dot + Σ kadd` into `p`
+/// (row `i` at `i · (FUSED_ROWS + 16)`), four rows at a time. Compiled with VBMI, which the
+/// other fused kernels do not need.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL, VNNI and VBMI; [`attend_int_regions_supported`]
+/// for `regions` with values of `D` channels; `q` holds `NQ` rows of `D`; the buffers are
+/// grown by [`grow`]; `plan` is the [`HeadPlan`] of the regions' shapes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx512vbmi,avx2,fma,f16c")]
+unsafe fn region_scores<const NQ: usize, const D: usize>(
+    regions: &[crate::KeyRegion<'_>],
+    q: &[f32],
+    q8: &mut [u8],
+    qp: &mut [f32],
+    p: &mut [f32],
+    plan: &HeadPlan,
+) {
+    use int8::MAGIC;
+    let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+    let pr = FUSED_ROWS + 16;
+    let n = regions[0].keys.rows;
+    assert!(
+        q.len() >= NQ * D
+            && q8.len() >= NQ * D
+            && qp.len() >= NQ * D
+            && p.len() >= NQ * pr
+            && n + 4 <= pr
+            && plan.starts.len() == D / 64 + 1
+            && regions.len() <= 16
+            && plan.pieces.iter().all(|pc| pc.region < regions.len()),
+        "the query rows, the grown buffers and the plan"
+    );
+    // 1. Each region's query columns times its channel scales, rounded (`round_query`'s
+    //    algebra per region); `sqs[i]` holds row i's scale of each region (lane = region),
+    //    `kadd[i]` what all the regions' offsets add.
+    let mut sqs = [[0f32; 16]; int8::GROUP];
+    let mut kadd = [0f32; int8::GROUP];
+    for (j, r) in regions.iter().enumerate() {
+        let k = &r.keys;
+        let Params::PerChannel { scale, offset } = k.params else { unreachable!("checked") };
+        let c = k.dim;
+        let (mut qmax, mut qnan) = ([0f32; int8::GROUP], [false; int8::GROUP]);
+        for i in 0..NQ {
+            let (mut mx, mut any, mut dot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+            for t in (0..c.div_ceil(16)).map(|j| 16 * j) {
+                let mask = lanes(c - t);
+                // SAFETY: the masked lanes lie inside the region's columns of query row i
+                // (first + c <= D), its scales and offsets, and row i of `qp`.
+                unsafe {
+                    let x = _mm512_maskz_loadu_ps(mask, q.as_ptr().add(i * D + r.first + t));
+                    let y = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(mask, scale.as_ptr().add(t)));
+                    _mm512_mask_storeu_ps(qp.as_mut_ptr().add(i * D + r.first + t), mask, y);
+                    mx = _mm512_max_ps(_mm512_abs_ps(y), mx);
+                    any = _mm512_add_ps(any, y);
+                    if let Some(ko) = offset {
+                        dot = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mask, ko.as_ptr().add(t)), dot);
+                    }
+                }
+            }
+            kadd[i] += _mm512_reduce_add_ps(dot);
+            qmax[i] = _mm512_reduce_max_ps(mx);
+            qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
+        }
+        let (sq, qinv) = int8::scales_of4(qmax, qnan, 127.0);
+        for (i, &inv) in qinv.iter().enumerate().take(NQ) {
+            sqs[i][j] = sq[i];
+            let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+            for t in (0..c.div_ceil(16)).map(|j| 16 * j) {
+                let mask = lanes(c - t);
+                // SAFETY: the masked lanes lie in the region's columns of row i of `qp`
+                // (written above) and of `q8` (NQ rows of D bytes).
+                unsafe {
+                    let at = i * D + r.first + t;
+                    let y = _mm512_maskz_loadu_ps(mask, qp.as_ptr().add(at));
+                    let y = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(y, invv), hi), lo);
+                    let x = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
+                    _mm_mask_storeu_epi8(q8.as_mut_ptr().add(at).cast(), mask, _mm512_cvtepi32_epi8(x));
+                }
+            }
+        }
+    }
+    // Each (query row, 64 channels)'s lane scales: lane l takes the `sq` of the region of
+    // channels 64v + 4l ..
+    let mut lane_sq = [[_mm512_setzero_ps(); int8::GROUP]; FUSED_DIM / 64];
+    for (row, at) in lane_sq.iter_mut().zip(&plan.lane_region).take(D / 64) {
+        // SAFETY: each entry of `lane_region` holds 16 i32 (regions < 16).
+        let at = unsafe { _mm512_loadu_si512(at.as_ptr().cast()) };
+        for (x, sq) in row.iter_mut().zip(&sqs).take(NQ) {
+            // SAFETY: `sq` holds 16 floats.
+            *x = _mm512_permutexvar_ps(at, unsafe { _mm512_loadu_ps(sq.as_ptr()) });
+        }
+    }
+    // 2. Four rows at a time: each (row, query row)'s float sum of scaled lane dots, reduced
+    //    per query row into the scores of the four rows (one 16-byte store).
+    let bases: [(*const u8, usize); 16] = std::array::from_fn(|j| {
+        regions.get(j).map_or((std::ptr::null(), 0), |r| (r.keys.codes.as_ptr(), r.keys.row_bytes))
+    });
+    let zero = _mm512_setzero_si512();
+    let mut r0 = 0;
+    while r0 < n {
+        // Chunk by chunk, so that its query bytes and lane scales stay in registers across
+        // the four rows (a constant count: the sums stay in registers too).
+        let mut acc = [[_mm512_setzero_ps(); int8::GROUP]; 4];
+        for (v, lsq) in lane_sq.iter().enumerate().take(D / 64) {
+            let mut qv = [zero; int8::GROUP];
+            for (i, x) in qv.iter_mut().enumerate().take(NQ) {
+                // SAFETY: chunk v of query row i lies in `q8` (64 · v + 64 <= D).
+                *x = unsafe { _mm512_loadu_si512(q8.as_ptr().add(i * D + 64 * v).cast()) };
+            }
+            let pieces = &plan.pieces[plan.starts[v]..plan.starts[v + 1]];
+            for (jr, a) in acc.iter_mut().enumerate() {
+                let row = r0 + jr;
+                if row >= n {
+                    break;
+                }
+                let mut codes = zero;
+                for pc in pieces {
+                    let (base, rb) = bases[pc.region];
+                    // SAFETY: row < n, the region's rows (checked: whole rows in its codes);
+                    // the plan's bytes `at .. at + len` lie in a packed row of the region; its
+                    // tables hold 64 bytes each.
+                    unsafe {
+                        let x = _mm512_maskz_loadu_epi8(pc.mask, base.add(row * rb + pc.at).cast());
+                        let x = _mm512_permutexvar_epi8(_mm512_loadu_si512(pc.idx.as_ptr().cast()), x);
+                        let x = _mm512_multishift_epi64_epi8(_mm512_loadu_si512(pc.ctrl.as_ptr().cast()), x);
+                        codes = _mm512_ternarylogic_epi64::<0xf8>(
+                            codes,
+                            x,
+                            _mm512_loadu_si512(pc.keep.as_ptr().cast()),
+                        );
+                    }
+                }
+                for ((a, &q), &s) in a.iter_mut().zip(&qv).zip(lsq).take(NQ) {
+                    let d = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, codes, q));
+                    *a = _mm512_fmadd_ps(d, s, *a);
+                }
+            }
+        }
+        for i in 0..NQ {
+            let rows = [acc[0][i], acc[1][i], acc[2][i], acc[3][i]];
+            let sums = _mm_add_ps(hsum4_ps(&rows), _mm_set1_ps(kadd[i]));
+            // SAFETY: r0 + 4 <= n + 3 < pr: inside row i of `p` (16 values of room past n).
+            unsafe { _mm_storeu_ps(p.as_mut_ptr().add(i * pr + r0), sums) };
+        }
+        r0 += 4;
+    }
+}
+
+/// The sums of the 16 lanes of each of 4 float accumulators, in order ([`lane_sums4`]'s
+/// interleaving on floats, then the four 128-bit lanes added).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn hsum4_ps(a: &[__m512; 4]) -> __m128 {
+    let t0 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    let t1 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    let (t0, t1) = (_mm512_castps_pd(t0), _mm512_castps_pd(t1));
+    let u = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t1)),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t1)),
+    );
+    let y = _mm256_add_ps(
+        _mm512_castps512_ps256(u),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(u))),
+    );
+    _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps::<1>(y))
 }
 
 /// Step 2 of [`attend4`] for INT4 keys per group (`int4-g32`) or per row (`int4-token`, one
@@ -1908,6 +2314,73 @@ unsafe fn vsums_bytes64<const NQ: usize, const GW: bool>(
             for (at, x) in parts {
                 // SAFETY: at + 8 <= 64, inside query row i of `acc`.
                 unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(at).cast(), x) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HeadPlan;
+
+    /// What the pieces of chunk `v` of `plan` give for the packed rows `rows` (one per region),
+    /// the instructions emulated: `vpermb` of the loaded bytes, `vpmultishiftqb`, the mask.
+    fn unpack(plan: &HeadPlan, rows: &[Vec<u8>], v: usize) -> [u8; 64] {
+        let mut codes = [0u8; 64];
+        for pc in &plan.pieces[plan.starts[v]..plan.starts[v + 1]] {
+            let row = &rows[pc.region];
+            let window: Vec<u8> =
+                (0..64).map(|j| if pc.mask >> j & 1 == 1 { row[pc.at + j] } else { 0 }).collect();
+            let moved: Vec<u8> = pc.idx.iter().map(|&i| window[usize::from(i) & 63]).collect();
+            for k in 0..64 {
+                let lane = u64::from_le_bytes(moved[k / 8 * 8..k / 8 * 8 + 8].try_into().unwrap());
+                let picked = lane.rotate_right(u32::from(pc.ctrl[k] & 63)) as u8;
+                codes[k] |= picked & pc.keep[k];
+            }
+        }
+        codes
+    }
+
+    /// Every layout of regions the fused kernel takes unpacks to the codes `pack` stored: each
+    /// width 1 to 8 at every multiple of 8 channels up to 256 and every start that leaves room,
+    /// beside a region of 8-bit codes before and after it; the lanes name their regions.
+    #[test]
+    fn head_plans_unpack_every_region_layout() {
+        let mut rng = kvq_quant_core::synth::Rng::new(7);
+        for bits in 1..=8u8 {
+            for dim in (8..=256).step_by(8) {
+                for first in (0..=256 - dim).step_by(8) {
+                    let rest = 256 - dim - first;
+                    let mut shapes = Vec::new();
+                    if first > 0 {
+                        shapes.push((first, 8u8));
+                    }
+                    shapes.push((dim, bits));
+                    if rest > 0 {
+                        shapes.push((rest, 3u8));
+                    }
+                    let plan = HeadPlan::new(&shapes);
+                    let mut want = Vec::new();
+                    let rows: Vec<Vec<u8>> = shapes
+                        .iter()
+                        .map(|&(c, b)| {
+                            let codes: Vec<u8> = (0..c).map(|_| rng.below(1u64 << b) as u8).collect();
+                            want.extend_from_slice(&codes);
+                            kvq_quant_core::pack::pack(&codes, b).unwrap()
+                        })
+                        .collect();
+                    for v in 0..4 {
+                        let got = unpack(&plan, &rows, v);
+                        assert_eq!(got[..], want[64 * v..64 * v + 64], "{shapes:?} chunk {v}");
+                    }
+                    let mut at = 0;
+                    for (j, &(c, _)) in shapes.iter().enumerate() {
+                        for a in (at..at + c).step_by(4) {
+                            assert_eq!(plan.lane_region[a / 64][a % 64 / 4], j as i32, "{shapes:?}");
+                        }
+                        at += c;
+                    }
+                }
             }
         }
     }

@@ -610,7 +610,7 @@ fn fused_shapes(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
 /// Whether `b` is per group with groups of 32, 64, 128 or 256 values (a power of two
 /// multiple of 32: whole 16-byte lanes of 4-bit codes).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn lane_groups(b: &QuantBlock<'_>) -> bool {
+pub(crate) fn lane_groups(b: &QuantBlock<'_>) -> bool {
     matches!(b.params, Params::PerGroup { group, .. } if group.is_multiple_of(32) && group.is_power_of_two())
 }
 
@@ -819,6 +819,115 @@ pub fn attend_int_parts_in(
     }
     let _ = (backend, scratch);
     Ok(false)
+}
+
+/// One width's channels of a row of keys stored with bits per channel (`-qa` specs): the
+/// per-channel block of those channels' codes, channels `first .. first + keys.dim` of the
+/// row (in the order the cache stores them).
+#[derive(Debug, Clone, Copy)]
+pub struct KeyRegion<'a> {
+    /// The region's first channel in the row.
+    pub first: usize,
+    /// Its codes and per-channel parameters, `keys.dim` channels of every row.
+    pub keys: QuantBlock<'a>,
+}
+
+/// Whether `regions` tile the values' head_dim in order (each starting where the last ended,
+/// the first at 0, none empty) with the values' rows.
+pub(crate) fn regions_tile(regions: &[KeyRegion<'_>], v: &QuantBlock<'_>) -> bool {
+    let mut at = 0;
+    for r in regions {
+        if r.first != at || r.keys.dim == 0 || r.keys.rows != v.rows {
+            return false;
+        }
+        at += r.keys.dim;
+    }
+    !regions.is_empty() && at == v.dim
+}
+
+/// [`attend_int_with`] for keys stored in channel regions of their own widths (`-qa` specs:
+/// each [`KeyRegion`] a per-channel block of some of the row's channels), against one block
+/// of values of the same rows: each region scored with its columns of the query rows
+/// ([`scores_int8_with`], the query rounded to int8 per region), the regions' scores added,
+/// then one online softmax step and one sum of the values, as for one block
+/// ([`scalar::attend_int_regions`] is the reference). The AVX-512 kernel with VBMI takes
+/// affine per-channel regions of 1 to 8 bits and a multiple of 8 channels with values as
+/// [`attend_int_with`] takes them (see `avx512::attend_int_regions_supported`); elsewhere it
+/// returns `Ok(false)`, changing nothing, and the caller runs the separate kernels.
+///
+/// # Errors
+/// [`KernelError::Shape`] when the regions do not tile the values' head_dim in order with the
+/// values' rows, or `q` and `state` do not hold `n_q` rows.
+pub fn attend_int_regions_with(
+    backend: Backend,
+    regions: &[KeyRegion<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+) -> Result<bool, KernelError> {
+    with_scratch(|w| attend_int_regions_in(backend, w, regions, v, q, n_q, state))
+}
+
+/// [`attend_int_regions_with`] with the caller's [`Scratch`], as [`scores_in`].
+///
+/// # Errors
+/// As [`attend_int_regions_with`].
+pub fn attend_int_regions_in(
+    backend: Backend,
+    scratch: &mut Scratch,
+    regions: &[KeyRegion<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+) -> Result<bool, KernelError> {
+    let d = v.dim;
+    check(
+        regions_tile(regions, v)
+            && q.len() == n_q * d
+            && state.m.len() == n_q
+            && state.l.len() == n_q
+            && state.o.len() == n_q * d,
+        || {
+            let keys: Vec<String> = regions
+                .iter()
+                .map(|r| format!("{} × {} from {}", r.keys.rows, r.keys.dim, r.first))
+                .collect();
+            format!(
+                "key regions [{}], values {} × {}, {n_q} query rows: {} query values, state {} / {} / {}",
+                keys.join(", "),
+                v.rows,
+                v.dim,
+                q.len(),
+                state.m.len(),
+                state.l.len(),
+                state.o.len()
+            )
+        },
+    )?;
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 {
+        return Ok(avx512::attend_int_regions_in(regions, v, q, n_q, state, &mut scratch.fused));
+    }
+    let _ = (backend, scratch);
+    Ok(false)
+}
+
+/// Whether [`attend_int_regions_with`] runs a fused kernel for such regions and values and
+/// `n_q` query rows on `backend` (it still declines a block whose value scales are negative).
+pub fn attend_int_fused_regions(
+    backend: Backend,
+    regions: &[KeyRegion<'_>],
+    v: &QuantBlock<'_>,
+    n_q: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 {
+        return avx512::attend_int_regions_supported(regions, v, n_q);
+    }
+    let _ = (backend, regions, v, n_q);
+    false
 }
 
 /// Widens little-endian f16 values (`bytes`, any alignment) into `out`: the first

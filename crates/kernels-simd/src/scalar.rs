@@ -127,7 +127,7 @@ pub fn attend_int_parts(
     if ks.is_empty() || ks.iter().any(|k| !affine(k) || k.dim != v.dim) || !affine(v) || rows != v.rows {
         return false;
     }
-    let (n, d) = (v.rows, v.dim);
+    let n = v.rows;
     let mut s = vec![0f32; n_q * n];
     let mut part = Vec::new();
     let mut at = 0;
@@ -139,6 +139,47 @@ pub fn attend_int_parts(
         }
         at += k.rows;
     }
+    softmax_values(s, v, n_q, crate::Online { m, l, o })
+}
+
+/// The reference of `kvq_kernels_simd::attend_int_regions_with`: [`attend_int`] with the keys
+/// in channel regions (`-qa` keys: each width's channels a per-channel block of their own,
+/// side by side along the row): each region scored by [`scores_int8`] with its columns of the
+/// query rows, the regions' scores added in order (as decode's separate kernels add them),
+/// then one online softmax step and one value sum. Returns `false`, changing nothing, where
+/// the integer paths do not apply (levels that are not affine) or the regions do not tile the
+/// values' head_dim in order with the values' rows.
+pub fn attend_int_regions(
+    regions: &[crate::KeyRegion<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: crate::Online<'_>,
+) -> bool {
+    let affine = |b: &QuantBlock<'_>| matches!(b.levels, crate::block::Levels::Affine);
+    if !crate::regions_tile(regions, v) || regions.iter().any(|r| !affine(&r.keys)) || !affine(v) {
+        return false;
+    }
+    let (n, d) = (v.rows, v.dim);
+    let mut s = vec![0f32; n_q * n];
+    let (mut qr, mut part) = (Vec::new(), vec![0f32; n_q * n]);
+    for r in regions {
+        let c = r.keys.dim;
+        qr.clear();
+        for row in q.chunks_exact(d) {
+            qr.extend_from_slice(&row[r.first..r.first + c]);
+        }
+        scores_int8(&r.keys, &qr, n_q, &mut part);
+        s.iter_mut().zip(&part).for_each(|(x, y)| *x += y);
+    }
+    softmax_values(s, v, n_q, state)
+}
+
+/// The online softmax step over `s` (`n_q` rows of the block's scores) and the integer sum
+/// of the values `v` of [`attend_int_parts`].
+fn softmax_values(mut s: Vec<f32>, v: &QuantBlock<'_>, n_q: usize, state: crate::Online<'_>) -> bool {
+    let crate::Online { m, l, o } = state;
+    let (n, d) = (v.rows, v.dim);
     for i in 0..n_q {
         let row = &mut s[i * n..(i + 1) * n];
         let top = row.iter().fold(m[i], |a, &x| if x > a { x } else { a });

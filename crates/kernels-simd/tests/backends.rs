@@ -1285,9 +1285,21 @@ fn decode_turn_matches_the_reference() {
     assert!(decode_turn_with(Backend::Scalar, &odd, &mut [0f32; 3]).is_err());
 }
 
-/// A case of affine codes with parameters per channel (`per_channel`) or per row.
+/// A case of affine INT4 codes with parameters per channel (`per_channel`) or per row.
 fn affine_case(rng: &mut Rng, rows: usize, dim: usize, per_channel: bool, special: u8) -> Case {
-    let mut case = Case::random(rng, rows, dim, 4, special);
+    affine_bits_case(rng, rows, dim, 4, per_channel, special)
+}
+
+/// [`affine_case`] with codes of `bits` bits.
+fn affine_bits_case(
+    rng: &mut Rng,
+    rows: usize,
+    dim: usize,
+    bits: u8,
+    per_channel: bool,
+    special: u8,
+) -> Case {
+    let mut case = Case::random(rng, rows, dim, bits, special);
     case.levels_kind = 0;
     case.with_offset = true;
     if case.per_channel != per_channel {
@@ -1684,6 +1696,155 @@ fn fused_attention_over_key_parts_matches_its_reference() {
     if available().contains(&Backend::Dotprod) {
         for dim in [64, 128, 256] {
             assert!(ran.contains(&(Backend::Dotprod, dim, false)), "dotprod parts at {dim}");
+        }
+    }
+    let _ = ran;
+}
+
+/// Keys in channel regions of their own widths (`-qa` keys: each width's channels a
+/// per-channel block) against one block of values, in one fused call, against its reference:
+/// each region's scores by the integer scores kernel with its columns of the query, added,
+/// one softmax step and one value sum. Every width from 1 to 8 bits, regions of 8 to 200
+/// channels, tails of rows. Tolerances as the one-block test's. Regions that do not tile the
+/// row are errors; regions of other levels are refused and change nothing.
+#[test]
+fn fused_attention_over_key_regions_matches_its_reference() {
+    use kvq_kernels_simd::{KeyRegion, Online, attend_int_fused_regions, attend_int_regions_with};
+    let mut rng = Rng::new(0x4e91);
+    let mut ran = std::collections::BTreeSet::new();
+    let splits: [(usize, &[(u8, usize)]); 7] = [
+        (128, &[(3, 32), (4, 64), (5, 32)]),
+        (128, &[(1, 32), (2, 64), (3, 32)]),
+        (128, &[(5, 128)]),
+        (64, &[(1, 8), (2, 8), (3, 8), (4, 8), (5, 8), (6, 8), (7, 8), (8, 8)]),
+        (64, &[(2, 8), (6, 16), (7, 8), (8, 32)]),
+        (256, &[(4, 200), (8, 56)]),
+        (256, &[(3, 72), (5, 136), (2, 48)]),
+    ];
+    for backend in available() {
+        for (dim, split) in splits {
+            for rows in [32usize, 7, 129] {
+                for (special, group) in [(0u8, None), (5, None), (6, None), (1, None), (2, Some(32usize))] {
+                    let kcs: Vec<_> = split
+                        .iter()
+                        .map(|&(bits, c)| {
+                            affine_bits_case(
+                                &mut rng,
+                                rows,
+                                c,
+                                bits,
+                                true,
+                                if special == 5 { 0 } else { special },
+                            )
+                        })
+                        .collect();
+                    let mut vc = affine_case(&mut rng, rows, dim, false, special);
+                    if let Some(g) = group {
+                        vc = vc.grouped(g);
+                        for (s, f) in vc.scale.iter_mut().zip(vc.offset.iter_mut()) {
+                            (*s, *f) = (rng.uniform() as f32 + 0.01, rng.normal() as f32);
+                        }
+                    }
+                    let mut first = 0;
+                    let regions: Vec<KeyRegion<'_>> = kcs
+                        .iter()
+                        .map(|c| {
+                            let r = KeyRegion { first, keys: c.block() };
+                            first += c.dim;
+                            r
+                        })
+                        .collect();
+                    let v = vc.block();
+                    for n_q in [1usize, 2, 3, 4, 8] {
+                        let spread = if special == 6 { 40.0 } else { 1.0 };
+                        let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32 * spread).collect();
+                        let m0: Vec<f32> = (0..n_q).map(|_| rng.normal() as f32 * 3.0).collect();
+                        let l0: Vec<f32> = (0..n_q).map(|_| rng.uniform() as f32 * 5.0 + 0.5).collect();
+                        let o0: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+                        let (mut m, mut l, mut o) = (m0.clone(), l0.clone(), o0.clone());
+                        let state = Online { m: &mut m, l: &mut l, o: &mut o };
+                        let fused = attend_int_fused_regions(backend, &regions, &v, n_q);
+                        let done = attend_int_regions_with(backend, &regions, &v, &q, n_q, state).unwrap();
+                        assert_eq!(done, fused, "{backend}: attend_int_fused_regions says what runs");
+                        if !done {
+                            assert!(m == m0 && l == l0 && o == o0, "{backend}: a refusal changes nothing");
+                            continue;
+                        }
+                        ran.insert((backend, dim));
+                        let (mut wm, mut wl, mut wo) = (m0.clone(), l0.clone(), o0.clone());
+                        let want = Online { m: &mut wm, l: &mut wl, o: &mut wo };
+                        assert!(scalar::attend_int_regions(&regions, &v, &q, n_q, want));
+                        let what = format!(
+                            "{backend} dim {dim} regions {split:?} rows {rows} values per group {group:?} special {special} n_q {n_q}"
+                        );
+                        // The scores the reference weighs with: the regions' integer scores, added.
+                        let mut si = vec![0f32; n_q * rows];
+                        for r in &regions {
+                            let c = r.keys.dim();
+                            let qr: Vec<f32> = q
+                                .chunks_exact(dim)
+                                .flat_map(|row| row[r.first..r.first + c].to_vec())
+                                .collect();
+                            let mut part = vec![0f32; n_q * rows];
+                            assert!(scalar::scores_int8(&r.keys, &qr, n_q, &mut part));
+                            si.iter_mut().zip(&part).for_each(|(x, y)| *x += y);
+                        }
+                        let key_term = |c: usize| {
+                            let (kc, at) = kcs
+                                .iter()
+                                .zip(&regions)
+                                .find(|(_, r)| (r.first..r.first + r.keys.dim()).contains(&c))
+                                .map(|(kc, r)| (kc, c - r.first))
+                                .expect("a region per channel");
+                            let top = f64::from((1u16 << kc.bits) - 1);
+                            f64::from(kc.scale[at]) * top + f64::from(kc.offset[at].abs())
+                        };
+                        let (got, want) =
+                            (Outcome { m: &m, l: &l, o: &o }, Outcome { m: &wm, l: &wl, o: &wo });
+                        assert_fused_close(&what, &q, key_term, &si, &vc, (&m0, &o0), got, want);
+                    }
+                    // Regions that leave a gap, overlap, miss the end or hold other rows: errors.
+                    let q = vec![0f32; dim];
+                    let (mut m, mut l, mut o) = (vec![f32::NEG_INFINITY], vec![0f32], vec![0f32; dim]);
+                    let shifted: Vec<_> =
+                        regions.iter().map(|r| KeyRegion { first: r.first + 8, ..*r }).collect();
+                    let short = affine_bits_case(&mut rng, rows - 1, split[0].1, split[0].0, true, 0);
+                    let mut fewer = regions.clone();
+                    fewer[0].keys = short.block();
+                    for bad in [&regions[..regions.len() - 1], &[], &shifted[..], &fewer[..]] {
+                        let state = Online { m: &mut m, l: &mut l, o: &mut o };
+                        assert!(
+                            attend_int_regions_with(backend, bad, &v, &q, 1, state).is_err(),
+                            "{backend}: bad regions"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // A region of table levels: no fused kernel, nothing changed.
+    for backend in available() {
+        let v = affine_case(&mut rng, 32, 128, false, 0);
+        let a = affine_bits_case(&mut rng, 32, 64, 3, true, 0);
+        let mut t = Case::random(&mut rng, 32, 64, 4, 0);
+        (t.levels_kind, t.per_channel) = (2, true);
+        t.scale = (0..64).map(|_| rng.uniform() as f32 + 0.01).collect();
+        t.offset = (0..64).map(|_| rng.normal() as f32).collect();
+        let regions = [KeyRegion { first: 0, keys: a.block() }, KeyRegion { first: 64, keys: t.block() }];
+        let q: Vec<f32> = (0..4 * 128).map(|_| rng.normal() as f32).collect();
+        let (mut m, mut l, mut o) = (vec![0.5f32; 4], vec![1f32; 4], vec![0.25f32; 4 * 128]);
+        let state = Online { m: &mut m, l: &mut l, o: &mut o };
+        assert!(!attend_int_fused_regions(backend, &regions, &v.block(), 4));
+        assert!(!attend_int_regions_with(backend, &regions, &v.block(), &q, 4, state).unwrap());
+        assert!(m == [0.5; 4] && l == [1.0; 4] && o.iter().all(|&x| x == 0.25), "{backend}");
+    }
+    #[cfg(target_arch = "x86_64")]
+    if available().contains(&Backend::Avx512)
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+        && std::arch::is_x86_feature_detected!("avx512vbmi")
+    {
+        for dim in [64, 128, 256] {
+            assert!(ran.contains(&(Backend::Avx512, dim)), "AVX-512 regions at {dim}");
         }
     }
     let _ = ran;

@@ -280,6 +280,79 @@ fn with_parts<R>(
     f(&parts[..n])
 }
 
+/// What a fused call did with a block: ran (`Some(true)`), declined this block
+/// (`Some(false)`: a negative value scale), or has no code for its layout (`None`). The kernel
+/// checks the layout itself; only a refusal asks which it was (`has_code`).
+fn outcome(ran: bool, has_code: impl FnOnce() -> bool) -> Option<bool> {
+    if ran {
+        Some(true)
+    } else if has_code() {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// Most width regions of a `-qa` key block (one per width, 1 to 8 bits).
+const MAX_REGIONS: usize = 8;
+
+/// The width regions of a block of keys with bits per channel (`-qa`) as kernel regions: each
+/// region's per-channel parameters widened (through `tmp`) into `all`, side by side in the
+/// stored channel order, and `f` called with the regions. `None`, calling nothing, for a block
+/// without regions, more than [`MAX_REGIONS`] of them, or a region in token groups (the cache
+/// refuses both).
+fn with_regions<'v, R>(
+    view: &BlockView<'v>,
+    reader: &PartReader,
+    tmp: &mut (Vec<f32>, Vec<f32>),
+    all: &mut (Vec<f32>, Vec<f32>),
+    f: impl FnOnce(&[kvq_kernels_simd::KeyRegion<'_>]) -> Result<R, KernelError>,
+) -> Result<Option<R>, KernelError> {
+    let Some(views) = view.width_views() else { return Ok(None) };
+    let has_offset = view.layout.spec().has_offset();
+    let (scale, offset) = all;
+    scale.clear();
+    offset.clear();
+    let mut count = 0;
+    for (first, v) in views {
+        if count == MAX_REGIONS || v.layout.channel_sets() != 1 || first != scale.len() {
+            return Ok(None);
+        }
+        v.params_f32_with(&mut tmp.0, &mut tmp.1, VectorWidening);
+        let c = v.layout.head_dim();
+        scale.extend_from_slice(&tmp.0[..c]);
+        if has_offset {
+            offset.extend_from_slice(&tmp.1[..c]);
+        }
+        count += 1;
+    }
+    let (scale, offset) = (&*scale, &*offset);
+    let region = |(first, v): (usize, BlockView<'v>)| {
+        let (c, rows) = (v.layout.head_dim(), v.tokens);
+        let params = Params::PerChannel {
+            scale: &scale[first..first + c],
+            offset: has_offset.then(|| &offset[first..first + c]),
+        };
+        let rb = v.layout.row_bytes();
+        let keys = QuantBlock::new(
+            &v.region[..rows * rb],
+            rows,
+            c,
+            v.layout.spec().bits(),
+            reader.levels(),
+            params,
+        )?;
+        Ok::<_, KernelError>(kvq_kernels_simd::KeyRegion { first, keys })
+    };
+    let mut views = view.width_views().into_iter().flatten();
+    let Some(head) = views.next() else { return Ok(None) };
+    let mut regions = [region(head)?; MAX_REGIONS];
+    for (x, v) in regions.iter_mut().skip(1).zip(views) {
+        *x = region(v)?;
+    }
+    f(&regions[..count]).map(Some)
+}
+
 /// How scores against quantized keys are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ScorePath {
@@ -294,7 +367,9 @@ pub enum ScorePath {
     /// the AVX2 kernels (x86-64, AVX-512 CPUs included) also INT4 keys per group of a multiple
     /// of 32 values, symmetric INT4 keys, and keys of a 16-level table (NF4, 4-bit
     /// codebooks), whose levels are rounded to int8 as well (half a step of `max|level| / 127`
-    /// more a level); other keys take the float kernels. And, where the backend has an
+    /// more a level), and with AVX-512 VBMI keys with bits per channel (`-qa`: each width
+    /// region's columns of the query rounded with a scale of their own) under INT4 values;
+    /// other keys take the float kernels. And, where the backend has an
     /// integer value kernel (AVX-512 VNNI, INT4 and INT8 values; AVX2, INT4
     /// values per token under INT4 keys per channel, in the fused block kernel; both fused
     /// kernels also INT4 values per group, one scale per group, and INT4 keys per token or
@@ -490,6 +565,8 @@ struct Task {
     vbufs: (Vec<f32>, Vec<f32>),
     s: Vec<f32>,
     widths: (Vec<f32>, Vec<f32>),
+    /// Keys with bits per channel on a fused kernel: every region's parameters, side by side.
+    regions: (Vec<f32>, Vec<f32>),
     rope: RopeScratch,
     kernel: kvq_kernels_simd::Scratch,
 }
@@ -715,6 +792,7 @@ impl Task {
             vbufs: &mut self.vbufs,
             s: &mut self.s,
             widths: &mut self.widths,
+            regions: &mut self.regions,
             rope: &mut self.rope,
             kernel: &mut self.kernel,
         };
@@ -740,7 +818,8 @@ impl Task {
 /// kernel (AVX-512 VNNI, AVX2 or aarch64 `sdot`) takes a whole block of keys and values
 /// (KIVI-style INT4, the keys' channel groups the block or token groups inside it, see
 /// [`kvq_kernels_simd::attend_int_parts_with`]; on x86-64 also INT4 values per group, see
-/// [`kvq_kernels_simd::attend_int_with`]), `"separate kernels"` otherwise; judged from the
+/// [`kvq_kernels_simd::attend_int_with`]; on AVX-512 with VBMI also keys with bits per channel,
+/// `-qa`, see [`kvq_kernels_simd::attend_int_regions_with`]), `"separate kernels"` otherwise; judged from the
 /// first quantized unit of layer 0, KV head 0. `None` when that head holds no quantized block
 /// yet. Units near a sliding window's start or a chunk's causal end, and soft-capped
 /// attention, take the separate kernels either way.
@@ -761,14 +840,23 @@ pub fn integer_decode_kernel(
     for u in Units::new(ks, vs, d) {
         if let (Run::Block(kv), Run::Block(vv)) = (u.k, u.v) {
             let fused = cache.config().rope.is_none()
-                && kv.width_views().is_none()
-                && with_parts(&kv, &readers[0], &mut kb, |ks| {
-                    with_parts(&vv, &readers[1], &mut vb, |vs| {
-                        Ok(
-                            matches!(vs, [v] if kvq_kernels_simd::attend_int_fused_parts(backend, ks, v, query_rows)),
-                        )
-                    })
-                })?;
+                && if kv.width_views().is_some() {
+                    let mut all = Default::default();
+                    with_regions(&kv, &readers[0], &mut kb, &mut all, |rs| {
+                        with_parts(&vv, &readers[1], &mut vb, |vs| {
+                            Ok(matches!(vs, [v] if kvq_kernels_simd::attend_int_fused_regions(backend, rs, v, query_rows)))
+                        })
+                    })?
+                    .unwrap_or(false)
+                } else {
+                    with_parts(&kv, &readers[0], &mut kb, |ks| {
+                        with_parts(&vv, &readers[1], &mut vb, |vs| {
+                            Ok(
+                                matches!(vs, [v] if kvq_kernels_simd::attend_int_fused_parts(backend, ks, v, query_rows)),
+                            )
+                        })
+                    })?
+                };
             return Ok(Some(if fused { "fused block" } else { "separate kernels" }));
         }
     }
@@ -782,6 +870,8 @@ struct Scratch<'w> {
     s: &'w mut Vec<f32>,
     /// Keys with bits per channel: one width's query columns, and its scores.
     widths: &'w mut (Vec<f32>, Vec<f32>),
+    /// Keys with bits per channel on a fused kernel: every region's parameters, side by side.
+    regions: &'w mut (Vec<f32>, Vec<f32>),
     rope: &'w mut RopeScratch,
     kernel: &'w mut kvq_kernels_simd::Scratch,
 }
@@ -1112,7 +1202,7 @@ fn attend<'a>(
     let latest_start = spans.iter().map(|s| s.0).max().unwrap_or(0);
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
-    let Scratch { bufs, vbufs, s, widths, rope: rs, kernel } = w;
+    let Scratch { bufs, vbufs, s, widths, regions, rope: rs, kernel } = w;
     // Units whose keys and values a fused kernel can take whole (the integer path, no RoPE
     // turn, no soft-capping, every row seeing the whole unit) try it first. A head's blocks
     // share one layout: once the kernel has no code for it (format, head_dim, backend), the
@@ -1139,24 +1229,31 @@ fn attend<'a>(
             && a >= latest_start
             && b <= earliest_end
             && let (Run::Block(kv), Run::Block(vv)) = (&k, &v)
-            && kv.width_views().is_none()
         {
             let state = kvq_kernels_simd::Online { m: &mut st.m, l: &mut st.l, o: &mut st.o };
             // None: no fused code for this layout; Some(false): this block declined.
-            let done = with_parts(kv, &readers[0], bufs, |ks| {
-                with_parts(vv, &readers[1], vbufs, |vs| {
-                    // Values in parts (per channel) have no fused kernel.
-                    let [vb] = vs else { return Ok(None) };
-                    // The kernel checks the layout itself; only a refusal asks which it was.
-                    Ok(if kvq_kernels_simd::attend_int_parts_in(backend, kernel, ks, vb, qs, g, state)? {
-                        Some(true)
-                    } else if kvq_kernels_simd::attend_int_fused_parts(backend, ks, vb, g) {
-                        Some(false)
-                    } else {
-                        None
+            let done = if kv.width_views().is_some() {
+                // Keys with bits per channel: their regions against the (permuted) query.
+                with_regions(kv, &readers[0], bufs, regions, |rs| {
+                    with_parts(vv, &readers[1], vbufs, |vs| {
+                        let [vb] = vs else { return Ok(None) };
+                        let ran =
+                            kvq_kernels_simd::attend_int_regions_in(backend, kernel, rs, vb, qs, g, state)?;
+                        Ok(outcome(ran, || kvq_kernels_simd::attend_int_fused_regions(backend, rs, vb, g)))
                     })
-                })
-            })?;
+                })?
+                .flatten()
+            } else {
+                with_parts(kv, &readers[0], bufs, |ks| {
+                    with_parts(vv, &readers[1], vbufs, |vs| {
+                        // Values in parts (per channel) have no fused kernel.
+                        let [vb] = vs else { return Ok(None) };
+                        let ran =
+                            kvq_kernels_simd::attend_int_parts_in(backend, kernel, ks, vb, qs, g, state)?;
+                        Ok(outcome(ran, || kvq_kernels_simd::attend_int_fused_parts(backend, ks, vb, g)))
+                    })
+                })?
+            };
             match done {
                 Some(true) => continue,
                 Some(false) => {}

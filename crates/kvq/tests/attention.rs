@@ -650,8 +650,9 @@ fn keys_stored_before_rope() {
 }
 
 /// `integer_decode_kernel` names the fused block kernel exactly where decode runs it: KIVI-style
-/// INT4 at head_dim 128 on AVX-512 VNNI and on AVX2, not INT8 values, not the scalar or `wide`
-/// backends, nothing for a sequence without quantized blocks; an unknown sequence is an error.
+/// INT4 at head_dim 128 on AVX-512 VNNI and on AVX2, `-qa` keys on AVX-512 with VBMI, not INT8
+/// values, not the scalar or `wide` backends, nothing for a sequence without quantized blocks;
+/// an unknown sequence is an error.
 #[test]
 fn the_integer_kernel_is_named() {
     use kvq::attention::integer_decode_kernel;
@@ -669,22 +670,34 @@ fn the_integer_kernel_is_named() {
         #[cfg(not(target_arch = "x86_64"))]
         false
     };
+    #[cfg(target_arch = "x86_64")]
+    let vbmi = std::arch::is_x86_feature_detected!("avx512vbmi");
+    #[cfg(not(target_arch = "x86_64"))]
+    let vbmi = false;
     for (kspec, vspec, fused, bs) in [
         ("int4-channel", "int4-token", vnni, 32),
         ("int8-token", "int8-token", false, 32),
         // Key groups of 32 tokens inside blocks of 64: the fused kernels take them as parts.
         ("int4-channel32", "int4-token", vnni, 64),
+        // Keys with bits per channel: their width regions, on AVX-512 with VBMI.
+        ("int4-channel-qa", "int4-token", vnni && vbmi, 32),
     ] {
-        let config = CacheConfig::new(1, 2, 128, 16)
+        let mut config = CacheConfig::new(1, 2, 128, 16)
             .with_block_size(bs)
             .with_specs(kspec.parse().unwrap(), vspec.parse().unwrap());
+        if kspec.ends_with("-qa") {
+            let map = kvq::quant::ChannelBits::spread(128, 4).unwrap();
+            config = config.with_channel_bits(vec![map; 2]);
+        }
         let mut cache = PagedCache::new(config).unwrap();
         let empty = cache.create();
         let seq = cache.create();
         cache.extend(seq, 0, &k, &v).unwrap();
         for backend in available() {
             let has = (fused && backend == Backend::Avx512)
-                || (kspec.starts_with("int4-channel") && matches!(backend, Backend::Avx2 | Backend::Dotprod));
+                || (kspec.starts_with("int4-channel")
+                    && !kspec.ends_with("-qa")
+                    && matches!(backend, Backend::Avx2 | Backend::Dotprod));
             let want = if has { "fused block" } else { "separate kernels" };
             assert_eq!(
                 integer_decode_kernel(backend, &cache, seq, 4).unwrap(),
