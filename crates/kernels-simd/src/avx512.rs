@@ -785,6 +785,17 @@ pub fn attend_int_regions_supported(
     v: &QuantBlock<'_>,
     n_q: usize,
 ) -> bool {
+    let values_ok = v.bits == 4
+        && matches!(v.levels, Levels::Affine)
+        && (1..=FUSED_ROWS).contains(&v.rows)
+        && (matches!(v.params, Params::PerRow { .. }) || crate::lane_groups(v));
+    n_q >= 1 && values_ok && regions_supported(regions, v.rows, v.dim)
+}
+
+/// The keys' part of [`attend_int_regions_supported`]: `regions` of `rows` (1 to 256) rows
+/// tile a row of `dim` channels (64, 128 or 256), each affine with per-channel parameters,
+/// 1 to 8 bits and a multiple of 8 channels, at most 16 of them; the CPU has VBMI.
+fn regions_supported(regions: &[crate::KeyRegion<'_>], rows: usize, dim: usize) -> bool {
     let region_ok = |r: &crate::KeyRegion<'_>| {
         let k = &r.keys;
         (1..=8).contains(&k.bits)
@@ -794,19 +805,76 @@ pub fn attend_int_regions_supported(
             && k.rows.checked_mul(k.row_bytes).is_some_and(|n| n <= k.codes.len())
             && k.row_bytes == k.dim * usize::from(k.bits) / 8
     };
-    let values_ok = v.bits == 4
-        && matches!(v.levels, Levels::Affine)
-        && (1..=FUSED_ROWS).contains(&v.rows)
-        && matches!(v.dim, 64 | 128 | 256)
-        && (matches!(v.params, Params::PerRow { .. }) || crate::lane_groups(v));
-    n_q >= 1
+    matches!(dim, 64 | 128 | 256)
+        && (1..=FUSED_ROWS).contains(&rows)
         && regions.len() <= MAX_REGIONS
-        && crate::regions_tile(regions, v)
-        && values_ok
+        && crate::regions_tile(regions, rows, dim)
         && regions.iter().all(region_ok)
         && cpu_ok()
         && std::arch::is_x86_feature_detected!("avx512vl")
         && std::arch::is_x86_feature_detected!("avx512vbmi")
+}
+
+/// The scores of [`crate::scores_int8_regions_with`] by the fused kernel's first steps
+/// ([`region_scores`]), four query rows at a time. Returns `false`, computing nothing, where
+/// the regions are not as [`attend_int_regions_supported`] takes them.
+pub(crate) fn scores_int8_regions_in(
+    regions: &[crate::KeyRegion<'_>],
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    w: &mut FusedScratch,
+) -> bool {
+    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
+    let n = regions.first().map_or(0, |r| r.keys.rows);
+    if !regions_supported(regions, n, d) || q.len() != n_q * d || out.len() < n_q * n {
+        return false;
+    }
+    grow(w);
+    plan_first(regions, w);
+    let pr = FUSED_ROWS + 16;
+    let FusedScratch { q8, qp, p, plans, .. } = w;
+    let mut i0 = 0;
+    while i0 < n_q {
+        let nq = (n_q - i0).min(int8::GROUP);
+        let q = &q[i0 * d..(i0 + nq) * d];
+        // SAFETY: `regions_supported` checked the CPU and the regions; grown above, with the
+        // regions' plan first; `q` holds nq rows of d.
+        unsafe {
+            match (nq, d) {
+                (1, 64) => region_scores::<1, 64>(regions, q, q8, qp, p, &plans[0]),
+                (2, 64) => region_scores::<2, 64>(regions, q, q8, qp, p, &plans[0]),
+                (3, 64) => region_scores::<3, 64>(regions, q, q8, qp, p, &plans[0]),
+                (_, 64) => region_scores::<4, 64>(regions, q, q8, qp, p, &plans[0]),
+                (1, 128) => region_scores::<1, 128>(regions, q, q8, qp, p, &plans[0]),
+                (2, 128) => region_scores::<2, 128>(regions, q, q8, qp, p, &plans[0]),
+                (3, 128) => region_scores::<3, 128>(regions, q, q8, qp, p, &plans[0]),
+                (_, 128) => region_scores::<4, 128>(regions, q, q8, qp, p, &plans[0]),
+                (1, _) => region_scores::<1, 256>(regions, q, q8, qp, p, &plans[0]),
+                (2, _) => region_scores::<2, 256>(regions, q, q8, qp, p, &plans[0]),
+                (3, _) => region_scores::<3, 256>(regions, q, q8, qp, p, &plans[0]),
+                (_, _) => region_scores::<4, 256>(regions, q, q8, qp, p, &plans[0]),
+            }
+        }
+        for i in 0..nq {
+            out[(i0 + i) * n..(i0 + i + 1) * n].copy_from_slice(&p[i * pr..i * pr + n]);
+        }
+        i0 += nq;
+    }
+    true
+}
+
+/// Puts the plan of `regions`' layout first in `w.plans`, made if new (a head's blocks share
+/// one layout, so it is usually first already).
+fn plan_first(regions: &[crate::KeyRegion<'_>], w: &mut FusedScratch) {
+    match w.plans.iter().position(|p| p.fits(regions)) {
+        Some(0) => {}
+        Some(j) => w.plans.swap(0, j),
+        None => {
+            let shapes: Vec<(usize, u8)> = regions.iter().map(|r| (r.keys.dim, r.keys.bits)).collect();
+            w.plans.insert(0, HeadPlan::new(&shapes));
+        }
+    }
 }
 
 /// Most key regions a fused call takes.
@@ -830,15 +898,7 @@ pub(crate) fn attend_int_regions_in(
         return false;
     }
     grow(w);
-    // The plan of these regions' layout first (a head's blocks share one).
-    match w.plans.iter().position(|p| p.fits(regions)) {
-        Some(0) => {}
-        Some(j) => w.plans.swap(0, j),
-        None => {
-            let shapes: Vec<(usize, u8)> = regions.iter().map(|r| (r.keys.dim, r.keys.bits)).collect();
-            w.plans.insert(0, HeadPlan::new(&shapes));
-        }
-    }
+    plan_first(regions, w);
     // SAFETY: checked above; grown above, with the regions' plan first.
     unsafe { fused_run(Keys::Regions(regions), false, v, q, n_q, state, w) }
 }

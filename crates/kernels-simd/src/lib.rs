@@ -832,17 +832,78 @@ pub struct KeyRegion<'a> {
     pub keys: QuantBlock<'a>,
 }
 
-/// Whether `regions` tile the values' head_dim in order (each starting where the last ended,
-/// the first at 0, none empty) with the values' rows.
-pub(crate) fn regions_tile(regions: &[KeyRegion<'_>], v: &QuantBlock<'_>) -> bool {
+/// Whether `regions` tile a row of `dim` channels in order (each starting where the last
+/// ended, the first at 0, none empty), each of `rows` rows.
+pub(crate) fn regions_tile(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -> bool {
     let mut at = 0;
     for r in regions {
-        if r.first != at || r.keys.dim == 0 || r.keys.rows != v.rows {
+        if r.first != at || r.keys.dim == 0 || r.keys.rows != rows {
             return false;
         }
         at += r.keys.dim;
     }
-    !regions.is_empty() && at == v.dim
+    !regions.is_empty() && at == dim
+}
+
+/// The integer-path scores of keys in channel regions (`-qa`): each region's rows scored
+/// with its columns of the `n_q` query rows (`q`, `n_q × dim`, `dim` the regions' channels
+/// together), the query rounded to int8 with a scale of its own per region, the regions'
+/// scores added into `out[i · rows + r]` ([`scalar::scores_int8_regions`] is the reference;
+/// the sums are taken in another order). The AVX-512 kernel with VBMI of
+/// [`attend_int_regions_with`] takes regions as it does (a head_dim of 64, 128 or 256, up to
+/// 256 rows); elsewhere it returns `Ok(false)`, computing nothing, and the caller scores the
+/// regions one by one ([`scores_int8_with`]).
+///
+/// # Errors
+/// [`KernelError::Shape`] when the regions do not tile a row in order with the same rows, or
+/// `q` and `out` do not hold `n_q` rows.
+pub fn scores_int8_regions_with(
+    backend: Backend,
+    regions: &[KeyRegion<'_>],
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<bool, KernelError> {
+    with_scratch(|w| scores_int8_regions_in(backend, w, regions, q, n_q, out))
+}
+
+/// [`scores_int8_regions_with`] with the caller's [`Scratch`], as [`scores_in`].
+///
+/// # Errors
+/// As [`scores_int8_regions_with`].
+pub fn scores_int8_regions_in(
+    backend: Backend,
+    scratch: &mut Scratch,
+    regions: &[KeyRegion<'_>],
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+) -> Result<bool, KernelError> {
+    let dim: usize = regions.iter().map(|r| r.keys.dim).sum();
+    let rows = regions.first().map_or(0, |r| r.keys.rows);
+    check(
+        regions_tile(regions, rows, dim)
+            && n_q.checked_mul(dim) == Some(q.len())
+            && n_q.checked_mul(rows).is_some_and(|n| n <= out.len()),
+        || {
+            let keys: Vec<String> = regions
+                .iter()
+                .map(|r| format!("{} × {} from {}", r.keys.rows, r.keys.dim, r.first))
+                .collect();
+            format!(
+                "key regions [{}], {n_q} query rows: {} query values, {} outputs",
+                keys.join(", "),
+                q.len(),
+                out.len()
+            )
+        },
+    )?;
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 {
+        return Ok(avx512::scores_int8_regions_in(regions, q, n_q, out, &mut scratch.fused));
+    }
+    let _ = (backend, scratch);
+    Ok(false)
 }
 
 /// [`attend_int_with`] for keys stored in channel regions of their own widths (`-qa` specs:
@@ -884,7 +945,7 @@ pub fn attend_int_regions_in(
 ) -> Result<bool, KernelError> {
     let d = v.dim;
     check(
-        regions_tile(regions, v)
+        regions_tile(regions, v.rows, v.dim)
             && q.len() == n_q * d
             && state.m.len() == n_q
             && state.l.len() == n_q

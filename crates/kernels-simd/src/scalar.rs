@@ -156,12 +156,31 @@ pub fn attend_int_regions(
     n_q: usize,
     state: crate::Online<'_>,
 ) -> bool {
-    let affine = |b: &QuantBlock<'_>| matches!(b.levels, crate::block::Levels::Affine);
-    if !crate::regions_tile(regions, v) || regions.iter().any(|r| !affine(&r.keys)) || !affine(v) {
+    if !crate::regions_tile(regions, v.rows, v.dim) || !matches!(v.levels, crate::block::Levels::Affine) {
         return false;
     }
-    let (n, d) = (v.rows, v.dim);
-    let mut s = vec![0f32; n_q * n];
+    let mut s = vec![0f32; n_q * v.rows];
+    scores_int8_regions(regions, q, n_q, &mut s) && softmax_values(s, v, n_q, state)
+}
+
+/// The reference of `kvq_kernels_simd::scores_int8_regions_with`: each region's
+/// [`scores_int8`] with its columns of the query rows (`q`, `n_q` rows of the regions'
+/// channels together), added in order into `out[i · rows + r]`, written from zero. Returns
+/// `false`, computing nothing, for regions that are not affine or do not tile a row in order
+/// with the same rows, or an `out` too short.
+pub fn scores_int8_regions(regions: &[crate::KeyRegion<'_>], q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
+    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
+    let n = regions.first().map_or(0, |r| r.keys.rows);
+    let affine = |b: &QuantBlock<'_>| matches!(b.levels, crate::block::Levels::Affine);
+    if !crate::regions_tile(regions, n, d)
+        || regions.iter().any(|r| !affine(&r.keys))
+        || q.len() != n_q * d
+        || out.len() < n_q * n
+    {
+        return false;
+    }
+    let out = &mut out[..n_q * n];
+    out.fill(0.0);
     let (mut qr, mut part) = (Vec::new(), vec![0f32; n_q * n]);
     for r in regions {
         let c = r.keys.dim;
@@ -170,9 +189,9 @@ pub fn attend_int_regions(
             qr.extend_from_slice(&row[r.first..r.first + c]);
         }
         scores_int8(&r.keys, &qr, n_q, &mut part);
-        s.iter_mut().zip(&part).for_each(|(x, y)| *x += y);
+        out.iter_mut().zip(&part).for_each(|(x, y)| *x += y);
     }
-    softmax_values(s, v, n_q, state)
+    true
 }
 
 /// The online softmax step over `s` (`n_q` rows of the block's scores) and the integer sum

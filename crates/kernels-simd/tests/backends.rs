@@ -1709,7 +1709,9 @@ fn fused_attention_over_key_parts_matches_its_reference() {
 /// row are errors; regions of other levels are refused and change nothing.
 #[test]
 fn fused_attention_over_key_regions_matches_its_reference() {
-    use kvq_kernels_simd::{KeyRegion, Online, attend_int_fused_regions, attend_int_regions_with};
+    use kvq_kernels_simd::{
+        KeyRegion, Online, attend_int_fused_regions, attend_int_regions_with, scores_int8_regions_with,
+    };
     let mut rng = Rng::new(0x4e91);
     let mut ran = std::collections::BTreeSet::new();
     let splits: [(usize, &[(u8, usize)]); 7] = [
@@ -1802,6 +1804,26 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                         let (got, want) =
                             (Outcome { m: &m, l: &l, o: &o }, Outcome { m: &wm, l: &wl, o: &wo });
                         assert_fused_close(&what, &q, key_term, &si, &vc, (&m0, &o0), got, want);
+                        // The scores alone: the reference's (the regions' scores added), to the
+                        // rounding of float sums in another order.
+                        let mut want = vec![0f32; n_q * rows];
+                        assert!(scalar::scores_int8_regions(&regions, &q, n_q, &mut want));
+                        assert_eq!(want, si, "the reference adds the regions' scores");
+                        let mut got = vec![f32::NAN; n_q * rows + 3];
+                        assert!(scores_int8_regions_with(backend, &regions, &q, n_q, &mut got).unwrap());
+                        for (j, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                            let qi = &q[j / rows * dim..(j / rows + 1) * dim];
+                            let mag: f64 = (0..dim).map(|c| f64::from(qi[c].abs()) * key_term(c)).sum();
+                            assert!(
+                                (f64::from(g) - f64::from(w)).abs() <= 2e-6 * mag + 1e-30
+                                    || (g.is_nan() && w.is_nan()),
+                                "{what}: score {j}: {g} vs {w}"
+                            );
+                        }
+                        assert!(
+                            got[n_q * rows..].iter().all(|x| x.is_nan()),
+                            "{what}: nothing past the scores"
+                        );
                     }
                     // Regions that leave a gap, overlap, miss the end or hold other rows: errors.
                     let q = vec![0f32; dim];
@@ -1818,6 +1840,20 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                             "{backend}: bad regions"
                         );
                     }
+                    // (One region of fewer rows is a block of its own to score.)
+                    let bad_scores = if regions.len() > 1 { &fewer[..] } else { &[][..] };
+                    for bad in [&[][..], &shifted[..], bad_scores] {
+                        let mut out = vec![0f32; rows];
+                        assert!(
+                            scores_int8_regions_with(backend, bad, &q, 1, &mut out).is_err(),
+                            "{backend}"
+                        );
+                    }
+                    let mut short = vec![0f32; rows - 1];
+                    assert!(
+                        scores_int8_regions_with(backend, &regions, &q, 1, &mut short).is_err(),
+                        "{backend}"
+                    );
                 }
             }
         }
@@ -1836,6 +1872,9 @@ fn fused_attention_over_key_regions_matches_its_reference() {
         let state = Online { m: &mut m, l: &mut l, o: &mut o };
         assert!(!attend_int_fused_regions(backend, &regions, &v.block(), 4));
         assert!(!attend_int_regions_with(backend, &regions, &v.block(), &q, 4, state).unwrap());
+        let mut out = vec![0.5f32; 4 * 32];
+        assert!(!scores_int8_regions_with(backend, &regions, &q, 4, &mut out).unwrap());
+        assert!(out.iter().all(|&x| x == 0.5), "{backend}: a refusal computes nothing");
         assert!(m == [0.5; 4] && l == [1.0; 4] && o.iter().all(|&x| x == 0.25), "{backend}");
     }
     #[cfg(target_arch = "x86_64")]

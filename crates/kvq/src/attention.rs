@@ -1274,31 +1274,40 @@ fn attend<'a>(
                 // Keys with bits per channel: each width's region is a per-channel block of
                 // its own, scored with its columns of the (permuted) query and summed.
                 Some(views) => {
-                    s.fill(0.0);
-                    let (wq, ws) = widths;
-                    if wq.is_empty() {
-                        // Every block of the head has the same regions: their query columns,
-                        // region after region, once per call.
-                        for (first, v) in view.width_views().into_iter().flatten() {
-                            let c = v.layout.head_dim();
-                            for row in qs.chunks_exact(d) {
-                                wq.extend_from_slice(&row[first..first + c]);
+                    // On the integer path one kernel scores all the regions where the backend
+                    // has it; otherwise each region is scored by a kernel call of its own.
+                    let whole = path == ScorePath::Int8
+                        && with_regions(&view, &readers[0], bufs, regions, |rs| {
+                            kvq_kernels_simd::scores_int8_regions_in(backend, kernel, rs, qs, g, s)
+                        })?
+                        .unwrap_or(false);
+                    if !whole {
+                        s.fill(0.0);
+                        let (wq, ws) = widths;
+                        if wq.is_empty() {
+                            // Every block of the head has the same regions: their query columns,
+                            // region after region, once per call.
+                            for (first, v) in view.width_views().into_iter().flatten() {
+                                let c = v.layout.head_dim();
+                                for row in qs.chunks_exact(d) {
+                                    wq.extend_from_slice(&row[first..first + c]);
+                                }
                             }
                         }
-                    }
-                    for (first, v) in views {
-                        let c = v.layout.head_dim();
-                        let wq = &wq[g * first..g * (first + c)];
-                        ws.resize(g * n, 0.0);
-                        with_parts(&v, &readers[0], bufs, |parts| match (parts, path) {
-                            ([blk], ScorePath::Float) => scores_in(backend, kernel, blk, wq, g, ws),
-                            ([blk], ScorePath::Int8) => {
-                                scores_int8_in(backend, kernel, blk, wq, g, ws).map(|_| ())
-                            }
-                            // The cache refuses -qa keys with groups inside a block.
-                            _ => Err(KernelError::Shape("a -qa width region in token groups".into())),
-                        })?;
-                        s.iter_mut().zip(ws.iter()).for_each(|(x, y)| *x += y);
+                        for (first, v) in views {
+                            let c = v.layout.head_dim();
+                            let wq = &wq[g * first..g * (first + c)];
+                            ws.resize(g * n, 0.0);
+                            with_parts(&v, &readers[0], bufs, |parts| match (parts, path) {
+                                ([blk], ScorePath::Float) => scores_in(backend, kernel, blk, wq, g, ws),
+                                ([blk], ScorePath::Int8) => {
+                                    scores_int8_in(backend, kernel, blk, wq, g, ws).map(|_| ())
+                                }
+                                // The cache refuses -qa keys with groups inside a block.
+                                _ => Err(KernelError::Shape("a -qa width region in token groups".into())),
+                            })?;
+                            s.iter_mut().zip(ws.iter()).for_each(|(x, y)| *x += y);
+                        }
                     }
                 }
                 None => {
