@@ -497,16 +497,7 @@ unsafe fn vsums_bytes<const NQ: usize, const GW: bool>(
             // 16-byte lanes makes lane L's 16 channels one vector.
             let base = 128 * c + 16 * plane;
             for (i, s) in sums.iter().enumerate() {
-                let t0 = _mm512_shuffle_i64x2::<0x44>(s[0], s[1]);
-                let t1 = _mm512_shuffle_i64x2::<0x44>(s[2], s[3]);
-                let t2 = _mm512_shuffle_i64x2::<0xEE>(s[0], s[1]);
-                let t3 = _mm512_shuffle_i64x2::<0xEE>(s[2], s[3]);
-                let lanes = [
-                    _mm512_shuffle_i64x2::<0x88>(t0, t1),
-                    _mm512_shuffle_i64x2::<0xDD>(t0, t1),
-                    _mm512_shuffle_i64x2::<0x88>(t2, t3),
-                    _mm512_shuffle_i64x2::<0xDD>(t2, t3),
-                ];
+                let lanes = transpose_lanes(s);
                 let out = &mut acc[i * d..(i + 1) * d];
                 for (l, v) in lanes.into_iter().enumerate() {
                     let at = base + 32 * l;
@@ -687,13 +678,38 @@ const FUSED_DIM: usize = 256;
 /// parameters (KIVI-style), the same tokens (1 to 256) and head_dim (64, 128 or 256), any
 /// number of query rows (four at a time); or such keys with INT4 affine values per group of
 /// 32, 64, 128 or 256 values (dividing the head_dim); or INT4 affine keys per row or per
-/// group of 32 to 256 values with either of those values.
+/// group of 32 to 256 values with either of those values; and, with VBMI, any of those keys
+/// with INT1 to INT3 affine values per row (unpacked with VBMI); and affine keys per channel
+/// of 1 to 8 bits as one region of [`attend_int_regions_supported`] (INT3 and INT2 keys).
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    (crate::fused_layout(k, v, n_q)
-        || crate::fused_layout_grouped(k, v, n_q)
-        || crate::fused_layout_row_keys(k, v, n_q))
-        && cpu_ok()
-        && std::arch::is_x86_feature_detected!("avx512vl")
+    if k.bits != 4 {
+        // Keys per channel of another width: one region of the row.
+        let one = [crate::KeyRegion { first: 0, keys: *k }];
+        return matches!(k.params, Params::PerChannel { .. }) && attend_int_regions_supported(&one, v, n_q);
+    }
+    let layout = if v.bits == 4 {
+        crate::fused_layout(k, v, n_q)
+            || crate::fused_layout_grouped(k, v, n_q)
+            || crate::fused_layout_row_keys(k, v, n_q)
+    } else {
+        // The keys as the kernel takes them with INT4 values of the same rows.
+        let v4 = QuantBlock { bits: 4, row_bytes: v.dim / 2, ..*v };
+        narrow_values(v) && (crate::fused_layout(k, &v4, n_q) || crate::fused_layout_row_keys(k, &v4, n_q))
+    };
+    layout && cpu_ok() && std::arch::is_x86_feature_detected!("avx512vl")
+}
+
+/// Values of 1 to 3 bits per code (`int3-token-mse-rot`, `int2-token`: the narrow values of
+/// `kvq recommend`'s candidates), affine with per-row parameters, whole rows in the block;
+/// the fused kernel unpacks them with VBMI ([`vsums_codes`]) and weighs them with bytes, as
+/// the integer value path rounds weights for codes of up to 4 bits.
+fn narrow_values(v: &QuantBlock<'_>) -> bool {
+    (1..=3).contains(&v.bits)
+        && matches!(v.levels, Levels::Affine)
+        && matches!(v.params, Params::PerRow { .. })
+        && v.row_bytes == v.dim * usize::from(v.bits) / 8
+        && v.rows.checked_mul(v.row_bytes).is_some_and(|n| n <= v.codes.len())
+        && std::arch::is_x86_feature_detected!("avx512vbmi")
 }
 
 /// Most value groups of a row the fused kernel takes: groups of 32 along [`FUSED_DIM`].
@@ -726,6 +742,8 @@ pub(crate) struct FusedScratch {
     wx: Vec<i32>,
     /// How to unpack the rows of each layout of key regions met so far (`-qa` keys).
     plans: Vec<HeadPlan>,
+    /// How to unpack rows of narrow values, per (head_dim, bits) met so far.
+    vplans: Vec<HeadPlan>,
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -746,14 +764,30 @@ pub(crate) fn attend_int_in(
     state: crate::Online<'_>,
     w: &mut FusedScratch,
 ) -> bool {
-    if !crate::parts_supported(parts, v, |k, v| attend_int_supported(k, v, n_q)) {
+    if !attend_int_parts_supported(parts, v, n_q) {
         return false;
     }
     let k = &parts[0];
+    if k.bits != 4 {
+        // One block of keys per channel of another width: a region of the whole row.
+        return attend_int_regions_in(&[crate::KeyRegion { first: 0, keys: *k }], v, q, n_q, state, w);
+    }
     grow(w);
+    if v.bits != 4 {
+        first_plan(&mut w.vplans, std::iter::once((v.dim, v.bits)));
+    }
     let grouped_keys = matches!(k.params, Params::PerGroup { .. } | Params::PerRow { .. });
     // SAFETY: `parts_supported` checked the parts with `attend_int_supported`; grown above.
     unsafe { fused_run(Keys::Parts(parts), grouped_keys, v, q, n_q, state, w) }
+}
+
+/// Whether [`crate::attend_int_parts_with`] runs this kernel for keys in `parts` with the
+/// values `v`: one part as [`attend_int_supported`] takes it; several (per-channel keys whose
+/// parameters change every few rows) only of INT4 keys, the first with the values of its rows
+/// as [`attend_int_supported`] takes it, the others in its layout, covering the values' rows.
+pub fn attend_int_parts_supported(parts: &[QuantBlock<'_>], v: &QuantBlock<'_>, n_q: usize) -> bool {
+    (parts.len() == 1 || parts.first().is_some_and(|k| k.bits == 4))
+        && crate::parts_supported(parts, v, |k, v| attend_int_supported(k, v, n_q))
 }
 
 /// The buffers of the fused kernel grown to the largest block it takes (once; never shrunk).
@@ -785,10 +819,11 @@ pub fn attend_int_regions_supported(
     v: &QuantBlock<'_>,
     n_q: usize,
 ) -> bool {
-    let values_ok = v.bits == 4
+    let values_ok = (v.bits == 4
         && matches!(v.levels, Levels::Affine)
-        && (1..=FUSED_ROWS).contains(&v.rows)
-        && (matches!(v.params, Params::PerRow { .. }) || crate::lane_groups(v));
+        && (matches!(v.params, Params::PerRow { .. }) || crate::lane_groups(v))
+        || narrow_values(v))
+        && (1..=FUSED_ROWS).contains(&v.rows);
     n_q >= 1 && values_ok && regions_supported(regions, v.rows, v.dim)
 }
 
@@ -867,13 +902,15 @@ pub(crate) fn scores_int8_regions_in(
 /// Puts the plan of `regions`' layout first in `w.plans`, made if new (a head's blocks share
 /// one layout, so it is usually first already).
 fn plan_first(regions: &[crate::KeyRegion<'_>], w: &mut FusedScratch) {
-    match w.plans.iter().position(|p| p.fits(regions)) {
+    first_plan(&mut w.plans, regions.iter().map(|r| (r.keys.dim, r.keys.bits)));
+}
+
+/// Puts the plan of rows of these `(channels, bits)` regions first in `plans`, made if new.
+fn first_plan(plans: &mut Vec<HeadPlan>, shapes: impl Iterator<Item = (usize, u8)> + Clone) {
+    match plans.iter().position(|p| p.shapes.iter().copied().eq(shapes.clone())) {
         Some(0) => {}
-        Some(j) => w.plans.swap(0, j),
-        None => {
-            let shapes: Vec<(usize, u8)> = regions.iter().map(|r| (r.keys.dim, r.keys.bits)).collect();
-            w.plans.insert(0, HeadPlan::new(&shapes));
-        }
+        Some(j) => plans.swap(0, j),
+        None => plans.insert(0, HeadPlan::new(&shapes.collect::<Vec<_>>())),
     }
 }
 
@@ -899,7 +936,10 @@ pub(crate) fn attend_int_regions_in(
     }
     grow(w);
     plan_first(regions, w);
-    // SAFETY: checked above; grown above, with the regions' plan first.
+    if v.bits != 4 {
+        first_plan(&mut w.vplans, std::iter::once((v.dim, v.bits)));
+    }
+    // SAFETY: checked above; grown above, with the regions' plan first (and the values').
     unsafe { fused_run(Keys::Regions(regions), false, v, q, n_q, state, w) }
 }
 
@@ -1016,12 +1056,6 @@ impl HeadPlan {
         }
         Self { shapes: shapes.to_vec(), pieces, starts, lane_region }
     }
-
-    /// Whether this is the plan of `regions`' shapes.
-    fn fits(&self, regions: &[crate::KeyRegion<'_>]) -> bool {
-        self.shapes.len() == regions.len()
-            && self.shapes.iter().zip(regions).all(|(&(d, b), r)| r.keys.dim == d && r.keys.bits == b)
-    }
 }
 
 /// The keys of a fused call: token parts (one block, or per-channel blocks of consecutive
@@ -1109,7 +1143,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     o: &mut [f32],
     w: &mut FusedScratch,
 ) {
-    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx, plans } = w;
+    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx, plans, vplans } = w;
     use int8::MAGIC;
     let (d, n) = (D, v.rows);
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
@@ -1335,7 +1369,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     //    weights `p · scale`, rounded to bytes (scale max / 255), zero past the block's rows
     //    up to the stride. `p` holds row i's values at i · (FUSED_ROWS + 16).
     let stride = n.next_multiple_of(8);
-    let z = f32::from(intv::center(4));
+    let z = f32::from(intv::center(v.bits));
     let mut top = [f32::NEG_INFINITY; int8::GROUP];
     for (i, mx) in mx.iter_mut().enumerate().take(NQ) {
         if late_max {
@@ -1430,7 +1464,10 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     // `stride` bytes, zero from n to the stride (each row's bytes are written in chunks of 16
     // past n, zero weights there); `acc` NQ · d values.
     unsafe {
-        if D == 64 {
+        if v.bits != 4 {
+            // Narrow values (checked by `narrow_values`): their plan is the first of `vplans`.
+            vsums_codes::<NQ>(v, n, wb, stride, &vplans[0], acc)
+        } else if D == 64 {
             vsums_bytes64::<NQ, false>(v, n, wb, stride, &[], acc)
         } else {
             vsums_bytes::<NQ, false>(v, 0..n, wb, stride, false, &[], acc)
@@ -1578,23 +1615,14 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
                 if row >= n {
                     break;
                 }
-                let mut codes = zero;
-                for pc in pieces {
-                    let (base, rb) = bases[pc.region];
-                    // SAFETY: row < n, the region's rows (checked: whole rows in its codes);
-                    // the plan's bytes `at .. at + len` lie in a packed row of the region; its
-                    // tables hold 64 bytes each.
-                    unsafe {
-                        let x = _mm512_maskz_loadu_epi8(pc.mask, base.add(row * rb + pc.at).cast());
-                        let x = _mm512_permutexvar_epi8(_mm512_loadu_si512(pc.idx.as_ptr().cast()), x);
-                        let x = _mm512_multishift_epi64_epi8(_mm512_loadu_si512(pc.ctrl.as_ptr().cast()), x);
-                        codes = _mm512_ternarylogic_epi64::<0xf8>(
-                            codes,
-                            x,
-                            _mm512_loadu_si512(pc.keep.as_ptr().cast()),
-                        );
-                    }
-                }
+                // SAFETY: row < n, the regions' rows (checked: whole rows in their codes), so
+                // each region's row starts inside its codes; the plan is the regions'.
+                let codes = unsafe {
+                    unpack64(pieces, |r| {
+                        let (base, rb) = bases[r];
+                        base.wrapping_add(row * rb)
+                    })
+                };
                 for ((a, &q), &s) in a.iter_mut().zip(&qv).zip(lsq).take(NQ) {
                     let d = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, codes, q));
                     *a = _mm512_fmadd_ps(d, s, *a);
@@ -1609,6 +1637,121 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
         }
         r0 += 4;
     }
+}
+
+/// Step 4 of [`attend4`] for narrow values ([`narrow_values`]): the integer sums of every
+/// query row's byte weights times the centred codes of rows `0..n` of `v`, as
+/// [`vsums_bytes`] takes them for INT4 codes, into `acc` (`NQ` rows of the head_dim,
+/// written): each row's codes unpacked 64 channels at a time by `plan` (the [`HeadPlan`] of
+/// one region of the head_dim at the values' width), centred, four rows interleaved into
+/// bytes against four broadcast byte weights (`vpdpbusd`).
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL, VNNI and VBMI; [`narrow_values`]`(v)` with a
+/// head_dim that is a multiple of 64; `1 <= n <= v.rows`; `wb` holds `NQ` rows of `stride >=
+/// n` rounded up to 4 bytes, zero from `n` to the stride; `acc` holds `NQ · dim` values;
+/// `plan` is the plan of `[(v.dim, v.bits)]`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx512vbmi,avx2,fma,f16c")]
+unsafe fn vsums_codes<const NQ: usize>(
+    v: &QuantBlock<'_>,
+    n: usize,
+    wb: &[u8],
+    stride: usize,
+    plan: &HeadPlan,
+    acc: &mut [i32],
+) {
+    let d = v.dim;
+    assert!(
+        (1..=v.rows).contains(&n)
+            && v.rows.checked_mul(v.row_bytes).is_some_and(|x| x <= v.codes.len())
+            && stride >= n.next_multiple_of(4)
+            && wb.len() >= NQ * stride
+            && acc.len() >= NQ * d
+            && d.is_multiple_of(64)
+            && plan.starts.len() == d / 64 + 1
+            && plan
+                .pieces
+                .iter()
+                .all(|pc| pc.region == 0 && pc.at + pc.mask.count_ones() as usize <= v.row_bytes),
+        "the rows, the weights, the sums and the plan"
+    );
+    let centre = _mm512_set1_epi8(intv::center(v.bits) as i8);
+    let (base, rb) = (v.codes.as_ptr(), v.row_bytes);
+    for c in 0..d / 64 {
+        let pieces = &plan.pieces[plan.starts[c]..plan.starts[c + 1]];
+        let mut sums = [[_mm512_setzero_si512(); 4]; NQ];
+        let mut j = 0;
+        while j < n {
+            // Rows past the end repeat the last one, under zero weights.
+            let code = |k: usize| {
+                let row = (j + k).min(n - 1);
+                // SAFETY: row < n <= v.rows, whole rows in the codes (asserted); the plan is
+                // that of the values' rows.
+                let codes = unsafe { unpack64(pieces, |_| base.wrapping_add(row * rb)) };
+                _mm512_sub_epi8(codes, centre)
+            };
+            // x[k]: in 16-byte lane L, channels 64c + 16L + 4k .. + 4, one per i32 lane, bytes =
+            // rows j .. j + 4.
+            let x = interleave4([code(0), code(1), code(2), code(3)]);
+            for (i, s) in sums.iter_mut().enumerate() {
+                // SAFETY: j is a multiple of 4 below n, so i · stride + j + 4 <= NQ · stride
+                // <= wb.len() (asserted above).
+                let quad = unsafe { wb.as_ptr().add(i * stride + j).cast::<i32>().read_unaligned() };
+                let wv = _mm512_set1_epi32(quad);
+                for (s, &x) in s.iter_mut().zip(&x) {
+                    *s = _mm512_dpbusd_epi32(*s, wv, x);
+                }
+            }
+            j += 4;
+        }
+        for (i, s) in sums.iter().enumerate() {
+            for (l, x) in transpose_lanes(s).into_iter().enumerate() {
+                // SAFETY: 64c + 16l + 16 <= d, inside query row i of `acc`.
+                unsafe { _mm512_storeu_si512(acc.as_mut_ptr().add(i * d + 64 * c + 16 * l).cast(), x) };
+            }
+        }
+    }
+}
+
+/// The codes of 64 channels of a row, a byte each (zero past the row), from the `pieces` of
+/// those channels in a [`HeadPlan`]: per piece the row's bytes at `at` under its mask, moved
+/// (`vpermb`), their fields brought into place (`vpmultishiftqb`), kept and or-ed in.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VBMI; `row(r)` is the start of the packed row of
+/// region `r` for every piece's region, and the pieces are of a plan of those regions' shapes
+/// (so that each piece's bytes lie in its row).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack64(pieces: &[PlanePiece], row: impl Fn(usize) -> *const u8) -> __m512i {
+    let mut codes = _mm512_setzero_si512();
+    for pc in pieces {
+        // SAFETY: the piece's bytes lie in its region's row (the caller's contract); its
+        // tables hold 64 bytes each.
+        unsafe {
+            let x = _mm512_maskz_loadu_epi8(pc.mask, row(pc.region).add(pc.at).cast());
+            let x = _mm512_permutexvar_epi8(_mm512_loadu_si512(pc.idx.as_ptr().cast()), x);
+            let x = _mm512_multishift_epi64_epi8(_mm512_loadu_si512(pc.ctrl.as_ptr().cast()), x);
+            codes = _mm512_ternarylogic_epi64::<0xf8>(codes, x, _mm512_loadu_si512(pc.keep.as_ptr().cast()));
+        }
+    }
+    codes
+}
+
+/// A 4 × 4 transpose of 16-byte lanes: lane `k` of result `l` is lane `l` of `s[k]`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn transpose_lanes(s: &[__m512i; 4]) -> [__m512i; 4] {
+    let t0 = _mm512_shuffle_i64x2::<0x44>(s[0], s[1]);
+    let t1 = _mm512_shuffle_i64x2::<0x44>(s[2], s[3]);
+    let t2 = _mm512_shuffle_i64x2::<0xEE>(s[0], s[1]);
+    let t3 = _mm512_shuffle_i64x2::<0xEE>(s[2], s[3]);
+    [
+        _mm512_shuffle_i64x2::<0x88>(t0, t1),
+        _mm512_shuffle_i64x2::<0xDD>(t0, t1),
+        _mm512_shuffle_i64x2::<0x88>(t2, t3),
+        _mm512_shuffle_i64x2::<0xDD>(t2, t3),
+    ]
 }
 
 /// The sums of the 16 lanes of each of 4 float accumulators, in order ([`lane_sums4`]'s

@@ -682,7 +682,7 @@ pub fn attend_int_fused_parts(
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     match backend {
-        Backend::Avx512 => return parts_supported(parts, v, |k, v| avx512::attend_int_supported(k, v, n_q)),
+        Backend::Avx512 => return avx512::attend_int_parts_supported(parts, v, n_q),
         Backend::Avx2 => {
             return parts_supported(parts, v, |k, v| fused_avx2::attend_int_supported(k, v, n_q));
         }

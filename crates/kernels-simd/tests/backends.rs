@@ -1379,6 +1379,7 @@ fn fused_block_attention_matches_its_reference() {
     let mut rng = Rng::new(0xf05e);
     let mut ran = 0;
     let mut ran_at = std::collections::BTreeSet::new();
+    let mut narrow_at = std::collections::BTreeSet::new();
     for backend in available() {
         for (dim, rows) in [
             (128usize, 32usize),
@@ -1412,14 +1413,23 @@ fn fused_block_attention_matches_its_reference() {
             ]
             .into_iter()
             .filter(|(kg, vg)| [kg, vg].iter().all(|g| g.is_none_or(|g| g == 0 || dim % g == 0)));
-            for (special, (key_layout, group)) in
-                [0u8, 5, 6].into_iter().flat_map(|s| layouts.clone().map(move |g| (s, g)))
+            // Keys and values of 4 bits; with values per row also values of 1 to 3 bits (the
+            // AVX-512 kernel's narrow values) and, keys per channel, keys of 2, 3 and 8 bits
+            // (its key regions, one of the whole row).
+            let widths = |(k, g): (Option<usize>, Option<usize>)| match (k, g) {
+                (_, Some(_)) => &[(4u8, 4u8)][..],
+                (Some(0), None) => &[(4, 4), (4, 3), (4, 2), (4, 1), (3, 3), (2, 2), (8, 4), (3, 4)][..],
+                _ => &[(4, 4), (4, 3), (4, 1)][..],
+            };
+            for (special, (key_layout, group), (kbits, vbits)) in [0u8, 5, 6]
+                .into_iter()
+                .flat_map(|s| layouts.clone().flat_map(move |g| widths(g).iter().map(move |&b| (s, g, b))))
             {
                 let per_channel = key_layout == Some(0);
                 let key_group = key_layout.filter(|&g| g > 0);
-                let mut kc =
-                    affine_case(&mut rng, rows, dim, per_channel, if special == 5 { 0 } else { special });
-                let mut vc = affine_case(&mut rng, rows, dim, false, special);
+                let special_keys = if special == 5 { 0 } else { special };
+                let mut kc = affine_bits_case(&mut rng, rows, dim, kbits, per_channel, special_keys);
+                let mut vc = affine_bits_case(&mut rng, rows, dim, vbits, false, special);
                 // Every group's own scale and offset (values, special 5: every other scale zero).
                 for (c, g, zeros) in [(&mut kc, key_group, false), (&mut vc, group, special == 5)] {
                     if let Some(g) = g {
@@ -1454,7 +1464,10 @@ fn fused_block_attention_matches_its_reference() {
                             continue;
                         }
                         ran += 1;
-                        ran_at.insert((backend, dim, group.is_some(), !per_channel));
+                        if (kbits, vbits) == (4, 4) {
+                            ran_at.insert((backend, dim, group.is_some(), !per_channel));
+                        }
+                        narrow_at.insert((backend, dim, kbits, vbits));
                         assert!(scalar::attend_int(
                             &k,
                             &v,
@@ -1463,7 +1476,7 @@ fn fused_block_attention_matches_its_reference() {
                             Online { m: &mut wm, l: &mut wl, o: &mut wo }
                         ));
                         let what = format!(
-                            "{backend} dim {dim} rows {rows} keys per channel {per_channel} per group {key_group:?} values per group {group:?} special {special} n_q {n_q} running {running}"
+                            "{backend} dim {dim} rows {rows} keys per channel {per_channel} per group {key_group:?} {kbits} bits, values of {vbits} bits per group {group:?} special {special} n_q {n_q} running {running}"
                         );
                         // The scores both sides weight the values with: the integer path's
                         // (its rounded query), not the float ones, which differ by the query's
@@ -1475,7 +1488,8 @@ fn fused_block_attention_matches_its_reference() {
                         let key_term = |c: usize| {
                             let term = |r| {
                                 let j = kc.param(r, c);
-                                f64::from(kc.scale[j]) * 15.0 + f64::from(kc.offset[j].abs())
+                                let top = f64::from((1u16 << kbits) - 1);
+                                f64::from(kc.scale[j]) * top + f64::from(kc.offset[j].abs())
                             };
                             (0..rows).map(term).fold(0f64, f64::max)
                         };
@@ -1513,6 +1527,12 @@ fn fused_block_attention_matches_its_reference() {
             assert_eq!(dims(Backend::Avx512, true, false), all, "values per group: the AVX-512 kernel");
             assert_eq!(dims(Backend::Avx512, false, true), all, "keys per row or group: the AVX-512 kernel");
             assert_eq!(dims(Backend::Avx512, true, true), all, "keys and values per group: AVX-512");
+            if std::arch::is_x86_feature_detected!("avx512vbmi") {
+                let widths = [(4u8, 3u8), (4, 2), (4, 1), (3, 3), (2, 2), (8, 4), (3, 4)];
+                for (dim, (kb, vb)) in all.iter().flat_map(|&d| widths.map(move |w| (d, w))) {
+                    assert!(narrow_at.contains(&(Backend::Avx512, dim, kb, vb)), "{kb}/{vb} bits at {dim}");
+                }
+            }
         }
         if available().contains(&Backend::Avx2) {
             let all = vec![64, 128, 256];
@@ -1526,6 +1546,8 @@ fn fused_block_attention_matches_its_reference() {
             assert_eq!(dims(Backend::Avx2, true, true), all, "keys and values per group: AVX2");
         }
     }
+    // Narrow values run on the AVX-512 kernel only.
+    assert!(narrow_at.iter().all(|x| (x.2, x.3) == (4, 4) || x.0 == Backend::Avx512), "{narrow_at:?}");
     let _ = (ran, dims, none);
 }
 
@@ -1549,12 +1571,19 @@ fn fused_attention_over_key_parts_matches_its_reference() {
             (128, vec![5]),
         ] {
             let rows: usize = split.iter().sum();
-            for (special, group) in [(0u8, None), (5, None), (6, None), (0, Some(32usize)), (6, Some(64))] {
+            for (special, group, vbits) in [
+                (0u8, None, 4u8),
+                (5, None, 4),
+                (6, None, 4),
+                (0, Some(32usize), 4),
+                (6, Some(64), 4),
+                (5, None, 3),
+            ] {
                 let kcs: Vec<_> = split
                     .iter()
                     .map(|&r| affine_case(&mut rng, r, dim, true, if special == 5 { 0 } else { special }))
                     .collect();
-                let mut vc = affine_case(&mut rng, rows, dim, false, special);
+                let mut vc = affine_bits_case(&mut rng, rows, dim, vbits, false, special);
                 if let Some(g) = group {
                     vc = vc.grouped(g);
                     for (s, f) in vc.scale.iter_mut().zip(vc.offset.iter_mut()) {
@@ -1726,7 +1755,16 @@ fn fused_attention_over_key_regions_matches_its_reference() {
     for backend in available() {
         for (dim, split) in splits {
             for rows in [32usize, 7, 129] {
-                for (special, group) in [(0u8, None), (5, None), (6, None), (1, None), (2, Some(32usize))] {
+                // Values of 4 bits (per row or group) and of 1 to 3 bits per row.
+                for (special, group, vbits) in [
+                    (0u8, None, 4u8),
+                    (5, None, 4),
+                    (6, None, 3),
+                    (1, None, 2),
+                    (2, Some(32usize), 4),
+                    (0, None, 3),
+                    (5, None, 1),
+                ] {
                     let kcs: Vec<_> = split
                         .iter()
                         .map(|&(bits, c)| {
@@ -1740,7 +1778,7 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                             )
                         })
                         .collect();
-                    let mut vc = affine_case(&mut rng, rows, dim, false, special);
+                    let mut vc = affine_bits_case(&mut rng, rows, dim, vbits, false, special);
                     if let Some(g) = group {
                         vc = vc.grouped(g);
                         for (s, f) in vc.scale.iter_mut().zip(vc.offset.iter_mut()) {
@@ -1772,12 +1810,12 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                             assert!(m == m0 && l == l0 && o == o0, "{backend}: a refusal changes nothing");
                             continue;
                         }
-                        ran.insert((backend, dim));
+                        ran.insert((backend, dim, vbits));
                         let (mut wm, mut wl, mut wo) = (m0.clone(), l0.clone(), o0.clone());
                         let want = Online { m: &mut wm, l: &mut wl, o: &mut wo };
                         assert!(scalar::attend_int_regions(&regions, &v, &q, n_q, want));
                         let what = format!(
-                            "{backend} dim {dim} regions {split:?} rows {rows} values per group {group:?} special {special} n_q {n_q}"
+                            "{backend} dim {dim} regions {split:?} rows {rows} values of {vbits} bits per group {group:?} special {special} n_q {n_q}"
                         );
                         // The scores the reference weighs with: the regions' integer scores, added.
                         let mut si = vec![0f32; n_q * rows];
@@ -1883,7 +1921,12 @@ fn fused_attention_over_key_regions_matches_its_reference() {
         && std::arch::is_x86_feature_detected!("avx512vbmi")
     {
         for dim in [64, 128, 256] {
-            assert!(ran.contains(&(Backend::Avx512, dim)), "AVX-512 regions at {dim}");
+            for vbits in 1..=4 {
+                assert!(
+                    ran.contains(&(Backend::Avx512, dim, vbits)),
+                    "AVX-512 regions at {dim}, values of {vbits} bits"
+                );
+            }
         }
     }
     let _ = ran;

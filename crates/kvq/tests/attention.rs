@@ -650,9 +650,9 @@ fn keys_stored_before_rope() {
 }
 
 /// `integer_decode_kernel` names the fused block kernel exactly where decode runs it: KIVI-style
-/// INT4 at head_dim 128 on AVX-512 VNNI and on AVX2, `-qa` keys on AVX-512 with VBMI, not INT8
-/// values, not the scalar or `wide` backends, nothing for a sequence without quantized blocks;
-/// an unknown sequence is an error.
+/// INT4 at head_dim 128 on AVX-512 VNNI and on AVX2; `-qa` keys, INT3 keys per channel and
+/// INT2 or INT3 values on AVX-512 with VBMI; not INT8 values, not the scalar or `wide`
+/// backends; nothing for a sequence without quantized blocks; an unknown sequence is an error.
 #[test]
 fn the_integer_kernel_is_named() {
     use kvq::attention::integer_decode_kernel;
@@ -679,8 +679,11 @@ fn the_integer_kernel_is_named() {
         ("int8-token", "int8-token", false, 32),
         // Key groups of 32 tokens inside blocks of 64: the fused kernels take them as parts.
         ("int4-channel32", "int4-token", vnni, 64),
-        // Keys with bits per channel: their width regions, on AVX-512 with VBMI.
+        // Keys with bits per channel: their width regions, on AVX-512 with VBMI; so are INT3 keys
+        // per channel (one region) and values of 1 to 3 bits.
         ("int4-channel-qa", "int4-token", vnni && vbmi, 32),
+        ("int3-channel", "int3-token", vnni && vbmi, 32),
+        ("int4-channel", "int2-token", vnni && vbmi, 32),
     ] {
         let mut config = CacheConfig::new(1, 2, 128, 16)
             .with_block_size(bs)
@@ -697,6 +700,7 @@ fn the_integer_kernel_is_named() {
             let has = (fused && backend == Backend::Avx512)
                 || (kspec.starts_with("int4-channel")
                     && !kspec.ends_with("-qa")
+                    && vspec.starts_with("int4")
                     && matches!(backend, Backend::Avx2 | Backend::Dotprod));
             let want = if has { "fused block" } else { "separate kernels" };
             assert_eq!(
