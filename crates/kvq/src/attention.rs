@@ -368,14 +368,16 @@ pub enum ScorePath {
     /// of 32 values, symmetric INT4 keys, and keys of a 16-level table (NF4, 4-bit
     /// codebooks), whose levels are rounded to int8 as well (half a step of `max|level| / 127`
     /// more a level), and with AVX-512 VBMI keys with bits per channel (`-qa`: each width
-    /// region's columns of the query rounded with a scale of their own) under INT4 values;
+    /// region's columns of the query rounded with a scale of their own) and keys per channel
+    /// of any width, in the fused kernel under INT4 values or values of 1 to 3 bits per row;
     /// other keys take the float kernels. And, where the backend has an
-    /// integer value kernel (AVX-512 VNNI, INT4 and INT8 values; AVX2, INT4
+    /// integer value kernel (AVX-512 VNNI, INT4 and INT8 values, with VBMI in the fused
+    /// kernel also values of 1 to 3 bits per row; AVX2, INT4
     /// values per token under INT4 keys per channel, in the fused block kernel; both fused
     /// kernels also INT4 values per group, one scale per group, and INT4 keys per token or
     /// per group), the block's
-    /// weights `p · scale` rounded with one scale per block (to 0..=255 for INT4 codes, which
-    /// are summed centred on 8; to ±32767 for INT8, centred on 128), each output off by at most
+    /// weights `p · scale` rounded with one scale per block (to 0..=255 for codes of up to 4
+    /// bits, summed centred on `2^(bits − 1)`; to ±32767 for INT8, centred on 128), each output off by at most
     /// `max|w| / (2 · W_max) · Σ|levels − centre|` (`W_max` 255 or 32767).
     /// Faster; the float path equals attention over the dequantized cache within f32 rounding.
     Int8,
@@ -819,7 +821,8 @@ impl Task {
 /// (KIVI-style INT4, the keys' channel groups the block or token groups inside it, see
 /// [`kvq_kernels_simd::attend_int_parts_with`]; on x86-64 also INT4 values per group, see
 /// [`kvq_kernels_simd::attend_int_with`]; on AVX-512 with VBMI also keys with bits per channel,
-/// `-qa`, see [`kvq_kernels_simd::attend_int_regions_with`]), `"separate kernels"` otherwise; judged from the
+/// `-qa`, see [`kvq_kernels_simd::attend_int_regions_with`], keys per channel of any width
+/// and values of 1 to 3 bits per row), `"separate kernels"` otherwise; judged from the
 /// first quantized unit of layer 0, KV head 0. `None` when that head holds no quantized block
 /// yet. Units near a sliding window's start or a chunk's causal end, and soft-capped
 /// attention, take the separate kernels either way.

@@ -96,8 +96,9 @@ enum Command {
         /// Also time the integer paths (int8 queries for scores; 8-bit weights for INT4
         /// values, 16-bit for INT8, where the CPU has AVX-512 VNNI; for INT4 keys per channel
         /// with INT4 values per token or per group also on AVX2, in one fused kernel per
-        /// block, and for INT4 keys per token or per group with those values), one more row
-        /// per spec.
+        /// block, and for INT4 keys per token or per group with those values; with AVX-512
+        /// VBMI also `-qa` keys, keys per channel of any width and values of 1 to 3 bits per
+        /// token), one more row per spec.
         #[arg(long)]
         integer: bool,
         /// Full-precision (f16) residual blocks of each cache after its quantized ones, as a
