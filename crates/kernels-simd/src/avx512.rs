@@ -918,8 +918,8 @@ fn first_plan(plans: &mut Vec<HeadPlan>, shapes: impl Iterator<Item = (usize, u8
 const MAX_REGIONS: usize = 16;
 
 /// The fused kernel of [`crate::attend_int_regions_with`]: keys in channel regions (`-qa`),
-/// each region's rows unpacked to one code a byte (`vpermb` and `vpmultishiftqb`, as a
-/// [`RegionPlan`] says) and dotted with its columns of the query rounded to int8 with a scale
+/// each region's rows unpacked to one code a byte (`vpermb` and `vpmultishiftqb`, as the
+/// regions' [`HeadPlan`] says) and dotted with its columns of the query rounded to int8 with a scale
 /// of its own, the regions' scores added, then the softmax step and the value sum of
 /// [`attend_int_in`]. Returns `false`, changing nothing, when [`attend_int_regions_supported`]
 /// is false or a value scale is negative or NaN.
@@ -1071,7 +1071,8 @@ enum Keys<'a> {
 /// # Safety
 /// [`attend_int_supported`] for the parts of `keys` as [`crate::parts_supported`] checks
 /// them, or [`attend_int_regions_supported`] for its regions; `grouped_keys` exactly when the
-/// parts are per row or per group; `w` grown by [`grow`].
+/// parts are per row or per group; `w` grown by [`grow`], the regions' plan first in
+/// `w.plans` and, for values of other than 4 bits, theirs first in `w.vplans`.
 unsafe fn fused_run(
     keys: Keys<'_>,
     grouped_keys: bool,
@@ -1536,14 +1537,16 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
     //    algebra per region); `sqs[i]` holds row i's scale of each region (lane = region),
     //    `kadd[i]` what all the regions' offsets add.
     let mut sqs = [[0f32; 16]; int8::GROUP];
-    let mut kadd = [0f32; int8::GROUP];
+    // What the offsets add, per query row over every region: reduced once, after them.
+    let mut dots = [_mm512_setzero_ps(); int8::GROUP];
     for (j, r) in regions.iter().enumerate() {
         let k = &r.keys;
         let Params::PerChannel { scale, offset } = k.params else { unreachable!("checked") };
         let c = k.dim;
-        let (mut qmax, mut qnan) = ([0f32; int8::GROUP], [false; int8::GROUP]);
-        for i in 0..NQ {
-            let (mut mx, mut any, mut dot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut qnan = [false; int8::GROUP];
+        let mut mxs = [_mm512_setzero_ps(); int8::GROUP];
+        for (i, (dot, mx)) in dots.iter_mut().zip(mxs.iter_mut()).enumerate().take(NQ) {
+            let mut any = _mm512_setzero_ps();
             for t in (0..c.div_ceil(16)).map(|j| 16 * j) {
                 let mask = lanes(c - t);
                 // SAFETY: the masked lanes lie inside the region's columns of query row i
@@ -1552,17 +1555,19 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
                     let x = _mm512_maskz_loadu_ps(mask, q.as_ptr().add(i * D + r.first + t));
                     let y = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(mask, scale.as_ptr().add(t)));
                     _mm512_mask_storeu_ps(qp.as_mut_ptr().add(i * D + r.first + t), mask, y);
-                    mx = _mm512_max_ps(_mm512_abs_ps(y), mx);
+                    *mx = _mm512_max_ps(_mm512_abs_ps(y), *mx);
                     any = _mm512_add_ps(any, y);
                     if let Some(ko) = offset {
-                        dot = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mask, ko.as_ptr().add(t)), dot);
+                        *dot = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mask, ko.as_ptr().add(t)), *dot);
                     }
                 }
             }
-            kadd[i] += _mm512_reduce_add_ps(dot);
-            qmax[i] = _mm512_reduce_max_ps(mx);
             qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
         }
+        // The four rows' maxima in one reduction (rows past NQ: zero).
+        let mut qmax = [0f32; 4];
+        // SAFETY: `qmax` holds 4 floats.
+        unsafe { _mm_storeu_ps(qmax.as_mut_ptr(), fold4_ps::<true>(&mxs)) };
         let (sq, qinv) = int8::scales_of4(qmax, qnan, 127.0);
         for (i, &inv) in qinv.iter().enumerate().take(NQ) {
             sqs[i][j] = sq[i];
@@ -1581,6 +1586,9 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
             }
         }
     }
+    let mut kadd = [0f32; 4];
+    // SAFETY: `kadd` holds 4 floats.
+    unsafe { _mm_storeu_ps(kadd.as_mut_ptr(), fold4_ps::<false>(&dots)) };
     // Each (query row, 64 channels)'s lane scales: lane l takes the `sq` of the region of
     // channels 64v + 4l ..
     let mut lane_sq = [[_mm512_setzero_ps(); int8::GROUP]; FUSED_DIM / 64];
@@ -1631,7 +1639,7 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
         }
         for i in 0..NQ {
             let rows = [acc[0][i], acc[1][i], acc[2][i], acc[3][i]];
-            let sums = _mm_add_ps(hsum4_ps(&rows), _mm_set1_ps(kadd[i]));
+            let sums = _mm_add_ps(fold4_ps::<false>(&rows), _mm_set1_ps(kadd[i]));
             // SAFETY: r0 + 4 <= n + 3 < pr: inside row i of `p` (16 values of room past n).
             unsafe { _mm_storeu_ps(p.as_mut_ptr().add(i * pr + r0), sums) };
         }
@@ -1754,23 +1762,22 @@ fn transpose_lanes(s: &[__m512i; 4]) -> [__m512i; 4] {
     ]
 }
 
-/// The sums of the 16 lanes of each of 4 float accumulators, in order ([`lane_sums4`]'s
-/// interleaving on floats, then the four 128-bit lanes added).
+/// The sums (`MAX`: the maxima; no NaN) of the 16 lanes of each of 4 vectors, in order:
+/// pairs interleaved and combined ([`lane_sums4`]'s order on floats), then the four 128-bit
+/// lanes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
-fn hsum4_ps(a: &[__m512; 4]) -> __m128 {
-    let t0 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-    let t1 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+fn fold4_ps<const MAX: bool>(a: &[__m512; 4]) -> __m128 {
+    let f512 = |x, y| if MAX { _mm512_max_ps(x, y) } else { _mm512_add_ps(x, y) };
+    let t0 = f512(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    let t1 = f512(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
     let (t0, t1) = (_mm512_castps_pd(t0), _mm512_castps_pd(t1));
-    let u = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t1)),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t1)),
-    );
-    let y = _mm256_add_ps(
-        _mm512_castps512_ps256(u),
-        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(u))),
-    );
-    _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps::<1>(y))
+    let u = f512(_mm512_castpd_ps(_mm512_unpacklo_pd(t0, t1)), _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t1)));
+    let (lo, hi) =
+        (_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(u))));
+    let y = if MAX { _mm256_max_ps(lo, hi) } else { _mm256_add_ps(lo, hi) };
+    let (lo, hi) = (_mm256_castps256_ps128(y), _mm256_extractf128_ps::<1>(y));
+    if MAX { _mm_max_ps(lo, hi) } else { _mm_add_ps(lo, hi) }
 }
 
 /// Step 2 of [`attend4`] for INT4 keys per group (`int4-g32`) or per row (`int4-token`, one
