@@ -769,8 +769,10 @@ pub(crate) fn attend_int_in(
     }
     let k = &parts[0];
     if k.bits != 4 {
-        // One block of keys per channel of another width: a region of the whole row.
-        return attend_int_regions_in(&[crate::KeyRegion { first: 0, keys: *k }], v, q, n_q, state, w);
+        // One block of keys per channel of another width: a region of the whole row, which
+        // `attend_int_supported` checked as such.
+        // SAFETY: that check is `attend_int_regions_supported` of this region.
+        return unsafe { regions_run(&[crate::KeyRegion { first: 0, keys: *k }], v, q, n_q, state, w) };
     }
     grow(w);
     if v.bits != 4 {
@@ -934,12 +936,30 @@ pub(crate) fn attend_int_regions_in(
     if !attend_int_regions_supported(regions, v, n_q) {
         return false;
     }
+    // SAFETY: checked above.
+    unsafe { regions_run(regions, v, q, n_q, state, w) }
+}
+
+/// [`attend_int_regions_in`] once its regions are checked: the buffers grown, the plans put
+/// first, the fused kernel run.
+///
+/// # Safety
+/// [`attend_int_regions_supported`]`(regions, v, n_q)`.
+unsafe fn regions_run(
+    regions: &[crate::KeyRegion<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: crate::Online<'_>,
+    w: &mut FusedScratch,
+) -> bool {
     grow(w);
     plan_first(regions, w);
     if v.bits != 4 {
         first_plan(&mut w.vplans, std::iter::once((v.dim, v.bits)));
     }
-    // SAFETY: checked above; grown above, with the regions' plan first (and the values').
+    // SAFETY: checked by the caller; grown above, with the regions' plan first (and the
+    // values').
     unsafe { fused_run(Keys::Regions(regions), false, v, q, n_q, state, w) }
 }
 
