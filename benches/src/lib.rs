@@ -4,9 +4,10 @@ use kvq_cache_layout::{CacheConfig, PagedCache};
 use kvq_kernels_simd::Backend;
 use kvq_quant_core::{ChannelBits, QuantSpec};
 
-/// The fastest float backend of this CPU (AVX-512 has no float kernels of its own).
+/// The fastest float backend of this CPU: AVX-512 where present (its own kernels for FP8
+/// rows; every other float kernel there is the AVX2 one), else AVX2, else `wide`.
 pub fn best_float() -> Backend {
-    if Backend::Avx2.is_available() { Backend::Avx2 } else { Backend::Wide }
+    [Backend::Avx512, Backend::Avx2].into_iter().find(|b| b.is_available()).unwrap_or(Backend::Wide)
 }
 
 /// An empty one-layer cache of `kv_heads` heads of `head_dim` channels, blocks of 32 tokens,

@@ -1142,7 +1142,7 @@ unsafe fn fused_run(
 
 /// Lanes `0..len` (at most 16) of a 16-lane vector.
 #[inline(always)]
-fn lanes(len: usize) -> __mmask16 {
+pub(crate) fn lanes(len: usize) -> __mmask16 {
     if len >= 16 { 0xffff } else { ((1u32 << len) - 1) as __mmask16 }
 }
 
@@ -1785,9 +1785,9 @@ fn transpose_lanes(s: &[__m512i; 4]) -> [__m512i; 4] {
 /// The sums (`MAX`: the maxima; no NaN) of the 16 lanes of each of 4 vectors, in order:
 /// pairs interleaved and combined ([`lane_sums4`]'s order on floats), then the four 128-bit
 /// lanes.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
-fn fold4_ps<const MAX: bool>(a: &[__m512; 4]) -> __m128 {
+pub(crate) fn fold4_ps<const MAX: bool>(a: &[__m512; 4]) -> __m128 {
     let f512 = |x, y| if MAX { _mm512_max_ps(x, y) } else { _mm512_add_ps(x, y) };
     let t0 = f512(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
     let t1 = f512(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));

@@ -12,8 +12,10 @@
 //! and table 2-, 3-, 4- and 8-bit blocks for scores and axpy (per-group ones in groups of a multiple of 16),
 //! and [`implementation_for`] names the code that runs for a given block. The integer score path ([`scores_int8_with`]) has AVX2, AVX-512 VNNI and
 //! aarch64 dotprod kernels, all equal to [`scalar::scores_int8`] bit for bit. The `avx512`
-//! backend's float kernels are the AVX2 ones: [`implementation`] says which code actually
-//! runs, so no log claims a path that did not run.
+//! backend's float kernels are the AVX2 ones but for FP8 blocks with one scale per row, which
+//! have AVX-512 kernels of their own and a fused block kernel ([`fp8_avx512`],
+//! [`attend_float_with`]): [`implementation`] and [`implementation_for`] say which code
+//! actually runs, so no log claims a path that did not run.
 //!
 //! ```
 //! use kvq_kernels_simd::{Backend, Levels, Params, QuantBlock, scores_with};
@@ -71,6 +73,8 @@ pub mod block;
 pub mod dispatch;
 #[cfg(target_arch = "aarch64")]
 pub mod dotprod;
+#[cfg(target_arch = "x86_64")]
+pub mod fp8_avx512;
 #[cfg(target_arch = "x86_64")]
 pub mod fused_avx2;
 #[cfg(target_arch = "aarch64")]
@@ -132,7 +136,8 @@ pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     SCRATCH.with_borrow_mut(f)
 }
 
-/// The code that runs for the float kernels of `backend`: AVX-512 runs the AVX2 kernels and
+/// The code that runs for the float kernels of `backend`: AVX-512 runs the AVX2 kernels (but
+/// for FP8 rows, see [`implementation_for`]) and
 /// dotprod the `wide` (NEON) ones; both have integer score kernels of their own (see
 /// [`scores_int8_with`]). The AVX2 kernels fall back to `wide` for layouts they do
 /// not cover.
@@ -145,11 +150,14 @@ pub fn implementation(backend: Backend) -> Backend {
 }
 
 /// The code that runs the float kernels of `backend` for the block `b`: [`implementation`],
-/// except that where the AVX2 kernels do not cover a block's layout (code widths other than
+/// except that FP8 blocks with one scale per row and rows of a multiple of 32 codes run
+/// AVX-512 kernels of their own on `avx512` ([`fp8_avx512`]), and that where the AVX2 kernels do not cover a block's layout (code widths other than
 /// 2, 3, 4 and 8, rows not a multiple of the chunk (64 codes for 2 and 3 bits), per-group parameters in groups not a multiple
 /// of 16) the `wide` ones run, and this says so.
 pub fn implementation_for(backend: Backend, b: &QuantBlock<'_>) -> Backend {
     match implementation(backend) {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 if backend == Backend::Avx512 && fp8_avx512::supported(b) => Backend::Avx512,
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 if !avx2::float_supported(b) => Backend::Wide,
         other => {
@@ -245,6 +253,10 @@ fn scores_fast(
 ) {
     match implementation(backend) {
         #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 if backend == Backend::Avx512 && fp8_avx512::supported(b) => {
+            fp8_avx512::scores_in(b, q, n_q, out)
+        }
+        #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => avx2::scores_in(b, q, n_q, out, w),
         _ => portable::scores_in(b, q, n_q, out, &mut w.wide),
     }
@@ -252,6 +264,10 @@ fn scores_fast(
 
 fn axpy_fast(backend: Backend, w: &mut Scratch, b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
     match implementation(backend) {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2 if backend == Backend::Avx512 && fp8_avx512::supported(b) => {
+            fp8_avx512::axpy_in(b, p, n_q, out, &mut w.weights)
+        }
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => avx2::axpy_in(b, p, n_q, out, w),
         _ => portable::axpy_in(b, p, n_q, out, &mut w.wide),
@@ -781,30 +797,7 @@ pub fn attend_int_parts_in(
     n_q: usize,
     state: Online<'_>,
 ) -> Result<bool, KernelError> {
-    let rows = parts.iter().try_fold(0usize, |a, k| a.checked_add(k.rows));
-    let d = v.dim;
-    check(
-        !parts.is_empty()
-            && rows == Some(v.rows)
-            && parts.iter().all(|k| k.dim == d)
-            && q.len() == n_q * d
-            && state.m.len() == n_q
-            && state.l.len() == n_q
-            && state.o.len() == n_q * d,
-        || {
-            let keys: Vec<String> = parts.iter().map(|k| format!("{} × {}", k.rows, k.dim)).collect();
-            format!(
-                "keys [{}], values {} × {}, {n_q} query rows: {} query values, state {} / {} / {}",
-                keys.join(", "),
-                v.rows,
-                v.dim,
-                q.len(),
-                state.m.len(),
-                state.l.len(),
-                state.o.len()
-            )
-        },
-    )?;
+    check_attend(parts, v, q, n_q, &state)?;
     #[cfg(target_arch = "x86_64")]
     match backend {
         Backend::Avx512 => return Ok(avx512::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused)),
@@ -819,6 +812,41 @@ pub fn attend_int_parts_in(
     }
     let _ = (backend, scratch);
     Ok(false)
+}
+
+/// The shapes of a fused kernel's call: keys in parts whose rows add up to the values', of
+/// the values' head_dim, `n_q` query rows and state rows.
+fn check_attend(
+    parts: &[QuantBlock<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: &Online<'_>,
+) -> Result<(), KernelError> {
+    let rows = parts.iter().try_fold(0usize, |a, k| a.checked_add(k.rows));
+    let d = v.dim;
+    check(
+        !parts.is_empty()
+            && rows == Some(v.rows)
+            && parts.iter().all(|k| k.dim == d)
+            && q.len() == n_q.saturating_mul(d)
+            && state.m.len() == n_q
+            && state.l.len() == n_q
+            && state.o.len() == n_q.saturating_mul(d),
+        || {
+            let keys: Vec<String> = parts.iter().map(|k| format!("{} × {}", k.rows, k.dim)).collect();
+            format!(
+                "keys [{}], values {} × {}, {n_q} query rows: {} query values, state {} / {} / {}",
+                keys.join(", "),
+                v.rows,
+                v.dim,
+                q.len(),
+                state.m.len(),
+                state.l.len(),
+                state.o.len()
+            )
+        },
+    )
 }
 
 /// One width's channels of a row of keys stored with bits per channel (`-qa` specs): the
@@ -988,6 +1016,52 @@ pub fn attend_int_fused_regions(
         return avx512::attend_int_regions_supported(regions, v, n_q);
     }
     let _ = (backend, regions, v, n_q);
+    false
+}
+
+/// A block of keys `k` and the block of values `v` of the same tokens attended by `n_q` query
+/// rows `q` (`n_q × dim`, already scaled) in one fused call on the float kernels: `state`
+/// updated as decode's float path updates it with [`scores_with`], the online softmax step
+/// and [`axpy_with`] (for each row the scores, their maximum `m'` with the running `m`, NaN
+/// scores skipped, `l ← l · e^(m − m') + Σ e^(s − m')`, `o ← o · e^(m − m') + Σ_r e^(s_r −
+/// m') · v̂_r`; a row whose maximum stays −∞ gets no weight). [`scalar::attend_float`] is the
+/// reference; the results equal it to the rounding of float sums taken in another order and
+/// of `exp` (the softmax module's polynomial).
+///
+/// Where it runs (FP8 keys and values with one scale per row, `fp8e4m3-token` and
+/// `fp8e5m2-token`, the same 1 to 256 rows and a head_dim that is a multiple of 32, on the
+/// `avx512` backend: see [`fp8_avx512::attend_supported`]) the block's scores and weights stay
+/// in a small buffer on the stack; elsewhere it returns `Ok(false)`, changing nothing, and the
+/// caller runs the separate kernels.
+///
+/// # Errors
+/// [`KernelError::Shape`] when the blocks differ in rows or head_dim, or `q` and `state` do not
+/// hold `n_q` rows.
+pub fn attend_float_with(
+    backend: Backend,
+    k: &QuantBlock<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+) -> Result<bool, KernelError> {
+    check_attend(std::slice::from_ref(k), v, q, n_q, &state)?;
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 {
+        return Ok(fp8_avx512::attend_in(k, v, q, n_q, state));
+    }
+    let _ = backend;
+    Ok(false)
+}
+
+/// Whether [`attend_float_with`] runs its fused kernel for blocks like `k` and `v` and `n_q`
+/// query rows on `backend`.
+pub fn attend_float_fused(backend: Backend, k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 {
+        return fp8_avx512::attend_supported(k, v, n_q);
+    }
+    let _ = (backend, k, v, n_q);
     false
 }
 

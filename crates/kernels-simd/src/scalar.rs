@@ -198,8 +198,41 @@ pub fn scores_int8_regions(regions: &[crate::KeyRegion<'_>], q: &[f32], n_q: usi
 /// of the values `v` of [`attend_int_parts`].
 fn softmax_values(mut s: Vec<f32>, v: &QuantBlock<'_>, n_q: usize, state: crate::Online<'_>) -> bool {
     let crate::Online { m, l, o } = state;
-    let (n, d) = (v.rows, v.dim);
-    for i in 0..n_q {
+    softmax_step(&mut s, v.rows, v.dim, m, l, o);
+    if matches!(v.params, Params::PerGroup { .. }) {
+        crate::intv::axpy_grouped_reference(v, &s, n_q, o);
+        return true;
+    }
+    axpy_int(v, &s, n_q, o)
+}
+
+/// The reference of `kvq_kernels_simd::attend_float_with`: the scores of the keys `k` by
+/// [`scores`], the online softmax step over them (as decode's float path takes it: each
+/// row's maximum with the running one, NaN scores skipped; a row whose maximum stays −∞ gets
+/// zero weights), and the sum of the values `v` under the weights by [`axpy`]. Returns
+/// `false`, changing nothing, when the blocks differ in rows or head_dim.
+pub fn attend_float(
+    k: &QuantBlock<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: crate::Online<'_>,
+) -> bool {
+    if k.rows != v.rows || k.dim != v.dim {
+        return false;
+    }
+    let crate::Online { m, l, o } = state;
+    let mut s = vec![0f32; n_q * k.rows];
+    scores(k, q, n_q, &mut s);
+    softmax_step(&mut s, v.rows, v.dim, m, l, o);
+    axpy(v, &s, n_q, o);
+    true
+}
+
+/// The online softmax step over the scores `s` (rows of `n`), replaced by their weights,
+/// for the state `m`, `l` and `o` (rows of `d`).
+fn softmax_step(s: &mut [f32], n: usize, d: usize, m: &mut [f32], l: &mut [f32], o: &mut [f32]) {
+    for i in 0..m.len() {
         let row = &mut s[i * n..(i + 1) * n];
         let top = row.iter().fold(m[i], |a, &x| if x > a { x } else { a });
         if top == f32::NEG_INFINITY {
@@ -218,11 +251,6 @@ fn softmax_values(mut s: Vec<f32>, v: &QuantBlock<'_>, n_q: usize, state: crate:
             o[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= f);
         }
     }
-    if matches!(v.params, Params::PerGroup { .. }) {
-        crate::intv::axpy_grouped_reference(v, &s, n_q, o);
-        return true;
-    }
-    axpy_int(v, &s, n_q, o)
 }
 
 /// Scores against full-precision rows (the cache's f32 tails and sinks):

@@ -357,7 +357,7 @@ fn fp8_special_codes_decode_as_the_format_says() {
 /// NaN code once per block and skip the check per code where there is none.)
 #[test]
 fn an_e4m3_nan_code_anywhere_reaches_the_results() {
-    for (rows, dim) in [(3usize, 16usize), (5, 48)] {
+    for (rows, dim) in [(3usize, 16usize), (5, 48), (2, 64)] {
         let finite: Vec<u8> =
             (0..rows * dim).map(|i| ((i * 37) % 0x7e) as u8 | ((i % 3 == 0) as u8) << 7).collect();
         let (row_scale, channel_scale, group_scale) =
@@ -1003,6 +1003,32 @@ fn implementation_for_names_the_kernel_of_each_layout() {
             let table = vec![0.0f32; 1 << bits];
             let t = QuantBlock::new(&codes, 1, dim, bits, Levels::Table(&table), params).unwrap();
             assert_eq!(implementation_for(backend, &t), fallback, "{backend} {bits}-bit table × {dim}");
+        }
+    }
+    // FP8 rows with one scale per row and a multiple of 32 codes: AVX-512 kernels of their
+    // own on that backend; other FP8 blocks the AVX2 ones.
+    for f in [Fp8Format::E4M3, Fp8Format::E5M2] {
+        for (dim, per_row) in [(64usize, true), (96, true), (48, true), (64, false)] {
+            let codes = vec![0u8; 2 * dim];
+            let (rs, cs) = ([1.0f32; 2], vec![1.0f32; dim]);
+            let params = if per_row {
+                Params::PerRow { scale: &rs, offset: None }
+            } else {
+                Params::PerChannel { scale: &cs, offset: None }
+            };
+            let b = QuantBlock::new(&codes, 2, dim, 8, Levels::Fp8(f), params).unwrap();
+            for backend in available() {
+                let want = if backend == Backend::Avx512 && per_row && dim % 32 == 0 {
+                    Backend::Avx512
+                } else {
+                    implementation(backend)
+                };
+                assert_eq!(
+                    implementation_for(backend, &b),
+                    want,
+                    "{backend} {f:?} × {dim} per row {per_row}"
+                );
+            }
         }
     }
     let bad = Params::PerGroup { group: 24, scale: &scale[..2], offset: None };
@@ -2055,5 +2081,218 @@ fn fused_block_attention_declines_and_propagates_nan() {
             )
             .is_err()
         );
+    }
+}
+
+/// A block of FP8 codes of format `f` with one scale per row (offsets drawn half the time),
+/// every code finite unless the test puts a special one in.
+fn fp8_case(rng: &mut Rng, rows: usize, dim: usize, f: Fp8Format, special: u8) -> Case {
+    let mut case = Case::random(rng, rows, dim, 8, special);
+    let finite: Vec<u8> =
+        case.raw.iter().map(|&c| if f.decode(c).is_finite() { c } else { c & 0xf0 }).collect();
+    if case.per_channel {
+        case.per_channel = false;
+        case.scale = (0..rows)
+            .map(|r| if special == 5 && r % 2 == 0 { 0.0 } else { rng.uniform() as f32 + 0.01 })
+            .collect();
+        case.offset = (0..rows).map(|_| rng.normal() as f32).collect();
+    }
+    (case.levels_kind, case.fp8, case.with_offset) = (3, Some(f), rng.below(2) == 0);
+    (case.raw, case.codes) = (finite.clone(), finite);
+    case
+}
+
+/// The fused FP8 kernel (one block of FP8 keys and values per row: scores, online softmax
+/// step, value sums in one call) against its reference, the float kernels one after the
+/// other in f64 (`scalar::attend_float`): the running maxima to the rounding of the scores,
+/// the sums and outputs to that of `exp` and of float sums in other orders. Rows of 1 to 256
+/// (tails of a quad of rows), head_dims of 32 to 256 (an odd number of 32-channel runs
+/// included), one to eight query rows, fresh and running states, tiny scales, zero scales,
+/// widely spread scores. Where the kernel does not run it says so and changes nothing.
+#[test]
+fn fused_fp8_attention_matches_its_reference() {
+    use kvq_kernels_simd::{Online, attend_float_fused, attend_float_with};
+    let mut rng = Rng::new(0xf8a7);
+    let mut ran_at = std::collections::BTreeSet::new();
+    for backend in available() {
+        for (dim, rows) in
+            [(128usize, 32usize), (128, 1), (128, 6), (64, 33), (32, 7), (96, 16), (256, 256), (192, 130)]
+        {
+            for (kf, vf) in [
+                (Fp8Format::E4M3, Fp8Format::E4M3),
+                (Fp8Format::E5M2, Fp8Format::E5M2),
+                (Fp8Format::E4M3, Fp8Format::E5M2),
+            ] {
+                for special in [0u8, 3, 5, 6] {
+                    let kc = fp8_case(&mut rng, rows, dim, kf, if special == 5 { 0 } else { special });
+                    let vc = fp8_case(&mut rng, rows, dim, vf, special);
+                    let (k, v) = (kc.block(), vc.block());
+                    let mut x = vec![0f32; rows * dim];
+                    scalar::dequantize(&v, &mut x);
+                    for n_q in [1usize, 2, 3, 4, 5, 8] {
+                        let spread = if special == 6 { 40.0 } else { 1.0 };
+                        let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32 * spread).collect();
+                        for running in [false, true] {
+                            let (m0, l0, o0): (Vec<f32>, Vec<f32>, Vec<f32>) = if running {
+                                (
+                                    (0..n_q).map(|_| rng.normal() as f32 * 3.0).collect(),
+                                    (0..n_q).map(|_| rng.uniform() as f32 * 5.0 + 0.5).collect(),
+                                    (0..n_q * dim).map(|_| rng.normal() as f32).collect(),
+                                )
+                            } else {
+                                (vec![f32::NEG_INFINITY; n_q], vec![0.0; n_q], vec![0.0; n_q * dim])
+                            };
+                            let (mut m, mut l, mut o) = (m0.clone(), l0.clone(), o0.clone());
+                            let state = Online { m: &mut m, l: &mut l, o: &mut o };
+                            let what = format!(
+                                "{backend} {kf:?}/{vf:?} {rows}x{dim} special {special} n_q {n_q} running {running}"
+                            );
+                            let ran = attend_float_with(backend, &k, &v, &q, n_q, state).unwrap();
+                            assert_eq!(ran, attend_float_fused(backend, &k, &v, n_q), "{what}");
+                            if !ran {
+                                assert!(
+                                    m == m0 && l == l0 && o == o0,
+                                    "{what}: declined, yet changed the state"
+                                );
+                                continue;
+                            }
+                            ran_at.insert((backend, dim));
+                            let (mut wm, mut wl, mut wo) = (m0.clone(), l0.clone(), o0.clone());
+                            assert!(scalar::attend_float(
+                                &k,
+                                &v,
+                                &q,
+                                n_q,
+                                Online { m: &mut wm, l: &mut wl, o: &mut wo }
+                            ));
+                            let mags = magnitudes_scores(&kc, &k, &q, n_q);
+                            let mut s = vec![0f32; n_q * rows];
+                            scalar::scores(&k, &q, n_q, &mut s);
+                            for i in 0..n_q {
+                                let dm = 2e-6
+                                    * mags[i * rows..(i + 1) * rows].iter().fold(0f64, |a, &b| a.max(b))
+                                    + 1e-30;
+                                assert!(
+                                    f64::from((m[i] - wm[i]).abs()) <= dm,
+                                    "{what}: m[{i}] {} vs {}",
+                                    m[i],
+                                    wm[i]
+                                );
+                                let rel = 1e-5 + 2.0 * dm;
+                                assert!(
+                                    f64::from((l[i] - wl[i]).abs()) <= rel * f64::from(wl[i].abs()) + 1e-30,
+                                    "{what}: l[{i}] {} vs {}",
+                                    l[i],
+                                    wl[i]
+                                );
+                                let f = f64::from((m0[i] - wm[i]).exp());
+                                let p: Vec<f64> = (0..rows)
+                                    .map(|r| (f64::from(s[i * rows + r]) - f64::from(wm[i])).exp())
+                                    .collect();
+                                for c in 0..dim {
+                                    let j = i * dim + c;
+                                    let off = |r: usize| {
+                                        if vc.with_offset { f64::from(vc.offset[r].abs()) } else { 0.0 }
+                                    };
+                                    let mag = f64::from(o0[j].abs()) * f
+                                        + (0..rows)
+                                            .map(|r| p[r] * (f64::from(x[r * dim + c].abs()) + 2.0 * off(r)))
+                                            .sum::<f64>();
+                                    let tol = rel * mag + 1e-30;
+                                    assert!(
+                                        f64::from((o[j] - wo[j]).abs()) <= tol,
+                                        "{what}: o[{j}] {} vs {} (tolerance {tol})",
+                                        o[j],
+                                        wo[j]
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if Backend::Avx512.is_available() {
+        for dim in [32usize, 64, 96, 128, 192, 256] {
+            assert!(ran_at.contains(&(Backend::Avx512, dim)), "the AVX-512 kernel ran at head_dim {dim}");
+        }
+    }
+    assert!(ran_at.iter().all(|&(b, _)| b == Backend::Avx512), "only the AVX-512 backend has the kernel");
+}
+
+/// An e4m3 NaN code in a key row makes every query row's sum and outputs NaN (the score is
+/// skipped by the maximum, not by the exponentials), and one in a value row makes that
+/// channel's outputs NaN and nothing else, in the fused FP8 kernel as in its reference; blocks
+/// of other shapes are errors.
+#[test]
+fn fused_fp8_attention_propagates_nan_codes_and_checks_shapes() {
+    use kvq_kernels_simd::{Online, attend_float_with};
+    let mut rng = Rng::new(0xf8ab);
+    let (rows, dim, n_q) = (5usize, 64usize, 4usize);
+    let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+    for backend in available() {
+        for (part, at) in [(0usize, 0usize), (0, 4 * dim + 63), (1, 2 * dim + 17), (1, 31)] {
+            let (mut kc, mut vc) = (
+                fp8_case(&mut rng, rows, dim, Fp8Format::E4M3, 0),
+                fp8_case(&mut rng, rows, dim, Fp8Format::E4M3, 0),
+            );
+            let c = if part == 0 { &mut kc } else { &mut vc };
+            c.codes[at] = if at % 2 == 0 { 0x7f } else { 0xff };
+            let (k, v) = (kc.block(), vc.block());
+            let run = |f: &dyn Fn(Online<'_>) -> bool| {
+                let (mut m, mut l, mut o) =
+                    (vec![f32::NEG_INFINITY; n_q], vec![0f32; n_q], vec![0f32; n_q * dim]);
+                let ran = f(Online { m: &mut m, l: &mut l, o: &mut o });
+                (ran, m, l, o)
+            };
+            let (ran, m, l, o) = run(&|s| attend_float_with(backend, &k, &v, &q, n_q, s).unwrap());
+            if !ran {
+                continue;
+            }
+            let (_, wm, wl, wo) = run(&|s| scalar::attend_float(&k, &v, &q, n_q, s));
+            for (i, (&x, &y)) in m.iter().zip(&wm).enumerate() {
+                // The NaN score is skipped: the maximum is the other rows'.
+                assert!(
+                    !x.is_nan() && (x - y).abs() <= 1e-4 * y.abs(),
+                    "{backend} part {part} code {at}: m[{i}] {x} vs {y}"
+                );
+            }
+            for (i, (&x, &y)) in l.iter().zip(&wl).enumerate() {
+                assert_eq!(x.is_nan(), y.is_nan(), "{backend} part {part} code {at}: l[{i}] {x} vs {y}");
+                assert_eq!(x.is_nan(), part == 0, "{backend} part {part} code {at}: l[{i}] {x}");
+            }
+            for (j, (&x, &y)) in o.iter().zip(&wo).enumerate() {
+                assert_eq!(x.is_nan(), y.is_nan(), "{backend} part {part} code {at}: o[{j}] {x} vs {y}");
+                assert_eq!(
+                    x.is_nan(),
+                    part == 0 || j % dim == at % dim,
+                    "{backend} part {part} code {at}: o[{j}] {x}"
+                );
+            }
+        }
+        let (kc, vc) = (
+            fp8_case(&mut rng, rows, dim, Fp8Format::E4M3, 0),
+            fp8_case(&mut rng, rows + 1, dim, Fp8Format::E4M3, 0),
+        );
+        let (mut m, mut l, mut o) = (vec![0f32; n_q], vec![0f32; n_q], vec![0f32; n_q * dim]);
+        let bad = attend_float_with(
+            backend,
+            &kc.block(),
+            &vc.block(),
+            &q,
+            n_q,
+            Online { m: &mut m, l: &mut l, o: &mut o },
+        );
+        assert!(bad.is_err(), "{backend}: keys of 5 rows against values of 6");
+        let short = attend_float_with(
+            backend,
+            &kc.block(),
+            &kc.block(),
+            &q[1..],
+            n_q,
+            Online { m: &mut m, l: &mut l, o: &mut o },
+        );
+        assert!(short.is_err(), "{backend}: a short query");
     }
 }

@@ -816,21 +816,40 @@ impl Task {
 }
 
 /// The kernels that decode's integer path ([`ScorePath::Int8`]) runs on the quantized blocks
-/// of `seq` on `backend` with `query_rows` query rows per KV head: `"fused block"` where one
-/// kernel (AVX-512 VNNI, AVX2 or aarch64 `sdot`) takes a whole block of keys and values
-/// (KIVI-style INT4, the keys' channel groups the block or token groups inside it, see
+/// of `seq` on `backend` with `query_rows` query rows per KV head: [`decode_kernel`] on that
+/// path.
+///
+/// # Errors
+/// As [`decode_kernel`].
+pub fn integer_decode_kernel(
+    backend: Backend,
+    cache: &PagedCache,
+    seq: SeqId,
+    query_rows: usize,
+) -> Result<Option<&'static str>, AttentionError> {
+    decode_kernel(backend, ScorePath::Int8, cache, seq, query_rows)
+}
+
+/// The kernels that decode on `path` runs on the quantized blocks of `seq` on `backend` with
+/// `query_rows` query rows per KV head: `"fused block"` where one kernel takes a whole block
+/// of keys and values, `"separate kernels"` otherwise; judged from the first quantized unit of
+/// layer 0, KV head 0. `None` when that head holds no quantized block yet.
+///
+/// The integer path's fused kernels (AVX-512 VNNI, AVX2 or aarch64 `sdot`) take KIVI-style
+/// INT4 (the keys' channel groups the block or token groups inside it, see
 /// [`kvq_kernels_simd::attend_int_parts_with`]; on x86-64 also INT4 values per group, see
 /// [`kvq_kernels_simd::attend_int_with`]; on AVX-512 with VBMI also keys with bits per channel,
 /// `-qa`, see [`kvq_kernels_simd::attend_int_regions_with`], keys per channel of any width
-/// and values of 1 to 3 bits per row), `"separate kernels"` otherwise; judged from the
-/// first quantized unit of layer 0, KV head 0. `None` when that head holds no quantized block
-/// yet. Units near a sliding window's start or a chunk's causal end, and soft-capped
-/// attention, take the separate kernels either way.
+/// and values of 1 to 3 bits per row). On both paths the AVX-512 backend fuses FP8 keys and
+/// values with one scale per row (`fp8e4m3-token`, `fp8e5m2-token`, see
+/// [`kvq_kernels_simd::attend_float_with`]). Units near a sliding window's start or a chunk's
+/// causal end, and soft-capped attention, take the separate kernels either way.
 ///
 /// # Errors
 /// [`AttentionError::Cache`] for an unknown sequence; kernel errors for a corrupt block.
-pub fn integer_decode_kernel(
+pub fn decode_kernel(
     backend: Backend,
+    path: ScorePath,
     cache: &PagedCache,
     seq: SeqId,
     query_rows: usize,
@@ -840,12 +859,13 @@ pub fn integer_decode_kernel(
     let vs = cache.segment_iter(seq, 0, 0, Part::V)?;
     let readers = [PartReader::new(cache, Part::K), PartReader::new(cache, Part::V)];
     let (mut kb, mut vb) = Default::default();
+    let int = path == ScorePath::Int8;
     for u in Units::new(ks, vs, d) {
         if let (Run::Block(kv), Run::Block(vv)) = (u.k, u.v) {
             let fused = cache.config().rope.is_none()
                 && if kv.width_views().is_some() {
                     let mut all = Default::default();
-                    with_regions(&kv, &readers[0], &mut kb, &mut all, |rs| {
+                    int && with_regions(&kv, &readers[0], &mut kb, &mut all, |rs| {
                         with_parts(&vv, &readers[1], &mut vb, |vs| {
                             Ok(matches!(vs, [v] if kvq_kernels_simd::attend_int_fused_regions(backend, rs, v, query_rows)))
                         })
@@ -854,9 +874,9 @@ pub fn integer_decode_kernel(
                 } else {
                     with_parts(&kv, &readers[0], &mut kb, |ks| {
                         with_parts(&vv, &readers[1], &mut vb, |vs| {
-                            Ok(
-                                matches!(vs, [v] if kvq_kernels_simd::attend_int_fused_parts(backend, ks, v, query_rows)),
-                            )
+                            let [v] = vs else { return Ok(false) };
+                            Ok(int && kvq_kernels_simd::attend_int_fused_parts(backend, ks, v, query_rows)
+                                || matches!(ks, [k] if kvq_kernels_simd::attend_float_fused(backend, k, v, query_rows)))
                         })
                     })?
                 };
@@ -1206,11 +1226,12 @@ fn attend<'a>(
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
     let path = options.path;
     let Scratch { bufs, vbufs, s, widths, regions, rope: rs, kernel } = w;
-    // Units whose keys and values a fused kernel can take whole (the integer path, no RoPE
-    // turn, no soft-capping, every row seeing the whole unit) try it first. A head's blocks
-    // share one layout: once the kernel has no code for it (format, head_dim, backend), the
-    // call stops trying, so that the later blocks' parameters are not widened twice.
-    let mut fused = path == ScorePath::Int8 && rope.is_none() && options.softcap.is_none();
+    // Units whose keys and values a fused kernel can take whole (no RoPE turn, no
+    // soft-capping, every row seeing the whole unit) try it first: on the integer path the
+    // integer ones, then on either path the float one (FP8 rows). A head's blocks share one
+    // layout: once no kernel has code for it (format, head_dim, backend), the call stops
+    // trying, so that the later blocks' parameters are not widened twice.
+    let mut fused = rope.is_none() && options.softcap.is_none();
     // The offset table of keys stored before RoPE: checked once per call, not per block.
     if let Some((rope, bs)) = rope {
         rs.prepare(rope, bs);
@@ -1236,24 +1257,48 @@ fn attend<'a>(
             let state = kvq_kernels_simd::Online { m: &mut st.m, l: &mut st.l, o: &mut st.o };
             // None: no fused code for this layout; Some(false): this block declined.
             let done = if kv.width_views().is_some() {
-                // Keys with bits per channel: their regions against the (permuted) query.
-                with_regions(kv, &readers[0], bufs, regions, |rs| {
-                    with_parts(vv, &readers[1], vbufs, |vs| {
-                        let [vb] = vs else { return Ok(None) };
-                        let ran =
-                            kvq_kernels_simd::attend_int_regions_in(backend, kernel, rs, vb, qs, g, state)?;
-                        Ok(outcome(ran, || kvq_kernels_simd::attend_int_fused_regions(backend, rs, vb, g)))
-                    })
-                })?
-                .flatten()
+                if path != ScorePath::Int8 {
+                    // The float path has no fused kernel for keys with bits per channel.
+                    None
+                } else {
+                    // Keys with bits per channel: their regions against the (permuted) query.
+                    with_regions(kv, &readers[0], bufs, regions, |rs| {
+                        with_parts(vv, &readers[1], vbufs, |vs| {
+                            let [vb] = vs else { return Ok(None) };
+                            let ran = kvq_kernels_simd::attend_int_regions_in(
+                                backend, kernel, rs, vb, qs, g, state,
+                            )?;
+                            Ok(outcome(ran, || {
+                                kvq_kernels_simd::attend_int_fused_regions(backend, rs, vb, g)
+                            }))
+                        })
+                    })?
+                    .flatten()
+                }
             } else {
                 with_parts(kv, &readers[0], bufs, |ks| {
                     with_parts(vv, &readers[1], vbufs, |vs| {
                         // Values in parts (per channel) have no fused kernel.
                         let [vb] = vs else { return Ok(None) };
-                        let ran =
-                            kvq_kernels_simd::attend_int_parts_in(backend, kernel, ks, vb, qs, g, state)?;
-                        Ok(outcome(ran, || kvq_kernels_simd::attend_int_fused_parts(backend, ks, vb, g)))
+                        if path == ScorePath::Int8 {
+                            let state = kvq_kernels_simd::Online {
+                                m: &mut *state.m,
+                                l: &mut *state.l,
+                                o: &mut *state.o,
+                            };
+                            let ran =
+                                kvq_kernels_simd::attend_int_parts_in(backend, kernel, ks, vb, qs, g, state)?;
+                            if let Some(done) =
+                                outcome(ran, || kvq_kernels_simd::attend_int_fused_parts(backend, ks, vb, g))
+                            {
+                                return Ok(Some(done));
+                            }
+                        }
+                        // FP8 keys and values: the float kernel (on the integer path too, which
+                        // has no integer form of their levels).
+                        let [kb] = ks else { return Ok(None) };
+                        let ran = kvq_kernels_simd::attend_float_with(backend, kb, vb, qs, g, state)?;
+                        Ok(outcome(ran, || kvq_kernels_simd::attend_float_fused(backend, kb, vb, g)))
                     })
                 })?
             };

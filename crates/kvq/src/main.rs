@@ -98,7 +98,9 @@ enum Command {
         /// with INT4 values per token or per group also on AVX2, in one fused kernel per
         /// block, and for INT4 keys per token or per group with those values; with AVX-512
         /// VBMI also `-qa` keys, keys per channel of any width and values of 1 to 3 bits per
-        /// token), one more row per spec.
+        /// token), one more row per spec. Rows run by a fused block kernel say so: `(integer,
+        /// fused)`, and `(fused)` on the float path (FP8 keys and values per token on
+        /// AVX-512).
         #[arg(long)]
         integer: bool,
         /// Full-precision (f16) residual blocks of each cache after its quantized ones, as a
@@ -635,14 +637,17 @@ fn bench(
         let bytes = cache.memory().used_bytes();
         // One thread, like the baseline, so the ratio compares code, not cores.
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
-        // The integer rows name the code they time: the fused block kernel or the separate ones.
-        let fused = kvq::attention::integer_decode_kernel(backend, &cache, seq, q_heads / kv_heads)?
-            == Some("fused block");
-        let int_label = if fused { " (integer, fused)" } else { " (integer)" };
+        // The rows name the code they time: a fused block kernel or the separate ones.
+        let fused = |path| -> Result<bool, Box<dyn std::error::Error>> {
+            Ok(kvq::attention::decode_kernel(backend, path, &cache, seq, q_heads / kv_heads)?
+                == Some("fused block"))
+        };
+        let float_label = if fused(ScorePath::Float)? { " (fused)" } else { "" };
+        let int_label = if fused(ScorePath::Int8)? { " (integer, fused)" } else { " (integer)" };
         let paths: &[(ScorePath, &str)] = if integer {
-            &[(ScorePath::Float, ""), (ScorePath::Int8, int_label)]
+            &[(ScorePath::Float, float_label), (ScorePath::Int8, int_label)]
         } else {
-            &[(ScorePath::Float, "")]
+            &[(ScorePath::Float, float_label)]
         };
         // The cache's own blocks read in decode's order: the floor its scattered layout sets.
         let mut paged = f64::INFINITY;

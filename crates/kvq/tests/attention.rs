@@ -93,6 +93,7 @@ fn random_caches_of_every_layout() {
         ("int2-channel", "int2-token"),
         ("sym4-token", "sym8-token"),
         ("fp8e4m3-token", "fp8e5m2-token"),
+        ("fp8e5m2-token", "fp8e4m3-token"),
         ("nf4-token", "nf4-token"),
         ("int4-g32", "int3-g16"),
         ("int3-channel", "int5-token"),
@@ -655,7 +656,7 @@ fn keys_stored_before_rope() {
 /// backends; nothing for a sequence without quantized blocks; an unknown sequence is an error.
 #[test]
 fn the_integer_kernel_is_named() {
-    use kvq::attention::integer_decode_kernel;
+    use kvq::attention::{ScorePath, decode_kernel, integer_decode_kernel};
     use kvq::kernels::Backend;
     let mut rng = Rng::new(12);
     let shape = Shape::new(2, 80, 128);
@@ -684,6 +685,10 @@ fn the_integer_kernel_is_named() {
         ("int4-channel-qa", "int4-token", vnni && vbmi, 32),
         ("int3-channel", "int3-token", vnni && vbmi, 32),
         ("int4-channel", "int2-token", vnni && vbmi, 32),
+        // FP8 keys and values per token: the float fused kernel, on both paths (AVX-512).
+        ("fp8e4m3-token", "fp8e4m3-token", true, 32),
+        ("fp8e5m2-token", "fp8e4m3-token", true, 64),
+        ("fp8e4m3-token", "int4-token", false, 32),
     ] {
         let mut config = CacheConfig::new(1, 2, 128, 16)
             .with_block_size(bs)
@@ -709,6 +714,14 @@ fn the_integer_kernel_is_named() {
                 "{kspec} {backend}"
             );
             assert_eq!(integer_decode_kernel(backend, &cache, empty, 4).unwrap(), None);
+            // The float path fuses FP8 keys and values only.
+            let fp8 = kspec.starts_with("fp8") && vspec.starts_with("fp8");
+            let want = if fp8 && backend == Backend::Avx512 { "fused block" } else { "separate kernels" };
+            assert_eq!(
+                decode_kernel(backend, ScorePath::Float, &cache, seq, 4).unwrap(),
+                Some(want),
+                "{kspec} {backend}"
+            );
         }
         cache.free(empty).unwrap();
         assert!(integer_decode_kernel(Backend::Scalar, &cache, empty, 4).is_err());
