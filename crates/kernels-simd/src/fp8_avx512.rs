@@ -277,17 +277,29 @@ fn offsets_add(b: &QuantBlock<'_>, p: &[f32]) -> f32 {
     }
 }
 
+/// Rows the separate kernels take at a time: the e4m3 NaN scan of a chunk leaves its codes
+/// in L1 (32 KiB at head_dim 128) for the kernel, so that a block streamed from memory is read
+/// from it once.
+const CHUNK: usize = 256;
+
 /// The scores kernel (`scores_with`'s contract) for a block [`supported`] takes; the caller
 /// checked the shapes.
 pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
     assert!(supported(b) && q.len() == n_q * b.dim && out.len() == n_q * b.rows, "shapes");
-    let (k, d, n) = (kind_of(b), b.dim, b.rows);
-    for i0 in (0..n_q).step_by(4) {
-        let nq = (n_q - i0).min(4);
-        let (q, out) = (&q[i0 * d..(i0 + nq) * d], out[i0 * n..(i0 + nq) * n].as_mut_ptr());
-        // SAFETY: `supported` checked the CPU and the block, `k` is its kind; `q` holds nq
-        // rows, `out` nq rows of n.
-        unsafe { by_kind!(scores4, nq, k, (b, q, out, n)) };
+    let (d, n) = (b.dim, b.rows);
+    for r0 in (0..n).step_by(CHUNK) {
+        let c = b.sub_rows(r0..(r0 + CHUNK).min(n));
+        let k = kind_of(&c);
+        for i0 in (0..n_q).step_by(4) {
+            let nq = (n_q - i0).min(4);
+            let q = &q[i0 * d..(i0 + nq) * d];
+            // Row i of the chunk's scores at out[(i0 + i) · n + r0 ..].
+            let out = out[i0 * n + r0..].as_mut_ptr();
+            // SAFETY: `supported` checked the CPU and the block (so the chunk), `k` is the
+            // chunk's kind; `q` holds nq rows; row i < nq of the chunk's scores ends at
+            // (i0 + i) · n + r0 + c.rows <= (i0 + nq) · n, inside `out`.
+            unsafe { by_kind!(scores4, nq, k, (&c, q, out, n)) };
+        }
     }
 }
 
@@ -295,22 +307,27 @@ pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f3
 /// buffer for the weights times the scales); the caller checked the shapes.
 pub(crate) fn axpy_in(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32], w: &mut Vec<f32>) {
     assert!(supported(b) && p.len() == n_q * b.rows && out.len() == n_q * b.dim, "shapes");
-    let (k, d, n) = (kind_of(b), b.dim, b.rows);
-    let Params::PerRow { scale, .. } = b.params else { unreachable!("supported") };
-    let u = unit(k);
-    w.clear();
-    for row in p.chunks_exact(n) {
-        w.extend(row.iter().zip(scale).map(|(&x, &s)| x * (s * u)));
-    }
-    for i0 in (0..n_q).step_by(4) {
-        let nq = (n_q - i0).min(4);
-        let mut add = [0f32; 4];
-        for (i, a) in add.iter_mut().enumerate().take(nq) {
-            *a = offsets_add(b, &p[(i0 + i) * n..(i0 + i + 1) * n]);
+    let (d, n) = (b.dim, b.rows);
+    for r0 in (0..n).step_by(CHUNK) {
+        let c = b.sub_rows(r0..(r0 + CHUNK).min(n));
+        let (k, m) = (kind_of(&c), c.rows);
+        let Params::PerRow { scale, .. } = c.params else { unreachable!("supported") };
+        let u = unit(k);
+        w.clear();
+        for row in p.chunks_exact(n) {
+            w.extend(row[r0..r0 + m].iter().zip(scale).map(|(&x, &s)| x * (s * u)));
         }
-        let (w, o) = (w[i0 * n..(i0 + nq) * n].as_ptr(), &mut out[i0 * d..(i0 + nq) * d]);
-        // SAFETY: as in `scores_in`; `w` holds nq rows of n weights, `o` nq rows of d.
-        unsafe { by_kind!(sums4, nq, k, (b, w, n, &add, o)) };
+        for i0 in (0..n_q).step_by(4) {
+            let nq = (n_q - i0).min(4);
+            let mut add = [0f32; 4];
+            for (i, a) in add.iter_mut().enumerate().take(nq) {
+                *a = offsets_add(&c, &p[(i0 + i) * n + r0..(i0 + i) * n + r0 + m]);
+            }
+            let (w, o) = (w[i0 * m..(i0 + nq) * m].as_ptr(), &mut out[i0 * d..(i0 + nq) * d]);
+            // SAFETY: as in `scores_in`; `w` holds nq rows of the chunk's m weights, `o` nq
+            // rows of d.
+            unsafe { by_kind!(sums4, nq, k, (&c, w, m, &add, o)) };
+        }
     }
 }
 

@@ -2296,3 +2296,61 @@ fn fused_fp8_attention_propagates_nan_codes_and_checks_shapes() {
         assert!(short.is_err(), "{backend}: a short query");
     }
 }
+
+/// FP8 blocks longer than the AVX-512 kernels' chunk of rows (256), as a block streamed from
+/// memory is: scores and value sums against the reference on every backend, and an e4m3 NaN
+/// code in one chunk reaching its row's score and its channel's values only (each chunk is
+/// scanned for it on its own).
+#[test]
+fn long_fp8_blocks_match_the_reference_chunk_by_chunk() {
+    let mut rng = Rng::new(0xf8c4);
+    for (rows, dim) in [(600usize, 64usize), (257, 128), (513, 96)] {
+        for f in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            let mut case = fp8_case(&mut rng, rows, dim, f, 0);
+            let nan = (f == Fp8Format::E4M3).then_some((300usize.min(rows - 1), dim / 2));
+            if let Some((r, c)) = nan {
+                case.codes[r * dim + c] = 0xff;
+            }
+            let b = case.block();
+            for backend in available() {
+                let what = format!("{backend} {f:?} {rows}x{dim}");
+                for n_q in [1usize, 4, 5] {
+                    let q: Vec<f32> = (0..n_q * dim).map(|_| rng.normal() as f32).collect();
+                    let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
+                    scores_with(backend, &b, &q, n_q, &mut got).unwrap();
+                    scalar::scores(&b, &q, n_q, &mut want);
+                    let mags = magnitudes_scores(&case, &b, &q, n_q);
+                    for (j, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                        let nan_row = nan.is_some_and(|(r, _)| j % rows == r);
+                        assert_eq!(g.is_nan(), nan_row, "{what}: score {j} {g}");
+                        if !nan_row {
+                            let tol = 1e-5 * mags[j] + 1e-30;
+                            assert!(f64::from((g - w).abs()) <= tol, "{what}: score {j} {g} vs {w}");
+                        }
+                    }
+                    let p: Vec<f32> = (0..n_q * rows).map(|_| rng.uniform() as f32 / rows as f32).collect();
+                    let (mut got, mut want) = (vec![0.5f32; n_q * dim], vec![0.5f32; n_q * dim]);
+                    axpy_with(backend, &b, &p, n_q, &mut got).unwrap();
+                    scalar::axpy(&b, &p, n_q, &mut want);
+                    let mut x = vec![0f32; rows * dim];
+                    scalar::dequantize(&b, &mut x);
+                    for (j, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                        let nan_channel = nan.is_some_and(|(_, c)| j % dim == c);
+                        assert_eq!(g.is_nan(), nan_channel, "{what}: value {j} {g}");
+                        if !nan_channel {
+                            let (i, c) = (j / dim, j % dim);
+                            let off = |r: usize| if case.with_offset { case.offset[r].abs() } else { 0.0 };
+                            let mag: f64 = 0.5
+                                + (0..rows)
+                                    .map(|r| {
+                                        f64::from(p[i * rows + r] * (x[r * dim + c].abs() + 2.0 * off(r)))
+                                    })
+                                    .sum::<f64>();
+                            assert!(f64::from((g - w).abs()) <= 1e-5 * mag, "{what}: value {j} {g} vs {w}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
