@@ -11,7 +11,8 @@
 //! bits (an e5m2 code is the high byte of an f16; an e4m3 code's magnitude bits shifted into
 //! an f16 are its value / 2^8, subnormals included) and widened to floats with F16C
 //! (`vcvtph2ps`, 16 at a time); the 2^8 goes into each row's scale. e4m3 blocks holding the NaN
-//! code (which no quantizer writes), looked for once per call, take a variant that keeps it a
+//! code (which no quantizer writes), looked for once per block (per 256 rows in the separate
+//! kernels, so that a long block is read from memory once), take a variant that keeps it a
 //! NaN. Every product and sum is an f32 operation on the exact levels: the results are those
 //! of the scalar references to the rounding of float sums taken in another order (and, in the
 //! fused kernel, of `exp`, the softmax module's polynomial).
