@@ -189,7 +189,7 @@ unsafe fn kernel_kind(b: &QuantBlock<'_>) -> LutKind {
 /// # Safety
 /// The CPU must support AVX2.
 #[target_feature(enable = "avx2")]
-unsafe fn holds_e4m3_nan(codes: &[u8]) -> bool {
+pub(crate) unsafe fn holds_e4m3_nan(codes: &[u8]) -> bool {
     let sign = _mm256_set1_epi8(i8::MIN);
     let mut top = _mm256_setzero_si256();
     let chunks = codes.chunks_exact(32);

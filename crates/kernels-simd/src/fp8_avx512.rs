@@ -31,15 +31,6 @@ const E4M3_ANY: u8 = 1;
 /// e5m2 codes.
 const E5M2: u8 = 2;
 
-fn cpu_ok() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-        && std::arch::is_x86_feature_detected!("avx512vl")
-        && std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
-}
-
 /// Whether these kernels take `b` on this CPU: FP8 levels (8-bit codes) with per-row
 /// parameters, rows of a multiple of 32 codes.
 pub fn supported(b: &QuantBlock<'_>) -> bool {
@@ -48,7 +39,7 @@ pub fn supported(b: &QuantBlock<'_>) -> bool {
         && matches!(b.params, Params::PerRow { .. })
         && b.dim > 0
         && b.dim.is_multiple_of(32)
-        && cpu_ok()
+        && crate::Backend::Avx512.is_available()
 }
 
 /// Whether the fused kernel of [`crate::attend_float_with`] takes keys `k` and values `v` with
@@ -67,30 +58,11 @@ pub fn attend_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> b
 fn kind_of(b: &QuantBlock<'_>) -> u8 {
     match b.levels {
         Levels::Fp8(Fp8Format::E5M2) => E5M2,
-        // SAFETY: `supported` checked AVX-512 F and BW; the block holds `rows · row_bytes` code
-        // bytes.
-        _ if unsafe { holds_e4m3_nan(&b.codes[..b.rows * b.row_bytes]) } => E4M3_ANY,
+        // SAFETY: `supported` checked AVX2 (with AVX-512); the block holds `rows · row_bytes`
+        // code bytes.
+        _ if unsafe { crate::avx2::holds_e4m3_nan(&b.codes[..b.rows * b.row_bytes]) } => E4M3_ANY,
         _ => E4M3,
     }
-}
-
-/// Whether any of `codes` is e4m3's NaN (magnitude bits 0x7f): 64 bytes per two vector
-/// instructions, the largest of each byte with its sign bit set, compared once at the end.
-///
-/// # Safety
-/// The CPU must support AVX-512 F and BW.
-#[target_feature(enable = "avx512f,avx512bw,avx2")]
-unsafe fn holds_e4m3_nan(codes: &[u8]) -> bool {
-    let sign = _mm512_set1_epi8(i8::MIN);
-    let mut top = _mm512_setzero_si512();
-    let chunks = codes.chunks_exact(64);
-    let tail = chunks.remainder();
-    for c in chunks {
-        // SAFETY: `c` holds 64 bytes.
-        let v = unsafe { _mm512_loadu_si512(c.as_ptr().cast()) };
-        top = _mm512_max_epu8(top, _mm512_or_si512(v, sign));
-    }
-    _mm512_cmpeq_epi8_mask(top, _mm512_set1_epi8(-1)) != 0 || tail.iter().any(|&c| c & 0x7f == 0x7f)
 }
 
 /// What the decoded levels of kind `K` are multiplied by to be the codes' values: 2^8 for

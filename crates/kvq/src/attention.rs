@@ -1232,6 +1232,9 @@ fn attend<'a>(
     // layout: once no kernel has code for it (format, head_dim, backend), the call stops
     // trying, so that the later blocks' parameters are not widened twice.
     let mut fused = rope.is_none() && options.softcap.is_none();
+    // The integer fused kernels, tried first on the integer path until they have no code for
+    // the layout (FP8 rows then go straight to the float one, block after block).
+    let mut int_fused = path == ScorePath::Int8;
     // The offset table of keys stored before RoPE: checked once per call, not per block.
     if let Some((rope, bs)) = rope {
         rs.prepare(rope, bs);
@@ -1280,7 +1283,7 @@ fn attend<'a>(
                     with_parts(vv, &readers[1], vbufs, |vs| {
                         // Values in parts (per channel) have no fused kernel.
                         let [vb] = vs else { return Ok(None) };
-                        if path == ScorePath::Int8 {
+                        if int_fused {
                             let state = kvq_kernels_simd::Online {
                                 m: &mut *state.m,
                                 l: &mut *state.l,
@@ -1293,6 +1296,7 @@ fn attend<'a>(
                             {
                                 return Ok(Some(done));
                             }
+                            int_fused = false;
                         }
                         // FP8 keys and values: the float kernel (on the integer path too, which
                         // has no integer form of their levels).
