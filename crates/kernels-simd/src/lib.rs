@@ -422,8 +422,10 @@ pub fn dense_axpy_with<T: DenseRow>(
 /// Scores through the integer path where the backend has one (AVX2: affine 4-bit rows of a
 /// multiple of 64 codes, 8-bit rows of a multiple of 16; AVX-512 with VNNI: 4-bit rows of a
 /// multiple of 128, 8-bit of 64, else its AVX2 kernel; dotprod: 4-bit rows of a multiple of
-/// 32, 8-bit of 16), else [`scores_with`]. Returns whether the integer path ran. Every
-/// integer kernel gives the scores of [`scalar::scores_int8`], bit for bit.
+/// 32, 8-bit of 16; on AVX2 and dotprod also 4-bit rows per group of a multiple of 32 and
+/// 4-bit rows of 16-level tables or symmetric levels), else [`scores_with`]. Returns whether
+/// the integer path ran. Every integer kernel gives the scores of [`scalar::scores_int8`], bit
+/// for bit.
 ///
 /// The integer path quantizes each query row to int8, as llama.cpp does: each score is off by
 /// at most `max|q| / 254 · Σ_d |level_d · scale_d|` (the algebra: [`scalar::scores_int8`],

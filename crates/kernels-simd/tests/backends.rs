@@ -627,9 +627,9 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
         if matches!(b, Backend::Avx2 | Backend::Avx512 | Backend::Dotprod) {
             assert!(ran.get(&(b, false)).copied().unwrap_or(0) > 0, "{b}: the integer path never ran");
         }
-        if b == Backend::Avx2 {
+        if matches!(b, Backend::Avx2 | Backend::Dotprod) {
             // 4-bit per-group blocks (groups of whole 32-code runs) and 16-level tables have an
-            // AVX2 integer kernel.
+            // AVX2 and a dotprod integer kernel.
             assert!(ran.get(&(b, true)).copied().unwrap_or(0) > 0, "{b}: no per-group block took it");
             for levels in [1, 2] {
                 assert!(
