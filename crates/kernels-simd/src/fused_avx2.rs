@@ -24,11 +24,11 @@
 
 use std::arch::x86_64::*;
 
-use crate::Online;
 use crate::avx2;
 use crate::block::{Params, QuantBlock};
 use crate::int8::{self, grown};
 use crate::softmax::x86::exp8;
+use crate::{MAX_GROUPS, Online};
 
 /// Whether [`crate::attend_int_with`] has a fused AVX2 kernel for keys `k`, values `v` and
 /// `n_q` query rows on this CPU: INT4 affine keys with per-channel parameters and INT4 affine
@@ -42,9 +42,6 @@ pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) 
         || crate::fused_layout_row_keys(k, v, n_q))
         && avx2::int8_supported(k)
 }
-
-/// Most value groups of a row: groups of 32 along a head_dim of 256.
-const MAX_GROUPS: usize = 8;
 
 /// The buffers of [`attend_int_in`], grown to the largest block and query group seen, then
 /// reused.

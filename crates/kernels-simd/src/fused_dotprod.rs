@@ -15,21 +15,31 @@
 //! the centre's share `8 · Σ weights` is then taken off in integers, so the sums equal those of
 //! the centred codes exactly. The results equal [`crate::scalar::attend_int`] to the rounding
 //! of float sums taken in another order and of `exp`, not bit for bit.
+//!
+//! As on x86, values per group (`int4-g32`) take byte weights per query row and group, each
+//! rounded with its own scale (a 16-byte chunk of a row, 32 channels, lies inside one group);
+//! keys per row or per group (`int4-token`, `int4-g32`) take the `sdot` scores kernel's
+//! scores as they are, then the same softmax step and value sums.
 
 use std::arch::aarch64::*;
 
-use crate::Online;
 use crate::block::{Params, QuantBlock};
 use crate::dotprod::Sdot;
 use crate::int8::{self, GROUP, grown};
+use crate::{MAX_GROUPS, Online};
 
 /// Whether [`crate::attend_int_with`] has a fused kernel on the `dotprod` backend for keys
 /// `k`, values `v` and `n_q` query rows on this CPU: INT4 affine keys with per-channel
 /// parameters and INT4 affine values with per-row parameters, the same tokens (1 to 256) and
 /// head_dim (64, 128 or 256), any number of query rows (four at a time), a CPU with the
-/// dot-product extension.
+/// dot-product extension; or such keys with INT4 affine values per group of 32, 64, 128 or
+/// 256 values (dividing the head_dim); or INT4 affine keys per row or per group of 32 to 256
+/// values with either of those values.
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    crate::fused_layout(k, v, n_q) && crate::dotprod::int8_supported(k)
+    (crate::fused_layout(k, v, n_q)
+        || crate::fused_layout_grouped(k, v, n_q)
+        || crate::fused_layout_row_keys(k, v, n_q))
+        && crate::dotprod::int8_supported(k)
 }
 
 /// The buffers of [`attend_int_in`], grown to the largest block and query group seen, then
@@ -41,6 +51,12 @@ pub(crate) struct FusedScratch {
     p: Vec<f32>,
     wb: Vec<u8>,
     acc: Vec<i32>,
+    /// A query row's weights `p · scale` of one value group (values per row: the only one).
+    pw: Vec<f32>,
+    /// Values per group: their scales, then their offsets, by group (rows along).
+    vt: Vec<f32>,
+    /// Keys per row or group: the scores kernel's scratch.
+    int8: int8::Scratch,
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -82,148 +98,208 @@ unsafe fn attend<const NQ: usize>(
     w: &mut FusedScratch,
 ) {
     let (d, n) = (v.dim, v.rows);
-    let Params::PerRow { scale: vs, offset: vo } = v.params else { unreachable!("checked") };
-    let FusedScratch { prep, dots, p, wb, acc } = w;
+    let (vs, vo, group) = match v.params {
+        Params::PerRow { scale, offset } => (scale, offset, d),
+        Params::PerGroup { group, scale, offset } => (scale, offset, group),
+        Params::PerChannel { .. } => unreachable!("checked"),
+    };
+    let per = d / group;
+    assert!(per <= MAX_GROUPS && vs.len() >= n * per && vo.is_none_or(|o| o.len() >= n * per));
+    let FusedScratch { prep, dots, p, wb, acc, pw, vt, int8: scratch } = w;
     assert!(q.len() == NQ * d && o.len() == NQ * d && m.len() == NQ && l.len() == NQ, "shapes");
 
-    // 1. Per part of the keys, the query rows times its channel scales, rounded to int8 as the
-    //    scores kernel rounds them, with what its offsets add (`Σ q · offset`); 2. the integer
-    //    dots; the scores (the scores kernel's epilogue) into `p`, the parts side by side.
     let p = grown(p, NQ * n);
-    let mut at = 0;
-    for k in parts {
-        let nk = k.rows;
-        prep.prepare::<Sdot>(k, q);
-        let dots = grown(dots, NQ * nk);
-        // SAFETY: i8 and u8 have one size and alignment, and every byte is a valid u8.
-        let q8 = unsafe { std::slice::from_raw_parts(prep.q8.as_ptr().cast::<u8>(), prep.q8.len()) };
-        // SAFETY: dotprod (this function's contract); `int8_supported(k)`: 4-bit rows of d codes,
-        // d a multiple of 32; `q8` holds NQ rows of d values, `dots` NQ · nk.
-        unsafe { crate::dotprod::dots_4bit::<NQ>(k, 0..nk, q8, dots) };
-        for i in 0..NQ {
-            let (qs, kadd) = (prep.scale[i], prep.add[i]);
-            let row = &mut p[i * n + at..i * n + at + nk];
-            for (x, &dot) in row.iter_mut().zip(&dots[i * nk..(i + 1) * nk]) {
-                *x = qs * dot as f32 + kadd;
+    let k = &parts[0];
+    if matches!(k.params, Params::PerChannel { .. }) {
+        // 1. Per part of the keys, the query rows times its channel scales, rounded to int8 as
+        //    the scores kernel rounds them, with what its offsets add (`Σ q · offset`); 2. the
+        //    integer dots; the scores (the scores kernel's epilogue) into `p`, the parts side
+        //    by side.
+        let mut at = 0;
+        for k in parts {
+            let nk = k.rows;
+            prep.prepare::<Sdot>(k, q);
+            let dots = grown(dots, NQ * nk);
+            // SAFETY: i8 and u8 have one size and alignment, and every byte is a valid u8.
+            let q8 = unsafe { std::slice::from_raw_parts(prep.q8.as_ptr().cast::<u8>(), prep.q8.len()) };
+            // SAFETY: dotprod (this function's contract); `int8_supported(k)`: 4-bit rows of d
+            // codes, d a multiple of 32; `q8` holds NQ rows of d values, `dots` NQ · nk.
+            unsafe { crate::dotprod::dots_4bit::<NQ>(k, 0..nk, q8, dots) };
+            for i in 0..NQ {
+                let (qs, kadd) = (prep.scale[i], prep.add[i]);
+                let row = &mut p[i * n + at..i * n + at + nk];
+                for (x, &dot) in row.iter_mut().zip(&dots[i * nk..(i + 1) * nk]) {
+                    *x = qs * dot as f32 + kadd;
+                }
             }
+            at += nk;
         }
-        at += nk;
+    } else {
+        // 1-2. Keys per row or per group (one part): the integer scores kernel's scores
+        //      themselves (its per-group dots and epilogue), so the same bits as it gives.
+        let done = crate::dotprod::scores_int8_in(k, q, NQ, p, scratch);
+        debug_assert!(done, "`attend_int_supported` checked `int8_supported(k)`");
     }
 
+    // The values' parameters by group, rows along (values per row: used as they are).
+    if per > 1 {
+        let vt = grown(vt, 2 * per * n);
+        for r in 0..n {
+            for g in 0..per {
+                vt[g * n + r] = vs[r * per + g];
+                vt[(per + g) * n + r] = vo.map_or(0.0, |vo| vo[r * per + g]);
+            }
+        }
+    }
+    let params = |g: usize| -> (&[f32], Option<&[f32]>) {
+        if per == 1 {
+            (vs, vo)
+        } else {
+            (&vt[g * n..(g + 1) * n], vo.map(|_| &vt[(per + g) * n..(per + g + 1) * n]))
+        }
+    };
+
     // 3. Per query row: the scores' maximum with the running one, the rescaling factor, the
-    //    exponentials and their sum, then the weights `p · scale` rounded to bytes (scale
-    //    max / 255) and what the offsets and the centre add.
-    let wb = grown(wb, NQ * n);
+    //    exponentials and their sum, then per value group the weights `p · scale` rounded to
+    //    bytes (scale max / 255, in row `i · per + g` of `wb`) and what the offsets and the
+    //    centre add.
+    let wb = grown(wb, NQ * per * n);
+    let pw = grown(pw, n);
     let z = f32::from(crate::intv::center(4));
-    let (mut factor, mut sw, mut vadd, mut wsum) =
-        ([1f32; GROUP], [0f32; GROUP], [0f32; GROUP], [0i32; GROUP]);
+    let mut factor = [1f32; GROUP];
+    let (mut sw, mut vadd) = ([[0f32; MAX_GROUPS]; GROUP], [[0f32; MAX_GROUPS]; GROUP]);
+    let mut wsum = [[0i32; MAX_GROUPS]; GROUP];
     let mut live = [false; GROUP];
     for i in 0..NQ {
-        let (s, wbi) = (&mut p[i * n..(i + 1) * n], &mut wb[i * n..(i + 1) * n]);
+        let s = &mut p[i * n..(i + 1) * n];
         // NaN scores are skipped by the maximum.
         let top = s.iter().fold(m[i], |a, &x| if x > a { x } else { a });
         if top == f32::NEG_INFINITY {
             // Nothing of this row seen yet: no weight, no change.
-            wbi.fill(0);
+            wb[i * per * n..(i + 1) * per * n].fill(0);
             continue;
         }
         live[i] = true;
         factor[i] = (m[i] - top).exp();
         l[i] = l[i] * factor[i] + crate::softmax::exp_sum_wide(s, top);
         m[i] = top;
-        // SAFETY: NEON is part of every aarch64 CPU; `s`, `vs` and `vo` hold n values.
-        let (wmax, nan, add) = unsafe { weigh(s, vs, vo, z) };
-        let (scale, inv) = int8::scale_of(wmax, nan, 255.0);
-        for (b, &x) in wbi.iter_mut().zip(s.iter()) {
-            *b = int8::round_code(x, inv, 255.0) as u8;
+        for g in 0..per {
+            let (scale, offset) = params(g);
+            // SAFETY: NEON is part of every aarch64 CPU; `s`, `scale`, `offset` and `pw` hold
+            // n values.
+            let (wmax, nan, add) = unsafe { weigh(s, scale, offset, z, pw) };
+            let (scale, inv) = int8::scale_of(wmax, nan, 255.0);
+            let row = &mut wb[(i * per + g) * n..(i * per + g + 1) * n];
+            for (b, &x) in row.iter_mut().zip(pw.iter()) {
+                *b = int8::round_code(x, inv, 255.0) as u8;
+            }
+            (sw[i][g], vadd[i][g]) = (scale, add);
+            wsum[i][g] = row.iter().map(|&b| i32::from(b)).sum();
         }
-        (sw[i], vadd[i]) = (scale, add);
-        wsum[i] = wbi.iter().map(|&b| i32::from(b)).sum();
     }
 
     // 4. The integer sums of the value codes under the byte weights, the centre's share taken
-    //    off, and the epilogue: `o ← o · factor + (sw · sum + add)`.
+    //    off, and the epilogue: `o ← o · factor + (sw · sum + add)`, sw and add those of the
+    //    channel's group.
     let acc = grown(acc, NQ * d);
-    // SAFETY: NEON; `v` is 4-bit with rows of d / 2 bytes, d a multiple of 32, n >= 1; row i of
-    // `wb` holds n bytes; `acc` holds NQ · d values.
-    unsafe { value_sums::<NQ>(v, wb, n, acc) };
+    // SAFETY: NEON; `v` is 4-bit with rows of d / 2 bytes, d a multiple of 32, n >= 1; `wb`
+    // holds NQ · per rows of n bytes; `acc` holds NQ · d values; `group` a multiple of 32
+    // dividing d (`lane_groups`, or d itself).
+    unsafe { value_sums::<NQ>(v, wb, n, group, acc) };
+    let centre = i32::from(crate::intv::center(4));
     for i in (0..NQ).filter(|&i| live[i]) {
-        let (f, s, a, centre) = (factor[i], sw[i], vadd[i], i32::from(crate::intv::center(4)) * wsum[i]);
-        for (o, &x) in o[i * d..(i + 1) * d].iter_mut().zip(&acc[i * d..(i + 1) * d]) {
-            let old = if f != 1.0 { *o * f } else { *o };
-            *o = old + (s * (x - centre) as f32 + a);
+        let f = factor[i];
+        for g in 0..per {
+            let (s, a, c) = (sw[i][g], vadd[i][g], centre * wsum[i][g]);
+            let span = i * d + g * group..i * d + (g + 1) * group;
+            for (o, &x) in o[span.clone()].iter_mut().zip(&acc[span]) {
+                let old = if f != 1.0 { *o * f } else { *o };
+                *o = old + (s * (x - c) as f32 + a);
+            }
         }
     }
 }
 
-/// The exponentials `e` of a row (`s`) turned into weights `e · scale` in place; returns their
-/// largest, whether one is NaN, and `Σ (z · e · scale + e · offset)`.
+/// The weights `e · scale` of a row's exponentials `e` into `w`; returns their largest,
+/// whether one is NaN, and `Σ (z · e · scale + e · offset)`.
 ///
 /// # Safety
-/// `scale` and `offset` (if any) hold `s.len()` values.
+/// `scale`, `offset` (if any) and `w` hold `e.len()` values.
 #[target_feature(enable = "neon")]
-unsafe fn weigh(s: &mut [f32], scale: &[f32], offset: Option<&[f32]>, z: f32) -> (f32, bool, f32) {
-    let n = s.len();
-    assert!(scale.len() >= n && offset.is_none_or(|o| o.len() >= n));
+unsafe fn weigh(e: &[f32], scale: &[f32], offset: Option<&[f32]>, z: f32, w: &mut [f32]) -> (f32, bool, f32) {
+    let n = e.len();
+    assert!(scale.len() >= n && offset.is_none_or(|o| o.len() >= n) && w.len() >= n);
     let (mut mx, mut add, mut nan) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0), vdupq_n_u32(0));
     let zv = vdupq_n_f32(z);
     let mut r = 0;
     while r + 4 <= n {
-        // SAFETY: r + 4 <= n: inside `s`, `scale` and `offset`.
+        // SAFETY: r + 4 <= n: inside `e`, `scale`, `offset` and `w`.
         unsafe {
-            let e = vld1q_f32(s.as_ptr().add(r));
-            let wv = vmulq_f32(e, vld1q_f32(scale.as_ptr().add(r)));
+            let ev = vld1q_f32(e.as_ptr().add(r));
+            let wv = vmulq_f32(ev, vld1q_f32(scale.as_ptr().add(r)));
             add = vfmaq_f32(add, zv, wv);
             if let Some(f) = offset {
-                add = vfmaq_f32(add, e, vld1q_f32(f.as_ptr().add(r)));
+                add = vfmaq_f32(add, ev, vld1q_f32(f.as_ptr().add(r)));
             }
             // `fmaxnm` skips NaN; a NaN is flagged apart.
             mx = vmaxnmq_f32(mx, wv);
             nan = vorrq_u32(nan, vmvnq_u32(vceqq_f32(wv, wv)));
-            vst1q_f32(s.as_mut_ptr().add(r), wv);
+            vst1q_f32(w.as_mut_ptr().add(r), wv);
         }
         r += 4;
     }
     let (mut wmax, mut any, mut sum) = (vmaxnmvq_f32(mx), vmaxvq_u32(nan) != 0, vaddvq_f32(add));
     for r in r..n {
-        let e = s[r];
-        let wv = e * scale[r];
-        sum += z * wv + offset.map_or(0.0, |f| e * f[r]);
+        let wv = e[r] * scale[r];
+        sum += z * wv + offset.map_or(0.0, |f| e[r] * f[r]);
         wmax = wmax.max(wv);
         any |= wv.is_nan();
-        s[r] = wv;
+        w[r] = wv;
     }
     (wmax, any, sum)
 }
 
-/// `acc[i · d + c] = Σ_r wb[i · stride + r] · code[r][c]` (codes `0..=15`, not centred) for every
-/// row of the 4-bit block `v` and `NQ` rows of byte weights, channels in natural order. Per
+/// `acc[i · d + c] = Σ_r wb[(i · d / group + c / group) · stride + r] · code[r][c]` (codes
+/// `0..=15`, not centred) for every row of the 4-bit block `v` and `NQ` rows of byte weights
+/// per group of `group` channels (a multiple of 32; values per row: `d`), channels in natural
+/// order. Per
 /// 16-byte chunk of the rows (32 channels) and batch of sixteen rows: per row the chunk's
 /// nibbles split, then per query row four `umlal` into u16 sums against the row's weight
 /// broadcast; each batch's sums widened into `acc` (the first batch writes it, later ones add).
 ///
 /// # Safety
-/// `v.bits == 4`, `v.dim` a multiple of 32, `v.rows >= 1`; each row of `wb` holds `stride >=
-/// v.rows` bytes; `acc` holds `NQ · v.dim` values.
+/// `v.bits == 4`, `v.dim` a multiple of 32, `v.rows >= 1`; each of the `NQ · dim / group`
+/// rows of `wb` holds `stride >= v.rows` bytes; `acc` holds `NQ · v.dim` values.
 #[target_feature(enable = "neon")]
-unsafe fn value_sums<const NQ: usize>(v: &QuantBlock<'_>, wb: &[u8], stride: usize, acc: &mut [i32]) {
+unsafe fn value_sums<const NQ: usize>(
+    v: &QuantBlock<'_>,
+    wb: &[u8],
+    stride: usize,
+    group: usize,
+    acc: &mut [i32],
+) {
     let (d, n) = (v.dim, v.rows);
-    assert!(v.bits == 4 && d.is_multiple_of(32) && n >= 1);
-    assert!(wb.len() >= NQ * stride && stride >= n && acc.len() >= NQ * d);
+    let per = d / group;
+    assert!(
+        v.bits == 4 && d.is_multiple_of(32) && n >= 1 && group.is_multiple_of(32) && d.is_multiple_of(group)
+    );
+    assert!(wb.len() >= NQ * per * stride && stride >= n && acc.len() >= NQ * d);
     assert!(v.codes.len() >= n * v.row_bytes && v.row_bytes == d / 2);
     let (codes, w) = (v.codes.as_ptr(), wb.as_ptr());
     let mask = vdupq_n_u8(0x0f);
     for j in 0..d / 32 {
+        // The chunk's 32 channels lie in one group: its weight rows.
+        let g = 32 * j / group;
         for batch in 0..n.div_ceil(16) {
             let mut s = [[vdupq_n_u16(0); 4]; GROUP];
             for r in 16 * batch..(16 * batch + 16).min(n) {
                 // SAFETY: bytes 16j..16j + 16 of row r lie inside the codes (rows of d / 2
-                // bytes); weight r of row i inside `wb` (rows of `stride >= n` bytes).
+                // bytes); weight r of row i · per + g inside `wb` (rows of `stride >= n` bytes).
                 unsafe {
                     let x = vld1q_u8(codes.add(r * v.row_bytes + 16 * j));
                     let (lo, hi) = (vandq_u8(x, mask), vshrq_n_u8::<4>(x));
                     for (i, si) in s.iter_mut().enumerate().take(NQ) {
-                        let wr = vld1q_dup_u8(w.add(i * stride + r));
+                        let wr = vld1q_dup_u8(w.add((i * per + g) * stride + r));
                         si[0] = vmlal_u8(si[0], vget_low_u8(lo), vget_low_u8(wr));
                         si[1] = vmlal_high_u8(si[1], lo, wr);
                         si[2] = vmlal_u8(si[2], vget_low_u8(hi), vget_low_u8(wr));

@@ -625,25 +625,30 @@ fn fused_shapes(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
         && matches!(v.levels, Levels::Affine)
 }
 
+/// Most value groups of a row the fused kernels of AVX2 and dotprod take: groups of 32 along
+/// the largest head_dim of [`fused_shapes`], 256.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) const MAX_GROUPS: usize = 256 / 32;
+
 /// Whether `b` is per group with groups of 32, 64, 128 or 256 values (a power of two
 /// multiple of 32: whole 16-byte lanes of 4-bit codes).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
 pub(crate) fn lane_groups(b: &QuantBlock<'_>) -> bool {
     matches!(b.params, Params::PerGroup { group, .. } if group.is_multiple_of(32) && group.is_power_of_two())
 }
 
 /// [`fused_layout`] with INT4 values per group instead of per row, groups of 32, 64, 128 or
 /// 256 values (the values `kvq recommend` picks for most layers: `int4-g32`), which the
-/// AVX-512 and AVX2 kernels take.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+/// AVX-512, AVX2 and dotprod kernels take.
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
 pub(crate) fn fused_layout_grouped(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     fused_shapes(k, v, n_q) && matches!(k.params, Params::PerChannel { .. }) && lane_groups(v)
 }
 
 /// INT4 keys per token, their parameters per row or per group (groups as
 /// [`fused_layout_grouped`]'s values), with values per row or per group (`int4-g32`,
-/// `int4-token`, `int4-g32/int4-token`), which the AVX-512 kernel takes.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+/// `int4-token`, `int4-g32/int4-token`), which the AVX-512, AVX2 and dotprod kernels take.
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
 pub(crate) fn fused_layout_row_keys(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     fused_shapes(k, v, n_q)
         && (matches!(k.params, Params::PerRow { .. }) || lane_groups(k))

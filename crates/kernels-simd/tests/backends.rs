@@ -1541,8 +1541,10 @@ fn fused_block_attention_matches_its_reference() {
             vec![64, 128, 256],
             "head_dims the dotprod kernel ran at"
         );
-        assert_eq!(dims(Backend::Dotprod, true, false), none, "values per group: no dotprod kernel");
-        assert_eq!(dims(Backend::Dotprod, false, true), none, "keys per row or group: no dotprod kernel");
+        let all = vec![64, 128, 256];
+        assert_eq!(dims(Backend::Dotprod, true, false), all, "values per group: the dotprod kernel");
+        assert_eq!(dims(Backend::Dotprod, false, true), all, "keys per row or group: the dotprod kernel");
+        assert_eq!(dims(Backend::Dotprod, true, true), all, "keys and values per group: dotprod");
     }
     #[cfg(target_arch = "x86_64")]
     {

@@ -685,6 +685,9 @@ fn the_integer_kernel_is_named() {
         ("int4-channel-qa", "int4-token", vnni && vbmi, 32),
         ("int3-channel", "int3-token", vnni && vbmi, 32),
         ("int4-channel", "int2-token", vnni && vbmi, 32),
+        // Keys per token or per group, values per group: the AVX-512, AVX2 and dotprod kernels.
+        ("int4-token", "int4-g32", vnni, 32),
+        ("int4-g32", "int4-token", vnni, 32),
         // FP8 keys and values per token: the float fused kernel, on both paths (AVX-512).
         ("fp8e4m3-token", "fp8e4m3-token", true, 32),
         ("fp8e5m2-token", "fp8e4m3-token", true, 64),
@@ -703,7 +706,7 @@ fn the_integer_kernel_is_named() {
         cache.extend(seq, 0, &k, &v).unwrap();
         for backend in available() {
             let has = (fused && backend == Backend::Avx512)
-                || (kspec.starts_with("int4-channel")
+                || (kspec.starts_with("int4-")
                     && !kspec.ends_with("-qa")
                     && vspec.starts_with("int4")
                     && matches!(backend, Backend::Avx2 | Backend::Dotprod));
