@@ -2507,8 +2507,13 @@ unsafe fn runs<const NQ: usize, const WHOLE: bool, const TABLE: bool>(
     // SAFETY: rows.start <= b.rows, and the block holds b.rows · row_bytes bytes.
     let base = unsafe { b.codes.as_ptr().add(rows.start * b.row_bytes) };
     let total = m * chunks_per_row;
+    // Blocks streamed from memory: each step's lines asked for early, as the VNNI dots do.
+    let ahead = crate::stream_prefetch(b.rows * b.row_bytes);
     let (mut k, mut at) = (0, 0);
     while k + 4 <= total {
+        if let Some(ahead) = ahead {
+            crate::prefetch_l1(base.wrapping_add(32 * k + ahead), 128);
+        }
         // SAFETY: chunks k..k + 4 lie in rows `rows` (total chunks), run `at + 4 · runs a
         // chunk` of each query's dots is at most m · per_row, and the query offsets stay in a
         // row.

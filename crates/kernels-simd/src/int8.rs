@@ -549,6 +549,12 @@ pub(crate) fn scores_by_block<K: IntKernel + 'static>(
     // Decode scores every block of a sequence's KV head with the same query rows: where the
     // rounding does not depend on the block's parameters, the last block's serves.
     let key = Prepared::reusable::<K>(b).filter(|_| n_q <= GROUP);
+    // A block streamed from memory (see `stream_prefetch`): each chunk's row parameters,
+    // which the epilogue reads after the chunk's dots, are asked for before them.
+    #[cfg(target_arch = "x86_64")]
+    let stream = crate::stream_prefetch(b.rows * b.row_bytes).is_some();
+    #[cfg(not(target_arch = "x86_64"))]
+    let stream = false;
     let again = key.is_some() && *made == key && same_bits(made_from, q);
     let mut i0 = 0;
     while i0 < n_q {
@@ -568,6 +574,9 @@ pub(crate) fn scores_by_block<K: IntKernel + 'static>(
         let mut r0 = 0;
         while r0 < b.rows {
             let at = r0..(r0 + CHUNK_ROWS).min(b.rows);
+            if stream {
+                prefetch_params(b, at.clone());
+            }
             // The kernels write every dot (no zeroing needed: it cost 3% of an integer
             // decode step); debug builds fill the buffer with garbage so that a kernel that
             // adds instead fails the tests.
@@ -577,6 +586,25 @@ pub(crate) fn scores_by_block<K: IntKernel + 'static>(
             r0 = at.end;
         }
         i0 += n;
+    }
+}
+
+/// Asks for the parameters of rows `at` of `b` (per row or per group; per-channel ones are
+/// read once per block) into L1: a hint, no effect on results.
+#[inline(always)]
+fn prefetch_params(b: &QuantBlock<'_>, at: Range<usize>) {
+    let (scale, offset, per) = match b.params {
+        Params::PerRow { scale, offset } => (scale, offset, 1),
+        Params::PerGroup { group, scale, offset } => (scale, offset, b.dim / group),
+        Params::PerChannel { .. } => return,
+    };
+    let span = at.start * per..at.end * per;
+    for p in [Some(scale), offset].into_iter().flatten() {
+        let p = p.get(span.clone()).unwrap_or(&[]);
+        #[cfg(target_arch = "x86_64")]
+        crate::prefetch_l1(p.as_ptr().cast(), std::mem::size_of_val(p));
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
     }
 }
 

@@ -1299,8 +1299,11 @@ fn cache_lines(data: &[u8]) -> impl Iterator<Item = *const u8> {
 /// few KiB, and decode prefetches the next one itself). On a 2-vCPU Intel Xeon with AVX-512 the
 /// VNNI INT4 scores read 8M rows from DRAM at 48-52% of the one-thread stream rate without it
 /// and 76-77% with 2 KiB (1 KiB 72%, 3 KiB 70%, 4 KiB 66%, 8 KiB 54% in an earlier build); the
-/// AVX2 integer kernel gained nothing there and does not ask. On AMD Zen 4 the same prefetch
-/// (512 B to 4 KiB) cost 10-30% (docs/performance.md), so other vendors are left alone.
+/// AVX2 integer kernel of rows per row or per channel gained nothing there and does not ask,
+/// its per-group dots (`run_dots`) do. The integer path's driver asks for each chunk of rows'
+/// parameters (per row or per group) before the chunk's dots, on the same condition. On AMD
+/// Zen 4 the same prefetch (512 B to 4 KiB) cost 10-30% (docs/performance.md), so other
+/// vendors are left alone.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn stream_prefetch(bytes: usize) -> Option<usize> {
     const STREAM_AHEAD: usize = 2048;

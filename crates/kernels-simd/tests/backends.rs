@@ -2299,6 +2299,56 @@ fn fused_fp8_attention_propagates_nan_codes_and_checks_shapes() {
     }
 }
 
+/// Integer scores of blocks of 1 MiB of codes and more, the size from which the kernels
+/// stream a block from memory (on Intel CPUs they then ask for each chunk's codes and row
+/// parameters ahead of use): every backend equals the integer reference bit for bit, for
+/// INT4 per row, per channel and per group of 32, 16-level tables and INT8 per row.
+#[test]
+fn integer_scores_of_blocks_streamed_from_memory_equal_the_reference() {
+    use kvq_kernels_simd::scores_int8_with;
+    let mut rng = Rng::new(0x5eed);
+    let mut ran = 0;
+    for (bits, group, levels, rows) in
+        [(4u8, None, 0u8, 16_400usize), (4, Some(32), 0, 16_390), (4, None, 2, 16_385), (8, None, 0, 8_200)]
+    {
+        for per_channel in [false, true] {
+            if per_channel && group.is_some() {
+                continue;
+            }
+            let mut case = Case::random(&mut rng, rows, 128, bits, 0);
+            (case.levels_kind, case.per_channel, case.with_offset) = (levels, per_channel, true);
+            let n = if per_channel { 128 } else { rows };
+            case.scale = (0..n).map(|_| rng.uniform() as f32 + 0.01).collect();
+            case.offset = (0..n).map(|_| rng.normal() as f32).collect();
+            if let Some(g) = group {
+                case = case.grouped(g);
+            }
+            let b = case.block();
+            assert!(case.codes.len() >= 1 << 20, "a block of 1 MiB of codes at least");
+            for backend in available() {
+                for n_q in [1usize, 4] {
+                    let q: Vec<f32> = (0..n_q * 128).map(|_| rng.normal() as f32).collect();
+                    let (mut got, mut want) = (vec![0f32; n_q * rows], vec![0f32; n_q * rows]);
+                    if !scores_int8_with(backend, &b, &q, n_q, &mut got).unwrap() {
+                        continue;
+                    }
+                    ran += 1;
+                    assert!(scalar::scores_int8(&b, &q, n_q, &mut want));
+                    let what = format!(
+                        "{backend} {bits} bits group {group:?} levels {levels} per channel {per_channel}"
+                    );
+                    for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(g.to_bits(), w.to_bits(), "{what} [{j}]: {g} vs {w}");
+                    }
+                }
+            }
+        }
+    }
+    if available().iter().any(|b| matches!(b, Backend::Avx2 | Backend::Avx512 | Backend::Dotprod)) {
+        assert!(ran > 0, "no integer kernel ran");
+    }
+}
+
 /// FP8 blocks longer than the AVX-512 kernels' chunk of rows (256), as a block streamed from
 /// memory is: scores and value sums against the reference on every backend, and an e4m3 NaN
 /// code in one chunk reaching its row's score and its channel's values only (each chunk is
