@@ -120,6 +120,35 @@ fn planes<const TABLE: bool>(x: uint8x16_t, tab: int8x16_t) -> [int8x16_t; 2] {
     }
 }
 
+/// `acc[i] += ` the `sdot` dots of 16-byte chunk `j` of row `r` of the 4-bit block `b` (its two
+/// nibble planes, [`planes`]) with values `32j .. 32j + 32` of each of the `NQ` query rows
+/// of `q` (`b.dim` values each).
+///
+/// # Safety
+/// The CPU must support dotprod; `r < b.rows`, `j < b.dim / 32`, rows of `b.dim / 2` bytes
+/// inside the codes; `q` holds `NQ · b.dim` values.
+#[target_feature(enable = "neon,dotprod")]
+#[inline]
+unsafe fn chunk_dots<const NQ: usize, const TABLE: bool>(
+    b: &QuantBlock<'_>,
+    r: usize,
+    j: usize,
+    q: &[u8],
+    tab: int8x16_t,
+    acc: &mut [int32x4_t; int8::GROUP],
+) {
+    // SAFETY: bytes 16j..16j + 16 of row r lie inside the codes; values 32j..32j + 32 inside
+    // each query row (this function's contract).
+    unsafe {
+        let [lo, hi] = planes::<TABLE>(vld1q_u8(b.codes.as_ptr().add(r * b.row_bytes + 16 * j)), tab);
+        for (i, a) in acc.iter_mut().enumerate().take(NQ) {
+            let at = q.as_ptr().add(i * b.dim + 32 * j).cast::<i8>();
+            *a = sdot(*a, lo, vld1q_s8(at));
+            *a = sdot(*a, hi, vld1q_s8(at.add(16)));
+        }
+    }
+}
+
 /// [`dots_4bit`] with the table (`TABLE`) known.
 ///
 /// # Safety
@@ -135,21 +164,11 @@ unsafe fn dots4<const NQ: usize, const TABLE: bool>(
     let (d, m) = (b.dim, rows.len());
     assert!(b.bits == 4 && d.is_multiple_of(32) && q.len() >= NQ * d && dots.len() >= NQ * m);
     assert!(rows.end <= b.rows && b.codes.len() >= b.rows * b.row_bytes && b.row_bytes == d / 2);
-    let (codes, qp) = (b.codes.as_ptr(), q.as_ptr());
     for r in rows.clone() {
         let mut acc = [vdupq_n_s32(0); int8::GROUP];
         for j in 0..d / 32 {
-            // SAFETY: bytes 16j..16j + 16 of row r lie inside the codes (rows of d / 2 bytes);
-            // values 32j..32j + 32 inside each query row; sdot is enabled (this function's
-            // contract).
-            unsafe {
-                let [lo, hi] = planes::<TABLE>(vld1q_u8(codes.add(r * b.row_bytes + 16 * j)), tab);
-                for (i, a) in acc.iter_mut().enumerate().take(NQ) {
-                    let at = qp.add(i * d + 32 * j).cast::<i8>();
-                    *a = sdot(*a, lo, vld1q_s8(at));
-                    *a = sdot(*a, hi, vld1q_s8(at.add(16)));
-                }
-            }
+            // SAFETY: chunk j < d / 32 of row r < b.rows (asserted above); sdot is enabled.
+            unsafe { chunk_dots::<NQ, TABLE>(b, r, j, q, tab, &mut acc) };
         }
         for (i, a) in acc.iter().enumerate().take(NQ) {
             dots[i * m + r - rows.start] = vaddvq_s32(*a);
@@ -179,29 +198,22 @@ unsafe fn group_dots<const NQ: usize, const TABLE: bool>(
     assert!(b.bits == 4 && group.is_multiple_of(32) && d.is_multiple_of(group) && per >= 1);
     assert!(q.len() >= NQ * d && dots.len() >= NQ * m * per);
     assert!(rows.end <= b.rows && b.codes.len() >= b.rows * b.row_bytes && b.row_bytes == d / 2);
-    let (codes, qp, chunks) = (b.codes.as_ptr(), q.as_ptr(), group / 32);
+    let chunks = group / 32;
     for r in rows.clone() {
         // Groups four at a time (the last quad may hold fewer).
         for g0 in (0..per).step_by(4) {
             let take = (per - g0).min(4);
-            let mut acc = [[vdupq_n_s32(0); 4]; int8::GROUP];
-            for k in 0..take {
+            let mut acc = [[vdupq_n_s32(0); int8::GROUP]; 4];
+            for (k, a) in acc.iter_mut().enumerate().take(take) {
                 for j in (g0 + k) * chunks..(g0 + k + 1) * chunks {
-                    // SAFETY: chunk j < d / 32 of row r lies inside the codes; values 32j..32j +
-                    // 32 inside each query row; sdot is enabled.
-                    unsafe {
-                        let [lo, hi] = planes::<TABLE>(vld1q_u8(codes.add(r * b.row_bytes + 16 * j)), tab);
-                        for (i, a) in acc.iter_mut().enumerate().take(NQ) {
-                            let at = qp.add(i * d + 32 * j).cast::<i8>();
-                            a[k] = sdot(a[k], lo, vld1q_s8(at));
-                            a[k] = sdot(a[k], hi, vld1q_s8(at.add(16)));
-                        }
-                    }
+                    // SAFETY: chunk j < d / 32 of row r < b.rows (asserted above); sdot is
+                    // enabled.
+                    unsafe { chunk_dots::<NQ, TABLE>(b, r, j, q, tab, a) };
                 }
             }
-            for (i, a) in acc.iter().enumerate().take(NQ) {
+            for i in 0..NQ {
                 // Lane k: the sum of group g0 + k's accumulator (integers: exact in any order).
-                let sums = vpaddq_s32(vpaddq_s32(a[0], a[1]), vpaddq_s32(a[2], a[3]));
+                let sums = vpaddq_s32(vpaddq_s32(acc[0][i], acc[1][i]), vpaddq_s32(acc[2][i], acc[3][i]));
                 let at = (i * m + r - rows.start) * per + g0;
                 if take == 4 {
                     // SAFETY: at + 4 <= (i · m + r − rows.start + 1) · per: inside `dots`.
