@@ -42,7 +42,9 @@ fn cpu_ok() -> bool {
 
 /// Whether [`scores_int8`] has a VNNI kernel for this block on this CPU: affine codes per row
 /// or per channel, 4-bit rows of a multiple of 128 codes, 8-bit rows of a multiple of 64, and
-/// rows of the other widths (1 to 7 bits: INT2, INT3) of a multiple of 128 (`vdots_planes`).
+/// rows of the other widths (1 to 7 bits: INT2, INT3) of a multiple of 128 (`vdots_planes`);
+/// 4-bit rows of 16-level tables or symmetric levels (`nf4`, `sym4`) per row or per channel,
+/// their codes looked up in the table's int8 levels (`vdots_table`).
 pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
     let ok_dim = match b.bits {
         4 => b.dim.is_multiple_of(128),
@@ -50,7 +52,9 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
         1..=7 => b.dim.is_multiple_of(128) && std::arch::is_x86_feature_detected!("avx512vl"),
         _ => false,
     };
-    ok_dim && b.dim > 0 && matches!(b.levels, Levels::Affine) && crate::scalar::integer_params(b) && cpu_ok()
+    // 16-level tables and symmetric levels: 4-bit codes looked up in their int8 levels.
+    let ok_levels = matches!(b.levels, Levels::Affine) || (b.bits == 4 && int8::has_table8(b));
+    ok_dim && b.dim > 0 && ok_levels && crate::scalar::integer_params(b) && cpu_ok()
 }
 
 /// The 64 codes `64v .. 64v + 64` of a packed row of any width but 4 and 8 bits and a
@@ -190,8 +194,9 @@ impl int8::IntKernel for Vnni {
         // CPU, the bit width and the row length; the driver passes n arranged rows of `dim`
         // bytes and n · rows.len() dots.
         unsafe {
-            match b.bits {
-                4 | 8 => by_4_or_8_and_group!(vdots, b.bits, n, (b, rows, q, dots)),
+            match (b.bits, int8::table8(b)) {
+                (4, Some((t, _))) => by_group!(vdots_table, n, (b, rows, q, &t, dots)),
+                (4 | 8, _) => by_4_or_8_and_group!(vdots, b.bits, n, (b, rows, q, dots)),
                 _ => by_group!(vdots_planes, n, (b, rows, q, dots)),
             }
         }
@@ -201,7 +206,9 @@ impl int8::IntKernel for Vnni {
 /// Adds the integer dots of `NQ` arranged query rows with one row of codes into `acc[..NQ]`,
 /// 64 code bytes at a time: 4-bit codes as two planes of nibbles (queries arranged by
 /// [`int8::arrange4`] with 64-byte chunks), 8-bit codes as they are. One accumulator per
-/// query: the chains are a row long, and the rows of a step are independent.
+/// query: the chains are a row long, and the rows of a step are independent. `TABLE` (4-bit
+/// codes): each nibble looked up in `tab` (a 16-byte table in every 128-bit lane) instead,
+/// levels the caller biased to unsigned bytes.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW and VNNI; `BITS` is the row's width, 4 or 8, the row
@@ -209,7 +216,13 @@ impl int8::IntKernel for Vnni {
 /// bytes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn vacc<const BITS: u8, const NQ: usize>(row: &[u8], q: &[u8], d: usize, acc: &mut [__m512i]) {
+unsafe fn vacc<const BITS: u8, const NQ: usize, const TABLE: bool>(
+    row: &[u8],
+    q: &[u8],
+    d: usize,
+    tab: __m512i,
+    acc: &mut [__m512i],
+) {
     let mask = _mm512_set1_epi8(0x0f);
     for (c, code) in row.chunks_exact(64).enumerate() {
         // SAFETY: `code` is 64 bytes; the query bytes of chunk c (128 for 4-bit codes, 64 for
@@ -219,6 +232,11 @@ unsafe fn vacc<const BITS: u8, const NQ: usize>(row: &[u8], q: &[u8], d: usize, 
             if BITS == 4 {
                 let lo = _mm512_and_si512(v, mask);
                 let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                let (lo, hi) = if TABLE {
+                    (_mm512_shuffle_epi8(tab, lo), _mm512_shuffle_epi8(tab, hi))
+                } else {
+                    (lo, hi)
+                };
                 for (i, a) in acc.iter_mut().enumerate().take(NQ) {
                     let p = q.as_ptr().add(i * d + 128 * c);
                     *a = _mm512_dpbusd_epi32(*a, lo, _mm512_loadu_si512(p.cast()));
@@ -271,11 +289,12 @@ fn lane_sums4(a: &[__m512i; 4]) -> __m512i {
 /// As [`vdots`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn vdot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
+unsafe fn vdot_step<const BITS: u8, const NQ: usize, const STEP: usize, const TABLE: bool>(
     b: &QuantBlock<'_>,
     rows: &Range<usize>,
     r: usize,
     q: &[u8],
+    tab: __m512i,
     dots: &mut [i32],
 ) {
     let mut acc = [_mm512_setzero_si512(); 4];
@@ -283,7 +302,7 @@ unsafe fn vdot_step<const BITS: u8, const NQ: usize, const STEP: usize>(
         // SAFETY: row rows.start + r + j < rows.end, whose rows `vdots` checked lie in `b`.
         let (row, a) = (unsafe { b.row_unchecked(rows.start + r + j) }, &mut acc[j * NQ..(j + 1) * NQ]);
         // SAFETY: forwarded from the caller.
-        unsafe { vacc::<BITS, NQ>(row, q, b.dim, a) };
+        unsafe { vacc::<BITS, NQ, TABLE>(row, q, b.dim, tab, a) };
     }
     // SAFETY: AVX-512 is enabled by this function's target features; r + STEP <= rows.len()
     // and `dots` holds NQ · rows.len() values (checked by `vdots`).
@@ -302,6 +321,49 @@ unsafe fn vdots<const BITS: u8, const NQ: usize>(
     q: &[u8],
     dots: &mut [i32],
 ) {
+    // SAFETY: forwarded.
+    unsafe { vdots_with::<BITS, NQ, false>(b, rows, q, _mm512_setzero_si512(), dots) }
+}
+
+/// [`vdots`] of a 4-bit block of 16 levels: `t` its int8 levels ([`int8::table8`]). The
+/// levels biased by 128 are unsigned bytes, `vpdpbusd`'s unsigned operand; the bias's share,
+/// `128 · Σ q`, is taken off each query row's dots after (exact integers).
+///
+/// # Safety
+/// As [`vdots`], with `b.bits == 4`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn vdots_table<const NQ: usize>(
+    b: &QuantBlock<'_>,
+    rows: Range<usize>,
+    q: &[u8],
+    t: &[i8; 16],
+    dots: &mut [i32],
+) {
+    let (d, m) = (b.dim, rows.len());
+    let biased: [u8; 16] = std::array::from_fn(|c| (i16::from(t[c]) + 128) as u8);
+    // SAFETY: `biased` holds 16 bytes.
+    let tab = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(biased.as_ptr().cast()) });
+    // SAFETY: forwarded.
+    unsafe { vdots_with::<4, NQ, true>(b, rows, q, tab, dots) };
+    for i in 0..NQ {
+        let bias: i32 = 128 * q[i * d..(i + 1) * d].iter().map(|&x| i32::from(x as i8)).sum::<i32>();
+        dots[i * m..(i + 1) * m].iter_mut().for_each(|x| *x -= bias);
+    }
+}
+
+/// [`vdots`], with `TABLE` as [`vacc`]'s.
+///
+/// # Safety
+/// As [`vdots`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn vdots_with<const BITS: u8, const NQ: usize, const TABLE: bool>(
+    b: &QuantBlock<'_>,
+    rows: Range<usize>,
+    q: &[u8],
+    tab: __m512i,
+    dots: &mut [i32],
+) {
     let (m, rr) = (rows.len(), 4 / NQ);
     // Once per call, so that the steps read rows and store dots without bounds checks.
     let held = b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len());
@@ -316,17 +378,17 @@ unsafe fn vdots<const BITS: u8, const NQ: usize>(
         }
         match NQ {
             // SAFETY: the CPU features and bounds are forwarded from the caller.
-            1 => unsafe { vdot_step::<BITS, NQ, 4>(b, &rows, r, q, dots) },
+            1 => unsafe { vdot_step::<BITS, NQ, 4, TABLE>(b, &rows, r, q, tab, dots) },
             // SAFETY: the CPU features and bounds are forwarded from the caller.
-            2 => unsafe { vdot_step::<BITS, NQ, 2>(b, &rows, r, q, dots) },
+            2 => unsafe { vdot_step::<BITS, NQ, 2, TABLE>(b, &rows, r, q, tab, dots) },
             // SAFETY: the CPU features and bounds are forwarded from the caller.
-            _ => unsafe { vdot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) },
+            _ => unsafe { vdot_step::<BITS, NQ, 1, TABLE>(b, &rows, r, q, tab, dots) },
         }
         r += rr;
     }
     while r < m {
         // SAFETY: the CPU features and bounds are forwarded from the caller.
-        unsafe { vdot_step::<BITS, NQ, 1>(b, &rows, r, q, dots) };
+        unsafe { vdot_step::<BITS, NQ, 1, TABLE>(b, &rows, r, q, tab, dots) };
         r += 1;
     }
 }

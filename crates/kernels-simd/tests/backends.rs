@@ -659,6 +659,15 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
         let mut case = case;
         case.levels_kind = 0;
         assert!(kvq_kernels_simd::avx512::int8_supported(&case.block()));
+        // And 16-level tables and symmetric levels of 4 bits, per row or per channel (their
+        // results: above, bit for bit).
+        for (levels, per_channel) in [(1u8, false), (2, false), (2, true)] {
+            let mut case = Case::random(&mut rng, 4, 128, 4, 0);
+            (case.levels_kind, case.per_channel) = (levels, per_channel);
+            case.scale = (0..if per_channel { 128 } else { 4 }).map(|_| 1.0).collect();
+            case.offset = case.scale.clone();
+            assert!(kvq_kernels_simd::avx512::int8_supported(&case.block()), "levels {levels}");
+        }
     }
 }
 
