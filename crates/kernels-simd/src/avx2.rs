@@ -85,7 +85,7 @@ pub fn float_supported(b: &QuantBlock<'_>) -> bool {
     supported(b)
 }
 
-fn cpu_ok() -> bool {
+pub(crate) fn cpu_ok() -> bool {
     std::arch::is_x86_feature_detected!("avx2")
         && std::arch::is_x86_feature_detected!("fma")
         && std::arch::is_x86_feature_detected!("f16c")

@@ -750,21 +750,9 @@ const FUSED_DIM: usize = 256;
 /// with INT1 to INT3 affine values per row (unpacked with VBMI); and affine keys per channel
 /// of 1 to 8 bits as one region of [`attend_int_regions_supported`] (INT3 and INT2 keys).
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    if k.bits != 4 {
-        // Keys per channel of another width: one region of the row.
-        let one = [crate::KeyRegion { first: 0, keys: *k }];
-        return matches!(k.params, Params::PerChannel { .. }) && attend_int_regions_supported(&one, v, n_q);
-    }
-    let layout = if v.bits == 4 {
-        crate::fused_layout(k, v, n_q)
-            || crate::fused_layout_grouped(k, v, n_q)
-            || crate::fused_layout_row_keys(k, v, n_q)
-    } else {
-        // The keys as the kernel takes them with INT4 values of the same rows.
-        let v4 = QuantBlock { bits: 4, row_bytes: v.dim / 2, ..*v };
-        narrow_values(v) && (crate::fused_layout(k, &v4, n_q) || crate::fused_layout_row_keys(k, &v4, n_q))
-    };
-    layout && cpu_ok() && std::arch::is_x86_feature_detected!("avx512vl")
+    crate::fused_int_layout(k, v, n_q, narrow_values, attend_int_regions_supported)
+        && cpu_ok()
+        && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
 /// Values of 1 to 3 bits per code (`int3-token-mse-rot`, `int2-token`: the narrow values of
@@ -901,20 +889,11 @@ pub fn attend_int_regions_supported(
 /// tile a row of `dim` channels (64, 128 or 256), each affine with per-channel parameters,
 /// 1 to 8 bits and a multiple of 8 channels, at most 16 of them; the CPU has VBMI.
 fn regions_supported(regions: &[crate::KeyRegion<'_>], rows: usize, dim: usize) -> bool {
-    let region_ok = |r: &crate::KeyRegion<'_>| {
-        let k = &r.keys;
-        (1..=8).contains(&k.bits)
-            && k.dim.is_multiple_of(8)
-            && matches!(k.levels, Levels::Affine)
-            && matches!(k.params, Params::PerChannel { .. })
-            && k.rows.checked_mul(k.row_bytes).is_some_and(|n| n <= k.codes.len())
-            && k.row_bytes == k.dim * usize::from(k.bits) / 8
-    };
     matches!(dim, 64 | 128 | 256)
         && (1..=FUSED_ROWS).contains(&rows)
         && regions.len() <= MAX_REGIONS
         && crate::regions_tile(regions, rows, dim)
-        && regions.iter().all(region_ok)
+        && regions.iter().all(crate::region_codes_ok)
         && cpu_ok()
         && std::arch::is_x86_feature_detected!("avx512vl")
         && std::arch::is_x86_feature_detected!("avx512vbmi")
@@ -1077,22 +1056,7 @@ impl HeadPlan {
             for &w in kvq_quant_core::pack::planes(bits) {
                 let w = usize::from(w);
                 // Byte and bit of code `i` in the plane.
-                let loc = |i: usize| -> (usize, usize) {
-                    if w == 8 {
-                        return (i, 0);
-                    }
-                    let per = 8 / w;
-                    let chunk = 16 * per;
-                    let whole = dim / chunk * chunk;
-                    if i < whole {
-                        let j = i % chunk;
-                        (i / chunk * 16 + j % 16, j / 16 * w)
-                    } else {
-                        let s = (dim - whole).div_ceil(per);
-                        let j = i - whole;
-                        (whole / chunk * 16 + j % s, j / s * w)
-                    }
-                };
+                let loc = |i: usize| crate::plane_loc(dim, w, i);
                 // The plane's codes in groups: a new group at each 64 channels, or where its
                 // bytes would span more than 64.
                 let mut group: Vec<(usize, usize, usize)> = Vec::new();

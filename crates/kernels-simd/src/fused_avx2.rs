@@ -27,8 +27,9 @@ use std::arch::x86_64::*;
 use crate::avx2;
 use crate::block::{Params, QuantBlock};
 use crate::int8::{self, grown};
+use crate::regions_avx2;
 use crate::softmax::x86::exp8;
-use crate::{MAX_GROUPS, Online};
+use crate::{KeyRegion, MAX_GROUPS, Online};
 
 /// Whether [`crate::attend_int_with`] has a fused AVX2 kernel for keys `k`, values `v` and
 /// `n_q` query rows on this CPU: INT4 affine keys with per-channel parameters and INT4 affine
@@ -37,10 +38,30 @@ use crate::{MAX_GROUPS, Online};
 /// with INT4 affine values per group of 32, 64, 128 or 256 values (dividing the head_dim); or
 /// INT4 affine keys per row or per group of 32 to 256 values with either of those values.
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    (crate::fused_layout(k, v, n_q)
-        || crate::fused_layout_grouped(k, v, n_q)
-        || crate::fused_layout_row_keys(k, v, n_q))
-        && avx2::int8_supported(k)
+    // Keys of other widths go through the region scores, which check the CPU themselves.
+    crate::fused_int_layout(k, v, n_q, narrow_values, attend_int_regions_supported)
+        && (k.bits != 4 || avx2::int8_supported(k))
+}
+
+/// Whether [`crate::attend_int_parts_with`] runs this kernel for keys in `parts` with the
+/// values `v`: one part as [`attend_int_supported`] takes it; several (per-channel keys whose
+/// parameters change every few rows) only of INT4 keys, the first with the values of its rows
+/// as [`attend_int_supported`] takes it, the others in its layout, covering the values' rows.
+pub fn attend_int_parts_supported(parts: &[QuantBlock<'_>], v: &QuantBlock<'_>, n_q: usize) -> bool {
+    (parts.len() == 1 || parts.first().is_some_and(|k| k.bits == 4))
+        && crate::parts_supported(parts, v, |k, v| attend_int_supported(k, v, n_q))
+}
+
+/// Values of 1 to 3 bits per code (`int3-token-mse-rot`, `int2-token`: the narrow values of
+/// `kvq recommend`'s candidates), affine with per-row parameters, a head_dim of 64, 128 or
+/// 256; the fused kernel unpacks them to a code a byte ([`regions_avx2::Unpacker`]) and
+/// weighs them with bytes, as the integer value path rounds weights for codes of up to 4 bits.
+fn narrow_values(v: &QuantBlock<'_>) -> bool {
+    (1..=3).contains(&v.bits)
+        && matches!(v.levels, crate::Levels::Affine)
+        && matches!(v.params, Params::PerRow { .. })
+        && matches!(v.dim, 64 | 128 | 256)
+        && regions_avx2::region_rows_ok(v)
 }
 
 /// The buffers of [`attend_int_in`], grown to the largest block and query group seen, then
@@ -60,6 +81,18 @@ pub(crate) struct FusedScratch {
     /// Keys per row or group: the scores kernel's scratch, and its scores.
     int8: int8::Scratch,
     scores: Vec<f32>,
+    /// Keys in channel regions (`-qa`): their scores kernel's buffers and plans.
+    pub(crate) regions: regions_avx2::Scratch,
+    /// Values of 1 to 3 bits: their rows unpacked to a code a byte.
+    values: regions_avx2::Unpacker,
+}
+
+/// The keys of a fused call: token parts (one block, or per-channel blocks of consecutive
+/// rows), or channel regions (`-qa` keys).
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    Parts(&'a [QuantBlock<'a>]),
+    Regions(&'a [KeyRegion<'a>]),
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -74,15 +107,74 @@ pub(crate) fn attend_int_in(
     state: Online<'_>,
     w: &mut FusedScratch,
 ) -> bool {
-    if !crate::parts_supported(parts, v, |k, v| attend_int_supported(k, v, n_q)) {
+    if !attend_int_parts_supported(parts, v, n_q) {
         return false;
     }
+    if parts[0].bits != 4 {
+        // One block of keys per channel of another width: a region of the whole row, which
+        // `attend_int_supported` checked as such.
+        return attend_int_regions_in(&[KeyRegion { first: 0, keys: parts[0] }], v, q, n_q, state, w);
+    }
+    // SAFETY: `attend_int_parts_supported` checked the CPU (AVX2, FMA, F16C), the widths, the
+    // layouts and the sizes of every part.
+    unsafe { run(Keys::Parts(parts), v, q, n_q, state, w) }
+}
+
+/// The fused kernel on query groups of up to four rows (`false`, changing nothing, where a
+/// value scale is negative or NaN).
+///
+/// # Safety
+/// [`attend_int_parts_supported`] for the parts of `keys`, or
+/// [`attend_int_regions_supported`] for its regions, with `v` and `n_q`.
+unsafe fn run(
+    keys: Keys<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+    w: &mut FusedScratch,
+) -> bool {
     crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
-        // SAFETY: `parts_supported` checked the CPU (AVX2, FMA, F16C), the widths, the
-        // layouts and the sizes of every part; `fused_groups` checked the value scales and
-        // the shapes.
-        unsafe { by_group!(attend, nq, (parts, v, q, m, l, o, w)) }
+        // SAFETY: the keys and values as this function's contract says; `fused_groups`
+        // checked the value scales and the shapes.
+        unsafe { by_group!(attend, nq, (keys, v, q, m, l, o, w)) }
     })
+}
+
+/// Whether [`crate::attend_int_regions_with`] has a fused AVX2 kernel for these key regions
+/// (`-qa` keys) and values on this CPU: regions as the AVX2 region scores take them
+/// (affine, per channel, 1 to 8 bits, multiples of 8 channels, head_dim 64, 128 or 256) with
+/// the values [`attend_int_supported`] takes under INT4 keys per channel (INT4 affine, per
+/// row or per group of 32 to 256 values, or of 1 to 3 bits per row; 1 to 256 rows), at least
+/// one query row.
+pub fn attend_int_regions_supported(regions: &[KeyRegion<'_>], v: &QuantBlock<'_>, n_q: usize) -> bool {
+    (v.bits == 4
+        && matches!(v.levels, crate::Levels::Affine)
+        && (matches!(v.params, Params::PerRow { .. }) || crate::lane_groups(v))
+        || narrow_values(v))
+        && matches!(v.dim, 64 | 128 | 256)
+        && (1..=crate::FUSED_ROWS).contains(&v.rows)
+        && n_q >= 1
+        && regions_avx2::supported(regions, v.rows, v.dim)
+}
+
+/// [`attend_int_in`] for keys in channel regions (`-qa`): their scores by the AVX2 region
+/// scores ([`regions_avx2`]), then the same softmax step and value sums. Returns `false`,
+/// changing nothing, when [`attend_int_regions_supported`] is false or a value scale is
+/// negative or NaN.
+pub(crate) fn attend_int_regions_in(
+    regions: &[KeyRegion<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+    w: &mut FusedScratch,
+) -> bool {
+    if !attend_int_regions_supported(regions, v, n_q) {
+        return false;
+    }
+    // SAFETY: checked above.
+    unsafe { run(Keys::Regions(regions), v, q, n_q, state, w) }
 }
 
 /// The sum of the 8 lanes of `x`.
@@ -117,7 +209,7 @@ fn lanes8(len: usize) -> __m256 {
 /// order), so the same bits as the scores kernel's; the rows' chains side by side.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn offset_dots<const NQ: usize>(q: &[f32], offset: &[f32]) -> [f32; int8::GROUP] {
+pub(crate) fn offset_dots<const NQ: usize>(q: &[f32], offset: &[f32]) -> [f32; int8::GROUP] {
     let d = offset.len();
     assert!(q.len() >= NQ * d && d.is_multiple_of(8), "NQ rows of whole lanes");
     let mut acc = [_mm256_setzero_ps(); int8::GROUP];
@@ -141,15 +233,17 @@ fn offset_dots<const NQ: usize>(q: &[f32], offset: &[f32]) -> [f32; int8::GROUP]
     out
 }
 
-/// The fused kernel for `NQ` query rows, the keys in one part or several (per channel).
+/// The fused kernel for `NQ` query rows, the keys in one part or several (per channel), or
+/// in channel regions.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; [`crate::parts_supported`] with
-/// [`attend_int_supported`]`(k, v, NQ)` for `parts` and `v`; every value scale of `v` is
-/// `>= 0`; `q` and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
+/// [`attend_int_supported`]`(k, v, NQ)` for the parts of `keys` and `v`, or
+/// [`attend_int_regions_supported`] for its regions; every value scale of `v` is `>= 0`; `q`
+/// and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend<const NQ: usize>(
-    parts: &[QuantBlock<'_>],
+    keys: Keys<'_>,
     v: &QuantBlock<'_>,
     q: &[f32],
     m: &mut [f32],
@@ -158,9 +252,19 @@ unsafe fn attend<const NQ: usize>(
     w: &mut FusedScratch,
 ) {
     let (d, n) = (v.dim, v.rows);
-    let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw, int8: scratch, scores } = w;
-    let k = &parts[0];
-    if matches!(k.params, Params::PerChannel { .. }) {
+    let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw, int8: scratch, scores, regions, values } = w;
+    let parts = match keys {
+        Keys::Parts(parts) => parts,
+        Keys::Regions(rs) => {
+            // 1-2. Keys in channel regions: the region scores kernel's scores.
+            let done = regions_avx2::scores_in(rs, q, NQ, grown(scores, NQ * n), regions);
+            debug_assert!(done, "`attend_int_regions_supported` checked the regions");
+            &[]
+        }
+    };
+    if let Some(k) = parts.first()
+        && matches!(k.params, Params::PerChannel { .. })
+    {
         let scores = grown(scores, NQ * n);
         let mut at = 0;
         for k in parts {
@@ -194,7 +298,7 @@ unsafe fn attend<const NQ: usize>(
             }
             at += nk;
         }
-    } else {
+    } else if let Some(k) = parts.first() {
         // 1-2. Keys per row or per group: the integer scores kernel's scores themselves (its
         //      per-group dots and epilogue), so the same bits as it gives.
         let done = avx2::scores_int8_in(k, q, NQ, grown(scores, NQ * n), scratch);
@@ -245,7 +349,8 @@ unsafe fn attend<const NQ: usize>(
         Params::PerRow { scale: vs, offset: vo } => {
             let wb = grown(wb, NQ * stride);
             // SAFETY: as this function's; `p` and `wb` hold NQ rows of `stride`.
-            let (sw, vadd) = unsafe { row_weights::<NQ>(n, stride, vs, vo, &live, &top, p, wb, &mut sums) };
+            let (sw, vadd) =
+                unsafe { row_weights::<NQ>(v.bits, n, stride, vs, vo, &live, &top, p, wb, &mut sums) };
             for i in 0..NQ {
                 (gsw[i][0], gadd[i][0]) = (sw[i], vadd[i]);
             }
@@ -277,9 +382,20 @@ unsafe fn attend<const NQ: usize>(
     // 4. The integer sums of the centred value codes under the byte weights, and the epilogue:
     //    `o ← o · factor + (sw · sum + add)`, sw and add those of the channel's group.
     let acc = grown(acc, NQ * d);
-    // SAFETY: `v` is 4-bit with rows of d / 2 bytes, d a multiple of 32 and n >= 1 rows; `wb`
-    // holds NQ · (d / group) rows of `stride >= n` bytes, zero from n; `acc` NQ · d values.
-    unsafe { value_sums::<NQ>(v, wb, stride, group, acc) };
+    if v.bits == 4 {
+        // SAFETY: `v` is 4-bit with rows of d / 2 bytes, d a multiple of 32 and n >= 1 rows;
+        // `wb` holds NQ · (d / group) rows of `stride >= n` bytes, zero from n; `acc` NQ · d
+        // values.
+        unsafe { value_sums::<NQ>(v, wb, stride, group, acc) };
+    } else {
+        // Narrow values (per row): unpacked to a code a byte first.
+        // SAFETY: AVX2 (this function's contract); `narrow_values` checked the rows.
+        let (codes, width, _) = unsafe { values.unpack(&[KeyRegion { first: 0, keys: *v }]) };
+        debug_assert!(width == d, "a head_dim of 64, 128 or 256 needs no padding");
+        // SAFETY: `codes` holds n + 1 rows of d codes below 2^bits (the last zero); `wb` NQ
+        // rows of `stride >= n + 1` rounded to even bytes, zero from n; `acc` NQ · d values.
+        unsafe { byte_value_sums::<NQ>(codes, n, d, crate::intv::center(v.bits), wb, stride, acc) };
+    }
     for i in 0..NQ {
         let f = _mm256_set1_ps(factor[i]);
         // Group by group (values per row: one group of d channels).
@@ -338,7 +454,7 @@ unsafe fn exponentials<const NQ: usize>(
 /// `p` and their sums (into `sums`), in the same pass the weights `p · scale` (into `p`),
 /// rounded to bytes in `wb` with one scale per query row (max / 255), zero from n to the
 /// stride and for rows that saw nothing; returns each row's weight scale and
-/// `Σ p · offset + z · Σ w`.
+/// `Σ p · offset + z · Σ w` (`z` the centre of `bits`-wide codes).
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `p` and `wb` hold `NQ` rows of `stride >= n` (a multiple
@@ -347,6 +463,7 @@ unsafe fn exponentials<const NQ: usize>(
 #[inline]
 #[allow(clippy::too_many_arguments)]
 unsafe fn row_weights<const NQ: usize>(
+    bits: u8,
     n: usize,
     stride: usize,
     vs: &[f32],
@@ -360,7 +477,7 @@ unsafe fn row_weights<const NQ: usize>(
     assert!(
         vs.len() >= n && vo.is_none_or(|o| o.len() >= n) && p.len() >= NQ * stride && wb.len() >= NQ * stride
     );
-    let z = _mm256_set1_ps(f32::from(crate::intv::center(4)));
+    let z = _mm256_set1_ps(f32::from(crate::intv::center(bits)));
     let zero = _mm256_setzero_ps();
     let (mut add, mut wmx, mut any) = ([zero; int8::GROUP], [zero; int8::GROUP], [zero; int8::GROUP]);
     let mut sum = [zero; int8::GROUP];
@@ -639,6 +756,81 @@ unsafe fn value_sums<const NQ: usize>(
                             _mm256_storeu_si256(p.cast(), _mm256_add_epi32(_mm256_loadu_si256(p.cast()), lo));
                             let p = p.add(8);
                             _mm256_storeu_si256(p.cast(), _mm256_add_epi32(_mm256_loadu_si256(p.cast()), hi));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`value_sums`] for values unpacked to a code a byte (values of 1 to 3 bits, per row):
+/// `acc[i · d + c] = Σ_r wb[i · stride + r] · (codes[r · d + c] − centre)`. Per 32 channels
+/// and pair of rows: the two rows' bytes interleaved (`vpunpcklbw`/`vpunpckhbw`: channels
+/// `0..8 | 16..24` and `8..16 | 24..32`), centred, then per query one `vpmaddubsw` per half
+/// against the pair's two weights broadcast; i16 sums of sixteen rows (at most `16 · 255 · 4`)
+/// widened into `acc`. An odd last row pairs with the zero row after it under a zero weight.
+///
+/// # Safety
+/// The CPU must support AVX2; `codes` holds `n + 1` rows of `d` codes (a multiple of 32),
+/// each below `2 · centre <= 8`; `wb` `NQ` rows of `stride >= n` rounded up to even bytes,
+/// zero from n; `acc` `NQ · d` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn byte_value_sums<const NQ: usize>(
+    codes: &[u8],
+    n: usize,
+    d: usize,
+    centre: u8,
+    wb: &[u8],
+    stride: usize,
+    acc: &mut [i32],
+) {
+    assert!(d.is_multiple_of(32) && codes.len() >= (n + 1) * d && centre <= 4);
+    assert!(wb.len() >= NQ * stride && stride >= n.next_multiple_of(2) && acc.len() >= NQ * d);
+    let (u, weights) = (codes.as_ptr(), wb.as_ptr());
+    let z = _mm256_set1_epi8(centre as i8);
+    for lane in 0..d / 32 {
+        for batch in 0..n.div_ceil(16) {
+            let mut s = [[_mm256_setzero_si256(); 2]; int8::GROUP];
+            let (mut r, end) = (16 * batch, (16 * batch + 16).min(n));
+            while r < end {
+                // SAFETY: rows r and r + 1 <= n of `codes` hold d bytes each; lane `lane` of
+                // them lies inside.
+                let (a, b) = unsafe {
+                    (
+                        _mm256_loadu_si256(u.add(r * d + 32 * lane).cast()),
+                        _mm256_loadu_si256(u.add((r + 1) * d + 32 * lane).cast()),
+                    )
+                };
+                let halves = [
+                    _mm256_sub_epi8(_mm256_unpacklo_epi8(a, b), z),
+                    _mm256_sub_epi8(_mm256_unpackhi_epi8(a, b), z),
+                ];
+                for (i, s) in s.iter_mut().enumerate().take(NQ) {
+                    // SAFETY: bytes r and r + 1 of weight row i lie inside it (r + 1 < stride).
+                    let pair = unsafe { weights.add(i * stride + r).cast::<i16>().read_unaligned() };
+                    let wv = _mm256_set1_epi16(pair);
+                    s[0] = _mm256_add_epi16(s[0], _mm256_maddubs_epi16(wv, halves[0]));
+                    s[1] = _mm256_add_epi16(s[1], _mm256_maddubs_epi16(wv, halves[1]));
+                }
+                r += 2;
+            }
+            for (i, s) in s.iter().enumerate().take(NQ) {
+                // Half h's i16 lanes are channels 8h + 0..8 (low) and 16 + 8h + 0..8 (high).
+                for (h, x) in s.iter().enumerate() {
+                    let lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(*x));
+                    let hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256::<1>(*x));
+                    for (part, at) in [(lo, i * d + 32 * lane + 8 * h), (hi, i * d + 32 * lane + 16 + 8 * h)]
+                    {
+                        // SAFETY: at + 8 <= NQ · d, inside `acc`.
+                        unsafe {
+                            let p = acc.as_mut_ptr().add(at);
+                            let old = if batch == 0 {
+                                _mm256_setzero_si256()
+                            } else {
+                                _mm256_loadu_si256(p.cast())
+                            };
+                            _mm256_storeu_si256(p.cast(), _mm256_add_epi32(old, part));
                         }
                     }
                 }

@@ -85,6 +85,8 @@ pub mod memory;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub mod portable;
+#[cfg(target_arch = "x86_64")]
+mod regions_avx2;
 pub mod rowquant;
 pub mod scalar;
 pub mod softmax;
@@ -573,8 +575,11 @@ pub struct Online<'a> {
 /// rounded with their own scale, as [`scalar::attend_int`] does, and INT4 keys per row or per
 /// group of 32 to 256 values; on
 /// the `avx512` backend with VNNI, see `avx512::attend_int_supported`, on the `avx2`
-/// backend, see `fused_avx2::attend_int_supported`, and on the `dotprod` backend of aarch64,
-/// see `fused_dotprod::attend_int_supported`) nothing of a block goes through memory but its
+/// backend, see `fused_avx2::attend_int_supported`, which the `avx512` backend runs where
+/// its own kernel has no code (no VNNI or VBMI), and on the `dotprod` backend of aarch64,
+/// see `fused_dotprod::attend_int_supported`; on `avx512` with VBMI and on `avx2` also keys
+/// per channel of 1 to 8 bits and values of 1 to 3 bits per row) nothing of a block goes
+/// through memory but its
 /// codes and parameters and a few small buffers; elsewhere it returns `Ok(false)`, changing
 /// nothing, and the caller runs the separate kernels (the kernels: `avx512::attend_int_in`,
 /// `fused_avx2::attend_int_in`, `fused_dotprod::attend_int_in`). Its results equal [`scalar::attend_int`] to the rounding
@@ -623,6 +628,32 @@ fn fused_shapes(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
         && n_q >= 1
         && matches!(k.levels, Levels::Affine)
         && matches!(v.levels, Levels::Affine)
+}
+
+/// The key and value layouts the x86 fused integer kernels take, given the narrow values
+/// (`narrow`) and the key regions with such values (`regions`) a kernel has code for: keys
+/// per channel of another width than 4 bits as one region of the row; INT4 keys in the
+/// layouts of [`fused_layout`], [`fused_layout_grouped`] and [`fused_layout_row_keys`]; with
+/// narrow values, INT4 keys as those layouts take them with INT4 values of the same rows (per
+/// row values only).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn fused_int_layout(
+    k: &QuantBlock<'_>,
+    v: &QuantBlock<'_>,
+    n_q: usize,
+    narrow: fn(&QuantBlock<'_>) -> bool,
+    regions: fn(&[KeyRegion<'_>], &QuantBlock<'_>, usize) -> bool,
+) -> bool {
+    if k.bits != 4 {
+        let one = [KeyRegion { first: 0, keys: *k }];
+        return matches!(k.params, Params::PerChannel { .. }) && regions(&one, v, n_q);
+    }
+    if v.bits == 4 {
+        fused_layout(k, v, n_q) || fused_layout_grouped(k, v, n_q) || fused_layout_row_keys(k, v, n_q)
+    } else {
+        let v4 = QuantBlock { bits: 4, row_bytes: v.dim / 2, ..*v };
+        narrow(v) && (fused_layout(k, &v4, n_q) || fused_layout_row_keys(k, &v4, n_q))
+    }
 }
 
 /// Most value groups of a row the fused kernels of AVX2 and dotprod take: groups of 32 along
@@ -705,10 +736,12 @@ pub fn attend_int_fused_parts(
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     match backend {
-        Backend::Avx512 => return avx512::attend_int_parts_supported(parts, v, n_q),
-        Backend::Avx2 => {
-            return parts_supported(parts, v, |k, v| fused_avx2::attend_int_supported(k, v, n_q));
+        // The AVX2 kernels where the AVX-512 ones have no code (no VNNI or VBMI, say).
+        Backend::Avx512 => {
+            return avx512::attend_int_parts_supported(parts, v, n_q)
+                || fused_avx2::attend_int_parts_supported(parts, v, n_q);
         }
+        Backend::Avx2 => return fused_avx2::attend_int_parts_supported(parts, v, n_q),
         _ => {}
     }
     #[cfg(target_arch = "aarch64")]
@@ -807,8 +840,11 @@ pub fn attend_int_parts_in(
     check_attend(parts, v, q, n_q, &state)?;
     #[cfg(target_arch = "x86_64")]
     match backend {
-        Backend::Avx512 => return Ok(avx512::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused)),
-        Backend::Avx2 => {
+        Backend::Avx512 if avx512::attend_int_parts_supported(parts, v, n_q) => {
+            return Ok(avx512::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused));
+        }
+        // The AVX2 kernel where the AVX-512 one has no code (no VNNI or VBMI, say).
+        Backend::Avx512 | Backend::Avx2 => {
             return Ok(fused_avx2::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused_avx2));
         }
         _ => {}
@@ -880,14 +916,53 @@ pub(crate) fn regions_tile(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -
     !regions.is_empty() && at == dim
 }
 
+/// Whether a key region is what the SIMD region kernels unpack: affine codes of 1 to 8 bits
+/// with per-channel parameters, a multiple of 8 channels (whole bytes of every plane a row),
+/// rows of `dim · bits / 8` bytes, every row inside its codes.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn region_codes_ok(r: &KeyRegion<'_>) -> bool {
+    let k = &r.keys;
+    (1..=8).contains(&k.bits)
+        && k.dim.is_multiple_of(8)
+        && matches!(k.levels, Levels::Affine)
+        && matches!(k.params, Params::PerChannel { .. })
+        && k.rows.checked_mul(k.row_bytes).is_some_and(|n| n <= k.codes.len())
+        && k.row_bytes == k.dim * usize::from(k.bits) / 8
+}
+
+/// Byte and bit of code `i` in a bit plane of width `w` holding `dim` codes, as
+/// `kvq_quant_core::pack` lays a plane out: a plane narrower than 8 bits in chunks of `16 · 8 /
+/// w` codes filling 16 bytes, byte `j` holding code `j + 16 f` in field `f` (bits `f · w ..`);
+/// a last, shorter chunk of `r` codes in `s = ⌈r w / 8⌉` bytes, code `j` of it in byte `j mod
+/// s`, field `j / s`; 8-bit planes a byte a code.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn plane_loc(dim: usize, w: usize, i: usize) -> (usize, usize) {
+    if w >= 8 {
+        return (i, 0);
+    }
+    let per = 8 / w;
+    let chunk = 16 * per;
+    let whole = dim / chunk * chunk;
+    if i < whole {
+        let j = i % chunk;
+        (i / chunk * 16 + j % 16, j / 16 * w)
+    } else {
+        let s = (dim - whole).div_ceil(per);
+        let j = i - whole;
+        (whole / chunk * 16 + j % s, j / s * w)
+    }
+}
+
 /// The integer-path scores of keys in channel regions (`-qa`): each region's rows scored
 /// with its columns of the `n_q` query rows (`q`, `n_q × dim`, `dim` the regions' channels
 /// together), the query rounded to int8 with a scale of its own per region, the regions'
 /// scores added into `out[i · rows + r]` ([`scalar::scores_int8_regions`] is the reference;
 /// the sums are taken in another order). The AVX-512 kernel with VBMI of
 /// [`attend_int_regions_with`] takes regions as it does (a head_dim of 64, 128 or 256, up to
-/// 256 rows); elsewhere it returns `Ok(false)`, computing nothing, and the caller scores the
-/// regions one by one ([`scores_int8_with`]).
+/// 256 rows); the AVX2 kernel (on `avx2`, and on `avx512` where that one has no code) affine
+/// per-channel regions of 1 to 8 bits and a multiple of 8 channels, any rows, its scores the
+/// reference's bit for bit; elsewhere it returns `Ok(false)`, computing nothing, and the
+/// caller scores the regions one by one ([`scores_int8_with`]).
 ///
 /// # Errors
 /// [`KernelError::Shape`] when the regions do not tile a row in order with the same rows, or
@@ -934,8 +1009,15 @@ pub fn scores_int8_regions_in(
         },
     )?;
     #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512 {
-        return Ok(avx512::scores_int8_regions_in(regions, q, n_q, out, &mut scratch.fused));
+    match backend {
+        // The AVX2 kernel where the AVX-512 one has no code (no VBMI, say).
+        Backend::Avx512 if avx512::scores_int8_regions_in(regions, q, n_q, out, &mut scratch.fused) => {
+            return Ok(true);
+        }
+        Backend::Avx512 | Backend::Avx2 => {
+            return Ok(regions_avx2::scores_in(regions, q, n_q, out, &mut scratch.fused_avx2.regions));
+        }
+        _ => {}
     }
     let _ = (backend, scratch);
     Ok(false)
@@ -948,8 +1030,10 @@ pub fn scores_int8_regions_in(
 /// then one online softmax step and one sum of the values, as for one block
 /// ([`scalar::attend_int_regions`] is the reference). The AVX-512 kernel with VBMI takes
 /// affine per-channel regions of 1 to 8 bits and a multiple of 8 channels with values as
-/// [`attend_int_with`] takes them (see `avx512::attend_int_regions_supported`); elsewhere it
-/// returns `Ok(false)`, changing nothing, and the caller runs the separate kernels.
+/// [`attend_int_with`] takes them (see `avx512::attend_int_regions_supported`); so does the
+/// AVX2 kernel (on `avx2`, and on `avx512` where that one has no code; see
+/// `fused_avx2::attend_int_regions_supported`); elsewhere it returns `Ok(false)`, changing
+/// nothing, and the caller runs the separate kernels.
 ///
 /// # Errors
 /// [`KernelError::Shape`] when the regions do not tile the values' head_dim in order with the
@@ -1003,8 +1087,15 @@ pub fn attend_int_regions_in(
         },
     )?;
     #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512 {
-        return Ok(avx512::attend_int_regions_in(regions, v, q, n_q, state, &mut scratch.fused));
+    match backend {
+        Backend::Avx512 if avx512::attend_int_regions_supported(regions, v, n_q) => {
+            return Ok(avx512::attend_int_regions_in(regions, v, q, n_q, state, &mut scratch.fused));
+        }
+        // The AVX2 kernel where the AVX-512 one has no code (no VBMI, say).
+        Backend::Avx512 | Backend::Avx2 => {
+            return Ok(fused_avx2::attend_int_regions_in(regions, v, q, n_q, state, &mut scratch.fused_avx2));
+        }
+        _ => {}
     }
     let _ = (backend, scratch);
     Ok(false)
@@ -1019,8 +1110,14 @@ pub fn attend_int_fused_regions(
     n_q: usize,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if backend == Backend::Avx512 {
-        return avx512::attend_int_regions_supported(regions, v, n_q);
+    match backend {
+        // The AVX2 kernel where the AVX-512 one has no code (no VBMI, say).
+        Backend::Avx512 => {
+            return avx512::attend_int_regions_supported(regions, v, n_q)
+                || fused_avx2::attend_int_regions_supported(regions, v, n_q);
+        }
+        Backend::Avx2 => return fused_avx2::attend_int_regions_supported(regions, v, n_q),
+        _ => {}
     }
     let _ = (backend, regions, v, n_q);
     false

@@ -37,9 +37,76 @@ pub fn advise_huge_pages(data: &[u8]) -> bool {
     }
 }
 
+/// A copy of some bytes that ends where a page that cannot be read begins, so that a kernel
+/// reading past its input faults in a test instead of reading a neighbour's bytes unnoticed.
+#[cfg(all(test, target_os = "linux"))]
+pub(crate) struct Guarded {
+    map: *mut libc::c_void,
+    total: usize,
+    start: *const u8,
+    len: usize,
+}
+
+#[cfg(all(test, target_os = "linux"))]
+impl Guarded {
+    pub(crate) fn new(bytes: &[u8]) -> Self {
+        let page = 4096;
+        let pages = bytes.len().div_ceil(page).max(1);
+        let total = (pages + 1) * page;
+        // SAFETY: a fresh private anonymous mapping, checked below; nothing else refers to it.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert!(map != libc::MAP_FAILED, "mmap");
+        let base = map.cast::<u8>();
+        // SAFETY: the last page of the mapping (page-aligned, inside it).
+        let rc = unsafe { libc::mprotect(base.add(pages * page).cast(), page, libc::PROT_NONE) };
+        assert_eq!(rc, 0, "mprotect");
+        // SAFETY: the `len` bytes before the protected page lie inside the writable pages.
+        let start = unsafe { base.add(pages * page - bytes.len()) };
+        // SAFETY: as above; `bytes` does not overlap the fresh mapping.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), start, bytes.len()) };
+        Self { map, total, start, len: bytes.len() }
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` initialized bytes at `start`, mapped until `self` drops.
+        unsafe { std::slice::from_raw_parts(self.start, self.len) }
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, of `total` bytes, unmapped once.
+        unsafe { libc::munmap(self.map, self.total) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::advise_huge_pages;
+
+    /// The guard page is there: the bytes read back, and the mapping's last page is not
+    /// readable (`mincore` would not tell; `mprotect` to read-only on it would succeed on any
+    /// mapped page, so the check is that the bytes end exactly at a page boundary).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn guarded_bytes_end_at_a_page() {
+        for len in [0usize, 1, 15, 4096, 5000] {
+            let data: Vec<u8> = (0..len).map(|i| i as u8).collect();
+            let g = super::Guarded::new(&data);
+            assert_eq!(g.bytes(), &data[..]);
+            assert_eq!((g.bytes().as_ptr() as usize + len) % 4096, 0);
+        }
+    }
 
     #[test]
     fn advice_keeps_contents_and_skips_small_regions() {

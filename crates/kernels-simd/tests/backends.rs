@@ -1581,10 +1581,16 @@ fn fused_block_attention_matches_its_reference() {
             );
             assert_eq!(dims(Backend::Avx2, false, true), all, "keys per row or group: the AVX2 kernel");
             assert_eq!(dims(Backend::Avx2, true, true), all, "keys and values per group: AVX2");
+            // Keys per channel of other widths and narrow values: one key region, unpacked.
+            let widths = [(4u8, 3u8), (4, 2), (4, 1), (3, 3), (2, 2), (8, 4), (3, 4)];
+            for (dim, (kb, vb)) in all.iter().flat_map(|&d| widths.map(move |w| (d, w))) {
+                assert!(narrow_at.contains(&(Backend::Avx2, dim, kb, vb)), "AVX2: {kb}/{vb} bits at {dim}");
+            }
         }
     }
-    // Narrow values run on the AVX-512 kernel only.
-    assert!(narrow_at.iter().all(|x| (x.2, x.3) == (4, 4) || x.0 == Backend::Avx512), "{narrow_at:?}");
+    // Narrow values run on the AVX-512 and AVX2 kernels only.
+    let x86 = |b: Backend| matches!(b, Backend::Avx512 | Backend::Avx2);
+    assert!(narrow_at.iter().all(|x| (x.2, x.3) == (4, 4) || x86(x.0)), "{narrow_at:?}");
     let _ = (ran, dims, none);
 }
 
@@ -1779,7 +1785,7 @@ fn fused_attention_over_key_regions_matches_its_reference() {
         KeyRegion, Online, attend_int_fused_regions, attend_int_regions_with, scores_int8_regions_with,
     };
     let mut rng = Rng::new(0x4e91);
-    let mut ran = std::collections::BTreeSet::new();
+    let (mut ran, mut scored) = (std::collections::BTreeSet::new(), std::collections::BTreeSet::new());
     let splits: [(usize, &[(u8, usize)]); 7] = [
         (128, &[(3, 32), (4, 64), (5, 32)]),
         (128, &[(1, 32), (2, 64), (3, 32)]),
@@ -1843,6 +1849,53 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                         let fused = attend_int_fused_regions(backend, &regions, &v, n_q);
                         let done = attend_int_regions_with(backend, &regions, &v, &q, n_q, state).unwrap();
                         assert_eq!(done, fused, "{backend}: attend_int_fused_regions says what runs");
+                        let what = format!(
+                            "{backend} dim {dim} regions {split:?} rows {rows} values of {vbits} bits per group {group:?} special {special} n_q {n_q}"
+                        );
+                        let key_term = |c: usize| {
+                            let (kc, at) = kcs
+                                .iter()
+                                .zip(&regions)
+                                .find(|(_, r)| (r.first..r.first + r.keys.dim()).contains(&c))
+                                .map(|(kc, r)| (kc, c - r.first))
+                                .expect("a region per channel");
+                            let top = f64::from((1u16 << kc.bits) - 1);
+                            f64::from(kc.scale[at]) * top + f64::from(kc.offset[at].abs())
+                        };
+                        // The scores alone: the reference's (the regions' scores added), to the
+                        // rounding of float sums in another order.
+                        let mut want = vec![0f32; n_q * rows];
+                        assert!(scalar::scores_int8_regions(&regions, &q, n_q, &mut want));
+                        let mut got = vec![f32::NAN; n_q * rows + 3];
+                        if scores_int8_regions_with(backend, &regions, &q, n_q, &mut got).unwrap() {
+                            scored.insert((backend, dim));
+                            // The AVX2 kernel takes the reference's epilogue in its order: its bits.
+                            #[cfg(target_arch = "x86_64")]
+                            if backend == Backend::Avx2 {
+                                let same = got
+                                    .iter()
+                                    .zip(&want)
+                                    .all(|(g, w)| g.to_bits() == w.to_bits() || g.is_nan() && w.is_nan());
+                                assert!(same, "{what}: AVX2 region scores bit for bit");
+                            }
+                            for (j, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                                let qi = &q[j / rows * dim..(j / rows + 1) * dim];
+                                let mag: f64 = (0..dim).map(|c| f64::from(qi[c].abs()) * key_term(c)).sum();
+                                assert!(
+                                    (f64::from(g) - f64::from(w)).abs() <= 2e-6 * mag + 1e-30
+                                        || (g.is_nan() && w.is_nan()),
+                                    "{what}: score {j}: {g} vs {w}"
+                                );
+                            }
+                        }
+                        assert!(
+                            got[n_q * rows..].iter().all(|x| x.is_nan()),
+                            "{what}: nothing past the scores"
+                        );
+                        assert!(
+                            !done || scored.contains(&(backend, dim)),
+                            "{what}: a fused kernel scores alone too"
+                        );
                         if !done {
                             assert!(m == m0 && l == l0 && o == o0, "{backend}: a refusal changes nothing");
                             continue;
@@ -1851,9 +1904,6 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                         let (mut wm, mut wl, mut wo) = (m0.clone(), l0.clone(), o0.clone());
                         let want = Online { m: &mut wm, l: &mut wl, o: &mut wo };
                         assert!(scalar::attend_int_regions(&regions, &v, &q, n_q, want));
-                        let what = format!(
-                            "{backend} dim {dim} regions {split:?} rows {rows} values of {vbits} bits per group {group:?} special {special} n_q {n_q}"
-                        );
                         // The scores the reference weighs with: the regions' integer scores, added.
                         let mut si = vec![0f32; n_q * rows];
                         for r in &regions {
@@ -1866,39 +1916,12 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                             assert!(scalar::scores_int8(&r.keys, &qr, n_q, &mut part));
                             si.iter_mut().zip(&part).for_each(|(x, y)| *x += y);
                         }
-                        let key_term = |c: usize| {
-                            let (kc, at) = kcs
-                                .iter()
-                                .zip(&regions)
-                                .find(|(_, r)| (r.first..r.first + r.keys.dim()).contains(&c))
-                                .map(|(kc, r)| (kc, c - r.first))
-                                .expect("a region per channel");
-                            let top = f64::from((1u16 << kc.bits) - 1);
-                            f64::from(kc.scale[at]) * top + f64::from(kc.offset[at].abs())
-                        };
                         let (got, want) =
                             (Outcome { m: &m, l: &l, o: &o }, Outcome { m: &wm, l: &wl, o: &wo });
                         assert_fused_close(&what, &q, key_term, &si, &vc, (&m0, &o0), got, want);
-                        // The scores alone: the reference's (the regions' scores added), to the
-                        // rounding of float sums in another order.
                         let mut want = vec![0f32; n_q * rows];
                         assert!(scalar::scores_int8_regions(&regions, &q, n_q, &mut want));
                         assert_eq!(want, si, "the reference adds the regions' scores");
-                        let mut got = vec![f32::NAN; n_q * rows + 3];
-                        assert!(scores_int8_regions_with(backend, &regions, &q, n_q, &mut got).unwrap());
-                        for (j, (&g, &w)) in got.iter().zip(&want).enumerate() {
-                            let qi = &q[j / rows * dim..(j / rows + 1) * dim];
-                            let mag: f64 = (0..dim).map(|c| f64::from(qi[c].abs()) * key_term(c)).sum();
-                            assert!(
-                                (f64::from(g) - f64::from(w)).abs() <= 2e-6 * mag + 1e-30
-                                    || (g.is_nan() && w.is_nan()),
-                                "{what}: score {j}: {g} vs {w}"
-                            );
-                        }
-                        assert!(
-                            got[n_q * rows..].iter().all(|x| x.is_nan()),
-                            "{what}: nothing past the scores"
-                        );
                     }
                     // Regions that leave a gap, overlap, miss the end or hold other rows: errors.
                     let q = vec![0f32; dim];
@@ -1966,7 +1989,20 @@ fn fused_attention_over_key_regions_matches_its_reference() {
             }
         }
     }
-    let _ = ran;
+    // AVX2: the region scores at every head_dim, fused with values of 1 to 4 bits.
+    #[cfg(target_arch = "x86_64")]
+    if available().contains(&Backend::Avx2) {
+        for dim in [64, 128, 256] {
+            assert!(scored.contains(&(Backend::Avx2, dim)), "AVX2 region scores at {dim}");
+            for vbits in 1..=4 {
+                assert!(
+                    ran.contains(&(Backend::Avx2, dim, vbits)),
+                    "AVX2 regions at {dim}, values of {vbits} bits"
+                );
+            }
+        }
+    }
+    let _ = (ran, scored);
 }
 
 /// The fused kernels' value sums at their largest: every weight rounded to 255 (equal scores,

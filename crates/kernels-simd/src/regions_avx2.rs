@@ -1,0 +1,698 @@
+//! Integer scores of keys stored in channel regions of their own widths (`-qa` specs) on
+//! CPUs with AVX2 and FMA, for the fused AVX2 kernel ([`crate::fused_avx2`]) and
+//! [`crate::scores_int8_regions_with`]. Each region's columns of the query rows are rounded to
+//! int8 with a scale of their own, as [`crate::scalar::scores_int8_regions`] rounds them;
+//! each key row is unpacked to one code per 16-bit word, sixteen channels at a time, by a
+//! [`Plan`] made once per layout: per plane of the channels' regions, one 16-byte window of
+//! the row (`vbroadcasti128`, or two loads for two windows), a `vpshufb` placing each code's
+//! byte in the high byte of its word, a `vpmulhuw` by `2^(8 − bit + base)` shifting the code's
+//! field to its place in the code, and a mask; the planes or-ed. The words meet the query's
+//! (`vpmaddwd`, exact for codes up to 255), and each 2-channel lane is converted and scaled by
+//! the query's scale of its region in floats, so a row takes one reduction whatever its
+//! regions. The scores equal the reference's to the rounding of float sums taken in another
+//! order.
+
+use std::arch::x86_64::*;
+
+use crate::block::Params;
+use crate::int8::{self, grown};
+use crate::{KeyRegion, avx2};
+
+/// Most regions a call takes (the cache makes at most 8, one per width).
+pub(crate) const MAX_REGIONS: usize = 16;
+
+/// Whether [`scores_in`] takes these regions of `rows` rows tiling a row of `dim` channels:
+/// at least one row, each region as [`crate::region_codes_ok`] takes it (so `dim` is a
+/// multiple of 8), at most [`MAX_REGIONS`] of them; a CPU with AVX2, FMA and F16C.
+pub(crate) fn supported(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -> bool {
+    rows >= 1
+        && regions.len() <= MAX_REGIONS
+        && crate::regions_tile(regions, rows, dim)
+        && regions.iter().all(crate::region_codes_ok)
+        && avx2::cpu_ok()
+}
+
+/// How one plane of a region gives its bits of 32 codes: `Lanes`, where the codes come from
+/// one run of `len` bytes (4, 8 or 16, broadcast to every lane of that size; 32: loaded as
+/// they are) whose lanes each hold whole fields: each lane shifted right by its count
+/// (`vpsrlvd`/`vpsrlvq`: the field's bit), masked (the field's width, zero past the region);
+/// `Words`, for the other layouts: two vectors of 16-bit words (codes `0..8` and `16..24`,
+/// `8..16` and `24..32`: so that `vpackuswb` puts them in order), each half from a 16-byte
+/// window (`at`), a `vpshufb` putting each code's byte in the high byte of its word, a
+/// `vpmulhuw` by `2^(8 − bit + base)` moving its field to bit `base`, and a mask.
+#[derive(Clone)]
+enum Source {
+    Lanes { len: usize, at: usize, counts: [i32; 8], mask: [u8; 32] },
+    Words { at: [usize; 4], idx: [[i8; 32]; 2], mult: [[u16; 16]; 2], keep: [[u16; 16]; 2] },
+}
+
+/// One plane's part of an unpacked vector: its source and the plane's first bit in the code
+/// (`Lanes` shift left by it; `Words` already did).
+#[derive(Clone)]
+struct Step {
+    src: Source,
+    base: i32,
+}
+
+/// One 32-byte vector of an unpacked row: region `region`'s codes from byte `at` of the row
+/// in the unpacked buffer, made by `steps` (its planes, or-ed).
+#[derive(Clone)]
+struct Out {
+    region: usize,
+    at: usize,
+    steps: std::ops::Range<usize>,
+}
+
+/// How to unpack a row of keys in channel regions of these shapes (`(channels, bits)` each,
+/// in order) to a code a byte, each region's codes from byte `offset[j]` of a row of
+/// `width` bytes, padded with zero codes to a multiple of 32 (so that every 32-byte vector
+/// lies in one region); `reach[j]` how many bytes of a row of region `j` the loads read.
+#[derive(Clone)]
+pub(crate) struct Plan {
+    shapes: Vec<(usize, u8)>,
+    outs: Vec<Out>,
+    steps: Vec<Step>,
+    offset: Vec<usize>,
+    width: usize,
+    reach: Vec<usize>,
+}
+
+impl Plan {
+    fn new(shapes: &[(usize, u8)]) -> Self {
+        let (mut outs, mut steps, mut offset, mut reach) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut width = 0;
+        for (j, &(c, bits)) in shapes.iter().enumerate() {
+            offset.push(width);
+            let rb = c * usize::from(bits) / 8;
+            let mut far = 0usize;
+            for o in (0..c).step_by(32) {
+                let first = steps.len();
+                let (mut pbase, mut base) = (0usize, 0usize);
+                for &w in kvq_quant_core::pack::planes(bits) {
+                    let w = usize::from(w);
+                    let src = source(c, w, pbase, base, o, rb);
+                    far = far.max(match &src {
+                        Source::Lanes { len, at, .. } => at + len,
+                        Source::Words { at, .. } => at.iter().max().unwrap_or(&0) + 16,
+                    });
+                    // `Words` put the field at its base already.
+                    let shift = if matches!(src, Source::Lanes { .. }) { base as i32 } else { 0 };
+                    steps.push(Step { src, base: shift });
+                    pbase += c * w / 8;
+                    base += w;
+                }
+                outs.push(Out { region: j, at: width + o, steps: first..steps.len() });
+            }
+            reach.push(far);
+            width += c.next_multiple_of(32);
+        }
+        Self { shapes: shapes.to_vec(), outs, steps, offset, width, reach }
+    }
+}
+
+/// The [`Source`] of codes `o .. o + 32` (fewer past `c`) of a plane of width `w` whose bytes
+/// start at `pbase` in a region row of `rb` bytes and `c` channels, its field going to bit
+/// `base` of the code.
+fn source(c: usize, w: usize, pbase: usize, base: usize, o: usize, rb: usize) -> Source {
+    let m = ((1u32 << w) - 1) as u8;
+    let valid = |k: usize| o + k < c;
+    if w == 8 {
+        return Source::Lanes {
+            len: 32,
+            at: pbase + o,
+            counts: [0; 8],
+            mask: std::array::from_fn(|k| if valid(k) { 0xff } else { 0 }),
+        };
+    }
+    let chunk = 128 / w;
+    let whole = c / chunk * chunk;
+    // Whole 16-byte chunks: the vector's 16-code halves are fields f and f + 1 of one chunk.
+    if o < whole {
+        let f = (o % chunk / 16 * w) as i32;
+        return Source::Lanes {
+            len: 16,
+            at: pbase + o / chunk * 16,
+            counts: [f, 0, f, 0, f + w as i32, 0, f + w as i32, 0],
+            mask: [m; 32],
+        };
+    }
+    // A last chunk of r codes in s bytes: runs of 4 or 8 bytes take a field a lane.
+    let (r, t0) = (c - whole, o - whole);
+    let s = r * w / 8;
+    let fields = 8 / w;
+    let at = pbase + whole / chunk * 16;
+    if s == 4 || s == 8 {
+        let lanes = 32 / s;
+        let field = |l: usize| t0 / s + l;
+        let mask = std::array::from_fn(|k| if field(k / s) < fields { m } else { 0 });
+        let counts = if s == 4 {
+            std::array::from_fn(|l| (field(l) * w) as i32 % 32)
+        } else {
+            std::array::from_fn(|k| if k % 2 == 0 { (field(k / 2) * w) as i32 % 64 } else { 0 })
+        };
+        debug_assert!(lanes * s == 32);
+        return Source::Lanes { len: s, at, counts, mask };
+    }
+    // Anything else: 16-bit words, eight codes a half.
+    let (mut at4, mut idx, mut mult, mut keep) =
+        ([pbase; 4], [[-1i8; 32]; 2], [[0u16; 16]; 2], [[0u16; 16]; 2]);
+    // Halves: (vector, half, first code of it).
+    for (h, (vec, half, first)) in [(0, 0, 0), (0, 1, 16), (1, 0, 8), (1, 1, 24)].into_iter().enumerate() {
+        let locs: Vec<(usize, usize, usize)> = (0..8)
+            .filter(|k| valid(first + k))
+            .map(|k| {
+                let (byte, bit) = crate::plane_loc(c, w, o + first + k);
+                (k, pbase + byte, bit)
+            })
+            .collect();
+        let Some(lo) = locs.iter().map(|l| l.1).min() else { continue };
+        let hi = locs.iter().map(|l| l.1).max().unwrap_or(lo);
+        // The window: from the first byte of the 16 of the codes' chunk, moved back to end
+        // inside the row where the row allows.
+        let mut at = pbase + (lo - pbase) / 16 * 16;
+        if at + 16 > rb && rb >= 16 {
+            at = rb - 16;
+        }
+        if hi >= at + 16 {
+            at = lo;
+        }
+        debug_assert!(hi < at + 16 && lo >= at, "eight codes of a plane span at most 16 bytes");
+        at4[h] = at;
+        for (k, byte, bit) in locs {
+            idx[vec][16 * half + 2 * k + 1] = (byte - at) as i8;
+            mult[vec][8 * half + k] = 1 << (8 + base - bit);
+            keep[vec][8 * half + k] = u16::from(m) << base;
+        }
+    }
+    Source::Words { at: at4, idx, mult, keep }
+}
+
+/// Unpacks blocks of codes in channel regions to a code a byte (see [`Unpacker::unpack`]):
+/// the plans of the layouts seen (a head's blocks share one, so the first is usually the
+/// one), the unpacked rows and the copy of the last rows, grown to the largest block seen.
+#[derive(Default)]
+pub(crate) struct Unpacker {
+    plans: Vec<Plan>,
+    unpacked: Vec<u8>,
+    bounce: Vec<u8>,
+}
+
+impl Unpacker {
+    /// Every row of `regions` (as [`region_rows_ok`] takes them; the same rows each, `n`
+    /// of them) unpacked to a code a byte: row `r` at `r · width` of the returned bytes, each
+    /// region's codes from the plan's offset, padded with zero codes to a multiple of 32, and
+    /// one row of zero codes more (the partner of an odd last row). Returns the bytes, the
+    /// width and the regions' offsets in a row. Rows whose loads lie inside every region's
+    /// codes are read in place; the last few through a copy with room after each row.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; [`region_rows_ok`] for every region, at most
+    /// [`MAX_REGIONS`] of them, each of the first's rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn unpack(&mut self, regions: &[KeyRegion<'_>]) -> (&[u8], usize, &[usize]) {
+        assert!(!regions.is_empty() && regions.len() <= MAX_REGIONS, "regions");
+        let n = regions[0].keys.rows;
+        plan_first(regions, &mut self.plans);
+        let Self { plans, unpacked, bounce } = self;
+        let plan = &plans[0];
+        let width = plan.width;
+        assert!(
+            plan.reach.len() == regions.len() && regions.iter().all(|r| r.keys.rows == n),
+            "the regions' plan"
+        );
+        let safe = regions
+            .iter()
+            .zip(&plan.reach)
+            .map(|(r, &reach)| {
+                let (len, rb) = (r.keys.codes.len(), r.keys.row_bytes);
+                if reach > len { 0 } else { (len - reach) / rb + 1 }
+            })
+            .min()
+            .unwrap_or(0)
+            .min(n);
+        let unpacked = grown(unpacked, (n + 1) * width);
+        unpacked[n * width..].fill(0);
+        let dst = unpacked.as_mut_ptr();
+        let mut bases = [std::ptr::null::<u8>(); MAX_REGIONS];
+        let mut strides = [0usize; MAX_REGIONS];
+        for (j, r) in regions.iter().enumerate() {
+            (bases[j], strides[j]) = (r.keys.codes.as_ptr(), r.keys.row_bytes);
+        }
+        // SAFETY: rows below `safe` of each region have their loads inside its codes;
+        // `unpacked` holds n + 1 rows of the plan's width.
+        unsafe { unpack_rows(plan, &bases, &strides, safe, dst) };
+        if safe < n {
+            let mut stride = [0usize; MAX_REGIONS];
+            for ((s, r), &reach) in stride.iter_mut().zip(regions).zip(&plan.reach) {
+                *s = r.keys.row_bytes.max(reach);
+            }
+            let room: usize = stride.iter().map(|s| s * (n - safe)).sum();
+            let bounce = grown(bounce, room);
+            let mut at = 0;
+            for (j, r) in regions.iter().enumerate() {
+                let rb = r.keys.row_bytes;
+                for row in safe..n {
+                    let to = at + (row - safe) * stride[j];
+                    bounce[to..to + rb].copy_from_slice(&r.keys.codes[row * rb..(row + 1) * rb]);
+                }
+                (bases[j], strides[j]) = (bounce[at..].as_ptr(), stride[j]);
+                at += stride[j] * (n - safe);
+            }
+            // SAFETY: the copies hold each row with `reach` bytes readable from its start;
+            // rows safe..n of `unpacked` lie inside it.
+            unsafe { unpack_rows(plan, &bases, &strides, n - safe, dst.add(safe * width)) };
+        }
+        (&unpacked[..(n + 1) * width], width, &plan.offset)
+    }
+}
+
+/// Puts the plan of `regions`' layout first in `plans`, made if new.
+fn plan_first(regions: &[KeyRegion<'_>], plans: &mut Vec<Plan>) {
+    let shapes = || regions.iter().map(|r| (r.keys.dim, r.keys.bits));
+    match plans.iter().position(|p| p.shapes.iter().copied().eq(shapes())) {
+        Some(0) => {}
+        Some(j) => plans.swap(0, j),
+        None => plans.insert(0, Plan::new(&shapes().collect::<Vec<_>>())),
+    }
+}
+
+/// Whether the rows of a block of codes are what an [`Unpacker`] takes: 1 to 8 bits, a
+/// multiple of 8 codes (whole bytes of every plane a row), rows of `dim · bits / 8` bytes,
+/// every row inside the codes (any parameters: the unpacking reads codes only).
+pub(crate) fn region_rows_ok(b: &crate::QuantBlock<'_>) -> bool {
+    (1..=8).contains(&b.bits)
+        && b.dim.is_multiple_of(8)
+        && b.row_bytes == b.dim * usize::from(b.bits) / 8
+        && b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len())
+}
+
+/// The buffers of [`scores_in`], grown to the largest call seen, then reused.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    unpacker: Unpacker,
+    qc: Vec<f32>,
+    q8: Vec<i8>,
+    qr: Vec<i8>,
+    sums: Vec<f32>,
+}
+
+/// The scores of [`crate::scores_int8_regions_with`] for `n_q` query rows (`q`, `n_q × dim`),
+/// row `i`'s into `out[i · rows ..]`: the block unpacked once, then four query rows at a time.
+/// Returns `false`, computing nothing, where [`supported`] is false or the shapes do not
+/// match.
+pub(crate) fn scores_in(
+    regions: &[KeyRegion<'_>],
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    w: &mut Scratch,
+) -> bool {
+    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
+    let n = regions.first().map_or(0, |r| r.keys.rows);
+    if !supported(regions, n, d) || q.len() != n_q * d || out.len() < n_q * n {
+        return false;
+    }
+    let Scratch { unpacker, qc, q8, qr, sums } = w;
+    // SAFETY: `supported` checked the CPU and the regions.
+    let (unpacked, width, starts) = unsafe { unpacker.unpack(regions) };
+    let mut i0 = 0;
+    while i0 < n_q {
+        let nq = (n_q - i0).min(int8::GROUP);
+        let (q, out) = (&q[i0 * d..(i0 + nq) * d], &mut out[i0 * n..(i0 + nq) * n]);
+        let bufs = Bufs { qc, q8, qr, sums };
+        // SAFETY: as above; `q` holds nq rows of d, `out` nq rows of n; `unpacked` is the
+        // regions' rows.
+        unsafe { by_group!(scores, nq, (regions, q, (unpacked, width, starts), out, bufs)) }
+        i0 += nq;
+    }
+    true
+}
+
+/// The query-side buffers of [`scores`].
+struct Bufs<'a> {
+    qc: &'a mut Vec<f32>,
+    q8: &'a mut Vec<i8>,
+    qr: &'a mut Vec<i8>,
+    sums: &'a mut Vec<f32>,
+}
+
+/// The scores of `NQ` query rows against keys in regions, their rows unpacked (`rows`: the
+/// bytes, the width of a row and each region's first byte in it, as [`Unpacker::unpack`]
+/// returns them): the query's rounding per region, then region by region the integer dots
+/// and the reference's epilogue (see the module).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; [`supported`] for `regions` (n rows, head_dim
+/// d); `rows` their unpacked rows; `q` holds `NQ` rows of d, `out` `NQ` rows of n.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores<const NQ: usize>(
+    regions: &[KeyRegion<'_>],
+    q: &[f32],
+    rows: (&[u8], usize, &[usize]),
+    out: &mut [f32],
+    bufs: Bufs<'_>,
+) {
+    let n = regions[0].keys.rows;
+    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
+    let (unpacked, width, starts) = rows;
+    assert!(q.len() == NQ * d && out.len() >= NQ * n && regions.len() <= MAX_REGIONS, "shapes");
+    assert!(unpacked.len() >= (n + 1) * width && starts.len() == regions.len(), "the unpacked rows");
+    let Bufs { qc, q8, qr, sums } = bufs;
+
+    // 1. Each region's columns of the query rows times its channel scales, rounded to int8
+    //    with a scale per region and row (the scores kernel's rounding) into the region's
+    //    bytes of a row of `width` (zero in its padding); what its offsets add; for 8-bit
+    //    regions, the sum of its bytes (their dots are taken on codes − 128).
+    let q8 = grown(q8, NQ * width);
+    q8.fill(0);
+    let (mut sq, mut kadd, mut qsum) =
+        ([[0f32; 4]; MAX_REGIONS], [[0f32; 4]; MAX_REGIONS], [[0i32; 4]; MAX_REGIONS]);
+    for (j, r) in regions.iter().enumerate() {
+        let Params::PerChannel { scale, offset } = r.keys.params else { unreachable!("checked") };
+        let c = r.keys.dim;
+        let qc = grown(qc, NQ * c);
+        for i in 0..NQ {
+            qc[i * c..(i + 1) * c].copy_from_slice(&q[i * d + r.first..i * d + r.first + c]);
+        }
+        let qr = grown(qr, NQ * c);
+        // SAFETY: AVX2 (this function's contract); `qc` holds NQ rows of c (a multiple of 8).
+        unsafe { avx2::round_queries_by::<NQ>(qc, scale, qr, &mut sq[j]) };
+        if let Some(ko) = offset {
+            let add = crate::fused_avx2::offset_dots::<NQ>(qc, ko);
+            kadd[j][..NQ].copy_from_slice(&add[..NQ]);
+        }
+        let at = starts[j];
+        for i in 0..NQ {
+            let row = &qr[i * c..(i + 1) * c];
+            q8[i * width + at..i * width + at + c].copy_from_slice(row);
+            qsum[j][i] = row.iter().map(|&x| i32::from(x)).sum::<i32>() * 128;
+        }
+    }
+
+    // 3. Region by region, two rows at a time: the integer dots with the query rows, the
+    //    epilogue `sq · dot + kadd` added to the rows' scores in region order (so the bits of
+    //    the reference, which adds the regions' scores one after the other).
+    let pairs = n.div_ceil(2);
+    let sums = grown(sums, pairs * 8);
+    sums.fill(0.0);
+    for (j, r) in regions.iter().enumerate() {
+        let at = starts[j];
+        let twice = |x: [f32; 4]| _mm256_setr_ps(x[0], x[1], x[2], x[3], x[0], x[1], x[2], x[3]);
+        let qs = qsum[j];
+        let epilogue = Epilogue {
+            sq: twice(sq[j]),
+            add: twice(kadd[j]),
+            corr: _mm256_setr_epi32(qs[0], qs[1], qs[2], qs[3], qs[0], qs[1], qs[2], qs[3]),
+        };
+        let (u, qb) = (unpacked[at..].as_ptr(), q8[at..].as_ptr());
+        let vecs = r.keys.dim.div_ceil(32);
+        // SAFETY: `unpacked` holds n + 1 rows of `width` and `q8` NQ rows, the region's
+        // `vecs` vectors from `at` inside each; `sums` `pairs` · 8 floats.
+        unsafe {
+            if r.keys.bits == 8 {
+                region_dots::<NQ, true>(u, qb, width, vecs, pairs, &epilogue, sums);
+            } else {
+                region_dots::<NQ, false>(u, qb, width, vecs, pairs, &epilogue, sums);
+            }
+        }
+    }
+    for row in 0..n {
+        for i in 0..NQ {
+            out[i * n + row] = sums[4 * row + i];
+        }
+    }
+}
+
+/// One region's epilogue, for two rows of four query rows (`[row 0: q0..q3 | row 1: q0..q3]`):
+/// the query's scales, what the offsets add, and for 8-bit codes `128 · Σ q` (their dots are
+/// taken on `code − 128`).
+struct Epilogue {
+    sq: __m256,
+    add: __m256,
+    corr: __m256i,
+}
+
+/// The dots of one region's `vecs` vectors of every pair of rows of `u` (rows of `width`
+/// bytes, from the region's first) with `NQ` query rows of `q` (rows of `width`), and
+/// `sums[8 · pair ..] += sq · dot + add` (a multiply, then an add: the reference's epilogue).
+/// `WIDE`: 8-bit codes, taken as `code − 128` (`|x|` against the query's bytes with x's sign,
+/// so `vpmaddubsw` cannot saturate) with `128 · Σ q` added back.
+///
+/// # Safety
+/// The CPU must support AVX2; `u` holds `2 · pairs` rows and `q` `NQ` rows of `width`, each
+/// with `32 · vecs` bytes from the pointer; `sums` `8 · pairs` floats.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn region_dots<const NQ: usize, const WIDE: bool>(
+    u: *const u8,
+    q: *const i8,
+    width: usize,
+    vecs: usize,
+    pairs: usize,
+    e: &Epilogue,
+    sums: &mut [f32],
+) {
+    assert!(sums.len() >= 8 * pairs && NQ <= 4);
+    let (ones, flip) = (_mm256_set1_epi16(1), _mm256_set1_epi8(-128));
+    for pair in 0..pairs {
+        let mut acc = [[_mm256_setzero_si256(); 4]; 2];
+        for v in 0..vecs {
+            // SAFETY: rows 2 · pair and 2 · pair + 1 of `u`, vector v of the region; the same
+            // vector of each query row.
+            unsafe {
+                let c0 = _mm256_loadu_si256(u.add(2 * pair * width + 32 * v).cast());
+                let c1 = _mm256_loadu_si256(u.add((2 * pair + 1) * width + 32 * v).cast());
+                let (x0, x1) =
+                    if WIDE { (_mm256_xor_si256(c0, flip), _mm256_xor_si256(c1, flip)) } else { (c0, c1) };
+                let (a0, a1) = if WIDE { (_mm256_abs_epi8(x0), _mm256_abs_epi8(x1)) } else { (c0, c1) };
+                let [r0, r1] = &mut acc;
+                for (i, (s0, s1)) in r0.iter_mut().zip(r1.iter_mut()).enumerate().take(NQ) {
+                    let qv = _mm256_loadu_si256(q.add(i * width + 32 * v).cast());
+                    let (b0, b1) =
+                        if WIDE { (_mm256_sign_epi8(qv, x0), _mm256_sign_epi8(qv, x1)) } else { (qv, qv) };
+                    *s0 = _mm256_add_epi32(*s0, _mm256_madd_epi16(_mm256_maddubs_epi16(a0, b0), ones));
+                    *s1 = _mm256_add_epi32(*s1, _mm256_madd_epi16(_mm256_maddubs_epi16(a1, b1), ones));
+                }
+            }
+        }
+        // Each row's four query dots: two rounds of pairwise sums leave them in both halves,
+        // whose sum gives [row 0: q0..q3 | row 1: q0..q3].
+        let h = |a: &[__m256i; 4]| {
+            _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]))
+        };
+        let (h0, h1) = (h(&acc[0]), h(&acc[1]));
+        let dots = _mm256_add_epi32(
+            _mm256_permute2x128_si256::<0x20>(h0, h1),
+            _mm256_permute2x128_si256::<0x31>(h0, h1),
+        );
+        let dots = if WIDE { _mm256_add_epi32(dots, e.corr) } else { dots };
+        let part = _mm256_add_ps(_mm256_mul_ps(e.sq, _mm256_cvtepi32_ps(dots)), e.add);
+        // SAFETY: pair < pairs: 8 floats inside `sums`.
+        unsafe {
+            let at = sums.as_mut_ptr().add(8 * pair);
+            _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), part));
+        }
+    }
+}
+
+/// Rows `0..count` of the regions (row `r` of region `j` at `bases[j] + r · strides[j]`)
+/// unpacked to a code a byte into rows `0..count` of `dst` (rows of the plan's width), one
+/// vector and plane at a time down the rows, so that each plane's constants stay in registers.
+///
+/// # Safety
+/// The CPU must support AVX2; each of the `count` rows of each region has the plan's `reach`
+/// bytes readable from its start; `dst` holds `count` rows of the plan's width.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unpack_rows(
+    plan: &Plan,
+    bases: &[*const u8; MAX_REGIONS],
+    strides: &[usize; MAX_REGIONS],
+    count: usize,
+    dst: *mut u8,
+) {
+    let width = plan.width;
+    for o in &plan.outs {
+        let (base, stride) = (bases[o.region], strides[o.region]);
+        for (p, st) in plan.steps[o.steps.clone()].iter().enumerate() {
+            let shift = _mm256_set1_epi32(st.base);
+            // Down the rows: `$x` the row's first byte, `$e` the plane's bits of the vector;
+            // shifted to the plane's base, or-ed into the earlier planes' bits, stored.
+            macro_rules! rows {
+                ($x:ident => $e:expr) => {
+                    for r in 0..count {
+                        // SAFETY: row r < count of the region and of `dst`, the loads within
+                        // `reach` of the row's start (this function's contract).
+                        unsafe {
+                            let $x = base.add(r * stride);
+                            let mut v = $e;
+                            if st.base > 0 {
+                                v = _mm256_sllv_epi32(v, shift);
+                            }
+                            let d = dst.add(r * width + o.at);
+                            if p > 0 {
+                                v = _mm256_or_si256(v, _mm256_loadu_si256(d.cast()));
+                            }
+                            _mm256_storeu_si256(d.cast(), v);
+                        }
+                    }
+                };
+            }
+            match &st.src {
+                Source::Lanes { len, at, counts, mask } => {
+                    // SAFETY: the plan's vectors are 32 bytes.
+                    let (c, m) = unsafe {
+                        (_mm256_loadu_si256(counts.as_ptr().cast()), _mm256_loadu_si256(mask.as_ptr().cast()))
+                    };
+                    match len {
+                        4 => {
+                            rows!(row => _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(row.add(*at).cast::<i32>().read_unaligned()), c), m))
+                        }
+                        8 => {
+                            rows!(row => _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(row.add(*at).cast::<i64>().read_unaligned()), c), m))
+                        }
+                        16 => {
+                            rows!(row => _mm256_and_si256(_mm256_srlv_epi64(avx2::load_pair(row.add(*at)), c), m))
+                        }
+                        _ => rows!(row => _mm256_and_si256(_mm256_loadu_si256(row.add(*at).cast()), m)),
+                    }
+                }
+                Source::Words { at, idx, mult, keep } => {
+                    // SAFETY: the plan's vectors are 32 bytes.
+                    let (i0, i1, m0, m1, k0, k1) = unsafe {
+                        let l = |x: *const u8| _mm256_loadu_si256(x.cast());
+                        (
+                            l(idx[0].as_ptr().cast()),
+                            l(idx[1].as_ptr().cast()),
+                            l(mult[0].as_ptr().cast()),
+                            l(mult[1].as_ptr().cast()),
+                            l(keep[0].as_ptr().cast()),
+                            l(keep[1].as_ptr().cast()),
+                        )
+                    };
+                    let word = |row: *const u8, a: usize, b: usize, i, m, k| {
+                        // SAFETY: windows within `reach` of the row's start (see `rows!`).
+                        let x = unsafe {
+                            _mm256_inserti128_si256::<1>(
+                                _mm256_castsi128_si256(_mm_loadu_si128(row.add(a).cast())),
+                                _mm_loadu_si128(row.add(b).cast()),
+                            )
+                        };
+                        _mm256_and_si256(_mm256_mulhi_epu16(_mm256_shuffle_epi8(x, i), m), k)
+                    };
+                    rows!(row => _mm256_packus_epi16(word(row, at[0], at[1], i0, m0, k0), word(row, at[2], at[3], i1, m1, k1)))
+                }
+            }
+        }
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use crate::memory::Guarded;
+    use crate::{KeyRegion, Levels, Params, QuantBlock, scalar};
+
+    /// A small generator of test bytes (xorshift32).
+    fn xorshift(mut seed: u32) -> impl FnMut() -> u32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        }
+    }
+
+    /// Rows of every width and every multiple of 8 codes up to 256, packed by quant-core,
+    /// come back as their codes, zero in the padding to 32; the regular layouts (whole
+    /// 16-byte chunks, last chunks of 4 or 8 bytes, 8-bit rows) take lane shifts only.
+    #[test]
+    fn unpacked_rows_are_the_packed_codes() {
+        if !super::avx2::cpu_ok() {
+            return;
+        }
+        let mut next = xorshift(0x1234_5677);
+        let mut u = super::Unpacker::default();
+        for bits in 1..=8u8 {
+            for c in (8..=256).step_by(8) {
+                let rows = 5;
+                let codes: Vec<u8> = (0..rows * c).map(|_| (next() % (1 << bits)) as u8).collect();
+                let mut packed = Vec::new();
+                for row in codes.chunks_exact(c) {
+                    packed.extend(kvq_quant_core::pack::pack(row, bits).unwrap());
+                }
+                let (scale, offset) = (vec![1f32; c], vec![0f32; c]);
+                let params = Params::PerChannel { scale: &scale, offset: Some(&offset) };
+                let keys = QuantBlock::new(&packed, rows, c, bits, Levels::Affine, params).unwrap();
+                // SAFETY: AVX2 (checked above); one region of whole rows.
+                let (got, width, _) = unsafe { u.unpack(&[KeyRegion { first: 0, keys }]) };
+                assert_eq!(width, c.next_multiple_of(32));
+                for (r, want) in codes.chunks_exact(c).enumerate() {
+                    let row = &got[r * width..(r + 1) * width];
+                    assert_eq!(&row[..c], want, "{bits} bits, {c} codes, row {r}");
+                    assert!(row[c..].iter().all(|&x| x == 0), "{bits} bits, {c} codes: padding");
+                }
+                let plan = super::Plan::new(&[(c, bits)]);
+                let words =
+                    plan.steps.iter().filter(|s| matches!(s.src, super::Source::Words { .. })).count();
+                let regular = kvq_quant_core::pack::planes(bits).iter().all(|&w| {
+                    let chunk = 128 / usize::from(w);
+                    let s = c % chunk * usize::from(w) / 8;
+                    w == 8 || matches!(s, 0 | 4 | 8)
+                });
+                assert_eq!(words == 0, regular, "{bits} bits, {c} codes: {words} word steps");
+            }
+        }
+        // The benchmarks' layout (3, 4 and 5 bits over 32, 64 and 32 channels): lanes only.
+        let plan = super::Plan::new(&[(32, 3), (64, 4), (32, 5)]);
+        assert!(plan.steps.iter().all(|s| matches!(s.src, super::Source::Lanes { .. })));
+    }
+
+    /// Regions whose codes end where an unreadable page begins, rows of 1 to 256 bytes (an
+    /// 8-channel 1-bit region: one byte a row): the windows of the last rows must come from
+    /// the copy, never from past the codes; the scores are the reference's, bit for bit.
+    #[test]
+    fn region_windows_stay_inside_the_codes() {
+        if !super::avx2::cpu_ok() {
+            return;
+        }
+        let layouts: [&[(usize, u8)]; 3] = [
+            &[(8, 1), (8, 2), (8, 3), (8, 4), (8, 5), (8, 6), (8, 7), (8, 8)],
+            &[(24, 3), (40, 4), (64, 1)],
+            &[(200, 4), (56, 8)],
+        ];
+        let mut next = xorshift(0x9e37_79b9);
+        for shapes in layouts {
+            let d: usize = shapes.iter().map(|s| s.0).sum();
+            for rows in [1usize, 2, 3, 17] {
+                let data: Vec<(Guarded, Vec<f32>, Vec<f32>)> = shapes
+                    .iter()
+                    .map(|&(c, bits)| {
+                        let codes: Vec<u8> =
+                            (0..rows * c * usize::from(bits) / 8).map(|_| next() as u8).collect();
+                        let scale = (0..c).map(|_| (next() % 1000) as f32 / 1000.0 + 0.01).collect();
+                        let offset = (0..c).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
+                        (Guarded::new(&codes), scale, offset)
+                    })
+                    .collect();
+                let mut first = 0;
+                let regions: Vec<KeyRegion<'_>> = shapes
+                    .iter()
+                    .zip(&data)
+                    .map(|(&(c, bits), (g, scale, offset))| {
+                        let params = Params::PerChannel { scale, offset: Some(offset) };
+                        let keys = QuantBlock::new(g.bytes(), rows, c, bits, Levels::Affine, params).unwrap();
+                        let r = KeyRegion { first, keys };
+                        first += c;
+                        r
+                    })
+                    .collect();
+                let q: Vec<f32> = (0..4 * d).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
+                let (mut got, mut want) = (vec![0f32; 4 * rows], vec![0f32; 4 * rows]);
+                let mut w = super::Scratch::default();
+                assert!(super::scores_in(&regions, &q, 4, &mut got, &mut w), "{shapes:?}");
+                assert!(scalar::scores_int8_regions(&regions, &q, 4, &mut want));
+                for (g, x) in got.iter().zip(&want) {
+                    assert_eq!(g.to_bits(), x.to_bits(), "{shapes:?} rows {rows}: {g} vs {x}");
+                }
+            }
+        }
+    }
+}
