@@ -844,8 +844,7 @@ pub(crate) fn attend_int_in(
 /// parameters change every few rows) only of INT4 keys, the first with the values of its rows
 /// as [`attend_int_supported`] takes it, the others in its layout, covering the values' rows.
 pub fn attend_int_parts_supported(parts: &[QuantBlock<'_>], v: &QuantBlock<'_>, n_q: usize) -> bool {
-    (parts.len() == 1 || parts.first().is_some_and(|k| k.bits == 4))
-        && crate::parts_supported(parts, v, |k, v| attend_int_supported(k, v, n_q))
+    crate::parts_supported_int4(parts, v, |k, v| attend_int_supported(k, v, n_q))
 }
 
 /// The buffers of the fused kernel grown to the largest block it takes (once; never shrunk).
@@ -893,7 +892,7 @@ fn regions_supported(regions: &[crate::KeyRegion<'_>], rows: usize, dim: usize) 
         && (1..=FUSED_ROWS).contains(&rows)
         && regions.len() <= MAX_REGIONS
         && crate::regions_tile(regions, rows, dim)
-        && regions.iter().all(crate::region_codes_ok)
+        && regions.iter().all(crate::regions::region_codes_ok)
         && cpu_ok()
         && std::arch::is_x86_feature_detected!("avx512vl")
         && std::arch::is_x86_feature_detected!("avx512vbmi")
@@ -1056,7 +1055,7 @@ impl HeadPlan {
             for &w in kvq_quant_core::pack::planes(bits) {
                 let w = usize::from(w);
                 // Byte and bit of code `i` in the plane.
-                let loc = |i: usize| crate::plane_loc(dim, w, i);
+                let loc = |i: usize| crate::regions::plane_loc(dim, w, i);
                 // The plane's codes in groups: a new group at each 64 channels, or where its
                 // bytes would span more than 64.
                 let mut group: Vec<(usize, usize, usize)> = Vec::new();

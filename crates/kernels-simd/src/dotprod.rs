@@ -6,7 +6,7 @@
 //! Covered: affine 4-bit rows of a multiple of 32 codes and 8-bit rows of a multiple of 16,
 //! with parameters per row or per channel; 4-bit rows per group of a multiple of 32 codes (one
 //! dot per group, `int4-g32`); 4-bit rows of a 16-level table or symmetric levels (`nf4`,
-//! `sym4`: each code looked up in the table's int8 levels with `tbl`, [`int8::table8`]), per
+//! `sym4`: each code looked up in the table's int8 levels with `tbl`, `int8::table8`), per
 //! row, channel or group. 4-bit codes (0..=15) are valid signed bytes; 8-bit codes are shifted
 //! by −128 and the shift is added back as `128 · Σ q8`. Same query rounding and error bound as
 //! the AVX2 path.
@@ -18,7 +18,7 @@ use std::ops::Range;
 use crate::block::{Levels, Params, QuantBlock};
 use crate::int8;
 
-fn cpu_ok() -> bool {
+pub(crate) fn cpu_ok() -> bool {
     std::arch::is_aarch64_feature_detected!("dotprod")
 }
 
@@ -45,7 +45,7 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
 /// The CPU must support the dot-product extension.
 #[target_feature(enable = "neon,dotprod")]
 #[inline]
-unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+pub(crate) unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     let mut acc = acc;
     // SAFETY: `sdot` reads two vector registers and accumulates into a third; it touches no
     // memory and no flags, and the CPU supports it (this function's target features).

@@ -20,26 +20,31 @@
 //! lane of a row (32 channels) lies inside one group, so the value loop reads that group's
 //! weights. Keys per row or per group (`int4-token`, `int4-g32`) take the integer scores
 //! kernel's scores as they are (its per-group dots and epilogue), then the same softmax step
-//! and value sums.
+//! and value sums. Keys in channel regions (`-qa`) and keys per channel of other widths than
+//! 4 bits (one region) take the region scores of `regions_avx2` (bit for bit the
+//! reference's); values of 1 to 3 bits per row are unpacked to a code a byte there and summed
+//! against the same byte weights.
 
 use std::arch::x86_64::*;
 
 use crate::avx2;
 use crate::block::{Params, QuantBlock};
 use crate::int8::{self, grown};
-use crate::regions_avx2;
 use crate::softmax::x86::exp8;
 use crate::{KeyRegion, MAX_GROUPS, Online};
+use crate::{regions, regions_avx2};
 
 /// Whether [`crate::attend_int_with`] has a fused AVX2 kernel for keys `k`, values `v` and
 /// `n_q` query rows on this CPU: INT4 affine keys with per-channel parameters and INT4 affine
 /// values with per-row parameters, the same tokens (1 to 256) and head_dim (64, 128 or 256),
 /// any number of query rows (four at a time), a CPU with AVX2, FMA and F16C; or such keys
 /// with INT4 affine values per group of 32, 64, 128 or 256 values (dividing the head_dim); or
-/// INT4 affine keys per row or per group of 32 to 256 values with either of those values.
+/// INT4 affine keys per row or per group of 32 to 256 values with either of those values;
+/// any of those keys with values of 1 to 3 bits per row; affine keys per channel of 1 to 8
+/// bits as one region of [`attend_int_regions_supported`].
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     // Keys of other widths go through the region scores, which check the CPU themselves.
-    crate::fused_int_layout(k, v, n_q, narrow_values, attend_int_regions_supported)
+    crate::fused_int_layout(k, v, n_q, regions::narrow_values, attend_int_regions_supported)
         && (k.bits != 4 || avx2::int8_supported(k))
 }
 
@@ -48,20 +53,7 @@ pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) 
 /// parameters change every few rows) only of INT4 keys, the first with the values of its rows
 /// as [`attend_int_supported`] takes it, the others in its layout, covering the values' rows.
 pub fn attend_int_parts_supported(parts: &[QuantBlock<'_>], v: &QuantBlock<'_>, n_q: usize) -> bool {
-    (parts.len() == 1 || parts.first().is_some_and(|k| k.bits == 4))
-        && crate::parts_supported(parts, v, |k, v| attend_int_supported(k, v, n_q))
-}
-
-/// Values of 1 to 3 bits per code (`int3-token-mse-rot`, `int2-token`: the narrow values of
-/// `kvq recommend`'s candidates), affine with per-row parameters, a head_dim of 64, 128 or
-/// 256; the fused kernel unpacks them to a code a byte ([`regions_avx2::Unpacker`]) and
-/// weighs them with bytes, as the integer value path rounds weights for codes of up to 4 bits.
-fn narrow_values(v: &QuantBlock<'_>) -> bool {
-    (1..=3).contains(&v.bits)
-        && matches!(v.levels, crate::Levels::Affine)
-        && matches!(v.params, Params::PerRow { .. })
-        && matches!(v.dim, 64 | 128 | 256)
-        && regions_avx2::region_rows_ok(v)
+    crate::parts_supported_int4(parts, v, |k, v| attend_int_supported(k, v, n_q))
 }
 
 /// The buffers of [`attend_int_in`], grown to the largest block and query group seen, then
@@ -148,14 +140,7 @@ unsafe fn run(
 /// row or per group of 32 to 256 values, or of 1 to 3 bits per row; 1 to 256 rows), at least
 /// one query row.
 pub fn attend_int_regions_supported(regions: &[KeyRegion<'_>], v: &QuantBlock<'_>, n_q: usize) -> bool {
-    (v.bits == 4
-        && matches!(v.levels, crate::Levels::Affine)
-        && (matches!(v.params, Params::PerRow { .. }) || crate::lane_groups(v))
-        || narrow_values(v))
-        && matches!(v.dim, 64 | 128 | 256)
-        && (1..=crate::FUSED_ROWS).contains(&v.rows)
-        && n_q >= 1
-        && regions_avx2::supported(regions, v.rows, v.dim)
+    regions::fused_values(v, n_q) && regions_avx2::supported(regions, v.rows, v.dim)
 }
 
 /// [`attend_int_in`] for keys in channel regions (`-qa`): their scores by the AVX2 region
@@ -390,7 +375,7 @@ unsafe fn attend<const NQ: usize>(
     } else {
         // Narrow values (per row): unpacked to a code a byte first.
         // SAFETY: AVX2 (this function's contract); `narrow_values` checked the rows.
-        let (codes, width, _) = unsafe { values.unpack(&[KeyRegion { first: 0, keys: *v }]) };
+        let (codes, width, _) = unsafe { regions_avx2::unpack(values, &[KeyRegion { first: 0, keys: *v }]) };
         debug_assert!(width == d, "a head_dim of 64, 128 or 256 needs no padding");
         // SAFETY: `codes` holds n + 1 rows of d codes below 2^bits (the last zero); `wb` NQ
         // rows of `stride >= n + 1` rounded to even bytes, zero from n; `acc` NQ · d values.

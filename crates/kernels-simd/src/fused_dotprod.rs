@@ -19,14 +19,18 @@
 //! As on x86, values per group (`int4-g32`) take byte weights per query row and group, each
 //! rounded with its own scale (a 16-byte chunk of a row, 32 channels, lies inside one group);
 //! keys per row or per group (`int4-token`, `int4-g32`) take the `sdot` scores kernel's
-//! scores as they are, then the same softmax step and value sums.
+//! scores as they are, then the same softmax step and value sums. Keys in channel regions
+//! (`-qa`) and keys per channel of other widths than 4 bits (one region) take the region
+//! scores of `regions_neon` (bit for bit the reference's); values of 1 to 3 bits per row are
+//! unpacked to a code a byte there and summed by `umlal` as INT4 codes are.
 
 use std::arch::aarch64::*;
 
 use crate::block::{Params, QuantBlock};
 use crate::dotprod::Sdot;
 use crate::int8::{self, GROUP, grown};
-use crate::{MAX_GROUPS, Online};
+use crate::{KeyRegion, MAX_GROUPS, Online};
+use crate::{regions, regions_neon};
 
 /// Whether [`crate::attend_int_with`] has a fused kernel on the `dotprod` backend for keys
 /// `k`, values `v` and `n_q` query rows on this CPU: INT4 affine keys with per-channel
@@ -34,12 +38,30 @@ use crate::{MAX_GROUPS, Online};
 /// head_dim (64, 128 or 256), any number of query rows (four at a time), a CPU with the
 /// dot-product extension; or such keys with INT4 affine values per group of 32, 64, 128 or
 /// 256 values (dividing the head_dim); or INT4 affine keys per row or per group of 32 to 256
-/// values with either of those values.
+/// values with either of those values; any of those keys with values of 1 to 3 bits per row;
+/// affine keys per channel of 1 to 8 bits as one region of [`attend_int_regions_supported`].
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    (crate::fused_layout(k, v, n_q)
-        || crate::fused_layout_grouped(k, v, n_q)
-        || crate::fused_layout_row_keys(k, v, n_q))
-        && crate::dotprod::int8_supported(k)
+    // Keys of other widths go through the region scores, which check the CPU themselves.
+    crate::fused_int_layout(k, v, n_q, regions::narrow_values, attend_int_regions_supported)
+        && (k.bits != 4 || crate::dotprod::int8_supported(k))
+}
+
+/// Whether [`crate::attend_int_parts_with`] runs this kernel for keys in `parts` with the
+/// values `v`: one part as [`attend_int_supported`] takes it; several (per-channel keys whose
+/// parameters change every few rows) only of INT4 keys, the first with the values of its rows
+/// as [`attend_int_supported`] takes it, the others in its layout, covering the values' rows.
+pub fn attend_int_parts_supported(parts: &[QuantBlock<'_>], v: &QuantBlock<'_>, n_q: usize) -> bool {
+    crate::parts_supported_int4(parts, v, |k, v| attend_int_supported(k, v, n_q))
+}
+
+/// Whether [`crate::attend_int_regions_with`] has a fused kernel on the `dotprod` backend for
+/// these key regions (`-qa` keys) and values: regions as the region scores take them
+/// (affine, per channel, 1 to 8 bits, multiples of 8 channels) with the values
+/// [`attend_int_supported`] takes under INT4 keys per channel (INT4 affine per row or per
+/// group of 32 to 256 values, or of 1 to 3 bits per row; head_dim 64, 128 or 256; 1 to 256
+/// rows), at least one query row.
+pub fn attend_int_regions_supported(regions: &[KeyRegion<'_>], v: &QuantBlock<'_>, n_q: usize) -> bool {
+    regions::fused_values(v, n_q) && regions_neon::supported(regions, v.rows, v.dim)
 }
 
 /// The buffers of [`attend_int_in`], grown to the largest block and query group seen, then
@@ -57,6 +79,18 @@ pub(crate) struct FusedScratch {
     vt: Vec<f32>,
     /// Keys per row or group: the scores kernel's scratch.
     int8: int8::Scratch,
+    /// Keys in channel regions (`-qa`): their scores kernel's buffers and plans.
+    pub(crate) regions: regions_neon::Scratch,
+    /// Values of 1 to 3 bits: their rows unpacked to a code a byte.
+    values: regions_neon::Unpacker,
+}
+
+/// The keys of a fused call: token parts (one block, or per-channel blocks of consecutive
+/// rows), or channel regions (`-qa` keys).
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    Parts(&'a [QuantBlock<'a>]),
+    Regions(&'a [KeyRegion<'a>]),
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -71,25 +105,69 @@ pub(crate) fn attend_int_in(
     state: Online<'_>,
     w: &mut FusedScratch,
 ) -> bool {
-    if !crate::parts_supported(parts, v, |k, v| attend_int_supported(k, v, n_q)) {
+    if !attend_int_parts_supported(parts, v, n_q) {
         return false;
     }
+    if parts[0].bits != 4 {
+        // One block of keys per channel of another width: a region of the whole row, which
+        // `attend_int_supported` checked as such.
+        return attend_int_regions_in(&[KeyRegion { first: 0, keys: parts[0] }], v, q, n_q, state, w);
+    }
+    // SAFETY: `attend_int_parts_supported` checked the CPU (dotprod), the widths, the layouts
+    // and the sizes of every part.
+    unsafe { run(Keys::Parts(parts), v, q, n_q, state, w) }
+}
+
+/// [`attend_int_in`] for keys in channel regions (`-qa`): their scores by the region scores
+/// ([`regions_neon`]), then the same softmax step and value sums. Returns `false`, changing
+/// nothing, when [`attend_int_regions_supported`] is false or a value scale is negative or
+/// NaN.
+pub(crate) fn attend_int_regions_in(
+    regions: &[KeyRegion<'_>],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+    w: &mut FusedScratch,
+) -> bool {
+    if !attend_int_regions_supported(regions, v, n_q) {
+        return false;
+    }
+    // SAFETY: checked above.
+    unsafe { run(Keys::Regions(regions), v, q, n_q, state, w) }
+}
+
+/// The fused kernel on query groups of up to four rows (`false`, changing nothing, where a
+/// value scale is negative or NaN).
+///
+/// # Safety
+/// [`attend_int_parts_supported`] for the parts of `keys`, or
+/// [`attend_int_regions_supported`] for its regions, with `v` and `n_q`.
+unsafe fn run(
+    keys: Keys<'_>,
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: Online<'_>,
+    w: &mut FusedScratch,
+) -> bool {
     crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
-        // SAFETY: `parts_supported` checked the CPU (dotprod), the widths, the layouts and the
-        // sizes of every part; `fused_groups` checked the value scales and the shapes.
-        unsafe { by_group!(attend, nq, (parts, v, q, m, l, o, w)) }
+        // SAFETY: the keys and values as this function's contract says; `fused_groups`
+        // checked the value scales and the shapes.
+        unsafe { by_group!(attend, nq, (keys, v, q, m, l, o, w)) }
     })
 }
 
-/// The fused kernel for `NQ` query rows, the keys in one part or several.
+/// The fused kernel for `NQ` query rows, the keys in one part or several, or in channel
+/// regions.
 ///
 /// # Safety
-/// The CPU must support the dot-product extension; [`crate::parts_supported`] with
-/// [`attend_int_supported`]`(k, v, NQ)` for `parts` and `v`; every value scale of `v` is
-/// `>= 0`; `q` and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
+/// The CPU must support the dot-product extension; [`attend_int_parts_supported`] for the
+/// parts of `keys` and `v`, or [`attend_int_regions_supported`] for its regions; every value
+/// scale of `v` is `>= 0`; `q` and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
 #[target_feature(enable = "neon,dotprod")]
 unsafe fn attend<const NQ: usize>(
-    parts: &[QuantBlock<'_>],
+    keys: Keys<'_>,
     v: &QuantBlock<'_>,
     q: &[f32],
     m: &mut [f32],
@@ -105,12 +183,22 @@ unsafe fn attend<const NQ: usize>(
     };
     let per = d / group;
     assert!(per <= MAX_GROUPS && vs.len() >= n * per && vo.is_none_or(|o| o.len() >= n * per));
-    let FusedScratch { prep, dots, p, wb, acc, pw, vt, int8: scratch } = w;
+    let FusedScratch { prep, dots, p, wb, acc, pw, vt, int8: scratch, regions, values } = w;
     assert!(q.len() == NQ * d && o.len() == NQ * d && m.len() == NQ && l.len() == NQ, "shapes");
 
     let p = grown(p, NQ * n);
-    let k = &parts[0];
-    if matches!(k.params, Params::PerChannel { .. }) {
+    let parts = match keys {
+        Keys::Parts(parts) => parts,
+        Keys::Regions(rs) => {
+            // 1-2. Keys in channel regions: the region scores kernel's scores.
+            let done = regions_neon::scores_in(rs, q, NQ, p, regions);
+            debug_assert!(done, "`attend_int_regions_supported` checked the regions");
+            &[]
+        }
+    };
+    if let Some(k) = parts.first()
+        && matches!(k.params, Params::PerChannel { .. })
+    {
         // 1. Per part of the keys, the query rows times its channel scales, rounded to int8 as
         //    the scores kernel rounds them, with what its offsets add (`Σ q · offset`); 2. the
         //    integer dots; the scores (the scores kernel's epilogue) into `p`, the parts side
@@ -134,7 +222,7 @@ unsafe fn attend<const NQ: usize>(
             }
             at += nk;
         }
-    } else {
+    } else if let Some(k) = parts.first() {
         // 1-2. Keys per row or per group (one part): the integer scores kernel's scores
         //      themselves (its per-group dots and epilogue), so the same bits as it gives.
         let done = crate::dotprod::scores_int8_in(k, q, NQ, p, scratch);
@@ -165,7 +253,7 @@ unsafe fn attend<const NQ: usize>(
     //    centre add.
     let wb = grown(wb, NQ * per * n);
     let pw = grown(pw, n);
-    let z = f32::from(crate::intv::center(4));
+    let z = f32::from(crate::intv::center(v.bits));
     let mut factor = [1f32; GROUP];
     let (mut sw, mut vadd) = ([[0f32; MAX_GROUPS]; GROUP], [[0f32; MAX_GROUPS]; GROUP]);
     let mut wsum = [[0i32; MAX_GROUPS]; GROUP];
@@ -202,11 +290,20 @@ unsafe fn attend<const NQ: usize>(
     //    off, and the epilogue: `o ← o · factor + (sw · sum + add)`, sw and add those of the
     //    channel's group.
     let acc = grown(acc, NQ * d);
-    // SAFETY: NEON; `v` is 4-bit with rows of d / 2 bytes, d a multiple of 32, n >= 1; `wb`
-    // holds NQ · per rows of n bytes; `acc` holds NQ · d values; `group` a multiple of 32
-    // dividing d (`lane_groups`, or d itself).
-    unsafe { value_sums::<NQ>(v, wb, n, group, acc) };
-    let centre = i32::from(crate::intv::center(4));
+    if v.bits == 4 {
+        // SAFETY: NEON; `v` is 4-bit with rows of d / 2 bytes, d a multiple of 32, n >= 1;
+        // `wb` holds NQ · per rows of n bytes; `acc` holds NQ · d values; `group` a multiple
+        // of 32 dividing d (`lane_groups`, or d itself).
+        unsafe { value_sums::<NQ>(v, wb, n, group, acc) };
+    } else {
+        // Narrow values (per row): unpacked to a code a byte first.
+        let (codes, width, _) = regions_neon::unpack(values, &[KeyRegion { first: 0, keys: *v }]);
+        debug_assert!(width == d, "a head_dim of 64, 128 or 256 needs no padding");
+        // SAFETY: NEON; `codes` holds n rows of d codes below 8; `wb` NQ rows of n bytes;
+        // `acc` NQ · d values.
+        unsafe { byte_value_sums::<NQ>(codes, n, d, wb, acc) };
+    }
+    let centre = i32::from(crate::intv::center(v.bits));
     for i in (0..NQ).filter(|&i| live[i]) {
         let f = factor[i];
         for g in 0..per {
@@ -309,21 +406,68 @@ unsafe fn value_sums<const NQ: usize>(
             }
             for (i, si) in s.iter().enumerate().take(NQ) {
                 for (h, &part) in si.iter().enumerate() {
-                    let lo = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(part)));
-                    let hi = vreinterpretq_s32_u32(vmovl_high_u16(part));
                     // SAFETY: channels 32j + 8h .. 32j + 8h + 8 of row i lie inside `acc`.
-                    unsafe {
-                        let at = acc.as_mut_ptr().add(i * d + 32 * j + 8 * h);
-                        if batch == 0 {
-                            vst1q_s32(at, lo);
-                            vst1q_s32(at.add(4), hi);
-                        } else {
-                            vst1q_s32(at, vaddq_s32(vld1q_s32(at), lo));
-                            vst1q_s32(at.add(4), vaddq_s32(vld1q_s32(at.add(4)), hi));
-                        }
+                    unsafe { widen_into(acc.as_mut_ptr().add(i * d + 32 * j + 8 * h), part, batch == 0) };
+                }
+            }
+        }
+    }
+}
+
+/// [`value_sums`] for values unpacked to a code a byte (values of 1 to 3 bits, per row):
+/// `acc[i · d + c] = Σ_r wb[i · n + r] · codes[r · d + c]` (not centred). Per 16 channels and
+/// batch of sixteen rows: per query row two `umlal` of the row's codes against its weight
+/// broadcast into u16 sums (at most `16 · 255 · 7`), widened into `acc`.
+///
+/// # Safety
+/// `codes` holds `n` rows of `d` codes below 8 (`d` a multiple of 16); `wb` `NQ` rows of `n`
+/// bytes; `acc` `NQ · d` values.
+#[target_feature(enable = "neon")]
+unsafe fn byte_value_sums<const NQ: usize>(codes: &[u8], n: usize, d: usize, wb: &[u8], acc: &mut [i32]) {
+    assert!(d.is_multiple_of(16) && codes.len() >= n * d && wb.len() >= NQ * n && acc.len() >= NQ * d);
+    let (u, w) = (codes.as_ptr(), wb.as_ptr());
+    for j in 0..d / 16 {
+        for batch in 0..n.div_ceil(16) {
+            let mut s = [[vdupq_n_u16(0); 2]; GROUP];
+            for r in 16 * batch..(16 * batch + 16).min(n) {
+                // SAFETY: channels 16j.. of row r < n lie inside `codes`; weight r of row i
+                // inside `wb`.
+                unsafe {
+                    let x = vld1q_u8(u.add(r * d + 16 * j));
+                    for (i, si) in s.iter_mut().enumerate().take(NQ) {
+                        let wr = vld1q_dup_u8(w.add(i * n + r));
+                        si[0] = vmlal_u8(si[0], vget_low_u8(x), vget_low_u8(wr));
+                        si[1] = vmlal_high_u8(si[1], x, wr);
                     }
                 }
             }
+            for (i, si) in s.iter().enumerate().take(NQ) {
+                for (h, &part) in si.iter().enumerate() {
+                    // SAFETY: channels 16j + 8h .. + 8 of row i lie inside `acc`.
+                    unsafe { widen_into(acc.as_mut_ptr().add(i * d + 16 * j + 8 * h), part, batch == 0) };
+                }
+            }
+        }
+    }
+}
+
+/// Eight u16 sums widened to i32 into `at .. at + 8`: written (`first`) or added.
+///
+/// # Safety
+/// `at` points at 8 writable i32.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn widen_into(at: *mut i32, part: uint16x8_t, first: bool) {
+    let lo = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(part)));
+    let hi = vreinterpretq_s32_u32(vmovl_high_u16(part));
+    // SAFETY: as this function's.
+    unsafe {
+        if first {
+            vst1q_s32(at, lo);
+            vst1q_s32(at.add(4), hi);
+        } else {
+            vst1q_s32(at, vaddq_s32(vld1q_s32(at), lo));
+            vst1q_s32(at.add(4), vaddq_s32(vld1q_s32(at.add(4)), hi));
         }
     }
 }

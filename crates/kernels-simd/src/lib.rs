@@ -13,7 +13,7 @@
 //! and [`implementation_for`] names the code that runs for a given block. The integer score path ([`scores_int8_with`]) has AVX2, AVX-512 VNNI and
 //! aarch64 dotprod kernels, all equal to [`scalar::scores_int8`] bit for bit. The `avx512`
 //! backend's float kernels are the AVX2 ones but for FP8 blocks with one scale per row, which
-//! have AVX-512 kernels of their own and a fused block kernel ([`fp8_avx512`],
+//! have AVX-512 kernels of their own and a fused block kernel (`fp8_avx512`,
 //! [`attend_float_with`]): [`implementation`] and [`implementation_for`] say which code
 //! actually runs, so no log claims a path that did not run.
 //!
@@ -85,8 +85,14 @@ pub mod memory;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub mod portable;
+#[cfg(all(test, target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64")))]
+mod region_tests;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+mod regions;
 #[cfg(target_arch = "x86_64")]
 mod regions_avx2;
+#[cfg(target_arch = "aarch64")]
+mod regions_neon;
 pub mod rowquant;
 pub mod scalar;
 pub mod softmax;
@@ -153,7 +159,7 @@ pub fn implementation(backend: Backend) -> Backend {
 
 /// The code that runs the float kernels of `backend` for the block `b`: [`implementation`],
 /// except that FP8 blocks with one scale per row and rows of a multiple of 32 codes run
-/// AVX-512 kernels of their own on `avx512` ([`fp8_avx512`]), and that where the AVX2 kernels do not cover a block's layout (code widths other than
+/// AVX-512 kernels of their own on `avx512` (`fp8_avx512`), and that where the AVX2 kernels do not cover a block's layout (code widths other than
 /// 2, 3, 4 and 8, rows not a multiple of the chunk (64 codes for 2 and 3 bits), per-group parameters in groups not a multiple
 /// of 16) the `wide` ones run, and this says so.
 pub fn implementation_for(backend: Backend, b: &QuantBlock<'_>) -> Backend {
@@ -577,8 +583,8 @@ pub struct Online<'a> {
 /// the `avx512` backend with VNNI, see `avx512::attend_int_supported`, on the `avx2`
 /// backend, see `fused_avx2::attend_int_supported`, which the `avx512` backend runs where
 /// its own kernel has no code (no VNNI or VBMI), and on the `dotprod` backend of aarch64,
-/// see `fused_dotprod::attend_int_supported`; on `avx512` with VBMI and on `avx2` also keys
-/// per channel of 1 to 8 bits and values of 1 to 3 bits per row) nothing of a block goes
+/// see `fused_dotprod::attend_int_supported`; on `avx512` with VBMI, `avx2` and `dotprod`
+/// also keys per channel of 1 to 8 bits and values of 1 to 3 bits per row) nothing of a block goes
 /// through memory but its
 /// codes and parameters and a few small buffers; elsewhere it returns `Ok(false)`, changing
 /// nothing, and the caller runs the separate kernels (the kernels: `avx512::attend_int_in`,
@@ -636,7 +642,7 @@ fn fused_shapes(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
 /// layouts of [`fused_layout`], [`fused_layout_grouped`] and [`fused_layout_row_keys`]; with
 /// narrow values, INT4 keys as those layouts take them with INT4 values of the same rows (per
 /// row values only).
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub(crate) fn fused_int_layout(
     k: &QuantBlock<'_>,
     v: &QuantBlock<'_>,
@@ -750,6 +756,17 @@ pub fn attend_int_fused_parts(
     }
     let _ = (backend, parts, v, n_q);
     false
+}
+
+/// [`parts_supported`] where several parts must be INT4 keys (the fused kernels take keys of
+/// other widths as one region of the row, one part only).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) fn parts_supported_int4(
+    parts: &[QuantBlock<'_>],
+    v: &QuantBlock<'_>,
+    supported: impl Fn(&QuantBlock<'_>, &QuantBlock<'_>) -> bool,
+) -> bool {
+    (parts.len() == 1 || parts.first().is_some_and(|k| k.bits == 4)) && parts_supported(parts, v, supported)
 }
 
 /// Whether a fused kernel whose blocks `supported` accepts takes keys in `parts` with the
@@ -916,52 +933,15 @@ pub(crate) fn regions_tile(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -
     !regions.is_empty() && at == dim
 }
 
-/// Whether a key region is what the SIMD region kernels unpack: affine codes of 1 to 8 bits
-/// with per-channel parameters, a multiple of 8 channels (whole bytes of every plane a row),
-/// rows of `dim · bits / 8` bytes, every row inside its codes.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn region_codes_ok(r: &KeyRegion<'_>) -> bool {
-    let k = &r.keys;
-    (1..=8).contains(&k.bits)
-        && k.dim.is_multiple_of(8)
-        && matches!(k.levels, Levels::Affine)
-        && matches!(k.params, Params::PerChannel { .. })
-        && k.rows.checked_mul(k.row_bytes).is_some_and(|n| n <= k.codes.len())
-        && k.row_bytes == k.dim * usize::from(k.bits) / 8
-}
-
-/// Byte and bit of code `i` in a bit plane of width `w` holding `dim` codes, as
-/// `kvq_quant_core::pack` lays a plane out: a plane narrower than 8 bits in chunks of `16 · 8 /
-/// w` codes filling 16 bytes, byte `j` holding code `j + 16 f` in field `f` (bits `f · w ..`);
-/// a last, shorter chunk of `r` codes in `s = ⌈r w / 8⌉` bytes, code `j` of it in byte `j mod
-/// s`, field `j / s`; 8-bit planes a byte a code.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn plane_loc(dim: usize, w: usize, i: usize) -> (usize, usize) {
-    if w >= 8 {
-        return (i, 0);
-    }
-    let per = 8 / w;
-    let chunk = 16 * per;
-    let whole = dim / chunk * chunk;
-    if i < whole {
-        let j = i % chunk;
-        (i / chunk * 16 + j % 16, j / 16 * w)
-    } else {
-        let s = (dim - whole).div_ceil(per);
-        let j = i - whole;
-        (whole / chunk * 16 + j % s, j / s * w)
-    }
-}
-
 /// The integer-path scores of keys in channel regions (`-qa`): each region's rows scored
 /// with its columns of the `n_q` query rows (`q`, `n_q × dim`, `dim` the regions' channels
 /// together), the query rounded to int8 with a scale of its own per region, the regions'
 /// scores added into `out[i · rows + r]` ([`scalar::scores_int8_regions`] is the reference;
 /// the sums are taken in another order). The AVX-512 kernel with VBMI of
 /// [`attend_int_regions_with`] takes regions as it does (a head_dim of 64, 128 or 256, up to
-/// 256 rows); the AVX2 kernel (on `avx2`, and on `avx512` where that one has no code) affine
-/// per-channel regions of 1 to 8 bits and a multiple of 8 channels, any rows, its scores the
-/// reference's bit for bit; elsewhere it returns `Ok(false)`, computing nothing, and the
+/// 256 rows); the AVX2 kernel (on `avx2`, and on `avx512` where that one has no code) and the
+/// `dotprod` kernel of aarch64 affine per-channel regions of 1 to 8 bits and a multiple of 8
+/// channels, any rows, their scores the reference's bit for bit; elsewhere it returns `Ok(false)`, computing nothing, and the
 /// caller scores the regions one by one ([`scores_int8_with`]).
 ///
 /// # Errors
@@ -1019,6 +999,10 @@ pub fn scores_int8_regions_in(
         }
         _ => {}
     }
+    #[cfg(target_arch = "aarch64")]
+    if backend == Backend::Dotprod {
+        return Ok(regions_neon::scores_in(regions, q, n_q, out, &mut scratch.fused_dotprod.regions));
+    }
     let _ = (backend, scratch);
     Ok(false)
 }
@@ -1032,7 +1016,8 @@ pub fn scores_int8_regions_in(
 /// affine per-channel regions of 1 to 8 bits and a multiple of 8 channels with values as
 /// [`attend_int_with`] takes them (see `avx512::attend_int_regions_supported`); so does the
 /// AVX2 kernel (on `avx2`, and on `avx512` where that one has no code; see
-/// `fused_avx2::attend_int_regions_supported`); elsewhere it returns `Ok(false)`, changing
+/// `fused_avx2::attend_int_regions_supported`) and the `dotprod` kernel of aarch64 (see
+/// `fused_dotprod::attend_int_regions_supported`); elsewhere it returns `Ok(false)`, changing
 /// nothing, and the caller runs the separate kernels.
 ///
 /// # Errors
@@ -1097,6 +1082,17 @@ pub fn attend_int_regions_in(
         }
         _ => {}
     }
+    #[cfg(target_arch = "aarch64")]
+    if backend == Backend::Dotprod {
+        return Ok(fused_dotprod::attend_int_regions_in(
+            regions,
+            v,
+            q,
+            n_q,
+            state,
+            &mut scratch.fused_dotprod,
+        ));
+    }
     let _ = (backend, scratch);
     Ok(false)
 }
@@ -1119,6 +1115,10 @@ pub fn attend_int_fused_regions(
         Backend::Avx2 => return fused_avx2::attend_int_regions_supported(regions, v, n_q),
         _ => {}
     }
+    #[cfg(target_arch = "aarch64")]
+    if backend == Backend::Dotprod {
+        return fused_dotprod::attend_int_regions_supported(regions, v, n_q);
+    }
     let _ = (backend, regions, v, n_q);
     false
 }
@@ -1134,7 +1134,7 @@ pub fn attend_int_fused_regions(
 ///
 /// Where it runs (FP8 keys and values with one scale per row, `fp8e4m3-token` and
 /// `fp8e5m2-token`, the same 1 to 256 rows and a head_dim that is a multiple of 32, on the
-/// `avx512` backend: see [`fp8_avx512::attend_supported`]) the block's scores and weights stay
+/// `avx512` backend: see `fp8_avx512::attend_supported`) the block's scores and weights stay
 /// in a small buffer on the stack; elsewhere it returns `Ok(false)`, changing nothing, and the
 /// caller runs the separate kernels.
 ///

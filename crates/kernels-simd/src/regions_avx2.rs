@@ -14,22 +14,15 @@
 
 use std::arch::x86_64::*;
 
-use crate::block::Params;
 use crate::int8::{self, grown};
 use crate::{KeyRegion, avx2};
 
-/// Most regions a call takes (the cache makes at most 8, one per width).
-pub(crate) const MAX_REGIONS: usize = 16;
+use crate::regions::{self, MAX_REGIONS};
 
-/// Whether [`scores_in`] takes these regions of `rows` rows tiling a row of `dim` channels:
-/// at least one row, each region as [`crate::region_codes_ok`] takes it (so `dim` is a
-/// multiple of 8), at most [`MAX_REGIONS`] of them; a CPU with AVX2, FMA and F16C.
+/// Whether [`scores_in`] takes these regions of `rows` rows tiling a row of `dim` channels
+/// ([`regions::supported`]) on this CPU (AVX2, FMA and F16C).
 pub(crate) fn supported(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -> bool {
-    rows >= 1
-        && regions.len() <= MAX_REGIONS
-        && crate::regions_tile(regions, rows, dim)
-        && regions.iter().all(crate::region_codes_ok)
-        && avx2::cpu_ok()
+    regions::supported(regions, rows, dim, avx2::cpu_ok())
 }
 
 /// How one plane of a region gives its bits of 32 codes: `Lanes`, where the codes come from
@@ -41,7 +34,7 @@ pub(crate) fn supported(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -> b
 /// window (`at`), a `vpshufb` putting each code's byte in the high byte of its word, a
 /// `vpmulhuw` by `2^(8 − bit + base)` moving its field to bit `base`, and a mask.
 #[derive(Clone)]
-enum Source {
+pub(crate) enum Source {
     Lanes { len: usize, at: usize, counts: [i32; 8], mask: [u8; 32] },
     Words { at: [usize; 4], idx: [[i8; 32]; 2], mult: [[u16; 16]; 2], keep: [[u16; 16]; 2] },
 }
@@ -49,65 +42,46 @@ enum Source {
 /// One plane's part of an unpacked vector: its source and the plane's first bit in the code
 /// (`Lanes` shift left by it; `Words` already did).
 #[derive(Clone)]
-struct Step {
+pub(crate) struct Step {
     src: Source,
     base: i32,
 }
 
-/// One 32-byte vector of an unpacked row: region `region`'s codes from byte `at` of the row
-/// in the unpacked buffer, made by `steps` (its planes, or-ed).
-#[derive(Clone)]
-struct Out {
-    region: usize,
-    at: usize,
-    steps: std::ops::Range<usize>,
+/// How to unpack rows of key regions on AVX2: vectors of 32 bytes, [`Step`]s by [`source`].
+type Plan = regions::Plan<Step>;
+
+/// The plan of a layout of key regions.
+fn plan(shapes: &[(usize, u8)]) -> Plan {
+    regions::Plan::new(shapes, 32, |(c, w, pbase, base, o, rb)| {
+        let src = source(c, w, pbase, base, o, rb);
+        let reached = match &src {
+            Source::Lanes { len, at, .. } => at + len,
+            Source::Words { at, .. } => at.iter().max().unwrap_or(&0) + 16,
+        };
+        // `Words` put the field at its base already.
+        let shift = if matches!(src, Source::Lanes { .. }) { base as i32 } else { 0 };
+        (Step { src, base: shift }, reached)
+    })
 }
 
-/// How to unpack a row of keys in channel regions of these shapes (`(channels, bits)` each,
-/// in order) to a code a byte, each region's codes from byte `offset[j]` of a row of
-/// `width` bytes, padded with zero codes to a multiple of 32 (so that every 32-byte vector
-/// lies in one region); `reach[j]` how many bytes of a row of region `j` the loads read.
-#[derive(Clone)]
-pub(crate) struct Plan {
-    shapes: Vec<(usize, u8)>,
-    outs: Vec<Out>,
-    steps: Vec<Step>,
-    offset: Vec<usize>,
-    width: usize,
-    reach: Vec<usize>,
-}
+/// Unpacks blocks of key regions on AVX2.
+pub(crate) type Unpacker = regions::Unpacker<Step>;
 
-impl Plan {
-    fn new(shapes: &[(usize, u8)]) -> Self {
-        let (mut outs, mut steps, mut offset, mut reach) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut width = 0;
-        for (j, &(c, bits)) in shapes.iter().enumerate() {
-            offset.push(width);
-            let rb = c * usize::from(bits) / 8;
-            let mut far = 0usize;
-            for o in (0..c).step_by(32) {
-                let first = steps.len();
-                let (mut pbase, mut base) = (0usize, 0usize);
-                for &w in kvq_quant_core::pack::planes(bits) {
-                    let w = usize::from(w);
-                    let src = source(c, w, pbase, base, o, rb);
-                    far = far.max(match &src {
-                        Source::Lanes { len, at, .. } => at + len,
-                        Source::Words { at, .. } => at.iter().max().unwrap_or(&0) + 16,
-                    });
-                    // `Words` put the field at its base already.
-                    let shift = if matches!(src, Source::Lanes { .. }) { base as i32 } else { 0 };
-                    steps.push(Step { src, base: shift });
-                    pbase += c * w / 8;
-                    base += w;
-                }
-                outs.push(Out { region: j, at: width + o, steps: first..steps.len() });
-            }
-            reach.push(far);
-            width += c.next_multiple_of(32);
-        }
-        Self { shapes: shapes.to_vec(), outs, steps, offset, width, reach }
-    }
+/// Every row of `regions` unpacked to a code a byte ([`regions::Unpacker::unpack`]), 32-byte
+/// vectors.
+///
+/// # Safety
+/// The CPU must support AVX2; [`regions::region_rows_ok`] for every region.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn unpack<'u>(
+    u: &'u mut Unpacker,
+    regions: &[KeyRegion<'_>],
+) -> (&'u [u8], usize, &'u [usize]) {
+    u.unpack(regions, plan, |plan, bases, strides, count, dst| {
+        // SAFETY: AVX2 (this function's contract); each of the `count` rows has `reach` bytes
+        // readable from its start and `dst` holds `count` rows of width (`region_rows`).
+        unsafe { unpack_rows(plan, bases, strides, count, dst) }
+    })
 }
 
 /// The [`Source`] of codes `o .. o + 32` (fewer past `c`) of a plane of width `w` whose bytes
@@ -161,7 +135,7 @@ fn source(c: usize, w: usize, pbase: usize, base: usize, o: usize, rb: usize) ->
         let locs: Vec<(usize, usize, usize)> = (0..8)
             .filter(|k| valid(first + k))
             .map(|k| {
-                let (byte, bit) = crate::plane_loc(c, w, o + first + k);
+                let (byte, bit) = regions::plane_loc(c, w, o + first + k);
                 (k, pbase + byte, bit)
             })
             .collect();
@@ -187,112 +161,13 @@ fn source(c: usize, w: usize, pbase: usize, base: usize, o: usize, rb: usize) ->
     Source::Words { at: at4, idx, mult, keep }
 }
 
-/// Unpacks blocks of codes in channel regions to a code a byte (see [`Unpacker::unpack`]):
-/// the plans of the layouts seen (a head's blocks share one, so the first is usually the
-/// one), the unpacked rows and the copy of the last rows, grown to the largest block seen.
-#[derive(Default)]
-pub(crate) struct Unpacker {
-    plans: Vec<Plan>,
-    unpacked: Vec<u8>,
-    bounce: Vec<u8>,
-}
-
-impl Unpacker {
-    /// Every row of `regions` (as [`region_rows_ok`] takes them; the same rows each, `n`
-    /// of them) unpacked to a code a byte: row `r` at `r · width` of the returned bytes, each
-    /// region's codes from the plan's offset, padded with zero codes to a multiple of 32, and
-    /// one row of zero codes more (the partner of an odd last row). Returns the bytes, the
-    /// width and the regions' offsets in a row. Rows whose loads lie inside every region's
-    /// codes are read in place; the last few through a copy with room after each row.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2; [`region_rows_ok`] for every region, at most
-    /// [`MAX_REGIONS`] of them, each of the first's rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn unpack(&mut self, regions: &[KeyRegion<'_>]) -> (&[u8], usize, &[usize]) {
-        assert!(!regions.is_empty() && regions.len() <= MAX_REGIONS, "regions");
-        let n = regions[0].keys.rows;
-        plan_first(regions, &mut self.plans);
-        let Self { plans, unpacked, bounce } = self;
-        let plan = &plans[0];
-        let width = plan.width;
-        assert!(
-            plan.reach.len() == regions.len() && regions.iter().all(|r| r.keys.rows == n),
-            "the regions' plan"
-        );
-        let safe = regions
-            .iter()
-            .zip(&plan.reach)
-            .map(|(r, &reach)| {
-                let (len, rb) = (r.keys.codes.len(), r.keys.row_bytes);
-                if reach > len { 0 } else { (len - reach) / rb + 1 }
-            })
-            .min()
-            .unwrap_or(0)
-            .min(n);
-        let unpacked = grown(unpacked, (n + 1) * width);
-        unpacked[n * width..].fill(0);
-        let dst = unpacked.as_mut_ptr();
-        let mut bases = [std::ptr::null::<u8>(); MAX_REGIONS];
-        let mut strides = [0usize; MAX_REGIONS];
-        for (j, r) in regions.iter().enumerate() {
-            (bases[j], strides[j]) = (r.keys.codes.as_ptr(), r.keys.row_bytes);
-        }
-        // SAFETY: rows below `safe` of each region have their loads inside its codes;
-        // `unpacked` holds n + 1 rows of the plan's width.
-        unsafe { unpack_rows(plan, &bases, &strides, safe, dst) };
-        if safe < n {
-            let mut stride = [0usize; MAX_REGIONS];
-            for ((s, r), &reach) in stride.iter_mut().zip(regions).zip(&plan.reach) {
-                *s = r.keys.row_bytes.max(reach);
-            }
-            let room: usize = stride.iter().map(|s| s * (n - safe)).sum();
-            let bounce = grown(bounce, room);
-            let mut at = 0;
-            for (j, r) in regions.iter().enumerate() {
-                let rb = r.keys.row_bytes;
-                for row in safe..n {
-                    let to = at + (row - safe) * stride[j];
-                    bounce[to..to + rb].copy_from_slice(&r.keys.codes[row * rb..(row + 1) * rb]);
-                }
-                (bases[j], strides[j]) = (bounce[at..].as_ptr(), stride[j]);
-                at += stride[j] * (n - safe);
-            }
-            // SAFETY: the copies hold each row with `reach` bytes readable from its start;
-            // rows safe..n of `unpacked` lie inside it.
-            unsafe { unpack_rows(plan, &bases, &strides, n - safe, dst.add(safe * width)) };
-        }
-        (&unpacked[..(n + 1) * width], width, &plan.offset)
-    }
-}
-
-/// Puts the plan of `regions`' layout first in `plans`, made if new.
-fn plan_first(regions: &[KeyRegion<'_>], plans: &mut Vec<Plan>) {
-    let shapes = || regions.iter().map(|r| (r.keys.dim, r.keys.bits));
-    match plans.iter().position(|p| p.shapes.iter().copied().eq(shapes())) {
-        Some(0) => {}
-        Some(j) => plans.swap(0, j),
-        None => plans.insert(0, Plan::new(&shapes().collect::<Vec<_>>())),
-    }
-}
-
-/// Whether the rows of a block of codes are what an [`Unpacker`] takes: 1 to 8 bits, a
-/// multiple of 8 codes (whole bytes of every plane a row), rows of `dim · bits / 8` bytes,
-/// every row inside the codes (any parameters: the unpacking reads codes only).
-pub(crate) fn region_rows_ok(b: &crate::QuantBlock<'_>) -> bool {
-    (1..=8).contains(&b.bits)
-        && b.dim.is_multiple_of(8)
-        && b.row_bytes == b.dim * usize::from(b.bits) / 8
-        && b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len())
-}
-
 /// The buffers of [`scores_in`], grown to the largest call seen, then reused.
 #[derive(Default)]
 pub(crate) struct Scratch {
     unpacker: Unpacker,
     qc: Vec<f32>,
     q8: Vec<i8>,
-    qr: Vec<i8>,
+    prep: int8::Prepared,
     sums: Vec<f32>,
 }
 
@@ -312,14 +187,14 @@ pub(crate) fn scores_in(
     if !supported(regions, n, d) || q.len() != n_q * d || out.len() < n_q * n {
         return false;
     }
-    let Scratch { unpacker, qc, q8, qr, sums } = w;
+    let Scratch { unpacker, qc, q8, prep, sums } = w;
     // SAFETY: `supported` checked the CPU and the regions.
-    let (unpacked, width, starts) = unsafe { unpacker.unpack(regions) };
+    let (unpacked, width, starts) = unsafe { unpack(unpacker, regions) };
     let mut i0 = 0;
     while i0 < n_q {
         let nq = (n_q - i0).min(int8::GROUP);
         let (q, out) = (&q[i0 * d..(i0 + nq) * d], &mut out[i0 * n..(i0 + nq) * n]);
-        let bufs = Bufs { qc, q8, qr, sums };
+        let bufs = Bufs { qc, q8, prep, sums };
         // SAFETY: as above; `q` holds nq rows of d, `out` nq rows of n; `unpacked` is the
         // regions' rows.
         unsafe { by_group!(scores, nq, (regions, q, (unpacked, width, starts), out, bufs)) }
@@ -332,7 +207,7 @@ pub(crate) fn scores_in(
 struct Bufs<'a> {
     qc: &'a mut Vec<f32>,
     q8: &'a mut Vec<i8>,
-    qr: &'a mut Vec<i8>,
+    prep: &'a mut int8::Prepared,
     sums: &'a mut Vec<f32>,
 }
 
@@ -357,37 +232,12 @@ unsafe fn scores<const NQ: usize>(
     let (unpacked, width, starts) = rows;
     assert!(q.len() == NQ * d && out.len() >= NQ * n && regions.len() <= MAX_REGIONS, "shapes");
     assert!(unpacked.len() >= (n + 1) * width && starts.len() == regions.len(), "the unpacked rows");
-    let Bufs { qc, q8, qr, sums } = bufs;
+    let Bufs { qc, q8, prep, sums } = bufs;
 
-    // 1. Each region's columns of the query rows times its channel scales, rounded to int8
-    //    with a scale per region and row (the scores kernel's rounding) into the region's
-    //    bytes of a row of `width` (zero in its padding); what its offsets add; for 8-bit
-    //    regions, the sum of its bytes (their dots are taken on codes − 128).
-    let q8 = grown(q8, NQ * width);
-    q8.fill(0);
-    let (mut sq, mut kadd, mut qsum) =
-        ([[0f32; 4]; MAX_REGIONS], [[0f32; 4]; MAX_REGIONS], [[0i32; 4]; MAX_REGIONS]);
-    for (j, r) in regions.iter().enumerate() {
-        let Params::PerChannel { scale, offset } = r.keys.params else { unreachable!("checked") };
-        let c = r.keys.dim;
-        let qc = grown(qc, NQ * c);
-        for i in 0..NQ {
-            qc[i * c..(i + 1) * c].copy_from_slice(&q[i * d + r.first..i * d + r.first + c]);
-        }
-        let qr = grown(qr, NQ * c);
-        // SAFETY: AVX2 (this function's contract); `qc` holds NQ rows of c (a multiple of 8).
-        unsafe { avx2::round_queries_by::<NQ>(qc, scale, qr, &mut sq[j]) };
-        if let Some(ko) = offset {
-            let add = crate::fused_avx2::offset_dots::<NQ>(qc, ko);
-            kadd[j][..NQ].copy_from_slice(&add[..NQ]);
-        }
-        let at = starts[j];
-        for i in 0..NQ {
-            let row = &qr[i * c..(i + 1) * c];
-            q8[i * width + at..i * width + at + c].copy_from_slice(row);
-            qsum[j][i] = row.iter().map(|&x| i32::from(x)).sum::<i32>() * 128;
-        }
-    }
+    // 1. Each region's columns of the query rows rounded as the scores kernel rounds a
+    //    per-channel block, into the region's bytes of a row of `width`.
+    let x = regions::round_query::<avx2::Avx2Int>(regions, q, NQ, (width, starts), prep, qc, q8);
+    let (sq, kadd, qsum) = (x.sq, x.kadd, x.qsum);
 
     // 3. Region by region, two rows at a time: the integer dots with the query rows, the
     //    epilogue `sq · dot + kadd` added to the rows' scores in region order (so the bits of
@@ -416,11 +266,7 @@ unsafe fn scores<const NQ: usize>(
             }
         }
     }
-    for row in 0..n {
-        for i in 0..NQ {
-            out[i * n + row] = sums[4 * row + i];
-        }
-    }
+    regions::scatter(sums, n, NQ, out);
 }
 
 /// One region's epilogue, for two rows of four query rows (`[row 0: q0..q3 | row 1: q0..q3]`):
@@ -587,49 +433,25 @@ unsafe fn unpack_rows(
 
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
-    use crate::memory::Guarded;
-    use crate::{KeyRegion, Levels, Params, QuantBlock, scalar};
+    use crate::region_tests::{check_guarded_scores, check_unpacking};
 
-    /// A small generator of test bytes (xorshift32).
-    fn xorshift(mut seed: u32) -> impl FnMut() -> u32 {
-        move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            seed
-        }
-    }
-
-    /// Rows of every width and every multiple of 8 codes up to 256, packed by quant-core,
-    /// come back as their codes, zero in the padding to 32; the regular layouts (whole
-    /// 16-byte chunks, last chunks of 4 or 8 bytes, 8-bit rows) take lane shifts only.
+    /// Rows of every width and multiple of 8 codes come back as quant-core packed them, padded
+    /// to 32; the regular layouts (whole 16-byte chunks, last chunks of 4 or 8 bytes, 8-bit
+    /// rows) take lane shifts only.
     #[test]
     fn unpacked_rows_are_the_packed_codes() {
         if !super::avx2::cpu_ok() {
             return;
         }
-        let mut next = xorshift(0x1234_5677);
         let mut u = super::Unpacker::default();
+        check_unpacking(32, |regions| {
+            // SAFETY: AVX2 (checked above); one region of whole rows.
+            let (got, width, _) = unsafe { super::unpack(&mut u, regions) };
+            (got.to_vec(), width)
+        });
         for bits in 1..=8u8 {
             for c in (8..=256).step_by(8) {
-                let rows = 5;
-                let codes: Vec<u8> = (0..rows * c).map(|_| (next() % (1 << bits)) as u8).collect();
-                let mut packed = Vec::new();
-                for row in codes.chunks_exact(c) {
-                    packed.extend(kvq_quant_core::pack::pack(row, bits).unwrap());
-                }
-                let (scale, offset) = (vec![1f32; c], vec![0f32; c]);
-                let params = Params::PerChannel { scale: &scale, offset: Some(&offset) };
-                let keys = QuantBlock::new(&packed, rows, c, bits, Levels::Affine, params).unwrap();
-                // SAFETY: AVX2 (checked above); one region of whole rows.
-                let (got, width, _) = unsafe { u.unpack(&[KeyRegion { first: 0, keys }]) };
-                assert_eq!(width, c.next_multiple_of(32));
-                for (r, want) in codes.chunks_exact(c).enumerate() {
-                    let row = &got[r * width..(r + 1) * width];
-                    assert_eq!(&row[..c], want, "{bits} bits, {c} codes, row {r}");
-                    assert!(row[c..].iter().all(|&x| x == 0), "{bits} bits, {c} codes: padding");
-                }
-                let plan = super::Plan::new(&[(c, bits)]);
+                let plan = super::plan(&[(c, bits)]);
                 let words =
                     plan.steps.iter().filter(|s| matches!(s.src, super::Source::Words { .. })).count();
                 let regular = kvq_quant_core::pack::planes(bits).iter().all(|&w| {
@@ -641,58 +463,18 @@ mod tests {
             }
         }
         // The benchmarks' layout (3, 4 and 5 bits over 32, 64 and 32 channels): lanes only.
-        let plan = super::Plan::new(&[(32, 3), (64, 4), (32, 5)]);
+        let plan = super::plan(&[(32, 3), (64, 4), (32, 5)]);
         assert!(plan.steps.iter().all(|s| matches!(s.src, super::Source::Lanes { .. })));
     }
 
-    /// Regions whose codes end where an unreadable page begins, rows of 1 to 256 bytes (an
-    /// 8-channel 1-bit region: one byte a row): the windows of the last rows must come from
-    /// the copy, never from past the codes; the scores are the reference's, bit for bit.
+    /// The last rows' windows come from a copy where they could run past the codes; the
+    /// scores are the reference's, bit for bit.
     #[test]
     fn region_windows_stay_inside_the_codes() {
         if !super::avx2::cpu_ok() {
             return;
         }
-        let layouts: [&[(usize, u8)]; 3] = [
-            &[(8, 1), (8, 2), (8, 3), (8, 4), (8, 5), (8, 6), (8, 7), (8, 8)],
-            &[(24, 3), (40, 4), (64, 1)],
-            &[(200, 4), (56, 8)],
-        ];
-        let mut next = xorshift(0x9e37_79b9);
-        for shapes in layouts {
-            let d: usize = shapes.iter().map(|s| s.0).sum();
-            for rows in [1usize, 2, 3, 17] {
-                let data: Vec<(Guarded, Vec<f32>, Vec<f32>)> = shapes
-                    .iter()
-                    .map(|&(c, bits)| {
-                        let codes: Vec<u8> =
-                            (0..rows * c * usize::from(bits) / 8).map(|_| next() as u8).collect();
-                        let scale = (0..c).map(|_| (next() % 1000) as f32 / 1000.0 + 0.01).collect();
-                        let offset = (0..c).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
-                        (Guarded::new(&codes), scale, offset)
-                    })
-                    .collect();
-                let mut first = 0;
-                let regions: Vec<KeyRegion<'_>> = shapes
-                    .iter()
-                    .zip(&data)
-                    .map(|(&(c, bits), (g, scale, offset))| {
-                        let params = Params::PerChannel { scale, offset: Some(offset) };
-                        let keys = QuantBlock::new(g.bytes(), rows, c, bits, Levels::Affine, params).unwrap();
-                        let r = KeyRegion { first, keys };
-                        first += c;
-                        r
-                    })
-                    .collect();
-                let q: Vec<f32> = (0..4 * d).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
-                let (mut got, mut want) = (vec![0f32; 4 * rows], vec![0f32; 4 * rows]);
-                let mut w = super::Scratch::default();
-                assert!(super::scores_in(&regions, &q, 4, &mut got, &mut w), "{shapes:?}");
-                assert!(scalar::scores_int8_regions(&regions, &q, 4, &mut want));
-                for (g, x) in got.iter().zip(&want) {
-                    assert_eq!(g.to_bits(), x.to_bits(), "{shapes:?} rows {rows}: {g} vs {x}");
-                }
-            }
-        }
+        let mut w = super::Scratch::default();
+        check_guarded_scores(|regions, q, out| super::scores_in(regions, q, 4, out, &mut w));
     }
 }

@@ -1554,6 +1554,11 @@ fn fused_block_attention_matches_its_reference() {
         assert_eq!(dims(Backend::Dotprod, true, false), all, "values per group: the dotprod kernel");
         assert_eq!(dims(Backend::Dotprod, false, true), all, "keys per row or group: the dotprod kernel");
         assert_eq!(dims(Backend::Dotprod, true, true), all, "keys and values per group: dotprod");
+        // Keys per channel of other widths and narrow values: one key region, unpacked.
+        let widths = [(4u8, 3u8), (4, 2), (4, 1), (3, 3), (2, 2), (8, 4), (3, 4)];
+        for (dim, (kb, vb)) in all.iter().flat_map(|&d| widths.map(move |w| (d, w))) {
+            assert!(narrow_at.contains(&(Backend::Dotprod, dim, kb, vb)), "dotprod: {kb}/{vb} bits at {dim}");
+        }
     }
     #[cfg(target_arch = "x86_64")]
     {
@@ -1588,9 +1593,9 @@ fn fused_block_attention_matches_its_reference() {
             }
         }
     }
-    // Narrow values run on the AVX-512 and AVX2 kernels only.
-    let x86 = |b: Backend| matches!(b, Backend::Avx512 | Backend::Avx2);
-    assert!(narrow_at.iter().all(|x| (x.2, x.3) == (4, 4) || x86(x.0)), "{narrow_at:?}");
+    // Narrow values run on the AVX-512, AVX2 and dotprod kernels only.
+    let simd = |b: Backend| matches!(b, Backend::Avx512 | Backend::Avx2 | Backend::Dotprod);
+    assert!(narrow_at.iter().all(|x| (x.2, x.3) == (4, 4) || simd(x.0)), "{narrow_at:?}");
     let _ = (ran, dims, none);
 }
 
@@ -1869,9 +1874,9 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                         let mut got = vec![f32::NAN; n_q * rows + 3];
                         if scores_int8_regions_with(backend, &regions, &q, n_q, &mut got).unwrap() {
                             scored.insert((backend, dim));
-                            // The AVX2 kernel takes the reference's epilogue in its order: its bits.
-                            #[cfg(target_arch = "x86_64")]
-                            if backend == Backend::Avx2 {
+                            // The AVX2 and dotprod kernels take the reference's epilogue in its
+                            // order: its bits.
+                            if matches!(backend, Backend::Avx2 | Backend::Dotprod) {
                                 let same = got
                                     .iter()
                                     .zip(&want)
@@ -1998,6 +2003,18 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                 assert!(
                     ran.contains(&(Backend::Avx2, dim, vbits)),
                     "AVX2 regions at {dim}, values of {vbits} bits"
+                );
+            }
+        }
+    }
+    // Dotprod: the same.
+    if available().contains(&Backend::Dotprod) {
+        for dim in [64, 128, 256] {
+            assert!(scored.contains(&(Backend::Dotprod, dim)), "dotprod region scores at {dim}");
+            for vbits in 1..=4 {
+                assert!(
+                    ran.contains(&(Backend::Dotprod, dim, vbits)),
+                    "dotprod regions at {dim}, values of {vbits} bits"
                 );
             }
         }

@@ -651,8 +651,8 @@ fn keys_stored_before_rope() {
 }
 
 /// `integer_decode_kernel` names the fused block kernel exactly where decode runs it: KIVI-style
-/// INT4 at head_dim 128 on AVX-512 VNNI and on AVX2; `-qa` keys, INT3 keys per channel and INT2
-/// or INT3 values on AVX2 and on AVX-512 with VBMI; not INT8 values, not the scalar or `wide`
+/// INT4 at head_dim 128 on AVX-512 VNNI, AVX2 and dotprod; `-qa` keys, INT3 keys per channel and
+/// INT2 or INT3 values there (on AVX-512 with VBMI); not INT8 values, not the scalar or `wide`
 /// backends; nothing for a sequence without quantized blocks; an unknown sequence is an error.
 #[test]
 fn the_integer_kernel_is_named() {
@@ -675,14 +675,14 @@ fn the_integer_kernel_is_named() {
     let vbmi = std::arch::is_x86_feature_detected!("avx512vbmi");
     #[cfg(not(target_arch = "x86_64"))]
     let vbmi = false;
-    // (keys, values, fused on AVX-512, fused on AVX2, block size)
+    // (keys, values, fused on AVX-512, fused on AVX2 and dotprod, block size)
     for (kspec, vspec, fused, avx2, bs) in [
         ("int4-channel", "int4-token", vnni, true, 32),
         ("int8-token", "int8-token", false, false, 32),
         // Key groups of 32 tokens inside blocks of 64: the fused kernels take them as parts.
         ("int4-channel32", "int4-token", vnni, true, 64),
-        // Keys with bits per channel: their width regions, on AVX-512 with VBMI and on AVX2; so
-        // are INT3 keys per channel (one region) and values of 1 to 3 bits.
+        // Keys with bits per channel: their width regions, on AVX-512 with VBMI, AVX2 and
+        // dotprod; so are INT3 keys per channel (one region) and values of 1 to 3 bits.
         ("int4-channel-qa", "int4-token", vnni && vbmi, true, 32),
         ("int3-channel", "int3-token", vnni && vbmi, true, 32),
         ("int4-channel", "int2-token", vnni && vbmi, true, 32),
@@ -706,12 +706,10 @@ fn the_integer_kernel_is_named() {
         let seq = cache.create();
         cache.extend(seq, 0, &k, &v).unwrap();
         for backend in available() {
-            // Dotprod takes INT4 keys (not `-qa`) with INT4 values.
-            let dotprod = kspec.starts_with("int4-") && !kspec.ends_with("-qa") && vspec.starts_with("int4");
-            // The AVX-512 backend runs the AVX2 kernels where its own have no code.
+            // The AVX-512 backend runs the AVX2 kernels where its own have no code; dotprod
+            // takes what AVX2 takes.
             let has = ((fused || avx2) && backend == Backend::Avx512)
-                || (avx2 && backend == Backend::Avx2)
-                || (dotprod && backend == Backend::Dotprod);
+                || (avx2 && matches!(backend, Backend::Avx2 | Backend::Dotprod));
             let want = if has { "fused block" } else { "separate kernels" };
             assert_eq!(
                 integer_decode_kernel(backend, &cache, seq, 4).unwrap(),

@@ -1,0 +1,314 @@
+//! What the region kernels of AVX2 (`regions_avx2`) and of aarch64's `dotprod`
+//! (`regions_neon`) share: which key regions and values they take, where a code of a bit
+//! plane lies, the skeleton of a plan that unpacks a row of regions to a code a byte (its
+//! per-architecture steps aside), and the unpacker that keeps the plans and reads the last
+//! rows of a block through a copy.
+
+use crate::KeyRegion;
+use crate::block::{Levels, Params, QuantBlock};
+use crate::int8::grown;
+
+/// Whether a key region is what the SIMD region kernels unpack: affine codes of 1 to 8 bits
+/// with per-channel parameters, a multiple of 8 channels (whole bytes of every plane a row),
+/// rows of `dim · bits / 8` bytes, every row inside its codes.
+pub(crate) fn region_codes_ok(r: &KeyRegion<'_>) -> bool {
+    let k = &r.keys;
+    region_rows_ok(k) && matches!(k.levels, Levels::Affine) && matches!(k.params, Params::PerChannel { .. })
+}
+
+/// Most regions the region unpackers take.
+pub(crate) const MAX_REGIONS: usize = 16;
+
+/// Where the rows of `regions` (at most [`MAX_REGIONS`], `n` rows each) are read from when
+/// an unpacker's loads reach `reach[j]` bytes past the start of a row of region `j`: `rows`
+/// is called once with every region's codes and row length for the rows whose loads lie
+/// inside every region's codes (the first `count`, unpacked into `dst` row 0 on), and once
+/// more, if any are left, with copies of the remaining rows, each followed by room for its
+/// loads (`bounce`), for rows `count..n` (into `dst` row `count` on). `dst` is the first of
+/// `n` rows of `width` bytes.
+pub(crate) fn region_rows(
+    regions: &[KeyRegion<'_>],
+    reach: &[usize],
+    width: usize,
+    dst: *mut u8,
+    bounce: &mut Vec<u8>,
+    mut rows: impl FnMut(&[*const u8; MAX_REGIONS], &[usize; MAX_REGIONS], usize, *mut u8),
+) {
+    assert!(regions.len() <= MAX_REGIONS && reach.len() == regions.len(), "regions");
+    let n = regions.first().map_or(0, |r| r.keys.rows);
+    let safe = regions
+        .iter()
+        .zip(reach)
+        .map(|(r, &reach)| {
+            let (len, rb) = (r.keys.codes.len(), r.keys.row_bytes.max(1));
+            if reach > len { 0 } else { (len - reach) / rb + 1 }
+        })
+        .min()
+        .unwrap_or(0)
+        .min(n);
+    let mut bases = [std::ptr::null::<u8>(); MAX_REGIONS];
+    let mut strides = [0usize; MAX_REGIONS];
+    for (j, r) in regions.iter().enumerate() {
+        (bases[j], strides[j]) = (r.keys.codes.as_ptr(), r.keys.row_bytes);
+    }
+    rows(&bases, &strides, safe, dst);
+    if safe < n {
+        for ((s, r), &reach) in strides.iter_mut().zip(regions).zip(reach) {
+            *s = r.keys.row_bytes.max(reach);
+        }
+        let room: usize = strides.iter().map(|s| s * (n - safe)).sum();
+        let bounce = crate::int8::grown(bounce, room);
+        let mut at = 0;
+        for (j, r) in regions.iter().enumerate() {
+            let rb = r.keys.row_bytes;
+            for row in safe..n {
+                let to = at + (row - safe) * strides[j];
+                bounce[to..to + rb].copy_from_slice(&r.keys.codes[row * rb..(row + 1) * rb]);
+            }
+            bases[j] = bounce[at..].as_ptr();
+            at += strides[j] * (n - safe);
+        }
+        rows(&bases, &strides, n - safe, dst.wrapping_add(safe * width));
+    }
+}
+
+/// Byte and bit of code `i` in a bit plane of width `w` holding `dim` codes, as
+/// `kvq_quant_core::pack` lays a plane out: a plane narrower than 8 bits in chunks of `16 · 8 /
+/// w` codes filling 16 bytes, byte `j` holding code `j + 16 f` in field `f` (bits `f · w ..`);
+/// a last, shorter chunk of `r` codes in `s = ⌈r w / 8⌉` bytes, code `j` of it in byte `j mod
+/// s`, field `j / s`; 8-bit planes a byte a code.
+pub(crate) fn plane_loc(dim: usize, w: usize, i: usize) -> (usize, usize) {
+    if w >= 8 {
+        return (i, 0);
+    }
+    let per = 8 / w;
+    let chunk = 16 * per;
+    let whole = dim / chunk * chunk;
+    if i < whole {
+        let j = i % chunk;
+        (i / chunk * 16 + j % 16, j / 16 * w)
+    } else {
+        let s = (dim - whole).div_ceil(per);
+        let j = i - whole;
+        (whole / chunk * 16 + j % s, j / s * w)
+    }
+}
+
+/// Whether the rows of a block of codes are what an [`Unpacker`] takes: 1 to 8 bits, a
+/// multiple of 8 codes (whole bytes of every plane a row), rows of `dim · bits / 8` bytes,
+/// every row inside the codes (any parameters: the unpacking reads codes only).
+pub(crate) fn region_rows_ok(b: &QuantBlock<'_>) -> bool {
+    (1..=8).contains(&b.bits)
+        && b.dim.is_multiple_of(8)
+        && b.row_bytes == b.dim * usize::from(b.bits) / 8
+        && b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len())
+}
+
+/// Whether the region scores take these regions of `rows` rows tiling a row of `dim`
+/// channels: at least one row, each region as [`region_codes_ok`] takes it (so `dim` is a
+/// multiple of 8), at most [`MAX_REGIONS`] of them, on a CPU with the kernel's features
+/// (`cpu`).
+pub(crate) fn supported(regions: &[KeyRegion<'_>], rows: usize, dim: usize, cpu: bool) -> bool {
+    rows >= 1
+        && regions.len() <= MAX_REGIONS
+        && crate::regions_tile(regions, rows, dim)
+        && regions.iter().all(region_codes_ok)
+        && cpu
+}
+
+/// Values of 1 to 3 bits per code (`int3-token-mse-rot`, `int2-token`: the narrow values of
+/// `kvq recommend`'s candidates), affine with per-row parameters, a head_dim of 64, 128 or
+/// 256, whole rows: what the AVX2 and `dotprod` fused kernels unpack to a code a byte and
+/// weigh with bytes, as the integer value path rounds weights for codes of up to 4 bits.
+pub(crate) fn narrow_values(v: &QuantBlock<'_>) -> bool {
+    (1..=3).contains(&v.bits)
+        && matches!(v.levels, Levels::Affine)
+        && matches!(v.params, Params::PerRow { .. })
+        && matches!(v.dim, 64 | 128 | 256)
+        && region_rows_ok(v)
+}
+
+/// The values the AVX2 and `dotprod` fused kernels take with key regions, for `n_q` query
+/// rows: INT4 affine per row or per group of 32 to 256 values, or [`narrow_values`]; a
+/// head_dim of 64, 128 or 256; 1 to [`crate::FUSED_ROWS`] rows; at least one query row.
+pub(crate) fn fused_values(v: &QuantBlock<'_>, n_q: usize) -> bool {
+    (v.bits == 4
+        && matches!(v.levels, Levels::Affine)
+        && (matches!(v.params, Params::PerRow { .. }) || crate::lane_groups(v))
+        || narrow_values(v))
+        && matches!(v.dim, 64 | 128 | 256)
+        && (1..=crate::FUSED_ROWS).contains(&v.rows)
+        && n_q >= 1
+}
+
+/// One vector of an unpacked row: region `region`'s codes from byte `at` of the row, made by
+/// `steps` of its plan (its planes, or-ed).
+#[derive(Clone)]
+pub(crate) struct Out {
+    pub(crate) region: usize,
+    pub(crate) at: usize,
+    pub(crate) steps: std::ops::Range<usize>,
+}
+
+/// How to unpack a row of keys in channel regions of these shapes (`(channels, bits)` each,
+/// in order) to a code a byte, by steps `S` of an architecture: each region's codes from byte
+/// `offset[j]` of a row of `width` bytes, padded with zero codes to a multiple of the
+/// vector's bytes; `reach[j]` how many bytes of a row of region `j` the loads read.
+#[derive(Clone)]
+pub(crate) struct Plan<S> {
+    shapes: Vec<(usize, u8)>,
+    pub(crate) outs: Vec<Out>,
+    pub(crate) steps: Vec<S>,
+    pub(crate) offset: Vec<usize>,
+    pub(crate) width: usize,
+    pub(crate) reach: Vec<usize>,
+}
+
+/// Where a plane lies and goes: `(c, w, pbase, base, o, rb)`: the region's channels, the
+/// plane's width, its first byte in the region's row and its first bit in the code, the
+/// vector's first code, and the region's row bytes.
+pub(crate) type PlaneAt = (usize, usize, usize, usize, usize, usize);
+
+impl<S> Plan<S> {
+    /// The plan of `shapes` with vectors of `vector` bytes, each plane's step of a vector by
+    /// `step`, which returns it and how many bytes from the row's start its loads read.
+    pub(crate) fn new(
+        shapes: &[(usize, u8)],
+        vector: usize,
+        mut step: impl FnMut(PlaneAt) -> (S, usize),
+    ) -> Self {
+        let (mut outs, mut steps, mut offset, mut reach) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut width = 0;
+        for (j, &(c, bits)) in shapes.iter().enumerate() {
+            offset.push(width);
+            let rb = c * usize::from(bits) / 8;
+            let mut far = 16;
+            for o in (0..c).step_by(vector) {
+                let first = steps.len();
+                let (mut pbase, mut base) = (0usize, 0usize);
+                for &w in kvq_quant_core::pack::planes(bits) {
+                    let w = usize::from(w);
+                    let (s, reached) = step((c, w, pbase, base, o, rb));
+                    far = far.max(reached);
+                    steps.push(s);
+                    pbase += c * w / 8;
+                    base += w;
+                }
+                outs.push(Out { region: j, at: width + o, steps: first..steps.len() });
+            }
+            reach.push(far);
+            width += c.next_multiple_of(vector);
+        }
+        Self { shapes: shapes.to_vec(), outs, steps, offset, width, reach }
+    }
+}
+
+/// Unpacks blocks of codes in channel regions to a code a byte: the plans of the layouts seen
+/// (a head's blocks share one, so the first is usually the one), the unpacked rows and the
+/// copy of the last rows, grown to the largest block seen.
+pub(crate) struct Unpacker<S> {
+    plans: Vec<Plan<S>>,
+    unpacked: Vec<u8>,
+    bounce: Vec<u8>,
+}
+
+impl<S> Default for Unpacker<S> {
+    fn default() -> Self {
+        Self { plans: Vec::new(), unpacked: Vec::new(), bounce: Vec::new() }
+    }
+}
+
+impl<S> Unpacker<S> {
+    /// Every row of `regions` (as [`region_rows_ok`] takes them; the same rows each, `n` of
+    /// them) unpacked to a code a byte: row `r` at `r · width` of the returned bytes, each
+    /// region's codes from the plan's offset, padded with zero codes, and one row of zero
+    /// codes more (the partner of an odd last row). The plan of a new layout comes from
+    /// `plan`; `rows` unpacks rows as [`region_rows`] hands them over. Returns the bytes, the
+    /// width and the regions' offsets in a row.
+    ///
+    /// # Panics
+    /// Where [`region_rows_ok`] is false for a region, there are none or more than
+    /// [`MAX_REGIONS`], or their rows differ.
+    pub(crate) fn unpack(
+        &mut self,
+        regions: &[KeyRegion<'_>],
+        plan: impl FnOnce(&[(usize, u8)]) -> Plan<S>,
+        mut rows: impl FnMut(&Plan<S>, &[*const u8; MAX_REGIONS], &[usize; MAX_REGIONS], usize, *mut u8),
+    ) -> (&[u8], usize, &[usize]) {
+        assert!(!regions.is_empty() && regions.len() <= MAX_REGIONS, "regions");
+        let n = regions[0].keys.rows;
+        assert!(regions.iter().all(|r| r.keys.rows == n && region_rows_ok(&r.keys)), "whole rows");
+        let shapes = || regions.iter().map(|r| (r.keys.dim, r.keys.bits));
+        match self.plans.iter().position(|p| p.shapes.iter().copied().eq(shapes())) {
+            Some(0) => {}
+            Some(j) => self.plans.swap(0, j),
+            None => self.plans.insert(0, plan(&shapes().collect::<Vec<_>>())),
+        }
+        let Self { plans, unpacked, bounce } = self;
+        let p = &plans[0];
+        let width = p.width;
+        let unpacked = grown(unpacked, (n + 1) * width);
+        unpacked[n * width..].fill(0);
+        region_rows(regions, &p.reach, width, unpacked.as_mut_ptr(), bounce, |bases, strides, count, dst| {
+            rows(p, bases, strides, count, dst)
+        });
+        (&unpacked[..(n + 1) * width], width, &p.offset)
+    }
+}
+
+/// The query rows of a region scores call, rounded per region: each region's scale, what its
+/// offsets add (`Σ q · offset`) and `128 · Σ q8` (8-bit codes are dotted as `code − 128`), per
+/// query row (up to four).
+pub(crate) struct Rounded {
+    pub(crate) sq: [[f32; 4]; MAX_REGIONS],
+    pub(crate) kadd: [[f32; 4]; MAX_REGIONS],
+    pub(crate) qsum: [[i32; 4]; MAX_REGIONS],
+}
+
+/// Each region's columns of the `nq <= 4` query rows `q` (rows of the regions' channels),
+/// rounded as kernel `K` rounds a per-channel block (its scales folded in, one int8 scale per
+/// row: the reference's bytes), into the region's bytes (from `starts[j]`) of `nq` rows of
+/// `width` in `q8`, zero in the padding; `qc` and `prep` are room for the region's columns and
+/// their rounding.
+pub(crate) fn round_query<K: crate::int8::IntKernel>(
+    regions: &[KeyRegion<'_>],
+    q: &[f32],
+    nq: usize,
+    (width, starts): (usize, &[usize]),
+    prep: &mut crate::int8::Prepared,
+    qc: &mut Vec<f32>,
+    q8: &mut Vec<i8>,
+) -> Rounded {
+    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
+    assert!(nq <= 4 && q.len() == nq * d && regions.len() <= MAX_REGIONS && starts.len() == regions.len());
+    let q8 = grown(q8, nq * width);
+    q8.fill(0);
+    let mut x =
+        Rounded { sq: [[0.0; 4]; MAX_REGIONS], kadd: [[0.0; 4]; MAX_REGIONS], qsum: [[0; 4]; MAX_REGIONS] };
+    for (j, r) in regions.iter().enumerate() {
+        let c = r.keys.dim;
+        let qc = grown(qc, nq * c);
+        for i in 0..nq {
+            qc[i * c..(i + 1) * c].copy_from_slice(&q[i * d + r.first..i * d + r.first + c]);
+        }
+        prep.prepare::<K>(&r.keys, qc);
+        let at = starts[j];
+        for i in 0..nq {
+            let row = &prep.q8[i * c..(i + 1) * c];
+            q8[i * width + at..i * width + at + c].copy_from_slice(row);
+            x.qsum[j][i] = row.iter().map(|&b| i32::from(b)).sum::<i32>() * 128;
+            (x.sq[j][i], x.kadd[j][i]) = (prep.scale[i], prep.add[i]);
+        }
+    }
+    x
+}
+
+/// The scores of `nq` query rows from `sums` (four a row of the block, query rows side by
+/// side) into `out` (query row `i` at `i · n`).
+pub(crate) fn scatter(sums: &[f32], n: usize, nq: usize, out: &mut [f32]) {
+    for row in 0..n {
+        for i in 0..nq {
+            out[i * n + row] = sums[4 * row + i];
+        }
+    }
+}
