@@ -77,6 +77,8 @@ pub(crate) struct FusedScratch {
     pub(crate) regions: regions_avx2::Scratch,
     /// Values of 1 to 3 bits: their rows unpacked to a code a byte.
     values: regions_avx2::Unpacker,
+    /// Keys in channel regions: the block's scores of every query row of the call.
+    region_scores: Vec<f32>,
 }
 
 /// The keys of a fused call: token parts (one block, or per-channel blocks of consecutive
@@ -85,6 +87,14 @@ pub(crate) struct FusedScratch {
 enum Keys<'a> {
     Parts(&'a [QuantBlock<'a>]),
     Regions(&'a [KeyRegion<'a>]),
+}
+
+/// The keys of one query group of a fused call: token parts, or the group's scores (key
+/// regions: scored for all query rows before the groups).
+#[derive(Clone, Copy)]
+enum GroupKeys<'a> {
+    Parts(&'a [QuantBlock<'a>]),
+    Scores(&'a [f32]),
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -126,11 +136,36 @@ unsafe fn run(
     state: Online<'_>,
     w: &mut FusedScratch,
 ) -> bool {
-    crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
-        // SAFETY: the keys and values as this function's contract says; `fused_groups`
-        // checked the value scales and the shapes.
-        unsafe { by_group!(attend, nq, (keys, v, q, m, l, o, w)) }
-    })
+    // What does not depend on the query group, once for the block: the key regions' scores of
+    // every query row (their rows unpacked once), the narrow values' rows unpacked.
+    let n = v.rows;
+    let (mut all, mut values) = (std::mem::take(&mut w.region_scores), std::mem::take(&mut w.values));
+    if let Keys::Regions(rs) = keys {
+        let done = regions_avx2::scores_in(rs, q, n_q, grown(&mut all, n_q * n), &mut w.regions);
+        debug_assert!(done, "`attend_int_regions_supported` checked the regions");
+    }
+    let codes: &[u8] = if v.bits == 4 {
+        &[]
+    } else {
+        // SAFETY: AVX2 (this function's contract); `narrow_values` checked the rows.
+        let (codes, width, _) =
+            unsafe { regions_avx2::unpack(&mut values, &[KeyRegion { first: 0, keys: *v }]) };
+        debug_assert!(width == v.dim, "a head_dim of 64, 128 or 256 needs no padding");
+        codes
+    };
+    let mut i0 = 0;
+    let done = crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
+        let keys = match keys {
+            Keys::Parts(parts) => GroupKeys::Parts(parts),
+            Keys::Regions(_) => GroupKeys::Scores(&all[i0 * n..(i0 + nq) * n]),
+        };
+        i0 += nq;
+        // SAFETY: the keys and values as this function's contract says (the group's scores
+        // from them); `fused_groups` checked the value scales and the shapes.
+        unsafe { by_group!(attend, nq, (keys, codes, v, q, m, l, o, w)) }
+    });
+    (w.region_scores, w.values) = (all, values);
+    done
 }
 
 /// Whether [`crate::attend_int_regions_with`] has a fused AVX2 kernel for these key regions
@@ -219,16 +254,20 @@ pub(crate) fn offset_dots<const NQ: usize>(q: &[f32], offset: &[f32]) -> [f32; i
 }
 
 /// The fused kernel for `NQ` query rows, the keys in one part or several (per channel), or
-/// in channel regions.
+/// the group's scores of keys in channel regions; `codes` the rows of narrow values unpacked
+/// (empty for INT4 values).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; [`crate::parts_supported`] with
-/// [`attend_int_supported`]`(k, v, NQ)` for the parts of `keys` and `v`, or
-/// [`attend_int_regions_supported`] for its regions; every value scale of `v` is `>= 0`; `q`
-/// and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
+/// [`attend_int_supported`]`(k, v, NQ)` for the parts of `keys` and `v`, or scores of `NQ`
+/// rows of `v.rows` with values [`attend_int_regions_supported`] takes; narrow values'
+/// `codes` hold `v.rows + 1` rows of `v.dim` codes (the last zero); every value scale of `v`
+/// is `>= 0`; `q` and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn attend<const NQ: usize>(
-    keys: Keys<'_>,
+    keys: GroupKeys<'_>,
+    codes: &[u8],
     v: &QuantBlock<'_>,
     q: &[f32],
     m: &mut [f32],
@@ -237,15 +276,11 @@ unsafe fn attend<const NQ: usize>(
     w: &mut FusedScratch,
 ) {
     let (d, n) = (v.dim, v.rows);
-    let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw, int8: scratch, scores, regions, values } = w;
+    let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw, int8: scratch, scores, .. } = w;
     let parts = match keys {
-        Keys::Parts(parts) => parts,
-        Keys::Regions(rs) => {
-            // 1-2. Keys in channel regions: the region scores kernel's scores.
-            let done = regions_avx2::scores_in(rs, q, NQ, grown(scores, NQ * n), regions);
-            debug_assert!(done, "`attend_int_regions_supported` checked the regions");
-            &[]
-        }
+        GroupKeys::Parts(parts) => parts,
+        // 1-2. Keys in channel regions: the region scores kernel's scores, taken before.
+        GroupKeys::Scores(_) => &[],
     };
     if let Some(k) = parts.first()
         && matches!(k.params, Params::PerChannel { .. })
@@ -289,6 +324,10 @@ unsafe fn attend<const NQ: usize>(
         let done = avx2::scores_int8_in(k, q, NQ, grown(scores, NQ * n), scratch);
         debug_assert!(done, "`attend_int_supported` checked `int8_supported(k)`");
     }
+    let scores: &[f32] = match keys {
+        GroupKeys::Scores(s) => s,
+        GroupKeys::Parts(_) => &scores[..NQ * n],
+    };
 
     // 3. The scores' maxima with the running ones, the rescaling factors, the exponentials,
     //    their sums and the weights `p · scale` rounded to bytes (scale max / 255), zero from n
@@ -373,10 +412,7 @@ unsafe fn attend<const NQ: usize>(
         // values.
         unsafe { value_sums::<NQ>(v, wb, stride, group, acc) };
     } else {
-        // Narrow values (per row): unpacked to a code a byte first.
-        // SAFETY: AVX2 (this function's contract); `narrow_values` checked the rows.
-        let (codes, width, _) = unsafe { regions_avx2::unpack(values, &[KeyRegion { first: 0, keys: *v }]) };
-        debug_assert!(width == d, "a head_dim of 64, 128 or 256 needs no padding");
+        // Narrow values (per row), unpacked to a code a byte before the groups.
         // SAFETY: `codes` holds n + 1 rows of d codes below 2^bits (the last zero); `wb` NQ
         // rows of `stride >= n + 1` rounded to even bytes, zero from n; `acc` NQ · d values.
         unsafe { byte_value_sums::<NQ>(codes, n, d, crate::intv::center(v.bits), wb, stride, acc) };

@@ -83,6 +83,8 @@ pub(crate) struct FusedScratch {
     pub(crate) regions: regions_neon::Scratch,
     /// Values of 1 to 3 bits: their rows unpacked to a code a byte.
     values: regions_neon::Unpacker,
+    /// Keys in channel regions: the block's scores of every query row of the call.
+    region_scores: Vec<f32>,
 }
 
 /// The keys of a fused call: token parts (one block, or per-channel blocks of consecutive
@@ -91,6 +93,14 @@ pub(crate) struct FusedScratch {
 enum Keys<'a> {
     Parts(&'a [QuantBlock<'a>]),
     Regions(&'a [KeyRegion<'a>]),
+}
+
+/// The keys of one query group of a fused call: token parts, or the group's scores (key
+/// regions: scored for all query rows before the groups).
+#[derive(Clone, Copy)]
+enum GroupKeys<'a> {
+    Parts(&'a [QuantBlock<'a>]),
+    Scores(&'a [f32]),
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -151,23 +161,51 @@ unsafe fn run(
     state: Online<'_>,
     w: &mut FusedScratch,
 ) -> bool {
-    crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
-        // SAFETY: the keys and values as this function's contract says; `fused_groups`
-        // checked the value scales and the shapes.
-        unsafe { by_group!(attend, nq, (keys, v, q, m, l, o, w)) }
-    })
+    // What does not depend on the query group, once for the block: the key regions' scores of
+    // every query row (their rows unpacked once), the narrow values' rows unpacked.
+    let n = v.rows;
+    let (mut all, mut values) = (std::mem::take(&mut w.region_scores), std::mem::take(&mut w.values));
+    if let Keys::Regions(rs) = keys {
+        let done = regions_neon::scores_in(rs, q, n_q, grown(&mut all, n_q * n), &mut w.regions);
+        debug_assert!(done, "`attend_int_regions_supported` checked the regions");
+    }
+    let codes: &[u8] = if v.bits == 4 {
+        &[]
+    } else {
+        let (codes, width, _) = regions_neon::unpack(&mut values, &[KeyRegion { first: 0, keys: *v }]);
+        debug_assert!(width == v.dim, "a head_dim of 64, 128 or 256 needs no padding");
+        codes
+    };
+    let mut i0 = 0;
+    let done = crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
+        let keys = match keys {
+            Keys::Parts(parts) => GroupKeys::Parts(parts),
+            Keys::Regions(_) => GroupKeys::Scores(&all[i0 * n..(i0 + nq) * n]),
+        };
+        i0 += nq;
+        // SAFETY: the keys and values as this function's contract says (the group's scores
+        // from them); `fused_groups` checked the value scales and the shapes.
+        unsafe { by_group!(attend, nq, (keys, codes, v, q, m, l, o, w)) }
+    });
+    (w.region_scores, w.values) = (all, values);
+    done
 }
 
-/// The fused kernel for `NQ` query rows, the keys in one part or several, or in channel
-/// regions.
+/// The fused kernel for `NQ` query rows, the keys in one part or several, or the group's
+/// scores of keys in channel regions; `codes` the rows of narrow values unpacked (empty for
+/// INT4 values).
 ///
 /// # Safety
 /// The CPU must support the dot-product extension; [`attend_int_parts_supported`] for the
-/// parts of `keys` and `v`, or [`attend_int_regions_supported`] for its regions; every value
-/// scale of `v` is `>= 0`; `q` and `o` hold `NQ · dim` values, `m` and `l` `NQ`.
+/// parts of `keys` and `v`, or scores of `NQ` rows of `v.rows` with values
+/// [`attend_int_regions_supported`] takes; narrow values' `codes` hold `v.rows` rows of
+/// `v.dim` codes; every value scale of `v` is `>= 0`; `q` and `o` hold `NQ · dim` values, `m`
+/// and `l` `NQ`.
 #[target_feature(enable = "neon,dotprod")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn attend<const NQ: usize>(
-    keys: Keys<'_>,
+    keys: GroupKeys<'_>,
+    codes: &[u8],
     v: &QuantBlock<'_>,
     q: &[f32],
     m: &mut [f32],
@@ -183,16 +221,15 @@ unsafe fn attend<const NQ: usize>(
     };
     let per = d / group;
     assert!(per <= MAX_GROUPS && vs.len() >= n * per && vo.is_none_or(|o| o.len() >= n * per));
-    let FusedScratch { prep, dots, p, wb, acc, pw, vt, int8: scratch, regions, values } = w;
+    let FusedScratch { prep, dots, p, wb, acc, pw, vt, int8: scratch, .. } = w;
     assert!(q.len() == NQ * d && o.len() == NQ * d && m.len() == NQ && l.len() == NQ, "shapes");
 
     let p = grown(p, NQ * n);
     let parts = match keys {
-        Keys::Parts(parts) => parts,
-        Keys::Regions(rs) => {
-            // 1-2. Keys in channel regions: the region scores kernel's scores.
-            let done = regions_neon::scores_in(rs, q, NQ, p, regions);
-            debug_assert!(done, "`attend_int_regions_supported` checked the regions");
+        GroupKeys::Parts(parts) => parts,
+        GroupKeys::Scores(s) => {
+            // 1-2. Keys in channel regions: the region scores kernel's scores, taken before.
+            p.copy_from_slice(s);
             &[]
         }
     };
@@ -296,9 +333,7 @@ unsafe fn attend<const NQ: usize>(
         // of 32 dividing d (`lane_groups`, or d itself).
         unsafe { value_sums::<NQ>(v, wb, n, group, acc) };
     } else {
-        // Narrow values (per row): unpacked to a code a byte first.
-        let (codes, width, _) = regions_neon::unpack(values, &[KeyRegion { first: 0, keys: *v }]);
-        debug_assert!(width == d, "a head_dim of 64, 128 or 256 needs no padding");
+        // Narrow values (per row), unpacked to a code a byte before the groups.
         // SAFETY: NEON; `codes` holds n rows of d codes below 8; `wb` NQ rows of n bytes;
         // `acc` NQ · d values.
         unsafe { byte_value_sums::<NQ>(codes, n, d, wb, acc) };

@@ -568,6 +568,12 @@ pub struct Online<'a> {
     pub o: &'a mut [f32],
 }
 
+/// A shorter-lived [`Online`] over the same rows (to try one kernel, then another).
+#[cfg(target_arch = "x86_64")]
+fn reborrow<'s>(state: &'s mut Online<'_>) -> Online<'s> {
+    Online { m: &mut *state.m, l: &mut *state.l, o: &mut *state.o }
+}
+
 /// A block of keys `k` and the block of values `v` of the same tokens attended by `n_q` query
 /// rows `q` (`n_q × dim`, already scaled) in one fused call on the integer paths, `state`
 /// updated as an online softmax over the block would update it: for each row, the scores
@@ -857,11 +863,14 @@ pub fn attend_int_parts_in(
     check_attend(parts, v, q, n_q, &state)?;
     #[cfg(target_arch = "x86_64")]
     match backend {
-        Backend::Avx512 if avx512::attend_int_parts_supported(parts, v, n_q) => {
-            return Ok(avx512::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused));
-        }
-        // The AVX2 kernel where the AVX-512 one has no code (no VNNI or VBMI, say).
+        // The AVX2 kernel where the AVX-512 one has no code (no VNNI or VBMI, say), or declines.
         Backend::Avx512 | Backend::Avx2 => {
+            let mut state = state;
+            if backend == Backend::Avx512
+                && avx512::attend_int_in(parts, v, q, n_q, reborrow(&mut state), &mut scratch.fused)
+            {
+                return Ok(true);
+            }
             return Ok(fused_avx2::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused_avx2));
         }
         _ => {}
@@ -1073,11 +1082,14 @@ pub fn attend_int_regions_in(
     )?;
     #[cfg(target_arch = "x86_64")]
     match backend {
-        Backend::Avx512 if avx512::attend_int_regions_supported(regions, v, n_q) => {
-            return Ok(avx512::attend_int_regions_in(regions, v, q, n_q, state, &mut scratch.fused));
-        }
-        // The AVX2 kernel where the AVX-512 one has no code (no VBMI, say).
+        // The AVX2 kernel where the AVX-512 one has no code (no VBMI, say), or declines.
         Backend::Avx512 | Backend::Avx2 => {
+            let mut state = state;
+            if backend == Backend::Avx512
+                && avx512::attend_int_regions_in(regions, v, q, n_q, reborrow(&mut state), &mut scratch.fused)
+            {
+                return Ok(true);
+            }
             return Ok(fused_avx2::attend_int_regions_in(regions, v, q, n_q, state, &mut scratch.fused_avx2));
         }
         _ => {}
