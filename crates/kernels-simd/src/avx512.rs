@@ -800,6 +800,10 @@ pub(crate) struct FusedScratch {
     plans: Vec<HeadPlan>,
     /// How to unpack rows of narrow values, per (head_dim, bits) met so far.
     vplans: Vec<HeadPlan>,
+    /// The block's key regions' rows and narrow values' rows unpacked to a code a byte
+    /// ([`unpack_rows`]), once per block for every query group.
+    ub: Vec<u8>,
+    vb: Vec<u8>,
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -862,8 +866,14 @@ fn grow(w: &mut FusedScratch) {
         w.wg.resize(g * MAX_GROUPS * pr, 0.0);
         w.wq.resize(g * QUADS * QUAD_GROUPS, 0);
         w.wx.resize(FUSED_DIM / 128 * g * QUADS * 16, 0);
+        w.ub.resize(UNPACKED, 0);
+        w.vb.resize(UNPACKED, 0);
     }
 }
+
+/// Bytes of an unpacked block: [`FUSED_ROWS`] rows (and the zero rows up to a multiple of 8)
+/// of up to [`FUSED_DIM`] codes.
+const UNPACKED: usize = (FUSED_ROWS + 8) * FUSED_DIM;
 
 /// Whether [`crate::attend_int_regions_with`] has a kernel for these key regions and values on this
 /// CPU: regions of affine codes of 1 to 8 bits with per-channel parameters, a multiple of 8
@@ -916,27 +926,30 @@ pub(crate) fn scores_int8_regions_in(
     grow(w);
     plan_first(regions, w);
     let pr = FUSED_ROWS + 16;
-    let FusedScratch { q8, qp, p, plans, .. } = w;
+    let FusedScratch { q8, qp, p, plans, ub, .. } = w;
+    // SAFETY: `regions_supported` checked the CPU and the regions; `ub` is grown above; the
+    // plan is the regions'.
+    unsafe { unpack_regions::<true>(regions, &plans[0], ub) };
     let mut i0 = 0;
     while i0 < n_q {
         let nq = (n_q - i0).min(int8::GROUP);
         let q = &q[i0 * d..(i0 + nq) * d];
         // SAFETY: `regions_supported` checked the CPU and the regions; grown above, with the
-        // regions' plan first; `q` holds nq rows of d.
+        // regions' plan first and their rows unpacked; `q` holds nq rows of d.
         unsafe {
             match (nq, d) {
-                (1, 64) => region_scores::<1, 64>(regions, q, q8, qp, p, &plans[0]),
-                (2, 64) => region_scores::<2, 64>(regions, q, q8, qp, p, &plans[0]),
-                (3, 64) => region_scores::<3, 64>(regions, q, q8, qp, p, &plans[0]),
-                (_, 64) => region_scores::<4, 64>(regions, q, q8, qp, p, &plans[0]),
-                (1, 128) => region_scores::<1, 128>(regions, q, q8, qp, p, &plans[0]),
-                (2, 128) => region_scores::<2, 128>(regions, q, q8, qp, p, &plans[0]),
-                (3, 128) => region_scores::<3, 128>(regions, q, q8, qp, p, &plans[0]),
-                (_, 128) => region_scores::<4, 128>(regions, q, q8, qp, p, &plans[0]),
-                (1, _) => region_scores::<1, 256>(regions, q, q8, qp, p, &plans[0]),
-                (2, _) => region_scores::<2, 256>(regions, q, q8, qp, p, &plans[0]),
-                (3, _) => region_scores::<3, 256>(regions, q, q8, qp, p, &plans[0]),
-                (_, _) => region_scores::<4, 256>(regions, q, q8, qp, p, &plans[0]),
+                (1, 64) => region_scores::<1, 64>(regions, ub, q, q8, qp, p, &plans[0]),
+                (2, 64) => region_scores::<2, 64>(regions, ub, q, q8, qp, p, &plans[0]),
+                (3, 64) => region_scores::<3, 64>(regions, ub, q, q8, qp, p, &plans[0]),
+                (_, 64) => region_scores::<4, 64>(regions, ub, q, q8, qp, p, &plans[0]),
+                (1, 128) => region_scores::<1, 128>(regions, ub, q, q8, qp, p, &plans[0]),
+                (2, 128) => region_scores::<2, 128>(regions, ub, q, q8, qp, p, &plans[0]),
+                (3, 128) => region_scores::<3, 128>(regions, ub, q, q8, qp, p, &plans[0]),
+                (_, 128) => region_scores::<4, 128>(regions, ub, q, q8, qp, p, &plans[0]),
+                (1, _) => region_scores::<1, 256>(regions, ub, q, q8, qp, p, &plans[0]),
+                (2, _) => region_scores::<2, 256>(regions, ub, q, q8, qp, p, &plans[0]),
+                (3, _) => region_scores::<3, 256>(regions, ub, q, q8, qp, p, &plans[0]),
+                (_, _) => region_scores::<4, 256>(regions, ub, q, q8, qp, p, &plans[0]),
             }
         }
         for i in 0..nq {
@@ -1026,14 +1039,16 @@ struct PlanePiece {
 
 /// How to unpack a row of keys in channel regions of these shapes (`(channels, bits)` each,
 /// in order) to a code a byte, 64 channels at a time: the pieces of channels `64v ..` are
-/// `pieces[starts[v]..starts[v + 1]]`, or-ed together; `lane_region[v][l]` is the region of
-/// channels `64v + 4l ..` (regions are whole multiples of 8 channels).
+/// `pieces[starts[v]..starts[v + 1]]`, or-ed together. `runs` cuts the row into runs of
+/// 16-channel blocks whose 4-channel quarters lie in the same regions: `(first block, end
+/// block, lanes)`, lane `4k + j` naming the region of quarter `j` of each block (regions are
+/// whole multiples of 8 channels).
 #[derive(Clone)]
 struct HeadPlan {
     shapes: Vec<(usize, u8)>,
     pieces: Vec<PlanePiece>,
     starts: Vec<usize>,
-    lane_region: Vec<[i32; 16]>,
+    runs: Vec<(usize, usize, [i32; 16])>,
 }
 
 impl HeadPlan {
@@ -1045,12 +1060,11 @@ impl HeadPlan {
         let d: usize = shapes.iter().map(|s| s.0).sum();
         let chunks = d.div_ceil(64);
         let mut by_chunk: Vec<Vec<PlanePiece>> = vec![Vec::new(); chunks];
-        let mut lane_region = vec![[0i32; 16]; chunks];
+        // The region of each 4-channel quarter.
+        let mut quarter = vec![0i32; d.div_ceil(4)];
         let mut first = 0;
         for (region, &(dim, bits)) in shapes.iter().enumerate() {
-            for a in (first..first + dim).step_by(4) {
-                lane_region[a / 64][(a % 64) / 4] = region as i32;
-            }
+            quarter[first / 4..(first + dim) / 4].fill(region as i32);
             let (mut base, mut shift) = (0usize, 0usize);
             for &w in kvq_quant_core::pack::planes(bits) {
                 let w = usize::from(w);
@@ -1105,7 +1119,15 @@ impl HeadPlan {
             pieces.extend(chunk);
             starts.push(pieces.len());
         }
-        Self { shapes: shapes.to_vec(), pieces, starts, lane_region }
+        let mut runs: Vec<(usize, usize, [i32; 16])> = Vec::new();
+        for (m, q) in quarter.chunks(4).enumerate() {
+            let lanes = std::array::from_fn(|l| q.get(l % 4).copied().unwrap_or(0));
+            match runs.last_mut() {
+                Some(run) if run.2 == lanes => run.1 = m + 1,
+                _ => runs.push((m, m + 1, lanes)),
+            }
+        }
+        Self { shapes: shapes.to_vec(), pieces, starts, runs }
     }
 }
 
@@ -1135,11 +1157,21 @@ unsafe fn fused_run(
 ) -> bool {
     let d = v.dim;
     let grouped = matches!(v.params, Params::PerGroup { .. });
+    let mut first = true;
     crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
         // SAFETY: the callers checked the CPU, the widths, the layouts and the sizes against
         // the buffers' (grown to the largest block); `fused_groups` checked the value scales
         // and the shapes.
         unsafe {
+            // The block's key regions and narrow values unpacked once, for every group.
+            if std::mem::take(&mut first) {
+                if let Keys::Regions(regions) = keys {
+                    unpack_regions::<true>(regions, &w.plans[0], &mut w.ub);
+                }
+                if v.bits != 4 {
+                    unpack_rows::<false>(&w.vplans[0], &[(v.codes.as_ptr(), v.row_bytes)], v.rows, &mut w.vb);
+                }
+            }
             // One monomorphization per query group size, head_dim (64, 128, else 256) and
             // layout of the keys' and the values' parameters (per channel, or per row or
             // group; per row or group).
@@ -1195,7 +1227,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     o: &mut [f32],
     w: &mut FusedScratch,
 ) {
-    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx, plans, vplans } = w;
+    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx, plans, ub, vb, .. } = w;
     use int8::MAGIC;
     let (d, n) = (D, v.rows);
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
@@ -1373,9 +1405,9 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     let late_max = GK || matches!(keys, Keys::Regions(_));
     if let Keys::Regions(regions) = keys {
         // SAFETY: `attend_int_regions_supported` checked VBMI and the regions; the buffers
-        // are grown and the regions' plan is the first (`attend_int_regions_in`); `p`'s rows
-        // are `FUSED_ROWS + 16` apart.
-        unsafe { region_scores::<NQ, D>(regions, q, q8, qp, p, &plans[0]) };
+        // are grown, the regions' plan is the first and their rows are unpacked into `ub`
+        // (`fused_run`); `p`'s rows are `FUSED_ROWS + 16` apart.
+        unsafe { region_scores::<NQ, D>(regions, ub, q, q8, qp, p, &plans[0]) };
     } else if GK {
         let Keys::Parts(parts) = keys else { unreachable!("parts") };
         let k = &parts[0];
@@ -1517,8 +1549,8 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     // past n, zero weights there); `acc` NQ · d values.
     unsafe {
         if v.bits != 4 {
-            // Narrow values (checked by `narrow_values`): their plan is the first of `vplans`.
-            vsums_codes::<NQ>(v, n, wb, stride, &vplans[0], acc)
+            // Narrow values (checked by `narrow_values`): unpacked into `vb` by `fused_run`.
+            vsums_codes::<NQ>(v, n, wb, stride, vb, acc)
         } else if D == 64 {
             vsums_bytes64::<NQ, false>(v, n, wb, stride, &[], acc)
         } else {
@@ -1548,21 +1580,24 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
 
 /// Steps 1-2 of [`attend4`] for keys in channel regions: each region's columns of the `NQ`
 /// query rows times its channel scales, rounded to int8 with a scale of its own (`sq`, one
-/// per region and query row) into one row of bytes in the keys' channel order; each key row
-/// unpacked to a code a byte, every region into its channels' bytes, 64 channels at a time
-/// ([`HeadPlan`]: `vpermb` and `vpmultishiftqb`); each 64 bytes dotted with the query's
-/// (`vpdpbusd`), every 4-channel lane scaled by its region's `sq` and summed in floats, so that
-/// a row takes one reduction whatever its regions; the scores `Σ sq · dot + Σ kadd` into `p`
-/// (row `i` at `i · (FUSED_ROWS + 16)`), four rows at a time. Compiled with VBMI, which the
-/// other fused kernels do not need.
+/// per region and query row) into one row of bytes in the keys' channel order; then four key
+/// rows at a time from `ub` (unpacked by [`unpack_regions`], each 16-channel block of the four
+/// rows in one vector: lane `4k + j` holds row k's quarter j), each block dotted with the
+/// query's block broadcast (`vpdpbusd`), the integer sums kept over a run of blocks whose
+/// quarters lie in the same regions ([`HeadPlan`]'s `runs`) and then scaled by each lane's
+/// region `sq` in floats; the four query rows' sums reduced together (each lane's quarters)
+/// into the scores `Σ sq · dot + Σ kadd`, into `p` (row `i` at `i · (FUSED_ROWS + 16)`).
+/// Compiled with VBMI, which the other fused kernels do not need.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL, VNNI and VBMI; [`attend_int_regions_supported`]
-/// for `regions` with values of `D` channels; `q` holds `NQ` rows of `D`; the buffers are
-/// grown by [`grow`]; `plan` is the [`HeadPlan`] of the regions' shapes.
+/// for `regions` with values of `D` channels; `ub` holds their rows unpacked by
+/// [`unpack_regions`]; `q` holds `NQ` rows of `D`; the buffers are grown by [`grow`]; `plan`
+/// is the [`HeadPlan`] of the regions' shapes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx512vbmi,avx2,fma,f16c")]
 unsafe fn region_scores<const NQ: usize, const D: usize>(
     regions: &[crate::KeyRegion<'_>],
+    ub: &[u8],
     q: &[f32],
     q8: &mut [u8],
     qp: &mut [f32],
@@ -1579,8 +1614,10 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
             && qp.len() >= NQ * D
             && p.len() >= NQ * pr
             && n + 4 <= pr
+            && ub.len() >= n.next_multiple_of(8) * D
             && plan.starts.len() == D / 64 + 1
             && regions.len() <= 16
+            && plan.runs.iter().all(|r| r.1 <= D / 16)
             && plan.pieces.iter().all(|pc| pc.region < regions.len()),
         "the query rows, the grown buffers and the plan"
     );
@@ -1640,59 +1677,68 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
     let mut kadd = [0f32; 4];
     // SAFETY: `kadd` holds 4 floats.
     unsafe { _mm_storeu_ps(kadd.as_mut_ptr(), fold4_ps::<false>(&dots)) };
-    // Each (query row, 64 channels)'s lane scales: lane l takes the `sq` of the region of
-    // channels 64v + 4l ..
-    let mut lane_sq = [[_mm512_setzero_ps(); int8::GROUP]; FUSED_DIM / 64];
-    for (row, at) in lane_sq.iter_mut().zip(&plan.lane_region).take(D / 64) {
-        // SAFETY: each entry of `lane_region` holds 16 i32 (regions < 16).
+    // Each (run, query row)'s lane scales: lane 4k + j takes the `sq` of the region of
+    // quarter j of the run's blocks.
+    let mut lane_sq = [[_mm512_setzero_ps(); int8::GROUP]; FUSED_DIM / 16];
+    for (run, (_, _, at)) in lane_sq.iter_mut().zip(&plan.runs) {
+        // SAFETY: `at` holds 16 i32 (regions < 16).
         let at = unsafe { _mm512_loadu_si512(at.as_ptr().cast()) };
-        for (x, sq) in row.iter_mut().zip(&sqs).take(NQ) {
+        for (x, sq) in run.iter_mut().zip(&sqs).take(NQ) {
             // SAFETY: `sq` holds 16 floats.
             *x = _mm512_permutexvar_ps(at, unsafe { _mm512_loadu_ps(sq.as_ptr()) });
         }
     }
-    // 2. Four rows at a time: each (row, query row)'s float sum of scaled lane dots, reduced
-    //    per query row into the scores of the four rows (one 16-byte store).
-    let bases: [(*const u8, usize); 16] = std::array::from_fn(|j| {
-        regions.get(j).map_or((std::ptr::null(), 0), |r| (r.keys.codes.as_ptr(), r.keys.row_bytes))
-    });
+    // Lane 4i + k of the reduced sums (lane 4k + i, below) and the offsets' terms there.
+    let to_rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    // SAFETY: `kadd` holds 4 floats.
+    let kaddv = unsafe {
+        _mm512_permutexvar_ps(
+            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+            _mm512_castps128_ps512(_mm_loadu_ps(kadd.as_ptr())),
+        )
+    };
+    // 2. Four rows at a time: per run, the integer dots of each query row with the rows'
+    //    quarters, scaled into float sums; the sums' quarters reduced and the four rows'
+    //    scores of each query row stored (one 16-byte store).
     let zero = _mm512_setzero_si512();
+    let runs = &plan.runs[..plan.runs.len().min(FUSED_DIM / 16)];
     let mut r0 = 0;
     while r0 < n {
-        // Chunk by chunk, so that its query bytes and lane scales stay in registers across
-        // the four rows (a constant count: the sums stay in registers too).
-        let mut acc = [[_mm512_setzero_ps(); int8::GROUP]; 4];
-        for (v, lsq) in lane_sq.iter().enumerate().take(D / 64) {
-            let mut qv = [zero; int8::GROUP];
-            for (i, x) in qv.iter_mut().enumerate().take(NQ) {
-                // SAFETY: chunk v of query row i lies in `q8` (64 · v + 64 <= D).
-                *x = unsafe { _mm512_loadu_si512(q8.as_ptr().add(i * D + 64 * v).cast()) };
+        let mut acc = [_mm512_setzero_ps(); int8::GROUP];
+        for ((m0, m1, _), lsq) in runs.iter().zip(&lane_sq) {
+            let mut dots = [zero; int8::GROUP];
+            for m in *m0..*m1 {
+                // SAFETY: block m of rows r0 .. r0 + 4 lies in `ub` (rows up to n rounded to
+                // 8, m < D / 16: asserted).
+                let codes = unsafe { _mm512_loadu_si512(ub.as_ptr().add(r0 * D + 64 * m).cast()) };
+                for (i, x) in dots.iter_mut().enumerate().take(NQ) {
+                    // SAFETY: block m of query row i lies in `q8` (16 · m + 16 <= D).
+                    let qb = unsafe {
+                        _mm512_broadcast_i32x4(_mm_loadu_si128(q8.as_ptr().add(i * D + 16 * m).cast()))
+                    };
+                    *x = _mm512_dpbusd_epi32(*x, codes, qb);
+                }
             }
-            let pieces = &plan.pieces[plan.starts[v]..plan.starts[v + 1]];
-            for (jr, a) in acc.iter_mut().enumerate() {
-                let row = r0 + jr;
-                if row >= n {
-                    break;
-                }
-                // SAFETY: row < n, the regions' rows (checked: whole rows in their codes), so
-                // each region's row starts inside its codes; the plan is the regions'.
-                let codes = unsafe {
-                    unpack64(pieces, |r| {
-                        let (base, rb) = bases[r];
-                        base.wrapping_add(row * rb)
-                    })
-                };
-                for ((a, &q), &s) in a.iter_mut().zip(&qv).zip(lsq).take(NQ) {
-                    let d = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, codes, q));
-                    *a = _mm512_fmadd_ps(d, s, *a);
-                }
+            for ((a, &x), &s) in acc.iter_mut().zip(&dots).zip(lsq).take(NQ) {
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x), s, *a);
             }
         }
+        // Lane 4k + j of acc[i] → lane 4k + i of the sums over j, then lane 4i + k.
+        let t01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+        let t23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+        let (t01, t23) = (_mm512_castps_pd(t01), _mm512_castps_pd(t23));
+        let u = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(t01, t23)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(t01, t23)),
+        );
+        let mut sums = [0f32; 16];
+        // SAFETY: `sums` holds 16 floats.
+        unsafe {
+            _mm512_storeu_ps(sums.as_mut_ptr(), _mm512_add_ps(_mm512_permutexvar_ps(to_rows, u), kaddv))
+        };
         for i in 0..NQ {
-            let rows = [acc[0][i], acc[1][i], acc[2][i], acc[3][i]];
-            let sums = _mm_add_ps(fold4_ps::<false>(&rows), _mm_set1_ps(kadd[i]));
             // SAFETY: r0 + 4 <= n + 3 < pr: inside row i of `p` (16 values of room past n).
-            unsafe { _mm_storeu_ps(p.as_mut_ptr().add(i * pr + r0), sums) };
+            unsafe { _mm_storeu_ps(p.as_mut_ptr().add(i * pr + r0), _mm_loadu_ps(sums.as_ptr().add(4 * i))) };
         }
         r0 += 4;
     }
@@ -1701,52 +1747,42 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
 /// Step 4 of [`attend4`] for narrow values ([`narrow_values`]): the integer sums of every
 /// query row's byte weights times the centred codes of rows `0..n` of `v`, as
 /// [`vsums_bytes`] takes them for INT4 codes, into `acc` (`NQ` rows of the head_dim,
-/// written): each row's codes unpacked 64 channels at a time by `plan` (the [`HeadPlan`] of
-/// one region of the head_dim at the values' width), centred, four rows interleaved into
-/// bytes against four broadcast byte weights (`vpdpbusd`).
+/// written): each row's codes (unpacked to a byte each in `vb` by [`unpack_rows`]), centred,
+/// four rows interleaved into bytes against four broadcast byte weights (`vpdpbusd`).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL, VNNI and VBMI; [`narrow_values`]`(v)` with a
 /// head_dim that is a multiple of 64; `1 <= n <= v.rows`; `wb` holds `NQ` rows of `stride >=
 /// n` rounded up to 4 bytes, zero from `n` to the stride; `acc` holds `NQ · dim` values;
-/// `plan` is the plan of `[(v.dim, v.bits)]`.
+/// `vb` holds the rows of `v` unpacked by the plan of `[(v.dim, v.bits)]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx512vbmi,avx2,fma,f16c")]
 unsafe fn vsums_codes<const NQ: usize>(
     v: &QuantBlock<'_>,
     n: usize,
     wb: &[u8],
     stride: usize,
-    plan: &HeadPlan,
+    vb: &[u8],
     acc: &mut [i32],
 ) {
     let d = v.dim;
     assert!(
         (1..=v.rows).contains(&n)
-            && v.rows.checked_mul(v.row_bytes).is_some_and(|x| x <= v.codes.len())
             && stride >= n.next_multiple_of(4)
             && wb.len() >= NQ * stride
             && acc.len() >= NQ * d
             && d.is_multiple_of(64)
-            && plan.starts.len() == d / 64 + 1
-            && plan
-                .pieces
-                .iter()
-                .all(|pc| pc.region == 0 && pc.at + pc.mask.count_ones() as usize <= v.row_bytes),
-        "the rows, the weights, the sums and the plan"
+            && vb.len() >= n.next_multiple_of(4) * d,
+        "the rows, the weights, the sums and the unpacked codes"
     );
     let centre = _mm512_set1_epi8(intv::center(v.bits) as i8);
-    let (base, rb) = (v.codes.as_ptr(), v.row_bytes);
     for c in 0..d / 64 {
-        let pieces = &plan.pieces[plan.starts[c]..plan.starts[c + 1]];
         let mut sums = [[_mm512_setzero_si512(); 4]; NQ];
         let mut j = 0;
         while j < n {
-            // Rows past the end repeat the last one, under zero weights.
+            // Rows past the end (zero codes, or the block's rows past n) meet zero weights.
             let code = |k: usize| {
-                let row = (j + k).min(n - 1);
-                // SAFETY: row < n <= v.rows, whole rows in the codes (asserted); the plan is
-                // that of the values' rows.
-                let codes = unsafe { unpack64(pieces, |_| base.wrapping_add(row * rb)) };
+                // SAFETY: j + k < n rounded up to 4, rows of `vb` (asserted).
+                let codes = unsafe { _mm512_loadu_si512(vb.as_ptr().add((j + k) * d + 64 * c).cast()) };
                 _mm512_sub_epi8(codes, centre)
             };
             // x[k]: in 16-byte lane L, channels 64c + 16L + 4k .. + 4, one per i32 lane, bytes =
@@ -1772,29 +1808,99 @@ unsafe fn vsums_codes<const NQ: usize>(
     }
 }
 
-/// The codes of 64 channels of a row, a byte each (zero past the row), from the `pieces` of
-/// those channels in a [`HeadPlan`]: per piece the row's bytes at `at` under its mask, moved
-/// (`vpermb`), their fields brought into place (`vpmultishiftqb`), kept and or-ed in.
+/// Rows `0..n` of codes in regions (`bases[r]`: region r's codes and row bytes) unpacked by
+/// `plan` to a code a byte, row r at `out[r · width..]` (`width`: the plan's channels rounded
+/// up to 64, zero past them), and rows `n..` up to a multiple of 8 zero: per 64 channels and
+/// 8 rows, each piece of the plan (its tables loaded once) over the 8 rows (the row's bytes at
+/// `at` under its mask, moved by `vpermb`, the fields brought into place by
+/// `vpmultishiftqb`, kept and or-ed in). `T` (transposed): each four rows' 16-channel blocks
+/// side by side instead, block m of rows `4g ..` at `out[4g · width + 64m..]` (row `4g + k`'s
+/// 16 bytes at `16k` in it), as [`region_scores`] reads them. Returns `width`.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW and VBMI; `row(r)` is the start of the packed row of
-/// region `r` for every piece's region, and the pieces are of a plan of those regions' shapes
-/// (so that each piece's bytes lie in its row).
+/// The CPU must support AVX-512 F, BW and VBMI; `plan` is the [`HeadPlan`] of regions whose
+/// rows `0..n` lie whole in their codes at `bases`, each piece's bytes inside its row; `out`
+/// holds `n` rounded up to 8 rows of `width`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx512vbmi,avx2,fma,f16c")]
-#[inline]
-unsafe fn unpack64(pieces: &[PlanePiece], row: impl Fn(usize) -> *const u8) -> __m512i {
-    let mut codes = _mm512_setzero_si512();
-    for pc in pieces {
-        // SAFETY: the piece's bytes lie in its region's row (the caller's contract); its
-        // tables hold 64 bytes each.
-        unsafe {
-            let x = _mm512_maskz_loadu_epi8(pc.mask, row(pc.region).add(pc.at).cast());
-            let x = _mm512_permutexvar_epi8(_mm512_loadu_si512(pc.idx.as_ptr().cast()), x);
-            let x = _mm512_multishift_epi64_epi8(_mm512_loadu_si512(pc.ctrl.as_ptr().cast()), x);
-            codes = _mm512_ternarylogic_epi64::<0xf8>(codes, x, _mm512_loadu_si512(pc.keep.as_ptr().cast()));
+unsafe fn unpack_rows<const T: bool>(
+    plan: &HeadPlan,
+    bases: &[(*const u8, usize)],
+    n: usize,
+    out: &mut [u8],
+) -> usize {
+    let width = 64 * (plan.starts.len() - 1);
+    assert!(
+        n >= 1
+            && out.len() >= n.next_multiple_of(8) * width
+            && plan.pieces.iter().all(|pc| pc.region < bases.len()),
+        "the rows, the buffer and the plan"
+    );
+    for v in 0..width / 64 {
+        let pieces = &plan.pieces[plan.starts[v]..plan.starts[v + 1]];
+        for r0 in (0..n).step_by(8) {
+            let mut codes = [_mm512_setzero_si512(); 8];
+            for pc in pieces {
+                let (base, rb) = bases[pc.region];
+                // SAFETY: the piece's tables hold 64 bytes each.
+                let (idx, ctrl, keep) = unsafe {
+                    (
+                        _mm512_loadu_si512(pc.idx.as_ptr().cast()),
+                        _mm512_loadu_si512(pc.ctrl.as_ptr().cast()),
+                        _mm512_loadu_si512(pc.keep.as_ptr().cast()),
+                    )
+                };
+                for (k, c) in codes.iter_mut().enumerate() {
+                    // Rows past n: nothing loaded (an empty mask, at the last row's address).
+                    let (row, mask) = if r0 + k < n { (r0 + k, pc.mask) } else { (n - 1, 0) };
+                    // SAFETY: row < n, whose bytes under the piece's mask lie in its region's
+                    // codes (the caller's contract).
+                    let x = unsafe { _mm512_maskz_loadu_epi8(mask, base.add(row * rb + pc.at).cast()) };
+                    let x = _mm512_multishift_epi64_epi8(ctrl, _mm512_permutexvar_epi8(idx, x));
+                    *c = _mm512_ternarylogic_epi64::<0xf8>(*c, x, keep);
+                }
+            }
+            if T {
+                for (h, four) in codes.chunks_exact(4).enumerate() {
+                    let four = transpose_lanes(&[four[0], four[1], four[2], four[3]]);
+                    for (l, c) in four.iter().enumerate() {
+                        let at = (r0 + 4 * h) * width + 64 * (4 * v + l);
+                        // SAFETY: rows r0 + 4h .. + 4 < n rounded up to 8, block 4v + l of
+                        // them inside `out`.
+                        unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(at).cast(), *c) };
+                    }
+                }
+            } else {
+                for (k, c) in codes.iter().enumerate() {
+                    // SAFETY: row r0 + k < n rounded up to 8, chunk v of it inside `out`.
+                    unsafe {
+                        _mm512_storeu_si512(out.as_mut_ptr().add((r0 + k) * width + 64 * v).cast(), *c)
+                    };
+                }
+            }
         }
     }
-    codes
+    width
+}
+
+/// [`unpack_rows`] of key regions (at most [`MAX_REGIONS`]) into `ub`, transposed (`T`) as
+/// [`region_scores`] reads them; returns the rows' width.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VBMI; the regions' rows lie whole in their codes
+/// (as [`crate::regions::region_codes_ok`] checks) and `plan` is their [`HeadPlan`]; `ub`
+/// holds their rows rounded up to 8 of their channels rounded up to 64.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx512vbmi,avx2,fma,f16c")]
+unsafe fn unpack_regions<const T: bool>(
+    regions: &[crate::KeyRegion<'_>],
+    plan: &HeadPlan,
+    ub: &mut [u8],
+) -> usize {
+    let mut bases = [(std::ptr::null(), 0); MAX_REGIONS];
+    for (b, r) in bases.iter_mut().zip(regions) {
+        *b = (r.keys.codes.as_ptr(), r.keys.row_bytes);
+    }
+    // SAFETY: forwarded (the plan's pieces lie in the rows: `HeadPlan::new`).
+    unsafe { unpack_rows::<T>(plan, &bases[..regions.len().min(MAX_REGIONS)], regions[0].keys.rows, ub) }
 }
 
 /// A 4 × 4 transpose of 16-byte lanes: lane `k` of result `l` is lane `l` of `s[k]`.
@@ -2584,6 +2690,35 @@ unsafe fn vsums_bytes64<const NQ: usize, const GW: bool>(
 mod tests {
     use super::HeadPlan;
 
+    /// Rows of every width and multiple of 8 codes, whose codes end where an unreadable page
+    /// begins, come back from `unpack_rows` as quant-core packed them, padded to 64.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn unpacked_rows_are_the_packed_codes() {
+        if !(super::cpu_ok() && std::arch::is_x86_feature_detected!("avx512vbmi")) {
+            return;
+        }
+        let mut ub = vec![0u8; super::UNPACKED];
+        crate::region_tests::check_unpacking(64, |regions| {
+            let plan = HeadPlan::new(&[(regions[0].keys.dim, regions[0].keys.bits)]);
+            // SAFETY: AVX-512 with VBMI (checked above); one region of whole rows; `ub` holds
+            // 264 rows of 256.
+            let width = unsafe { super::unpack_regions::<false>(regions, &plan, &mut ub) };
+            let rows = regions[0].keys.rows.next_multiple_of(8);
+            let want = ub[..rows * width].to_vec();
+            // The same rows transposed: each four rows' 16-channel blocks side by side.
+            // SAFETY: as above.
+            unsafe { super::unpack_regions::<true>(regions, &plan, &mut ub) };
+            for (r, row) in want.chunks_exact(width).enumerate() {
+                for (m, block) in row.chunks_exact(16).enumerate() {
+                    let at = r / 4 * 4 * width + 64 * m + 16 * (r % 4);
+                    assert_eq!(&ub[at..at + 16], block, "row {r} block {m}");
+                }
+            }
+            (want, width)
+        });
+    }
+
     /// What the pieces of chunk `v` of `plan` give for the packed rows `rows` (one per region),
     /// the instructions emulated: `vpermb` of the loaded bytes, `vpmultishiftqb`, the mask.
     fn unpack(plan: &HeadPlan, rows: &[Vec<u8>], v: usize) -> [u8; 64] {
@@ -2634,13 +2769,26 @@ mod tests {
                         let got = unpack(&plan, &rows, v);
                         assert_eq!(got[..], want[64 * v..64 * v + 64], "{shapes:?} chunk {v}");
                     }
-                    let mut at = 0;
+                    // The runs cover the blocks in order, their lanes naming each quarter's region.
+                    let mut region = Vec::new();
                     for (j, &(c, _)) in shapes.iter().enumerate() {
-                        for a in (at..at + c).step_by(4) {
-                            assert_eq!(plan.lane_region[a / 64][a % 64 / 4], j as i32, "{shapes:?}");
-                        }
-                        at += c;
+                        region.extend(std::iter::repeat_n(j as i32, c / 4));
                     }
+                    let mut end = 0;
+                    for (i, &(m0, m1, lanes)) in plan.runs.iter().enumerate() {
+                        assert!(m0 == end && m1 > m0, "{shapes:?}");
+                        for m in m0..m1 {
+                            for l in 0..16 {
+                                assert_eq!(lanes[l], region[4 * m + l % 4], "{shapes:?}");
+                            }
+                        }
+                        // Runs end where the quarters' regions change.
+                        if let Some(next) = plan.runs.get(i + 1) {
+                            assert_ne!(next.2, lanes, "{shapes:?}");
+                        }
+                        end = m1;
+                    }
+                    assert_eq!(end, 16, "{shapes:?}");
                 }
             }
         }

@@ -15,9 +15,10 @@ pub(crate) fn xorshift(mut seed: u32) -> impl FnMut() -> u32 {
     }
 }
 
-/// Rows of every width and every multiple of 8 codes up to 256, packed by quant-core, come
-/// back from `unpack` (the bytes and the width of a row) as their codes, zero in the padding
-/// to a multiple of `pad`.
+/// Rows of every width and every multiple of 8 codes up to 256, packed by quant-core and
+/// ending where an unreadable page begins (a read past them faults), come back from `unpack`
+/// (the bytes and the width of a row) as their codes, zero in the padding to a multiple of
+/// `pad`.
 pub(crate) fn check_unpacking(pad: usize, mut unpack: impl FnMut(&[KeyRegion<'_>]) -> (Vec<u8>, usize)) {
     let mut next = xorshift(0x1234_5677);
     for bits in 1..=8u8 {
@@ -30,7 +31,8 @@ pub(crate) fn check_unpacking(pad: usize, mut unpack: impl FnMut(&[KeyRegion<'_>
             }
             let (scale, offset) = (vec![1f32; c], vec![0f32; c]);
             let params = Params::PerChannel { scale: &scale, offset: Some(&offset) };
-            let keys = QuantBlock::new(&packed, rows, c, bits, Levels::Affine, params).unwrap();
+            let packed = Guarded::new(&packed);
+            let keys = QuantBlock::new(packed.bytes(), rows, c, bits, Levels::Affine, params).unwrap();
             let (got, width) = unpack(&[KeyRegion { first: 0, keys }]);
             assert_eq!(width, c.next_multiple_of(pad));
             for (r, want) in codes.chunks_exact(c).enumerate() {
