@@ -187,43 +187,56 @@ impl<'a> BlockView<'a> {
     /// convert with the CPU's instructions, once per block it reads; this crate has no
     /// CPU-specific code.
     pub fn params_f32_with(&self, scales: &mut Vec<f32>, offsets: &mut Vec<f32>, widen: impl ParamWidening) {
+        let n = self.param_count();
+        // Into slices of the final length (not `extend`), so the loops vectorize; every value
+        // is written, so a buffer of this length already is not cleared (a memset per block
+        // and part otherwise).
+        scales.resize(n, 0.0);
+        let grid = self.layout.spec().param_dtype() == kvq_quant_core::ParamDtype::U8;
+        offsets.resize(if grid || self.layout.spec().has_offset() { n } else { 0 }, 0.0);
+        self.params_f32_into(scales, offsets, widen);
+    }
+
+    /// How many parameters the block stores: `tokens × groups per row` for row parts, one per
+    /// channel for channel parts, none for static parts (see `statics`).
+    pub fn param_count(&self) -> usize {
         let l = self.layout;
-        let n = match l.mode() {
+        match l.mode() {
             crate::part::Mode::Row { seg } => self.tokens * (l.head_dim() / seg),
             crate::part::Mode::Channel => l.groups,
             crate::part::Mode::Static { .. } => 0,
-        };
+        }
+    }
+
+    /// [`BlockView::params_f32_with`] into the first [`BlockView::param_count`] values of
+    /// `scales` and `offsets` (offsets left as they are for formats without them; one-byte
+    /// parameters always give both), so that a caller can widen several views into one buffer.
+    ///
+    /// # Panics
+    /// When `scales` (or `offsets`, where written) holds fewer values.
+    pub fn params_f32_into(&self, scales: &mut [f32], offsets: &mut [f32], widen: impl ParamWidening) {
+        let l = self.layout;
+        let n = self.param_count();
         let area = &self.region[l.code_bytes()..];
         if l.spec().param_dtype() == kvq_quant_core::ParamDtype::U8 {
             // One-byte parameters: the grid's offset and scale of each channel's indices.
             let (grid, levels) = (l.grid(area), l.levels());
             let (lo, hi) = area[kvq_quant_core::GRID_BYTES..].split_at(l.groups);
-            // Every value is written below: a buffer of this length already is not cleared
-            // (a memset per block and part otherwise).
-            scales.resize(n, 0.0);
-            offsets.resize(n, 0.0);
-            widen.grid(&grid, &lo[..n], &hi[..n], levels, scales, offsets);
+            widen.grid(&grid, &lo[..n], &hi[..n], levels, &mut scales[..n], &mut offsets[..n]);
             return;
         }
-        // Into a slice of the final length (not `extend`), so the loops vectorize.
-        let widen = |from: usize, out: &mut Vec<f32>| {
-            // Written in full below, as above.
-            out.resize(n, 0.0);
-            match l.spec().param_dtype() {
-                kvq_quant_core::ParamDtype::F16 => widen.f16(&area[2 * from..2 * (from + n)], out),
-                kvq_quant_core::ParamDtype::U8 => unreachable!("read above"),
-                kvq_quant_core::ParamDtype::F32 => {
-                    for (o, b) in out.iter_mut().zip(area[4 * from..4 * (from + n)].chunks_exact(4)) {
-                        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    }
+        let widen = |from: usize, out: &mut [f32]| match l.spec().param_dtype() {
+            kvq_quant_core::ParamDtype::F16 => widen.f16(&area[2 * from..2 * (from + n)], out),
+            kvq_quant_core::ParamDtype::U8 => unreachable!("read above"),
+            kvq_quant_core::ParamDtype::F32 => {
+                for (o, b) in out.iter_mut().zip(area[4 * from..4 * (from + n)].chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                 }
             }
         };
-        widen(0, scales);
+        widen(0, &mut scales[..n]);
         if l.spec().has_offset() {
-            widen(l.groups, offsets);
-        } else {
-            offsets.clear();
+            widen(l.groups, &mut offsets[..n]);
         }
     }
 

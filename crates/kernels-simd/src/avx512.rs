@@ -804,6 +804,8 @@ pub(crate) struct FusedScratch {
     /// ([`unpack_rows`]), once per block for every query group.
     ub: Vec<u8>,
     vb: Vec<u8>,
+    /// [`region_scores`]' lane scales of each (run, query row): 16 floats each.
+    lsq: Vec<f32>,
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -868,6 +870,7 @@ fn grow(w: &mut FusedScratch) {
         w.wx.resize(FUSED_DIM / 128 * g * QUADS * 16, 0);
         w.ub.resize(UNPACKED, 0);
         w.vb.resize(UNPACKED, 0);
+        w.lsq.resize(FUSED_DIM / 16 * g * 16, 0.0);
     }
 }
 
@@ -926,7 +929,7 @@ pub(crate) fn scores_int8_regions_in(
     grow(w);
     plan_first(regions, w);
     let pr = FUSED_ROWS + 16;
-    let FusedScratch { q8, qp, p, plans, ub, .. } = w;
+    let FusedScratch { q8, qp, p, plans, ub, lsq, .. } = w;
     // SAFETY: `regions_supported` checked the CPU and the regions; `ub` is grown above; the
     // plan is the regions'.
     unsafe { unpack_regions::<true>(regions, &plans[0], ub) };
@@ -938,18 +941,18 @@ pub(crate) fn scores_int8_regions_in(
         // regions' plan first and their rows unpacked; `q` holds nq rows of d.
         unsafe {
             match (nq, d) {
-                (1, 64) => region_scores::<1, 64>(regions, ub, q, q8, qp, p, &plans[0]),
-                (2, 64) => region_scores::<2, 64>(regions, ub, q, q8, qp, p, &plans[0]),
-                (3, 64) => region_scores::<3, 64>(regions, ub, q, q8, qp, p, &plans[0]),
-                (_, 64) => region_scores::<4, 64>(regions, ub, q, q8, qp, p, &plans[0]),
-                (1, 128) => region_scores::<1, 128>(regions, ub, q, q8, qp, p, &plans[0]),
-                (2, 128) => region_scores::<2, 128>(regions, ub, q, q8, qp, p, &plans[0]),
-                (3, 128) => region_scores::<3, 128>(regions, ub, q, q8, qp, p, &plans[0]),
-                (_, 128) => region_scores::<4, 128>(regions, ub, q, q8, qp, p, &plans[0]),
-                (1, _) => region_scores::<1, 256>(regions, ub, q, q8, qp, p, &plans[0]),
-                (2, _) => region_scores::<2, 256>(regions, ub, q, q8, qp, p, &plans[0]),
-                (3, _) => region_scores::<3, 256>(regions, ub, q, q8, qp, p, &plans[0]),
-                (_, _) => region_scores::<4, 256>(regions, ub, q, q8, qp, p, &plans[0]),
+                (1, 64) => region_scores::<1, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (2, 64) => region_scores::<2, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (3, 64) => region_scores::<3, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (_, 64) => region_scores::<4, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (1, 128) => region_scores::<1, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (2, 128) => region_scores::<2, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (3, 128) => region_scores::<3, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (_, 128) => region_scores::<4, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (1, _) => region_scores::<1, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (2, _) => region_scores::<2, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (3, _) => region_scores::<3, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (_, _) => region_scores::<4, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
             }
         }
         for i in 0..nq {
@@ -1227,7 +1230,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     o: &mut [f32],
     w: &mut FusedScratch,
 ) {
-    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx, plans, ub, vb, .. } = w;
+    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx, plans, ub, vb, lsq, .. } = w;
     use int8::MAGIC;
     let (d, n) = (D, v.rows);
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
@@ -1407,7 +1410,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
         // SAFETY: `attend_int_regions_supported` checked VBMI and the regions; the buffers
         // are grown, the regions' plan is the first and their rows are unpacked into `ub`
         // (`fused_run`); `p`'s rows are `FUSED_ROWS + 16` apart.
-        unsafe { region_scores::<NQ, D>(regions, ub, q, q8, qp, p, &plans[0]) };
+        unsafe { region_scores::<NQ, D>(regions, ub, lsq, q, q8, qp, p, &plans[0]) };
     } else if GK {
         let Keys::Parts(parts) = keys else { unreachable!("parts") };
         let k = &parts[0];
@@ -1595,9 +1598,11 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
 /// [`unpack_regions`]; `q` holds `NQ` rows of `D`; the buffers are grown by [`grow`]; `plan`
 /// is the [`HeadPlan`] of the regions' shapes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx512vbmi,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn region_scores<const NQ: usize, const D: usize>(
     regions: &[crate::KeyRegion<'_>],
     ub: &[u8],
+    lsq: &mut [f32],
     q: &[f32],
     q8: &mut [u8],
     qp: &mut [f32],
@@ -1618,6 +1623,7 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
             && plan.starts.len() == D / 64 + 1
             && regions.len() <= 16
             && plan.runs.iter().all(|r| r.1 <= D / 16)
+            && plan.runs.len() * int8::GROUP * 16 <= lsq.len()
             && plan.pieces.iter().all(|pc| pc.region < regions.len()),
         "the query rows, the grown buffers and the plan"
     );
@@ -1679,15 +1685,19 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
     unsafe { _mm_storeu_ps(kadd.as_mut_ptr(), fold4_ps::<false>(&dots)) };
     // Each (run, query row)'s lane scales: lane 4k + j takes the `sq` of the region of
     // quarter j of the run's blocks.
-    let mut lane_sq = [[_mm512_setzero_ps(); int8::GROUP]; FUSED_DIM / 16];
-    for (run, (_, _, at)) in lane_sq.iter_mut().zip(&plan.runs) {
+    // In `lsq` (a stack array of every run's would be zeroed at each call), 16 floats per
+    // (run, query row).
+    for (run, (_, _, at)) in lsq.chunks_exact_mut(int8::GROUP * 16).zip(&plan.runs) {
         // SAFETY: `at` holds 16 i32 (regions < 16).
         let at = unsafe { _mm512_loadu_si512(at.as_ptr().cast()) };
-        for (x, sq) in run.iter_mut().zip(&sqs).take(NQ) {
-            // SAFETY: `sq` holds 16 floats.
-            *x = _mm512_permutexvar_ps(at, unsafe { _mm512_loadu_ps(sq.as_ptr()) });
+        for (x, sq) in run.chunks_exact_mut(16).zip(&sqs).take(NQ) {
+            // SAFETY: `sq` and `x` hold 16 floats.
+            unsafe {
+                _mm512_storeu_ps(x.as_mut_ptr(), _mm512_permutexvar_ps(at, _mm512_loadu_ps(sq.as_ptr())))
+            };
         }
     }
+    let lsq = &*lsq;
     // Lane 4i + k of the reduced sums (lane 4k + i, below) and the offsets' terms there.
     let to_rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     // SAFETY: `kadd` holds 4 floats.
@@ -1705,7 +1715,7 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
     let mut r0 = 0;
     while r0 < n {
         let mut acc = [_mm512_setzero_ps(); int8::GROUP];
-        for ((m0, m1, _), lsq) in runs.iter().zip(&lane_sq) {
+        for ((m0, m1, _), lsq) in runs.iter().zip(lsq.chunks_exact(int8::GROUP * 16)) {
             let mut dots = [zero; int8::GROUP];
             for m in *m0..*m1 {
                 // SAFETY: block m of rows r0 .. r0 + 4 lies in `ub` (rows up to n rounded to
@@ -1719,8 +1729,9 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
                     *x = _mm512_dpbusd_epi32(*x, codes, qb);
                 }
             }
-            for ((a, &x), &s) in acc.iter_mut().zip(&dots).zip(lsq).take(NQ) {
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x), s, *a);
+            for ((a, &x), s) in acc.iter_mut().zip(&dots).zip(lsq.chunks_exact(16)).take(NQ) {
+                // SAFETY: `s` holds 16 floats.
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x), unsafe { _mm512_loadu_ps(s.as_ptr()) }, *a);
             }
         }
         // Lane 4k + j of acc[i] → lane 4k + i of the sums over j, then lane 4i + k.
@@ -1849,14 +1860,23 @@ unsafe fn unpack_rows<const T: bool>(
                         _mm512_loadu_si512(pc.keep.as_ptr().cast()),
                     )
                 };
-                for (k, c) in codes.iter_mut().enumerate() {
-                    // Rows past n: nothing loaded (an empty mask, at the last row's address).
-                    let (row, mask) = if r0 + k < n { (r0 + k, pc.mask) } else { (n - 1, 0) };
+                let unpack = |c: &mut __m512i, row: usize, mask: u64| {
                     // SAFETY: row < n, whose bytes under the piece's mask lie in its region's
                     // codes (the caller's contract).
                     let x = unsafe { _mm512_maskz_loadu_epi8(mask, base.add(row * rb + pc.at).cast()) };
                     let x = _mm512_multishift_epi64_epi8(ctrl, _mm512_permutexvar_epi8(idx, x));
                     *c = _mm512_ternarylogic_epi64::<0xf8>(*c, x, keep);
+                };
+                if r0 + 8 <= n {
+                    for (k, c) in codes.iter_mut().enumerate() {
+                        unpack(c, r0 + k, pc.mask);
+                    }
+                } else {
+                    for (k, c) in codes.iter_mut().enumerate() {
+                        // Rows past n: nothing loaded (an empty mask, at the last row's address).
+                        let (row, mask) = if r0 + k < n { (r0 + k, pc.mask) } else { (n - 1, 0) };
+                        unpack(c, row, mask);
+                    }
                 }
             }
             if T {

@@ -297,59 +297,60 @@ fn outcome(ran: bool, has_code: impl FnOnce() -> bool) -> Option<bool> {
 const MAX_REGIONS: usize = 8;
 
 /// The width regions of a block of keys with bits per channel (`-qa`) as kernel regions: each
-/// region's per-channel parameters widened (through `tmp`) into `all`, side by side in the
+/// region's per-channel parameters widened into its channels of `all`, side by side in the
 /// stored channel order, and `f` called with the regions. `None`, calling nothing, for a block
 /// without regions, more than [`MAX_REGIONS`] of them, or a region in token groups (the cache
 /// refuses both).
 fn with_regions<'v, R>(
     view: &BlockView<'v>,
     reader: &PartReader,
-    tmp: &mut (Vec<f32>, Vec<f32>),
     all: &mut (Vec<f32>, Vec<f32>),
     f: impl FnOnce(&[kvq_kernels_simd::KeyRegion<'_>]) -> Result<R, KernelError>,
 ) -> Result<Option<R>, KernelError> {
     let Some(views) = view.width_views() else { return Ok(None) };
     let has_offset = view.layout.spec().has_offset();
+    let d = view.layout.head_dim();
     let (scale, offset) = all;
-    scale.clear();
-    offset.clear();
-    let mut count = 0;
-    for (first, v) in views {
-        if count == MAX_REGIONS || v.layout.channel_sets() != 1 || first != scale.len() {
+    // Every value is written below (the regions tile the row, checked as they come).
+    scale.resize(d, 0.0);
+    offset.resize(d, 0.0);
+    // One pass: each region's parameters widened into its channels, which its kernel region
+    // then borrows (the rest of the buffers split off for the next ones).
+    let (mut scales, mut offsets) = (&mut scale[..], &mut offset[..]);
+    let mut regions: [Option<kvq_kernels_simd::KeyRegion<'_>>; MAX_REGIONS] = [None; MAX_REGIONS];
+    let mut end = 0;
+    for (slot, (first, v)) in regions.iter_mut().zip(views) {
+        let c = v.layout.head_dim();
+        if v.layout.channel_sets() != 1 || first != end || c > scales.len() || v.param_count() != c {
             return Ok(None);
         }
-        v.params_f32_with(&mut tmp.0, &mut tmp.1, VectorWidening);
-        let c = v.layout.head_dim();
-        scale.extend_from_slice(&tmp.0[..c]);
-        if has_offset {
-            offset.extend_from_slice(&tmp.1[..c]);
-        }
-        count += 1;
-    }
-    let (scale, offset) = (&*scale, &*offset);
-    let region = |(first, v): (usize, BlockView<'v>)| {
-        let (c, rows) = (v.layout.head_dim(), v.tokens);
-        let params = Params::PerChannel {
-            scale: &scale[first..first + c],
-            offset: has_offset.then(|| &offset[first..first + c]),
-        };
+        let (s, rest) = std::mem::take(&mut scales).split_at_mut(c);
+        scales = rest;
+        let (o, rest) = std::mem::take(&mut offsets).split_at_mut(c);
+        offsets = rest;
+        v.params_f32_into(s, o, VectorWidening);
+        let params = Params::PerChannel { scale: s, offset: has_offset.then_some(&*o) };
         let rb = v.layout.row_bytes();
         let keys = QuantBlock::new(
-            &v.region[..rows * rb],
-            rows,
+            &v.region[..v.tokens * rb],
+            v.tokens,
             c,
             v.layout.spec().bits(),
             reader.levels(),
             params,
         )?;
-        Ok::<_, KernelError>(kvq_kernels_simd::KeyRegion { first, keys })
-    };
-    let mut views = view.width_views().into_iter().flatten();
-    let Some(head) = views.next() else { return Ok(None) };
-    let mut regions = [region(head)?; MAX_REGIONS];
-    for (x, v) in regions.iter_mut().skip(1).zip(views) {
-        *x = region(v)?;
+        *slot = Some(kvq_kernels_simd::KeyRegion { first, keys });
+        end += c;
     }
+    // Regions short of the row (or more than `MAX_REGIONS` of them): not a layout the cache
+    // writes.
+    if end != d {
+        return Ok(None);
+    }
+    let Some(head) = regions[0] else { return Ok(None) };
+    let count = regions.iter().take_while(|r| r.is_some()).count();
+    let regions: [kvq_kernels_simd::KeyRegion<'_>; MAX_REGIONS] =
+        std::array::from_fn(|i| regions[i].unwrap_or(head));
     f(&regions[..count]).map(Some)
 }
 
@@ -865,7 +866,7 @@ pub fn decode_kernel(
             let fused = cache.config().rope.is_none()
                 && if kv.width_views().is_some() {
                     let mut all = Default::default();
-                    int && with_regions(&kv, &readers[0], &mut kb, &mut all, |rs| {
+                    int && with_regions(&kv, &readers[0], &mut all, |rs| {
                         with_parts(&vv, &readers[1], &mut vb, |vs| {
                             Ok(matches!(vs, [v] if kvq_kernels_simd::attend_int_fused_regions(backend, rs, v, query_rows)))
                         })
@@ -1265,7 +1266,7 @@ fn attend<'a>(
                     None
                 } else {
                     // Keys with bits per channel: their regions against the (permuted) query.
-                    with_regions(kv, &readers[0], bufs, regions, |rs| {
+                    with_regions(kv, &readers[0], regions, |rs| {
                         with_parts(vv, &readers[1], vbufs, |vs| {
                             let [vb] = vs else { return Ok(None) };
                             let ran = kvq_kernels_simd::attend_int_regions_in(
@@ -1329,7 +1330,7 @@ fn attend<'a>(
                     // On the integer path one kernel scores all the regions where the backend
                     // has it; otherwise each region is scored by a kernel call of its own.
                     let whole = path == ScorePath::Int8
-                        && with_regions(&view, &readers[0], bufs, regions, |rs| {
+                        && with_regions(&view, &readers[0], regions, |rs| {
                             kvq_kernels_simd::scores_int8_regions_in(backend, kernel, rs, qs, g, s)
                         })?
                         .unwrap_or(false);
