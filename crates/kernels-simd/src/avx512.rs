@@ -29,6 +29,7 @@ use std::ops::Range;
 
 use crate::avx2::{by_block_avx2, store_dots};
 use crate::block::{Levels, Params, QuantBlock};
+use crate::regions::Keys;
 use crate::{int8, intv};
 
 fn cpu_ok() -> bool {
@@ -1132,14 +1133,6 @@ impl HeadPlan {
         }
         Self { shapes: shapes.to_vec(), pieces, starts, runs }
     }
-}
-
-/// The keys of a fused call: token parts (one block, or per-channel blocks of consecutive
-/// rows), or channel regions (`-qa` keys).
-#[derive(Clone, Copy)]
-enum Keys<'a> {
-    Parts(&'a [QuantBlock<'a>]),
-    Regions(&'a [crate::KeyRegion<'a>]),
 }
 
 /// The fused kernel's monomorphizations, by query group size, head_dim and layouts.

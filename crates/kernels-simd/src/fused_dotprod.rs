@@ -29,6 +29,7 @@ use std::arch::aarch64::*;
 use crate::block::{Params, QuantBlock};
 use crate::dotprod::Sdot;
 use crate::int8::{self, GROUP, grown};
+use crate::regions::{GroupKeys, Keys};
 use crate::{KeyRegion, MAX_GROUPS, Online};
 use crate::{regions, regions_neon};
 
@@ -85,22 +86,6 @@ pub(crate) struct FusedScratch {
     values: regions_neon::Unpacker,
     /// Keys in channel regions: the block's scores of every query row of the call.
     region_scores: Vec<f32>,
-}
-
-/// The keys of a fused call: token parts (one block, or per-channel blocks of consecutive
-/// rows), or channel regions (`-qa` keys).
-#[derive(Clone, Copy)]
-enum Keys<'a> {
-    Parts(&'a [QuantBlock<'a>]),
-    Regions(&'a [KeyRegion<'a>]),
-}
-
-/// The keys of one query group of a fused call: token parts, or the group's scores (key
-/// regions: scored for all query rows before the groups).
-#[derive(Clone, Copy)]
-enum GroupKeys<'a> {
-    Parts(&'a [QuantBlock<'a>]),
-    Scores(&'a [f32]),
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -176,13 +161,7 @@ unsafe fn run(
         debug_assert!(width == v.dim, "a head_dim of 64, 128 or 256 needs no padding");
         codes
     };
-    let mut i0 = 0;
-    let done = crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
-        let keys = match keys {
-            Keys::Parts(parts) => GroupKeys::Parts(parts),
-            Keys::Regions(_) => GroupKeys::Scores(&all[i0 * n..(i0 + nq) * n]),
-        };
-        i0 += nq;
+    let done = regions::by_query_group(keys, &all, v, q, n_q, state, |keys, nq, q, m, l, o| {
         // SAFETY: the keys and values as this function's contract says (the group's scores
         // from them); `fused_groups` checked the value scales and the shapes.
         unsafe { by_group!(attend, nq, (keys, codes, v, q, m, l, o, w)) }

@@ -141,6 +141,45 @@ pub(crate) fn fused_values(v: &QuantBlock<'_>, n_q: usize) -> bool {
         && n_q >= 1
 }
 
+/// The keys of a fused call: token parts (one block, or per-channel blocks of consecutive
+/// rows), or channel regions (`-qa` keys).
+#[derive(Clone, Copy)]
+pub(crate) enum Keys<'a> {
+    Parts(&'a [QuantBlock<'a>]),
+    Regions(&'a [KeyRegion<'a>]),
+}
+
+/// The keys of one query group of a fused call: token parts, or the group's scores (key
+/// regions: scored for all query rows before the groups).
+#[derive(Clone, Copy)]
+pub(crate) enum GroupKeys<'a> {
+    Parts(&'a [QuantBlock<'a>]),
+    Scores(&'a [f32]),
+}
+
+/// The AVX2 and `dotprod` fused kernels' loop over query groups ([`crate::fused_groups`]):
+/// `group(keys, nq, q, m, l, o)` for each, with key regions as that group's rows of
+/// `scores` (every query row's scores of the block's rows, taken once before the groups).
+pub(crate) fn by_query_group(
+    keys: Keys<'_>,
+    scores: &[f32],
+    v: &QuantBlock<'_>,
+    q: &[f32],
+    n_q: usize,
+    state: crate::Online<'_>,
+    mut group: impl FnMut(GroupKeys<'_>, usize, &[f32], &mut [f32], &mut [f32], &mut [f32]),
+) -> bool {
+    let (n, mut i0) = (v.rows, 0);
+    crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
+        let keys = match keys {
+            Keys::Parts(parts) => GroupKeys::Parts(parts),
+            Keys::Regions(_) => GroupKeys::Scores(&scores[i0 * n..(i0 + nq) * n]),
+        };
+        i0 += nq;
+        group(keys, nq, q, m, l, o)
+    })
+}
+
 /// One vector of an unpacked row: region `region`'s codes from byte `at` of the row, made by
 /// `steps` of its plan (its planes, or-ed).
 #[derive(Clone)]
