@@ -27,6 +27,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use crate::ahead::Ahead;
 use crate::avx2::{by_block_avx2, store_dots};
 use crate::block::{Levels, Params, QuantBlock};
 use crate::regions::Keys;
@@ -490,7 +491,7 @@ unsafe fn vsums_u8<const NQ: usize>(b: &QuantBlock<'_>, rows: Range<usize>, w: &
         let at = rows.start + j0..rows.start + j0 + len;
         // SAFETY: forwarded from the caller; `wb` holds NQ rows of U8_ROWS bytes, zero past
         // `len`.
-        unsafe { vsums_bytes::<NQ, false>(b, at, &wb, U8_ROWS, j0 > 0, &[], acc) };
+        unsafe { vsums_bytes::<NQ, false>(b, at, &wb, U8_ROWS, j0 > 0, &[], acc, &mut Ahead::default()) };
         j0 += len;
     }
 }
@@ -517,6 +518,7 @@ unsafe fn vsums_bytes<const NQ: usize, const GW: bool>(
     add: bool,
     wx: &[i32],
     acc: &mut [i32],
+    ahead: &mut Ahead,
 ) {
     let (d, len) = (b.dim, rows.len());
     let mask = _mm512_set1_epi8(0x0f);
@@ -543,6 +545,7 @@ unsafe fn vsums_bytes<const NQ: usize, const GW: bool>(
                 // x[k]: in 16-byte lane L, channels 32L + 4k .. 32L + 4k + 4 of the plane,
                 // one per i32 lane, bytes = rows j .. j + 4.
                 let x = interleave4([nib(0), nib(1), nib(2), nib(3)]);
+                ahead.step();
                 for (i, s) in sums.iter_mut().enumerate() {
                     let wv = if GW {
                         // SAFETY: c < d / 128, i < NQ and j / 4 < QUADS (len <= FUSED_ROWS):
@@ -807,6 +810,9 @@ pub(crate) struct FusedScratch {
     vb: Vec<u8>,
     /// [`region_scores`]' lane scales of each (run, query row): 16 floats each.
     lsq: Vec<f32>,
+    /// What a fused call asks for while it computes ([`crate::Scratch::prefetch_next`]): the
+    /// row loops of the keys and the values each step it on.
+    pub(crate) ahead: Ahead,
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -930,7 +936,7 @@ pub(crate) fn scores_int8_regions_in(
     grow(w);
     plan_first(regions, w);
     let pr = FUSED_ROWS + 16;
-    let FusedScratch { q8, qp, p, plans, ub, lsq, .. } = w;
+    let FusedScratch { q8, qp, p, plans, ub, lsq, ahead, .. } = w;
     // SAFETY: `regions_supported` checked the CPU and the regions; `ub` is grown above; the
     // plan is the regions'.
     unsafe { unpack_regions::<true>(regions, &plans[0], ub) };
@@ -942,18 +948,18 @@ pub(crate) fn scores_int8_regions_in(
         // regions' plan first and their rows unpacked; `q` holds nq rows of d.
         unsafe {
             match (nq, d) {
-                (1, 64) => region_scores::<1, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (2, 64) => region_scores::<2, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (3, 64) => region_scores::<3, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (_, 64) => region_scores::<4, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (1, 128) => region_scores::<1, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (2, 128) => region_scores::<2, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (3, 128) => region_scores::<3, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (_, 128) => region_scores::<4, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (1, _) => region_scores::<1, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (2, _) => region_scores::<2, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (3, _) => region_scores::<3, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
-                (_, _) => region_scores::<4, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0]),
+                (1, 64) => region_scores::<1, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (2, 64) => region_scores::<2, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (3, 64) => region_scores::<3, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (_, 64) => region_scores::<4, 64>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (1, 128) => region_scores::<1, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (2, 128) => region_scores::<2, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (3, 128) => region_scores::<3, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (_, 128) => region_scores::<4, 128>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (1, _) => region_scores::<1, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (2, _) => region_scores::<2, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (3, _) => region_scores::<3, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
+                (_, _) => region_scores::<4, 256>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead),
             }
         }
         for i in 0..nq {
@@ -1153,6 +1159,9 @@ unsafe fn fused_run(
 ) -> bool {
     let d = v.dim;
     let grouped = matches!(v.params, Params::PerGroup { .. });
+    // The queued lines spread over the row loops: four rows a step, keys then values, of
+    // every query group.
+    w.ahead.pace(n_q.div_ceil(int8::GROUP) * 2 * v.rows.div_ceil(4));
     let mut first = true;
     crate::fused_groups(v, q, n_q, state, |nq, q, m, l, o| {
         // SAFETY: the callers checked the CPU, the widths, the layouts and the sizes against
@@ -1223,7 +1232,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     o: &mut [f32],
     w: &mut FusedScratch,
 ) {
-    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx, plans, ub, vb, lsq, .. } = w;
+    let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx, plans, ub, vb, lsq, ahead, .. } = w;
     use int8::MAGIC;
     let (d, n) = (D, v.rows);
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
@@ -1332,13 +1341,13 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     // Step 2 for keys per channel: the integer dots of every row of `k` with the rounded
     // query rows (`q8`, as `round_query` leaves them) into `dots` (`NQ` rows of `k.rows`):
     // four rows' bytes held in registers, one row of codes at a time.
-    let channel_dots = |k: &QuantBlock<'_>, q8: &[u8], dots: &mut [i32]| {
+    let channel_dots = |k: &QuantBlock<'_>, q8: &[u8], dots: &mut [i32], ahead: &mut Ahead| {
         let (d, n) = (D, k.rows);
         assert!(k.dim == D && k.bits == 4 && q8.len() >= NQ * D && dots.len() >= NQ * n, "shapes");
         if D == 64 {
             // SAFETY: the block is 4-bit with rows of 32 bytes; `q8` holds NQ rows of 64 bytes,
             // `dots` NQ · n values; the CPU features are this function's.
-            unsafe { dots64::<NQ>(k, &q8[..NQ * 64], &mut dots[..NQ * n]) };
+            unsafe { dots64::<NQ>(k, &q8[..NQ * 64], &mut dots[..NQ * n], ahead) };
         } else if NQ == 4 {
             let mask = _mm512_set1_epi8(0x0f);
             let per = 2 * D / 128;
@@ -1351,6 +1360,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
             // the dots of four consecutive rows (one 128-bit store each).
             let mut r = 0;
             while r + 4 <= n {
+                ahead.step();
                 let mut sums = [[_mm512_setzero_si512(); 4]; 4];
                 for c in 0..D / 128 {
                     for j in 0..4 {
@@ -1403,7 +1413,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
         // SAFETY: `attend_int_regions_supported` checked VBMI and the regions; the buffers
         // are grown, the regions' plan is the first and their rows are unpacked into `ub`
         // (`fused_run`); `p`'s rows are `FUSED_ROWS + 16` apart.
-        unsafe { region_scores::<NQ, D>(regions, ub, lsq, q, q8, qp, p, &plans[0]) };
+        unsafe { region_scores::<NQ, D>(regions, ub, lsq, q, q8, qp, p, &plans[0], ahead) };
     } else if GK {
         let Keys::Parts(parts) = keys else { unreachable!("parts") };
         let k = &parts[0];
@@ -1413,9 +1423,9 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
         // i · pr) has room for n rounded up to 8; the CPU features are this function's.
         unsafe {
             if D == 64 {
-                grouped_key_scores64::<NQ>(k, &q8[..NQ * D], &sq, &lane_sums, p)
+                grouped_key_scores64::<NQ>(k, &q8[..NQ * D], &sq, &lane_sums, p, ahead)
             } else {
-                grouped_key_scores::<NQ, D>(k, &q8[..NQ * D], &sq, &lane_sums, p)
+                grouped_key_scores::<NQ, D>(k, &q8[..NQ * D], &sq, &lane_sums, p, ahead)
             }
         };
     } else if let Keys::Parts(parts) = keys {
@@ -1424,7 +1434,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
             let nk = k.rows;
             let (sq, kadd, _) = round_query(k, q8, qp);
             // `dots` holds GROUP · FUSED_ROWS values.
-            channel_dots(k, &q8[..NQ * D], &mut dots[..NQ * nk]);
+            channel_dots(k, &q8[..NQ * D], &mut dots[..NQ * nk], ahead);
             // The scores `sq · dot + kadd` (the scores kernel's epilogue) and their maxima.
             for (i, mx) in mx.iter_mut().enumerate().take(NQ) {
                 let (sqv, addv) = (_mm512_set1_ps(sq[i]), _mm512_set1_ps(kadd[i]));
@@ -1474,7 +1484,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
         factor[..NQ].copy_from_slice(&f[..NQ]);
     }
     if GV {
-        let bufs = Grouped { p, vt, wg, wq, wx, acc };
+        let bufs = Grouped { p, vt, wg, wq, wx, acc, ahead };
         // SAFETY: forwarded from this function's contract (values per group, `GV`).
         unsafe { grouped_values::<NQ, D>(v, &top, &mut factor, m, l, o, bufs) };
         return;
@@ -1546,11 +1556,11 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     unsafe {
         if v.bits != 4 {
             // Narrow values (checked by `narrow_values`): unpacked into `vb` by `fused_run`.
-            vsums_codes::<NQ>(v, n, wb, stride, vb, acc)
+            vsums_codes::<NQ>(v, n, wb, stride, vb, acc, ahead)
         } else if D == 64 {
-            vsums_bytes64::<NQ, false>(v, n, wb, stride, &[], acc)
+            vsums_bytes64::<NQ, false>(v, n, wb, stride, &[], acc, ahead)
         } else {
-            vsums_bytes::<NQ, false>(v, 0..n, wb, stride, false, &[], acc)
+            vsums_bytes::<NQ, false>(v, 0..n, wb, stride, false, &[], acc, ahead)
         }
     };
     for i in 0..NQ {
@@ -1601,6 +1611,7 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
     qp: &mut [f32],
     p: &mut [f32],
     plan: &HeadPlan,
+    ahead: &mut Ahead,
 ) {
     use int8::MAGIC;
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
@@ -1707,6 +1718,7 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
     let runs = &plan.runs[..plan.runs.len().min(FUSED_DIM / 16)];
     let mut r0 = 0;
     while r0 < n {
+        ahead.step();
         let mut acc = [_mm512_setzero_ps(); int8::GROUP];
         for ((m0, m1, _), lsq) in runs.iter().zip(lsq.chunks_exact(int8::GROUP * 16)) {
             let mut dots = [zero; int8::GROUP];
@@ -1767,6 +1779,7 @@ unsafe fn vsums_codes<const NQ: usize>(
     stride: usize,
     vb: &[u8],
     acc: &mut [i32],
+    ahead: &mut Ahead,
 ) {
     let d = v.dim;
     assert!(
@@ -1792,6 +1805,7 @@ unsafe fn vsums_codes<const NQ: usize>(
             // x[k]: in 16-byte lane L, channels 64c + 16L + 4k .. + 4, one per i32 lane, bytes =
             // rows j .. j + 4.
             let x = interleave4([code(0), code(1), code(2), code(3)]);
+            ahead.step();
             for (i, s) in sums.iter_mut().enumerate() {
                 // SAFETY: j is a multiple of 4 below n, so i · stride + j + 4 <= NQ · stride
                 // <= wb.len() (asserted above).
@@ -1973,6 +1987,7 @@ unsafe fn grouped_key_scores<const NQ: usize, const D: usize>(
     sq: &[f32; int8::GROUP],
     lane_sums: &[[f32; FUSED_DIM / 32]; int8::GROUP],
     p: &mut [f32],
+    ahead: &mut Ahead,
 ) {
     let (group, ks, ko) = row_key_params(k);
     let (n, pr, rb) = (k.rows, FUSED_ROWS + 16, D / 2);
@@ -2034,6 +2049,7 @@ unsafe fn grouped_key_scores<const NQ: usize, const D: usize>(
     let sqv: [__m512; int8::GROUP] = std::array::from_fn(|i| _mm512_set1_ps(sq[i]));
     let mut r = 0;
     while r < n {
+        ahead.step();
         let valid = (n - r).min(4);
         // The quad's parameters, row-major (`per` a row): 4 · per <= 32 values.
         let (m0, m1) = (lanes(valid * per), lanes((valid * per).saturating_sub(16)));
@@ -2123,6 +2139,7 @@ unsafe fn grouped_key_scores64<const NQ: usize>(
     sq: &[f32; int8::GROUP],
     lane_sums: &[[f32; FUSED_DIM / 32]; int8::GROUP],
     p: &mut [f32],
+    ahead: &mut Ahead,
 ) {
     let (group, ks, ko) = row_key_params(k);
     let (n, pr) = (k.rows, FUSED_ROWS + 16);
@@ -2170,6 +2187,9 @@ unsafe fn grouped_key_scores64<const NQ: usize>(
     let codes = &k.codes[..n * 32];
     let mut r = 0;
     while r < n {
+        // Eight rows: two steps.
+        ahead.step();
+        ahead.step();
         let valid = (n - r).min(8);
         let pm = lanes(valid * per);
         // SAFETY: the masked lanes lie inside rows r .. r + valid of the parameters.
@@ -2225,6 +2245,7 @@ struct Grouped<'a> {
     wq: &'a mut [u32],
     wx: &'a mut [i32],
     acc: &'a mut [i32],
+    ahead: &'a mut Ahead,
 }
 
 /// Steps 3 and 4 of [`attend4`] for values per group (`int4-g32`, the values `kvq recommend`
@@ -2250,7 +2271,7 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
     w: Grouped<'_>,
 ) {
     use int8::MAGIC;
-    let Grouped { p, vt, wg, wq, wx, acc } = w;
+    let Grouped { p, vt, wg, wq, wx, acc, ahead } = w;
     let Params::PerGroup { group, scale: vs, offset: vo } = v.params else { unreachable!("checked") };
     let (n, per, pr) = (v.rows, D / group, FUSED_ROWS + 16);
     let quads = n.div_ceil(4);
@@ -2424,11 +2445,11 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
         }
         // SAFETY: `v` is 4-bit with rows of 64 codes and n rows; `wx` holds the operands of
         // every query row and 8 rows; `acc` NQ · 64 values.
-        unsafe { vsums_bytes64::<NQ, true>(v, n, &[], 0, wx, acc) };
+        unsafe { vsums_bytes64::<NQ, true>(v, n, &[], 0, wx, acc, ahead) };
     } else {
         // SAFETY: `v` is 4-bit with D a multiple of 128 and 1..=FUSED_ROWS rows; `wx` holds
         // the operands of every chunk, query row and quad of the rows; `acc` NQ · D values.
-        unsafe { vsums_bytes::<NQ, true>(v, 0..n, &[], 0, false, wx, acc) };
+        unsafe { vsums_bytes::<NQ, true>(v, 0..n, &[], 0, false, wx, acc, ahead) };
     }
     for i in 0..NQ {
         let f = _mm512_set1_ps(factor[i]);
@@ -2571,7 +2592,7 @@ unsafe fn hsum4_halves(a: &[__m512i; 4]) -> ([i32; 4], [i32; 4]) {
 /// The CPU must support AVX-512 F, BW, VL and VNNI; `k.bits == 4`, `k.dim == 64`; `q8` holds
 /// `NQ` rows of 64 bytes, `dots` `NQ · k.rows` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
-unsafe fn dots64<const NQ: usize>(k: &QuantBlock<'_>, q8: &[u8], dots: &mut [i32]) {
+unsafe fn dots64<const NQ: usize>(k: &QuantBlock<'_>, q8: &[u8], dots: &mut [i32], ahead: &mut Ahead) {
     let n = k.rows;
     let mask = _mm512_set1_epi8(0x0f);
     assert!(k.dim == 64 && q8.len() >= NQ * 64 && dots.len() >= NQ * n);
@@ -2587,6 +2608,9 @@ unsafe fn dots64<const NQ: usize>(k: &QuantBlock<'_>, q8: &[u8], dots: &mut [i32
     let codes = &k.codes[..n * 32];
     let mut r = 0;
     while r + 2 <= n {
+        if r % 4 == 0 {
+            ahead.step();
+        }
         // SAFETY: rows r and r + 1 are the 64 bytes from 32 · r.
         let v = unsafe { _mm512_loadu_si512(codes.as_ptr().add(32 * r).cast()) };
         let (lo, hi) = (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
@@ -2637,6 +2661,7 @@ unsafe fn vsums_bytes64<const NQ: usize, const GW: bool>(
     stride: usize,
     wx: &[i32],
     acc: &mut [i32],
+    ahead: &mut Ahead,
 ) {
     let mask = _mm512_set1_epi8(0x0f);
     let centre = _mm512_set1_epi8(intv::center(4) as i8);
@@ -2664,6 +2689,8 @@ unsafe fn vsums_bytes64<const NQ: usize, const GW: bool>(
             // As in `vsums_bytes`: x[k] in 16-byte lane L holds channels 32 (L % 2) + 4k .. + 4
             // of the plane, bytes = rows j .. j + 4 (L < 2) or j + 4 .. j + 8 (L >= 2).
             let x = interleave4([nib(0), nib(1), nib(2), nib(3)]);
+            ahead.step();
+            ahead.step();
             for (i, s) in sums.iter_mut().enumerate() {
                 let wv = if GW {
                     // SAFETY: j / 8 < QUADS (n <= FUSED_ROWS): inside `wx` (asserted above).
@@ -2702,6 +2729,99 @@ unsafe fn vsums_bytes64<const NQ: usize, const GW: bool>(
 #[cfg(test)]
 mod tests {
     use super::HeadPlan;
+
+    /// The fused kernels ask for the queue of `Scratch::prefetch_next` from their row loops
+    /// (at least half of it before they return, for keys per channel, per group and per row,
+    /// key regions, INT4 and narrow values, head_dims 64 to 256, one to two query groups),
+    /// leave it empty, and return what they return without it, bit for bit.
+    #[test]
+    fn fused_kernels_step_the_queued_prefetch() {
+        use crate::{Backend, Online, Params, QuantBlock, Scratch};
+        if !Backend::Avx512.is_available() {
+            return;
+        }
+        let vbmi = std::arch::is_x86_feature_detected!("avx512vbmi");
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        // What the caller would read next: a unit of two blocks (gone by the time it is asked
+        // for does not matter: a hint).
+        let (next_keys, next_values) = (vec![1u8; 9000], vec![2u8; 8500]);
+        let n = 128;
+        // (key bits, key parameters, value bits, value parameters, head_dim): 'c' per
+        // channel, 'r' per row, 'g' per group of 32.
+        for (kb, kp, vb, vp, d) in [
+            (4, 'c', 4, 'r', 128),
+            (4, 'c', 4, 'r', 64),
+            (4, 'c', 4, 'r', 256),
+            (4, 'g', 4, 'g', 128),
+            (4, 'r', 4, 'g', 64),
+            (4, 'g', 4, 'r', 256),
+            (3, 'c', 2, 'r', 128),
+            (4, 'c', 3, 'r', 64),
+        ] {
+            let codes = |bits: u8, next: &mut dyn FnMut() -> u64| -> Vec<u8> {
+                let len = n * kvq_quant_core::pack::packed_len(d, bits).unwrap();
+                (0..len).map(|_| next() as u8).collect()
+            };
+            let floats = |len: usize, base: f32, next: &mut dyn FnMut() -> u64| -> Vec<f32> {
+                (0..len).map(|_| base + (next() % 1000) as f32 / 4000.0).collect()
+            };
+            let (kc, vc) = (codes(kb, &mut next), codes(vb, &mut next));
+            let count = |p: char| match p {
+                'c' => d,
+                'r' => n,
+                _ => n * d / 32,
+            };
+            let (ks, ko) = (floats(count(kp), 0.01, &mut next), floats(count(kp), -0.3, &mut next));
+            let (vs, vo) = (floats(count(vp), 0.01, &mut next), floats(count(vp), -0.3, &mut next));
+            let params = |p: char, scale: &'static [f32], offset: &'static [f32]| match p {
+                'c' => Params::PerChannel { scale, offset: Some(offset) },
+                'r' => Params::PerRow { scale, offset: Some(offset) },
+                _ => Params::PerGroup { group: 32, scale, offset: Some(offset) },
+            };
+            let leak = |v: Vec<f32>| -> &'static [f32] { Vec::leak(v) };
+            let (ks, ko, vs, vo) = (leak(ks), leak(ko), leak(vs), leak(vo));
+            let k = QuantBlock::new(&kc, n, d, kb, crate::Levels::Affine, params(kp, ks, ko)).unwrap();
+            let v = QuantBlock::new(&vc, n, d, vb, crate::Levels::Affine, params(vp, vs, vo)).unwrap();
+            let stepped =
+                super::attend_int_parts_supported(&[k], &v, 4) && (kb == 4 || vbmi) && (vb == 4 || vbmi);
+            for n_q in [1, 4, 8] {
+                let q: Vec<f32> = (0..n_q * d).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
+                let run = |scratch: &mut Scratch| {
+                    let (mut m, mut l, mut o) =
+                        (vec![f32::NEG_INFINITY; n_q], vec![0f32; n_q], vec![0f32; n_q * d]);
+                    let state = Online { m: &mut m, l: &mut l, o: &mut o };
+                    let ran = crate::attend_int_parts_in(Backend::Avx512, scratch, &[k], &v, &q, n_q, state)
+                        .unwrap();
+                    assert!(ran, "{kb}{kp} {vb}{vp} {d} {n_q}: a fused kernel");
+                    (m, l, o)
+                };
+                let plain = run(&mut Scratch::default());
+                let mut scratch = Scratch::default();
+                scratch.prefetch_next(&next_keys);
+                scratch.prefetch_next(&next_values);
+                let queued = scratch.ahead.lines();
+                let got = run(&mut scratch);
+                let bits = |x: &(Vec<f32>, Vec<f32>, Vec<f32>)| -> Vec<u32> {
+                    x.0.iter().chain(&x.1).chain(&x.2).map(|f| f.to_bits()).collect()
+                };
+                assert_eq!(bits(&got), bits(&plain), "{kb}{kp} {vb}{vp} {d} {n_q}");
+                assert_eq!((scratch.ahead.lines(), scratch.fused.ahead.lines()), (0, 0));
+                if stepped {
+                    let asked = scratch.fused.ahead.stepped;
+                    assert!(
+                        2 * asked >= queued,
+                        "{kb}{kp} {vb}{vp} {d} {n_q}: {asked} of {queued} lines stepped"
+                    );
+                }
+            }
+        }
+    }
 
     /// Rows of every width and multiple of 8 codes, whose codes end where an unreadable page
     /// begins, come back from `unpack_rows` as quant-core packed them, padded to 64.

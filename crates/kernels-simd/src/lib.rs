@@ -65,6 +65,7 @@ macro_rules! by_4_or_8_and_group {
     };
 }
 
+mod ahead;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -126,6 +127,30 @@ pub struct Scratch {
     pub(crate) w: Vec<f32>,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) weights: Vec<f32>,
+    /// What the next fused call brings into cache while it computes ([`Scratch::prefetch_next`]).
+    pub(crate) ahead: ahead::Ahead,
+}
+
+impl Scratch {
+    /// Queues `data` (memory the caller reads after the next call, a decode's next blocks) to
+    /// be brought into cache during the next fused attention call on this scratch
+    /// ([`attend_int_parts_in`], [`attend_int_regions_in`], [`attend_int_in`]), a few cache
+    /// lines at a time from the kernel's row loops, so that the loads overlap its arithmetic
+    /// instead of stalling it as one burst of [`prefetch`] before the call does. A kernel
+    /// that has no such loops (other backends, other layouts, a declined block) prefetches the
+    /// queue whole before it computes, as [`prefetch`] would; every other call leaves it for
+    /// [`Scratch::prefetch_queued`]. Up to four ranges are queued, a further one is prefetched
+    /// at once. A hint only: no effect on any result; the memory need not outlive the queue
+    /// (only addresses are kept, and a prefetch never faults).
+    pub fn prefetch_next(&mut self, data: &[u8]) {
+        self.ahead.push(data);
+    }
+
+    /// Prefetches whatever [`Scratch::prefetch_next`] queued and no fused call has asked for
+    /// yet, now (as [`prefetch`]), and empties the queue.
+    pub fn prefetch_queued(&mut self) {
+        self.ahead.finish();
+    }
 }
 
 impl std::fmt::Debug for Scratch {
@@ -867,20 +892,35 @@ pub fn attend_int_parts_in(
         Backend::Avx512 | Backend::Avx2 => {
             let mut state = state;
             if backend == Backend::Avx512
-                && avx512::attend_int_in(parts, v, q, n_q, reborrow(&mut state), &mut scratch.fused)
+                && streaming(scratch, |s| {
+                    avx512::attend_int_in(parts, v, q, n_q, reborrow(&mut state), &mut s.fused)
+                })
             {
                 return Ok(true);
             }
+            scratch.ahead.finish();
             return Ok(fused_avx2::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused_avx2));
         }
         _ => {}
     }
+    scratch.ahead.finish();
     #[cfg(target_arch = "aarch64")]
     if backend == Backend::Dotprod {
         return Ok(fused_dotprod::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused_dotprod));
     }
-    let _ = (backend, scratch);
+    let _ = backend;
     Ok(false)
+}
+
+/// Runs `kernel` (an AVX-512 fused kernel, which steps the queue of
+/// [`Scratch::prefetch_next`] on from its row loops) with that queue handed to it, then
+/// prefetches whatever it left (all of it when it declined the block).
+#[cfg(target_arch = "x86_64")]
+fn streaming(scratch: &mut Scratch, kernel: impl FnOnce(&mut Scratch) -> bool) -> bool {
+    scratch.fused.ahead = std::mem::take(&mut scratch.ahead);
+    let ran = kernel(scratch);
+    scratch.fused.ahead.finish();
+    ran
 }
 
 /// The shapes of a fused kernel's call: keys in parts whose rows add up to the values', of
@@ -1086,14 +1126,18 @@ pub fn attend_int_regions_in(
         Backend::Avx512 | Backend::Avx2 => {
             let mut state = state;
             if backend == Backend::Avx512
-                && avx512::attend_int_regions_in(regions, v, q, n_q, reborrow(&mut state), &mut scratch.fused)
+                && streaming(scratch, |s| {
+                    avx512::attend_int_regions_in(regions, v, q, n_q, reborrow(&mut state), &mut s.fused)
+                })
             {
                 return Ok(true);
             }
+            scratch.ahead.finish();
             return Ok(fused_avx2::attend_int_regions_in(regions, v, q, n_q, state, &mut scratch.fused_avx2));
         }
         _ => {}
     }
+    scratch.ahead.finish();
     #[cfg(target_arch = "aarch64")]
     if backend == Backend::Dotprod {
         return Ok(fused_dotprod::attend_int_regions_in(
@@ -1369,30 +1413,34 @@ pub fn scores_turn_in(
 /// for, and the T1 hint measured no slower than T0 in decode.
 #[inline]
 pub fn prefetch(data: &[u8]) {
-    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-    let lines = cache_lines(data);
+    for line in cache_lines(data) {
+        prefetch_line(line);
+    }
+}
+
+/// [`prefetch`] of the line at `line`, an address that need not be valid (only handed to the
+/// hint).
+#[inline(always)]
+pub(crate) fn prefetch_line(line: *const u8) {
+    // SAFETY: `prefetcht1` (SSE, part of every x86-64 CPU) never faults, even on an address
+    // outside the process, and changes no architectural state.
     #[cfg(target_arch = "x86_64")]
-    for line in lines {
-        // SAFETY: `prefetcht1` (SSE, part of every x86-64 CPU) never faults, even on an
-        // address outside the process, and changes no architectural state.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.cast()) };
-    }
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.cast())
+    };
+    // SAFETY: `prfm` is a hint that never faults and changes no architectural state.
     #[cfg(target_arch = "aarch64")]
-    for line in lines {
-        // SAFETY: `prfm` is a hint that never faults and changes no architectural state.
-        unsafe {
-            std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) line, options(nostack, readonly, preserves_flags))
-        };
-    }
+    unsafe {
+        std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) line, options(nostack, readonly, preserves_flags))
+    };
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    let _ = data;
+    let _ = line;
 }
 
 /// The start of every 64-byte cache line that `data` touches, its last included, by address:
 /// `chunks(64)` from an unaligned start missed the last line, and its bounds arithmetic cost
 /// more instructions than the prefetches themselves. `wrapping_*` keeps the arithmetic plain:
 /// the addresses are only handed to prefetch hints, never dereferenced.
-#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64", test)), allow(dead_code))]
 #[inline]
 fn cache_lines(data: &[u8]) -> impl Iterator<Item = *const u8> {
     let start = data.as_ptr() as usize;

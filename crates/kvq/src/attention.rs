@@ -1245,11 +1245,14 @@ fn attend<'a>(
     let mut units = units.peekable();
     while let Some(Unit { start: a, end: b, k, v }) = units.next() {
         // Start loading the next unit's blocks while this one computes: block regions are
-        // scattered in the pool, so the hardware prefetcher cannot guess them.
+        // scattered in the pool, so the hardware prefetcher cannot guess them. Queued for the
+        // kernel, which asks for them a few lines at a time from its row loops (a burst of
+        // prefetches before it would stall it, `kvq_kernels_simd::Scratch::prefetch_next`);
+        // the paths that do not take the queue prefetch it before they compute.
         if let Some(next) = units.peek() {
             for run in [next.k, next.v] {
                 if let Run::Block(view) = run {
-                    kvq_kernels_simd::prefetch(view.region);
+                    kernel.prefetch_next(view.region);
                 }
             }
         }
@@ -1302,6 +1305,7 @@ fn attend<'a>(
                         // FP8 keys and values: the float kernel (on the integer path too, which
                         // has no integer form of their levels).
                         let [kb] = ks else { return Ok(None) };
+                        kernel.prefetch_queued();
                         let ran = kvq_kernels_simd::attend_float_with(backend, kb, vb, qs, g, state)?;
                         Ok(outcome(ran, || kvq_kernels_simd::attend_float_fused(backend, kb, vb, g)))
                     })
@@ -1313,6 +1317,7 @@ fn attend<'a>(
                 None => fused = false,
             }
         }
+        kernel.prefetch_queued();
         let n = b - a;
         s.resize(g * n, 0.0);
         match (k, rope) {
