@@ -1356,28 +1356,63 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
                 // SAFETY: 64 · t + 64 <= NQ · d, inside `q8`.
                 *x = unsafe { _mm512_loadu_si512(q8.as_ptr().add(64 * t).cast()) };
             }
-            // Four rows at a time: sixteen independent (row, query) sums, reduced per query into
-            // the dots of four consecutive rows (one 128-bit store each).
+            // Four rows at a time, their 16-byte lanes regrouped (`vshufi64x2`, a 4 × 4
+            // transpose of lanes): vector m of chunk c holds lane m of each row (lane k = row
+            // r + k), so its low nibbles meet the query's 16 bytes of lane m of `qr[2c]` and its
+            // high nibbles those of `qr[2c + 1]`, broadcast, and each 32-bit lane of a query
+            // row's sums adds four channels of one row: the rows' dots are the sums of each
+            // 128-bit lane, the four query rows' reduced together (`lane_sums4`).
+            let to_rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
             let mut r = 0;
             while r + 4 <= n {
                 ahead.step();
-                let mut sums = [[_mm512_setzero_si512(); 4]; 4];
+                let mut sums = [_mm512_setzero_si512(); 4];
                 for c in 0..D / 128 {
-                    for j in 0..4 {
-                        // SAFETY: chunk c (64 bytes) lies within row r + j (row_bytes = d / 2).
-                        let v = unsafe { _mm512_loadu_si512(k.row(r + j).as_ptr().add(64 * c).cast()) };
+                    // SAFETY: chunk c (64 bytes) lies within row r + j (row_bytes = d / 2).
+                    let row =
+                        |j: usize| unsafe { _mm512_loadu_si512(k.row(r + j).as_ptr().add(64 * c).cast()) };
+                    let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
+                    let (a, b) = (
+                        _mm512_shuffle_i64x2::<0b01_00_01_00>(r0, r1),
+                        _mm512_shuffle_i64x2::<0b01_00_01_00>(r2, r3),
+                    );
+                    let (e, f) = (
+                        _mm512_shuffle_i64x2::<0b11_10_11_10>(r0, r1),
+                        _mm512_shuffle_i64x2::<0b11_10_11_10>(r2, r3),
+                    );
+                    let lanes = [
+                        _mm512_shuffle_i64x2::<0b10_00_10_00>(a, b),
+                        _mm512_shuffle_i64x2::<0b11_01_11_01>(a, b),
+                        _mm512_shuffle_i64x2::<0b10_00_10_00>(e, f),
+                        _mm512_shuffle_i64x2::<0b11_01_11_01>(e, f),
+                    ];
+                    for (m, &t) in lanes.iter().enumerate() {
                         let (lo, hi) =
-                            (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+                            (_mm512_and_si512(t, mask), _mm512_and_si512(_mm512_srli_epi16(t, 4), mask));
                         for (i, a) in sums.iter_mut().enumerate() {
-                            a[j] = _mm512_dpbusd_epi32(a[j], lo, qr[i * per + 2 * c]);
-                            a[j] = _mm512_dpbusd_epi32(a[j], hi, qr[i * per + 2 * c + 1]);
+                            // SAFETY: lane m of rows i · per + 2c and + 1 of `qr` (64 bytes each)
+                            // lies in `q8` (NQ · D bytes).
+                            let (ql, qh) = unsafe {
+                                let at = q8.as_ptr().add(64 * (i * per + 2 * c) + 16 * m);
+                                (
+                                    _mm512_broadcast_i32x4(_mm_loadu_si128(at.cast())),
+                                    _mm512_broadcast_i32x4(_mm_loadu_si128(at.add(64).cast())),
+                                )
+                            };
+                            *a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*a, lo, ql), hi, qh);
                         }
                     }
                 }
-                for (i, a) in sums.iter().enumerate() {
-                    // SAFETY: AVX-512 is enabled by this function's target features.
-                    let t = unsafe { hsum4_zmm(a) };
-                    dots[i * n + r..i * n + r + 4].copy_from_slice(&t);
+                // Element 4k + i: row r + k, query row i; then 4i + k.
+                let t = _mm512_permutexvar_epi32(to_rows, lane_sums4(&sums));
+                // SAFETY: r + 4 <= n: inside row i of `dots` (NQ · n values).
+                unsafe {
+                    let base = dots.as_mut_ptr().add(r);
+                    let at = |i: usize| base.add(i * n).cast();
+                    _mm_storeu_si128(at(0), _mm512_castsi512_si128(t));
+                    _mm_storeu_si128(at(1), _mm512_extracti32x4_epi32::<1>(t));
+                    _mm_storeu_si128(at(2), _mm512_extracti32x4_epi32::<2>(t));
+                    _mm_storeu_si128(at(3), _mm512_extracti32x4_epi32::<3>(t));
                 }
                 r += 4;
             }
