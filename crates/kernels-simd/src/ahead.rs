@@ -62,7 +62,8 @@ impl Ahead {
     }
 
     /// Asks for the next lines (as many as [`Ahead::pace`] set); nothing once the queue is
-    /// empty. (Only the AVX-512 fused kernels step it; the others prefetch it whole.)
+    /// empty. (The x86 fused kernels, AVX-512 and AVX2, step it; the others prefetch it
+    /// whole.)
     #[cfg_attr(not(any(target_arch = "x86_64", test)), allow(dead_code))]
     #[inline(always)]
     pub(crate) fn step(&mut self) {

@@ -32,6 +32,7 @@ use std::ops::Range;
 use kvq_quant_core::ParamGrid;
 use kvq_quant_core::fp8::Fp8Format;
 
+use crate::ahead::Ahead;
 use crate::block::{Levels, Params, QuantBlock};
 use crate::int8;
 use crate::portable;
@@ -2380,8 +2381,10 @@ unsafe fn idots<const BITS: u8, const NQ: usize>(
     // SAFETY: forwarded.
     unsafe {
         match int8::table8(b) {
-            Some((t, _)) if BITS == 4 => idots_in::<4, NQ, true>(b, rows, q, table_vector(&t), dots),
-            _ => idots_in::<BITS, NQ, false>(b, rows, q, _mm256_setzero_si256(), dots),
+            Some((t, _)) if BITS == 4 => {
+                idots_in::<4, NQ, true>(b, rows, q, table_vector(&t), dots, &mut Ahead::default())
+            }
+            _ => idots_in::<BITS, NQ, false>(b, rows, q, _mm256_setzero_si256(), dots, &mut Ahead::default()),
         }
     }
 }
@@ -2401,7 +2404,7 @@ fn table_vector(t: &[i8; 16]) -> __m256i {
 /// # Safety
 /// The CPU must support AVX2; `BITS == b.bits` and the block and `q` as [`acc4`] / [`acc8`]
 /// require (`TABLE`: a 16-level table block, `tab` its [`table_vector`]); `dots` holds `NQ ·
-/// rows.len()` values.
+/// rows.len()` values. `ahead` is stepped every four rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn idots_in<const BITS: u8, const NQ: usize, const TABLE: bool>(
     b: &QuantBlock<'_>,
@@ -2409,6 +2412,7 @@ unsafe fn idots_in<const BITS: u8, const NQ: usize, const TABLE: bool>(
     q: &[u8],
     tab: __m256i,
     dots: &mut [i32],
+    ahead: &mut Ahead,
 ) {
     let (m, rr) = (rows.len(), 4 / NQ);
     // Once per call, so that the steps read rows and store dots without bounds checks.
@@ -2418,6 +2422,9 @@ unsafe fn idots_in<const BITS: u8, const NQ: usize, const TABLE: bool>(
         // Three or four query rows: one row a step, one call site (so that the step is
         // inlined and the accumulators stay in registers).
         for r in 0..m {
+            if r % 4 == 0 {
+                ahead.step();
+            }
             // SAFETY: the CPU features and bounds are forwarded from the caller.
             unsafe { idot_step::<BITS, NQ, 1, TABLE>(b, &rows, r, q, tab, dots) };
         }
@@ -2425,6 +2432,9 @@ unsafe fn idots_in<const BITS: u8, const NQ: usize, const TABLE: bool>(
     }
     let mut r = 0;
     while r + rr <= m {
+        if r % 4 == 0 {
+            ahead.step();
+        }
         match NQ {
             // SAFETY: the CPU features and bounds are forwarded from the caller.
             1 => unsafe { idot_step::<BITS, NQ, 4, TABLE>(b, &rows, r, q, tab, dots) },
@@ -2643,11 +2653,17 @@ pub(crate) unsafe fn arrange4_32(q8: &[i8], out: &mut [u8]) {
 ///
 /// # Safety
 /// The CPU must support AVX2; `b.bits == 4` with `b.dim` a multiple of 64; `q` holds `NQ`
-/// arranged rows of `b.dim` bytes and `dots` `NQ · b.rows` values.
+/// arranged rows of `b.dim` bytes and `dots` `NQ · b.rows` values. `ahead` is stepped every
+/// four rows.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn int_dots_4bit<const NQ: usize>(b: &QuantBlock<'_>, q: &[u8], dots: &mut [i32]) {
+pub(crate) unsafe fn int_dots_4bit<const NQ: usize>(
+    b: &QuantBlock<'_>,
+    q: &[u8],
+    dots: &mut [i32],
+    ahead: &mut Ahead,
+) {
     // SAFETY: forwarded from the caller.
-    unsafe { idots_in::<4, NQ, false>(b, 0..b.rows, q, _mm256_setzero_si256(), dots) }
+    unsafe { idots_in::<4, NQ, false>(b, 0..b.rows, q, _mm256_setzero_si256(), dots, ahead) }
 }
 
 /// Whether [`scores_int8`] has an integer kernel for this block: affine 4-bit rows of a

@@ -2765,14 +2765,20 @@ unsafe fn vsums_bytes64<const NQ: usize, const GW: bool>(
 mod tests {
     use super::HeadPlan;
 
-    /// The fused kernels ask for the queue of `Scratch::prefetch_next` from their row loops
-    /// (at least half of it before they return, for keys per channel, per group and per row,
-    /// key regions, INT4 and narrow values, head_dims 64 to 256, one to two query groups),
-    /// leave it empty, and return what they return without it, bit for bit.
+    /// The AVX-512 and AVX2 fused kernels ask for the queue of `Scratch::prefetch_next` from
+    /// their row loops (at least half of it before they return, for keys per channel, per
+    /// group and per row, key regions, INT4 and narrow values, head_dims 64 to 256, one to two
+    /// query groups), leave it empty, and return what they return without it, bit for bit.
     #[test]
     fn fused_kernels_step_the_queued_prefetch() {
+        for backend in [crate::Backend::Avx512, crate::Backend::Avx2] {
+            step_the_queued_prefetch(backend);
+        }
+    }
+
+    fn step_the_queued_prefetch(backend: crate::Backend) {
         use crate::{Backend, Online, Params, QuantBlock, Scratch};
-        if !Backend::Avx512.is_available() {
+        if !backend.is_available() {
             return;
         }
         let vbmi = std::arch::is_x86_feature_detected!("avx512vbmi");
@@ -2823,17 +2829,19 @@ mod tests {
             let (ks, ko, vs, vo) = (leak(ks), leak(ko), leak(vs), leak(vo));
             let k = QuantBlock::new(&kc, n, d, kb, crate::Levels::Affine, params(kp, ks, ko)).unwrap();
             let v = QuantBlock::new(&vc, n, d, vb, crate::Levels::Affine, params(vp, vs, vo)).unwrap();
-            let stepped =
-                super::attend_int_parts_supported(&[k], &v, 4) && (kb == 4 || vbmi) && (vb == 4 || vbmi);
+            let stepped = if backend == Backend::Avx512 {
+                super::attend_int_parts_supported(&[k], &v, 4) && (kb == 4 || vbmi) && (vb == 4 || vbmi)
+            } else {
+                crate::fused_avx2::attend_int_parts_supported(&[k], &v, 4)
+            };
             for n_q in [1, 4, 8] {
                 let q: Vec<f32> = (0..n_q * d).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
                 let run = |scratch: &mut Scratch| {
                     let (mut m, mut l, mut o) =
                         (vec![f32::NEG_INFINITY; n_q], vec![0f32; n_q], vec![0f32; n_q * d]);
                     let state = Online { m: &mut m, l: &mut l, o: &mut o };
-                    let ran = crate::attend_int_parts_in(Backend::Avx512, scratch, &[k], &v, &q, n_q, state)
-                        .unwrap();
-                    assert!(ran, "{kb}{kp} {vb}{vp} {d} {n_q}: a fused kernel");
+                    let ran = crate::attend_int_parts_in(backend, scratch, &[k], &v, &q, n_q, state).unwrap();
+                    assert!(ran, "{backend} {kb}{kp} {vb}{vp} {d} {n_q}: a fused kernel");
                     (m, l, o)
                 };
                 let plain = run(&mut Scratch::default());
@@ -2846,12 +2854,14 @@ mod tests {
                     x.0.iter().chain(&x.1).chain(&x.2).map(|f| f.to_bits()).collect()
                 };
                 assert_eq!(bits(&got), bits(&plain), "{kb}{kp} {vb}{vp} {d} {n_q}");
-                assert_eq!((scratch.ahead.lines(), scratch.fused.ahead.lines()), (0, 0));
+                let slot =
+                    if backend == Backend::Avx512 { &scratch.fused.ahead } else { &scratch.fused_avx2.ahead };
+                assert_eq!((scratch.ahead.lines(), slot.lines()), (0, 0));
                 if stepped {
-                    let asked = scratch.fused.ahead.stepped;
+                    let asked = slot.stepped;
                     assert!(
                         2 * asked >= queued,
-                        "{kb}{kp} {vb}{vp} {d} {n_q}: {asked} of {queued} lines stepped"
+                        "{backend} {kb}{kp} {vb}{vp} {d} {n_q}: {asked} of {queued} lines stepped"
                     );
                 }
             }

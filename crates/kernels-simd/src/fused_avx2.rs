@@ -27,6 +27,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::ahead::Ahead;
 use crate::avx2;
 use crate::block::{Params, QuantBlock};
 use crate::int8::{self, grown};
@@ -80,6 +81,9 @@ pub(crate) struct FusedScratch {
     values: regions_avx2::Unpacker,
     /// Keys in channel regions: the block's scores of every query row of the call.
     region_scores: Vec<f32>,
+    /// What a fused call asks for while it computes ([`crate::Scratch::prefetch_next`]): the
+    /// key dots and the value sums step it on, four rows a step.
+    pub(crate) ahead: Ahead,
 }
 
 /// One block of keys and the block of values of the same tokens attended by `n_q` query rows
@@ -124,6 +128,14 @@ unsafe fn run(
     // What does not depend on the query group, once for the block: the key regions' scores of
     // every query row (their rows unpacked once), the narrow values' rows unpacked.
     let n = v.rows;
+    // The queued lines spread over the row loops of every query group: the dots of keys per
+    // channel (a step every four rows) and the value sums (a step every sixteen rows of a
+    // 32-channel lane).
+    let key_steps = match keys {
+        Keys::Parts(parts) if matches!(parts[0].params, Params::PerChannel { .. }) => n.div_ceil(4),
+        _ => 0,
+    };
+    w.ahead.pace(n_q.div_ceil(int8::GROUP) * (key_steps + v.dim / 32 * n.div_ceil(16)));
     let (mut all, mut values) = (std::mem::take(&mut w.region_scores), std::mem::take(&mut w.values));
     if let Keys::Regions(rs) = keys {
         let done = regions_avx2::scores_in(rs, q, n_q, grown(&mut all, n_q * n), &mut w.regions);
@@ -255,7 +267,7 @@ unsafe fn attend<const NQ: usize>(
     w: &mut FusedScratch,
 ) {
     let (d, n) = (v.dim, v.rows);
-    let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw, int8: scratch, scores, .. } = w;
+    let FusedScratch { q8, arranged, dots, p, wb, acc, vt, pw, int8: scratch, scores, ahead, .. } = w;
     let parts = match keys {
         GroupKeys::Parts(parts) => parts,
         // 1-2. Keys in channel regions: the region scores kernel's scores, taken before.
@@ -287,7 +299,7 @@ unsafe fn attend<const NQ: usize>(
             let dots = grown(dots, NQ * nk);
             // SAFETY: `int8_supported(k)` (checked by the caller): 4-bit rows of d codes, d a
             // multiple of 64; `arranged` holds NQ rows of d bytes, `dots` NQ · nk values.
-            unsafe { avx2::int_dots_4bit::<NQ>(k, arranged, dots) };
+            unsafe { avx2::int_dots_4bit::<NQ>(k, arranged, dots, ahead) };
             // The part's scores (the scores kernel's epilogue), the parts side by side.
             for i in 0..NQ {
                 let row = &mut scores[i * n + at..i * n + at + nk];
@@ -389,12 +401,12 @@ unsafe fn attend<const NQ: usize>(
         // SAFETY: `v` is 4-bit with rows of d / 2 bytes, d a multiple of 32 and n >= 1 rows;
         // `wb` holds NQ · (d / group) rows of `stride >= n` bytes, zero from n; `acc` NQ · d
         // values.
-        unsafe { value_sums::<NQ>(v, wb, stride, group, acc) };
+        unsafe { value_sums::<NQ>(v, wb, stride, group, acc, ahead) };
     } else {
         // Narrow values (per row), unpacked to a code a byte before the groups.
         // SAFETY: `codes` holds n + 1 rows of d codes below 2^bits (the last zero); `wb` NQ
         // rows of `stride >= n + 1` rounded to even bytes, zero from n; `acc` NQ · d values.
-        unsafe { byte_value_sums::<NQ>(codes, n, d, crate::intv::center(v.bits), wb, stride, acc) };
+        unsafe { byte_value_sums::<NQ>(codes, n, d, crate::intv::center(v.bits), wb, stride, acc, ahead) };
     }
     for i in 0..NQ {
         let f = _mm256_set1_ps(factor[i]);
@@ -658,6 +670,8 @@ unsafe fn to_bytes(w: &[f32], inv: f32, out: &mut [u8]) {
 /// pair's two weights broadcast; the i16 sums are widened into `acc` every eight pairs. An odd
 /// last row is paired with itself under a zero weight.
 ///
+/// `ahead` is stepped at each batch of sixteen rows of a 32-channel lane.
+///
 /// # Safety
 /// The CPU must support AVX2; `v.bits == 4`, `v.dim` a multiple of 32, `v.rows >= 1`; each of
 /// the `NQ · dim / group` rows of `wb` holds `stride > v.rows` rounded down to even bytes, zero
@@ -669,6 +683,7 @@ unsafe fn value_sums<const NQ: usize>(
     stride: usize,
     group: usize,
     acc: &mut [i32],
+    ahead: &mut Ahead,
 ) {
     let (d, n, rb) = (v.dim, v.rows, v.row_bytes);
     let per = d / group;
@@ -700,6 +715,7 @@ unsafe fn value_sums<const NQ: usize>(
         // Sixteen rows (eight pairs) at a time, then the widening into `acc`: the first batch
         // writes it, later ones add.
         for batch in 0..n.div_ceil(16) {
+            ahead.step();
             let mut s = [[_mm256_setzero_si256(); 2]; int8::GROUP];
             let (mut r, end) = (16 * batch, (16 * batch + 16).min(n));
             // Lane `lane` of row r, moved on by two rows a pair (no multiply per pair).
@@ -771,11 +787,14 @@ unsafe fn value_sums<const NQ: usize>(
 /// against the pair's two weights broadcast; i16 sums of sixteen rows (at most `16 · 255 · 4`)
 /// widened into `acc`. An odd last row pairs with the zero row after it under a zero weight.
 ///
+/// `ahead` is stepped at each batch of sixteen rows of a 32-channel lane.
+///
 /// # Safety
 /// The CPU must support AVX2; `codes` holds `n + 1` rows of `d` codes (a multiple of 32),
 /// each below `2 · centre <= 8`; `wb` `NQ` rows of `stride >= n` rounded up to even bytes,
 /// zero from n; `acc` `NQ · d` values.
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn byte_value_sums<const NQ: usize>(
     codes: &[u8],
     n: usize,
@@ -784,6 +803,7 @@ unsafe fn byte_value_sums<const NQ: usize>(
     wb: &[u8],
     stride: usize,
     acc: &mut [i32],
+    ahead: &mut Ahead,
 ) {
     assert!(d.is_multiple_of(32) && codes.len() >= (n + 1) * d && centre <= 4);
     assert!(wb.len() >= NQ * stride && stride >= n.next_multiple_of(2) && acc.len() >= NQ * d);
@@ -791,6 +811,7 @@ unsafe fn byte_value_sums<const NQ: usize>(
     let z = _mm256_set1_epi8(centre as i8);
     for lane in 0..d / 32 {
         for batch in 0..n.div_ceil(16) {
+            ahead.step();
             let mut s = [[_mm256_setzero_si256(); 2]; int8::GROUP];
             let (mut r, end) = (16 * batch, (16 * batch + 16).min(n));
             while r < end {

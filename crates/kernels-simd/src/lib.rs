@@ -136,9 +136,9 @@ impl Scratch {
     /// be brought into cache during the next fused attention call on this scratch
     /// ([`attend_int_parts_in`], [`attend_int_regions_in`], [`attend_int_in`]), a few cache
     /// lines at a time from the kernel's row loops, so that the loads overlap its arithmetic
-    /// instead of stalling it as one burst of [`prefetch`] before the call does. A kernel
-    /// that has no such loops (other backends, other layouts, a declined block) prefetches the
-    /// queue whole before it computes, as [`prefetch`] would; every other call leaves it for
+    /// instead of stalling it as one burst of [`prefetch`] before the call does (the AVX-512
+    /// and AVX2 fused kernels; the NEON one, and a block no fused kernel takes, prefetch the
+    /// queue whole before they compute, as [`prefetch`] would). Every other call leaves it for
     /// [`Scratch::prefetch_queued`]. Up to four ranges are queued, a further one is prefetched
     /// at once. A hint only: no effect on any result; the memory need not outlive the queue
     /// (only addresses are kept, and a prefetch never faults).
@@ -892,14 +892,19 @@ pub fn attend_int_parts_in(
         Backend::Avx512 | Backend::Avx2 => {
             let mut state = state;
             if backend == Backend::Avx512
-                && streaming(scratch, |s| {
-                    avx512::attend_int_in(parts, v, q, n_q, reborrow(&mut state), &mut s.fused)
-                })
+                && streaming(
+                    scratch,
+                    |s| &mut s.fused.ahead,
+                    |s| avx512::attend_int_in(parts, v, q, n_q, reborrow(&mut state), &mut s.fused),
+                )
             {
                 return Ok(true);
             }
-            scratch.ahead.finish();
-            return Ok(fused_avx2::attend_int_in(parts, v, q, n_q, state, &mut scratch.fused_avx2));
+            return Ok(streaming(
+                scratch,
+                |s| &mut s.fused_avx2.ahead,
+                |s| fused_avx2::attend_int_in(parts, v, q, n_q, state, &mut s.fused_avx2),
+            ));
         }
         _ => {}
     }
@@ -912,14 +917,18 @@ pub fn attend_int_parts_in(
     Ok(false)
 }
 
-/// Runs `kernel` (an AVX-512 fused kernel, which steps the queue of
-/// [`Scratch::prefetch_next`] on from its row loops) with that queue handed to it, then
-/// prefetches whatever it left (all of it when it declined the block).
+/// Runs `kernel` (an x86 fused kernel, which steps the queue of [`Scratch::prefetch_next`]
+/// on from its row loops) with that queue moved to its scratch (`slot`), then prefetches
+/// whatever it left (all of it when it declined the block).
 #[cfg(target_arch = "x86_64")]
-fn streaming(scratch: &mut Scratch, kernel: impl FnOnce(&mut Scratch) -> bool) -> bool {
-    scratch.fused.ahead = std::mem::take(&mut scratch.ahead);
+fn streaming(
+    scratch: &mut Scratch,
+    slot: impl Fn(&mut Scratch) -> &mut ahead::Ahead,
+    kernel: impl FnOnce(&mut Scratch) -> bool,
+) -> bool {
+    *slot(scratch) = std::mem::take(&mut scratch.ahead);
     let ran = kernel(scratch);
-    scratch.fused.ahead.finish();
+    slot(scratch).finish();
     ran
 }
 
@@ -1126,14 +1135,19 @@ pub fn attend_int_regions_in(
         Backend::Avx512 | Backend::Avx2 => {
             let mut state = state;
             if backend == Backend::Avx512
-                && streaming(scratch, |s| {
-                    avx512::attend_int_regions_in(regions, v, q, n_q, reborrow(&mut state), &mut s.fused)
-                })
+                && streaming(
+                    scratch,
+                    |s| &mut s.fused.ahead,
+                    |s| avx512::attend_int_regions_in(regions, v, q, n_q, reborrow(&mut state), &mut s.fused),
+                )
             {
                 return Ok(true);
             }
-            scratch.ahead.finish();
-            return Ok(fused_avx2::attend_int_regions_in(regions, v, q, n_q, state, &mut scratch.fused_avx2));
+            return Ok(streaming(
+                scratch,
+                |s| &mut s.fused_avx2.ahead,
+                |s| fused_avx2::attend_int_regions_in(regions, v, q, n_q, state, &mut s.fused_avx2),
+            ));
         }
         _ => {}
     }

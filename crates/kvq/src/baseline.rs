@@ -184,8 +184,10 @@ pub fn stream_read(data: &[u64]) -> u64 {
 }
 
 /// Reads the quantized blocks of `layer` of `seq` once, in the order decode reads them (KV head
-/// by KV head, each block's keys then its values) and with the prefetch decode issues (the
-/// next block's regions while one is read), and returns a checksum and the bytes read.
+/// by KV head, each block's keys then its values) with the next block's regions prefetched
+/// while one is read (decode asks for them too, spread over its kernels' row loops; with
+/// nothing to compute here, one burst is the fastest), and returns a checksum and the bytes
+/// read.
 ///
 /// Timed, it gives the rate at which the memory delivers the cache's own blocks. They are
 /// scattered through the pool (a head's consecutive blocks lie a block per KV head, or per
