@@ -82,7 +82,7 @@ pub(crate) struct FusedScratch {
     /// Keys in channel regions: the block's scores of every query row of the call.
     region_scores: Vec<f32>,
     /// What a fused call asks for while it computes ([`crate::Scratch::prefetch_next`]): the
-    /// key dots and the value sums step it on, four rows a step.
+    /// key dots step it on every four rows, the value sums every sixteen rows of a lane.
     pub(crate) ahead: Ahead,
 }
 
