@@ -272,6 +272,15 @@ unsafe fn hsum4_zmm(a: &[__m512i; 4]) -> [i32; 4] {
     out
 }
 
+/// The permutation that takes element `4k + i` to `4i + k` (a 4 × 4 transpose of 32-bit
+/// elements): four rows' results of four query rows, as [`lane_sums4`] leaves them, to each
+/// query row's four in order.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn to_rows() -> __m512i {
+    _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
+}
+
 /// The sums of each 128-bit lane of 4 accumulators: lane `L` of the result holds the sums of
 /// lane `L` of `a[0]`, `a[1]`, `a[2]` and `a[3]`, in that order (element `4L + j` from
 /// `a[j]`): pairs interleaved and added, 32-bit, then 64-bit unpacks. Callable without
@@ -1362,7 +1371,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
             // high nibbles those of `qr[2c + 1]`, broadcast, and each 32-bit lane of a query
             // row's sums adds four channels of one row: the rows' dots are the sums of each
             // 128-bit lane, the four query rows' reduced together (`lane_sums4`).
-            let to_rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+            let to_rows = to_rows();
             let mut r = 0;
             while r + 4 <= n {
                 ahead.step();
@@ -1738,7 +1747,7 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
     }
     let lsq = &*lsq;
     // Lane 4i + k of the reduced sums (lane 4k + i, below) and the offsets' terms there.
-    let to_rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    let to_rows = to_rows();
     // SAFETY: `kadd` holds 4 floats.
     let kaddv = unsafe {
         _mm512_permutexvar_ps(
