@@ -379,13 +379,13 @@ unsafe fn vdots_with<const BITS: u8, const NQ: usize, const TABLE: bool>(
     // Once per call, so that the steps read rows and store dots without bounds checks.
     let held = b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len());
     assert!(rows.end <= b.rows && held && dots.len() >= NQ * m);
-    // Blocks streamed from memory: each step's lines asked for `STREAM_AHEAD` bytes early.
-    let ahead = crate::stream_prefetch(b.rows * b.row_bytes);
+    // Blocks streamed from memory: each step's lines asked for `STREAM_AHEAD_FAR` bytes early.
+    let ahead = crate::stream_prefetch(b.rows * b.row_bytes).map(|_| crate::STREAM_AHEAD_FAR);
     let first = b.codes.as_ptr().wrapping_add(rows.start * b.row_bytes);
     let mut r = 0;
     while r + rr <= m {
         if let Some(ahead) = ahead {
-            crate::prefetch_l1(first.wrapping_add(r * b.row_bytes + ahead), rr * b.row_bytes);
+            crate::prefetch_far(first.wrapping_add(r * b.row_bytes + ahead), rr * b.row_bytes);
         }
         match NQ {
             // SAFETY: the CPU features and bounds are forwarded from the caller.

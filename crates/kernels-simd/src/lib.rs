@@ -1464,22 +1464,35 @@ fn cache_lines(data: &[u8]) -> impl Iterator<Item = *const u8> {
     (0..count).map(move |i| first.wrapping_add(64 * i))
 }
 
-/// How far ahead (bytes) a kernel streaming a block of `bytes` code bytes asks for its rows
-/// (`prefetcht0`, [`prefetch_l1`]), or `None` to leave it to the hardware: on Intel cores, for
-/// blocks of 1 MiB and more (rows that come from L3 or DRAM; a decode block of a cache is a
-/// few KiB, and decode prefetches the next one itself). On a 2-vCPU Intel Xeon with AVX-512 the
-/// VNNI INT4 scores read 8M rows from DRAM at 48-52% of the one-thread stream rate without it
-/// and 76-77% with 2 KiB (1 KiB 72%, 3 KiB 70%, 4 KiB 66%, 8 KiB 54% in an earlier build); the
-/// AVX2 integer kernel of rows per row or per channel gained nothing there and does not ask,
-/// its per-group dots (`run_dots`) do. The integer path's driver asks for each chunk of rows'
-/// parameters (per row or per group) before the chunk's dots, on the same condition. On AMD
-/// Zen 4 the same prefetch (512 B to 4 KiB) cost 10-30% (docs/performance.md), so other
-/// vendors are left alone.
+/// How far ahead (bytes) a kernel streaming a block of `bytes` code bytes asks for its rows,
+/// or `None` to leave it to the hardware: on Intel cores, for blocks of 1 MiB and more (rows
+/// that come from L3 or DRAM; a decode block of a cache is a few KiB, and decode prefetches the
+/// next one itself). The AVX2 per-group dots (`run_dots`) ask this far ahead into L1
+/// ([`prefetch_l1`]); the VNNI dots ask [`STREAM_AHEAD_FAR`] ahead with [`prefetch_far`]. On a
+/// 2-vCPU Intel Xeon with AVX-512 the VNNI INT4 scores read 8M rows from DRAM at 48-52% of the
+/// one-thread stream rate without a prefetch and 76-77% with 2 KiB into L1 (1 KiB 72%, 3 KiB
+/// 70%, 4 KiB 66%, 8 KiB 54% in an earlier build); the AVX2 integer kernel of rows per row or
+/// per channel gained nothing there and does not ask. The integer path's driver asks for each
+/// chunk of rows' parameters (per row or per group) before the chunk's dots, on the same
+/// condition. On AMD Zen 4 the same prefetch (512 B to 4 KiB) cost 10-30%
+/// (docs/performance.md), so other vendors are left alone.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn stream_prefetch(bytes: usize) -> Option<usize> {
     const STREAM_AHEAD: usize = 2048;
     (bytes >= 1 << 20 && intel()).then_some(STREAM_AHEAD)
 }
+
+/// How far ahead (bytes) the VNNI dots ask for a streamed block's rows with [`prefetch_far`]
+/// (where [`stream_prefetch`] says to). On the 2-vCPU Intel Xeon of docs/performance.md
+/// (2026-12-05), one pass over 8M INT4 rows per channel after a stream read, the variants
+/// alternating in one process over three rounds: 86-89% of the stream rate with `prefetcht2`
+/// 2.5 KiB ahead, 79-85% with `prefetcht1` at the same distance, 80-83% with `prefetcht0` 2 KiB
+/// ahead (the previous choice); per token 84-87%, 83-84%, 80-81%. `prefetcht2` 2 KiB, 3 KiB and
+/// 3.5 KiB ahead were no better than 2.5 KiB. In criterion's groups, the two builds alternating
+/// three times: INT4 per channel 12.6-13.1 -> 13.2-13.4 GiB/s, per token 11.2-12.0 ->
+/// 12.4-12.6, INT8 per token 12.4-13.2 -> 13.7-14.0, INT8 per channel unchanged.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const STREAM_AHEAD_FAR: usize = 2560;
 
 /// Whether this is an Intel CPU (its CPUID vendor string), read once.
 #[cfg(target_arch = "x86_64")]
@@ -1501,6 +1514,26 @@ pub(crate) fn prefetch_l1(at: *const u8, len: usize) {
         // invalid address; the address is only handed to the hint.
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                at.wrapping_add(64 * k).cast(),
+            )
+        };
+    }
+}
+
+/// [`prefetch`] with the `prefetcht2` hint ("to a far cache level"): one hint per 64-byte line
+/// of `len` bytes from `at`, an address that need not be valid (a hint never faults). For rows
+/// read once from DRAM a few KiB later, where it measured faster than [`prefetch_l1`] (see
+/// [`STREAM_AHEAD_FAR`]; `perf` put most of the VNNI dots' time on the `prefetcht0` itself,
+/// waiting for one of L1's few miss buffers, and the far hint keeps the lines out of L1 until
+/// the kernel's own load).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_far(at: *const u8, len: usize) {
+    for k in 0..len.div_ceil(64) {
+        // SAFETY: `prefetcht2` (SSE, part of every x86-64 CPU) never faults, even on an
+        // invalid address; the address is only handed to the hint.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T2 }>(
                 at.wrapping_add(64 * k).cast(),
             )
         };
@@ -1546,5 +1579,7 @@ mod prefetch_tests {
         let buf = [1u8; 100];
         prefetch_l1(buf.as_ptr().wrapping_add(1 << 40), 4096);
         prefetch_l1(std::ptr::null(), 64);
+        super::prefetch_far(buf.as_ptr().wrapping_add(1 << 40), 4096);
+        super::prefetch_far(std::ptr::null(), 64);
     }
 }
