@@ -1509,15 +1509,7 @@ fn intel() -> bool {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_l1(at: *const u8, len: usize) {
-    for k in 0..len.div_ceil(64) {
-        // SAFETY: `prefetcht0` (SSE, part of every x86-64 CPU) never faults, even on an
-        // invalid address; the address is only handed to the hint.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                at.wrapping_add(64 * k).cast(),
-            )
-        };
-    }
+    prefetch_hinted::<{ std::arch::x86_64::_MM_HINT_T0 }>(at, len);
 }
 
 /// [`prefetch`] with the `prefetcht2` hint ("to a far cache level"): one hint per 64-byte line
@@ -1529,14 +1521,17 @@ pub(crate) fn prefetch_l1(at: *const u8, len: usize) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_far(at: *const u8, len: usize) {
+    prefetch_hinted::<{ std::arch::x86_64::_MM_HINT_T2 }>(at, len);
+}
+
+/// One `_mm_prefetch` with hint `HINT` per 64-byte line of `len` bytes from `at`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_hinted<const HINT: i32>(at: *const u8, len: usize) {
     for k in 0..len.div_ceil(64) {
-        // SAFETY: `prefetcht2` (SSE, part of every x86-64 CPU) never faults, even on an
-        // invalid address; the address is only handed to the hint.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T2 }>(
-                at.wrapping_add(64 * k).cast(),
-            )
-        };
+        // SAFETY: the prefetch instructions (SSE, part of every x86-64 CPU) never fault, even
+        // on an invalid address; the address is only handed to the hint.
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(at.wrapping_add(64 * k).cast()) };
     }
 }
 
