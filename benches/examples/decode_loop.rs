@@ -6,7 +6,7 @@
 //! ```sh
 //! cargo run --release -p kvq-benches --example decode_loop -- int4-channel int4-token \
 //!     --steps 2000 [--tokens 4096] [--threads 1] [--integer] [--seqs 16] [--window] \
-//!     [--block-size 32]
+//!     [--block-size 32] [--q-heads 32]
 //! ```
 //! `--window` gives the cache the facade builder's window: one residual block, 4 sinks, the
 //! values' window and sinks in 8 bits (without it: none, as the criterion benches).
@@ -14,7 +14,8 @@
 //! profile's totals). With `--seqs N` a step is one `decode_attention_batch` call over N
 //! sequences of `--tokens` each (one workspace kept across steps), as the `decode_batch`
 //! bench runs it. `KVQ_FORCE_BACKEND=avx2` (or another backend's name) runs that backend
-//! instead of the best one, on both paths.
+//! instead of the best one, on both paths. `--q-heads N` (a multiple of 8) gives the layer N
+//! query heads over its 8 KV heads: 8 for multi-head attention, 24 for GQA groups of 3.
 
 use kvq::attention::{
     AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch, decode_attention_path,
@@ -28,7 +29,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(k), Some(v)) = (args.first(), args.get(1)) else {
         return Err(
-            "usage: decode_loop KSPEC VSPEC [--steps N] [--tokens N] [--threads N] [--integer] [--seqs N] [--window] [--block-size N]"
+            "usage: decode_loop KSPEC VSPEC [--steps N] [--tokens N] [--threads N] [--integer] [--seqs N] [--window] [--block-size N] [--q-heads N]"
                 .into(),
         );
     };
@@ -50,7 +51,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for spec in [k, v] {
         spec.parse::<kvq_quant_core::QuantSpec>()?;
     }
-    let (q_heads, kv_heads, d) = (32usize, 8usize, 128usize);
+    let (q_heads, kv_heads, d) = (option("--q-heads", 32)?, 8usize, 128usize);
+    if q_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
+        return Err(format!("--q-heads {q_heads}: a positive multiple of {kv_heads}").into());
+    }
     let kv = normal_tensor(Shape::new(kv_heads, len, d), 21);
     let vv = normal_tensor(Shape::new(kv_heads, len, d), 22);
     let mut rng = Rng::new(9);

@@ -333,7 +333,7 @@ unsafe fn vdots<const BITS: u8, const NQ: usize>(
     dots: &mut [i32],
 ) {
     // SAFETY: forwarded.
-    unsafe { vdots_with::<BITS, NQ, false>(b, rows, q, _mm512_setzero_si512(), dots) }
+    unsafe { vdots_with::<BITS, NQ, false>(b, rows, q, _mm512_setzero_si512(), dots, &mut Ahead::default()) }
 }
 
 /// [`vdots`] of a 4-bit block of 16 levels: `t` its int8 levels ([`int8::table8`]). The
@@ -355,14 +355,15 @@ unsafe fn vdots_table<const NQ: usize>(
     // SAFETY: `biased` holds 16 bytes.
     let tab = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(biased.as_ptr().cast()) });
     // SAFETY: forwarded.
-    unsafe { vdots_with::<4, NQ, true>(b, rows, q, tab, dots) };
+    unsafe { vdots_with::<4, NQ, true>(b, rows, q, tab, dots, &mut Ahead::default()) };
     for i in 0..NQ {
         let bias: i32 = 128 * q[i * d..(i + 1) * d].iter().map(|&x| i32::from(x as i8)).sum::<i32>();
         dots[i * m..(i + 1) * m].iter_mut().for_each(|x| *x -= bias);
     }
 }
 
-/// [`vdots`], with `TABLE` as [`vacc`]'s.
+/// [`vdots`], with `TABLE` as [`vacc`]'s, stepping `ahead` every four rows (the fused
+/// kernel's queue of the next unit's lines; an empty one for the scores kernels).
 ///
 /// # Safety
 /// As [`vdots`].
@@ -374,18 +375,23 @@ unsafe fn vdots_with<const BITS: u8, const NQ: usize, const TABLE: bool>(
     q: &[u8],
     tab: __m512i,
     dots: &mut [i32],
+    ahead: &mut Ahead,
 ) {
     let (m, rr) = (rows.len(), 4 / NQ);
     // Once per call, so that the steps read rows and store dots without bounds checks.
     let held = b.rows.checked_mul(b.row_bytes).is_some_and(|n| n <= b.codes.len());
     assert!(rows.end <= b.rows && held && dots.len() >= NQ * m);
     // Blocks streamed from memory: each step's lines asked for `STREAM_AHEAD_FAR` bytes early.
-    let ahead = crate::stream_prefetch(b.rows * b.row_bytes).map(|_| crate::STREAM_AHEAD_FAR);
+    let far = crate::stream_prefetch(b.rows * b.row_bytes).map(|_| crate::STREAM_AHEAD_FAR);
     let first = b.codes.as_ptr().wrapping_add(rows.start * b.row_bytes);
     let mut r = 0;
     while r + rr <= m {
-        if let Some(ahead) = ahead {
-            crate::prefetch_far(first.wrapping_add(r * b.row_bytes + ahead), rr * b.row_bytes);
+        if let Some(far) = far {
+            crate::prefetch_far(first.wrapping_add(r * b.row_bytes + far), rr * b.row_bytes);
+        }
+        // rr is 4, 2 or 1: every four rows.
+        if r.is_multiple_of(4) {
+            ahead.step();
         }
         match NQ {
             // SAFETY: the CPU features and bounds are forwarded from the caller.
@@ -1448,7 +1454,16 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
         } else {
             // SAFETY: the block is 4-bit with d a multiple of 128 (checked by the caller); `q8`
             // holds NQ rows of d bytes, `dots` NQ · n values.
-            unsafe { vdots::<4, NQ>(k, 0..n, &q8[..NQ * d], &mut dots[..NQ * n]) };
+            unsafe {
+                vdots_with::<4, NQ, false>(
+                    k,
+                    0..n,
+                    &q8[..NQ * d],
+                    _mm512_setzero_si512(),
+                    &mut dots[..NQ * n],
+                    ahead,
+                )
+            };
         }
     };
     // Keys per group or row, and key regions: the maxima are taken from `p` in step 3.
@@ -2785,6 +2800,50 @@ mod tests {
         }
     }
 
+    /// The per-channel INT4 dots of one to three query rows (`vdots_with`, the fused kernel's
+    /// keys for GQA groups under four and multi-head attention) ask for the queue every four
+    /// rows, whatever the number of query rows, and return the dots they return without one.
+    #[test]
+    fn per_channel_dots_step_the_queue_every_four_rows() {
+        use super::{_mm512_setzero_si512, Ahead, vdots_with};
+        use crate::{Params, QuantBlock};
+        if !super::cpu_ok() {
+            return;
+        }
+        let next = vec![3u8; 64 * 40];
+        for (n, d) in [(128usize, 128usize), (37, 256), (4, 128)] {
+            let codes: Vec<u8> = (0..n * d / 2).map(|i| (i * 37 % 251) as u8).collect();
+            let (scale, offset) = (vec![0.02f32; d], vec![-0.1f32; d]);
+            let params = Params::PerChannel { scale: &scale, offset: Some(&offset) };
+            let b = QuantBlock::new(&codes, n, d, 4, crate::Levels::Affine, params).unwrap();
+            let q: Vec<u8> = (0..4 * d).map(|i| (i * 11 % 256) as u8).collect();
+            let run = |nq: usize, ahead: &mut Ahead| -> Vec<i32> {
+                let mut dots = vec![0i32; nq * n];
+                // SAFETY: AVX-512 VNNI (checked above); 4-bit rows of d (a multiple of 128)
+                // codes; `q` holds nq rows of d bytes and `dots` nq · n values.
+                unsafe {
+                    let z = _mm512_setzero_si512();
+                    match nq {
+                        1 => vdots_with::<4, 1, false>(&b, 0..n, &q[..d], z, &mut dots, ahead),
+                        2 => vdots_with::<4, 2, false>(&b, 0..n, &q[..2 * d], z, &mut dots, ahead),
+                        _ => vdots_with::<4, 3, false>(&b, 0..n, &q[..3 * d], z, &mut dots, ahead),
+                    }
+                }
+                dots
+            };
+            for nq in 1..=3 {
+                let mut ahead = Ahead::default();
+                ahead.push(&next);
+                let lines = ahead.lines();
+                ahead.pace(n / 4);
+                let dots = run(nq, &mut ahead);
+                assert_eq!(dots, run(nq, &mut Ahead::default()), "{n} x {d}, {nq} query rows");
+                let want = (n / 4 * lines.div_ceil(n / 4)).min(lines);
+                assert_eq!(ahead.stepped, want, "{n} x {d}, {nq} query rows: lines stepped");
+            }
+        }
+    }
+
     fn step_the_queued_prefetch(backend: crate::Backend) {
         use crate::{Backend, Online, Params, QuantBlock, Scratch};
         if !backend.is_available() {
@@ -2843,7 +2902,7 @@ mod tests {
             } else {
                 crate::fused_avx2::attend_int_parts_supported(&[k], &v, 4)
             };
-            for n_q in [1, 4, 8] {
+            for n_q in [1, 2, 3, 4, 8] {
                 let q: Vec<f32> = (0..n_q * d).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
                 let run = |scratch: &mut Scratch| {
                     let (mut m, mut l, mut o) =
