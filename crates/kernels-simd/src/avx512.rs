@@ -2810,8 +2810,8 @@ mod tests {
         if !super::cpu_ok() {
             return;
         }
-        let next = vec![3u8; 64 * 40];
-        for (n, d) in [(128usize, 128usize), (37, 256), (4, 128)] {
+        let next = vec![3u8; 64 * 80];
+        for (n, d) in [(128usize, 128usize), (37, 256), (4, 128), (3, 128)] {
             let codes: Vec<u8> = (0..n * d / 2).map(|i| (i * 37 % 251) as u8).collect();
             let (scale, offset) = (vec![0.02f32; d], vec![-0.1f32; d]);
             let params = Params::PerChannel { scale: &scale, offset: Some(&offset) };
@@ -2832,14 +2832,18 @@ mod tests {
                 dots
             };
             for nq in 1..=3 {
+                // One line a step: the lines asked for count the steps.
                 let mut ahead = Ahead::default();
                 ahead.push(&next);
                 let lines = ahead.lines();
-                ahead.pace(n / 4);
+                ahead.pace(lines);
                 let dots = run(nq, &mut ahead);
                 assert_eq!(dots, run(nq, &mut Ahead::default()), "{n} x {d}, {nq} query rows");
-                let want = (n / 4 * lines.div_ceil(n / 4)).min(lines);
-                assert_eq!(ahead.stepped, want, "{n} x {d}, {nq} query rows: lines stepped");
+                // A step at each row r = 0, 4, 8, ... that starts a step of the loop (4 / nq
+                // rows; the last rows, fewer, go one by one without one).
+                let per = 4 / nq;
+                let steps = if n >= per { (n - per) / 4 + 1 } else { 0 };
+                assert_eq!(ahead.stepped, steps.min(lines), "{n} x {d}, {nq} query rows: steps");
             }
         }
     }
