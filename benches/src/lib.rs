@@ -85,17 +85,48 @@ pub fn filter_in(args: &[String]) -> Option<&str> {
 }
 
 /// Whether a group named `group` can hold a benchmark that `filter` selects, for groups whose
-/// inputs take long to build (gigabytes of keys, whole caches): a filter that names a group
-/// (it starts with one of `prefixes`, as group names do, and is plain text, not a regex)
-/// selects only groups whose name contains it or that it starts with; any other filter (a
-/// spec name, say, which appears in many groups' entries) may select any group.
+/// inputs take long to build (gigabytes of keys, whole caches). A filter is a regex that
+/// criterion finds anywhere in `group/entry`; the text that every match begins with (the
+/// whole filter when it is plain text, see [`required_literal`]) decides: when it starts with
+/// one of `prefixes`, as group names do, only groups whose name contains it or that it starts
+/// with are built; any other filter (a spec name, say, which appears in many groups' entries,
+/// or an alternation) may select any group.
 pub fn group_wanted(filter: Option<&str>, group: &str, prefixes: &[&str]) -> bool {
     let Some(f) = filter else { return true };
-    let plain = f.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '/'));
-    if !plain || !prefixes.iter().any(|p| f.starts_with(p)) {
+    let Some(lit) = required_literal(f) else { return true };
+    if !prefixes.iter().any(|p| lit.starts_with(p)) {
         return true;
     }
-    group.contains(f) || f.starts_with(&format!("{group}/"))
+    group.contains(&lit) || lit.starts_with(&format!("{group}/"))
+}
+
+/// The literal text that every match of the regex `re` begins with: its characters up to the
+/// first one with a meaning in a regex (less the last, when that is a quantifier that can
+/// repeat it zero times), after a leading `^`. `None` when there is none, or when `re` has an
+/// alternation outside parentheses (its branches need not share that text).
+pub fn required_literal(re: &str) -> Option<String> {
+    const META: &[char] = &['\\', '.', '^', '$', '*', '+', '?', '(', ')', '[', ']', '{', '}', '|'];
+    // An alternation at depth 0 (outside groups and classes; escapes skipped).
+    let (mut depth, mut class, mut chars) = (0usize, false, re.chars());
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                chars.next();
+            }
+            '[' if !class => class = true,
+            ']' if class => class = false,
+            '(' if !class => depth += 1,
+            ')' if !class => depth = depth.saturating_sub(1),
+            '|' if !class && depth == 0 => return None,
+            _ => {}
+        }
+    }
+    let body = re.strip_prefix('^').unwrap_or(re);
+    let mut lit: String = body.chars().take_while(|c| !META.contains(c)).collect();
+    if matches!(body[lit.len()..].chars().next(), Some('*' | '?' | '{')) {
+        lit.pop();
+    }
+    (!lit.is_empty()).then_some(lit)
 }
 
 /// [`group_wanted`] with this process's filter.
@@ -135,8 +166,49 @@ mod tests {
         assert!(!group_wanted(Some("decode_llama3"), "scores_dram_8388608x128", p));
         assert!(group_wanted(Some("decode_llama3_8b_layer_4k/f16_gqa"), g4, p));
         assert!(!group_wanted(Some("decode_llama3_8b_layer_4k/f16_gqa"), g32, p));
-        // Names of entries, and regexes, may select entries of any group.
+        // Names of entries may select entries of any group.
         assert!(group_wanted(Some("int4-channel"), g32, p));
-        assert!(group_wanted(Some("decode_.*4k"), g32, p));
+    }
+
+    #[test]
+    fn a_regex_selects_groups_by_the_text_its_matches_begin_with() {
+        let p = &["decode_", "scores_", "axpy_", "stream_"];
+        let (s4k, sdram) = ("scores_4096x128", "scores_dram_8388608x128");
+        let f = "scores_4096x128/int4-(channel|token)/avx512-int8$";
+        assert!(group_wanted(Some(f), s4k, p));
+        assert!(!group_wanted(Some(f), sdram, p));
+        assert!(!group_wanted(Some(f), "scores_4096x64", p));
+        assert!(!group_wanted(Some(f), "decode_llama3_8b_layer_32k", p));
+        assert!(!group_wanted(Some("^stream_read"), sdram, p));
+        assert!(group_wanted(Some("^stream_read"), "stream_read_512MiB", p));
+        // `decode_` then anything: every decode group, no other.
+        assert!(group_wanted(Some("decode_.*4k"), "decode_llama3_8b_layer_32k", p));
+        assert!(!group_wanted(Some("decode_.*4k"), s4k, p));
+        // Alternations, optional characters and entry names may select any group.
+        assert!(group_wanted(Some("scores_4096x128|decode_"), "decode_llama3_8b_layer_4k", p));
+        assert!(group_wanted(Some("(scores|axpy)_dram"), sdram, p));
+        assert!(group_wanted(Some("scores_dram_8388608x128?/f32"), "scores_dram_8388608x12", p));
+        assert!(group_wanted(Some(".*dram"), sdram, p));
+        assert!(group_wanted(Some("int4-(channel|token)"), sdram, p));
+    }
+
+    #[test]
+    fn the_required_literal_stops_at_the_first_metacharacter() {
+        assert_eq!(
+            required_literal("scores_4096x128/int4-(channel|token)$").as_deref(),
+            Some("scores_4096x128/int4-")
+        );
+        assert_eq!(required_literal("^decode_llama3.*").as_deref(), Some("decode_llama3"));
+        assert_eq!(required_literal("scores_x?").as_deref(), Some("scores_"));
+        assert_eq!(required_literal("scores_x{0,2}").as_deref(), Some("scores_"));
+        assert_eq!(required_literal("scores_x+").as_deref(), Some("scores_x"));
+        assert_eq!(required_literal("scores_\\d").as_deref(), Some("scores_"));
+        assert_eq!(required_literal("plain").as_deref(), Some("plain"));
+        assert_eq!(required_literal("a|b"), None);
+        assert_eq!(required_literal("a[|]b").as_deref(), Some("a"));
+        assert_eq!(required_literal("a\\|b").as_deref(), Some("a"));
+        assert_eq!(required_literal("(?i)scores"), None);
+        assert_eq!(required_literal(".*"), None);
+        assert_eq!(required_literal("x*"), None);
     }
 }
