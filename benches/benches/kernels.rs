@@ -82,7 +82,9 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
     if !kvq_benches::wanted(&name, GROUPS) {
         return;
     }
-    let mut group = c.benchmark_group(name);
+    // Entries a filter cannot select are not built either (8M rows of a format take a while).
+    let want = |entry: &str| kvq_benches::wanted(&format!("{name}/{entry}"), GROUPS);
+    let mut group = c.benchmark_group(&name);
     if n > 1 << 20 {
         group.sample_size(10);
     }
@@ -94,32 +96,36 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
     };
     let dram = n > 1 << 20;
     let mut out = vec![0f32; if read == Read::Scores { n } else { d }];
-    {
+    if want("f32") || want("f16") {
         let keys = place(dram, keys(n, d).data());
-        group.throughput(Throughput::Bytes((n * d * 4) as u64));
         // The best full-precision kernels (FMA; f16 widened in registers with F16C), so that
         // "vs f16" compares against code an engine could have.
         let best = best_float();
-        group.bench_function("f32", |b| match read {
-            Read::Scores => {
-                b.iter(|| dense_scores_with(best, black_box(&keys), n, d, &q, 1, &mut out).unwrap())
-            }
-            Read::Values => {
-                b.iter(|| dense_axpy_with(best, black_box(&keys), n, d, &p, 1, &mut out).unwrap())
-            }
-        });
-        let keys16: Vec<f16> = keys.iter().map(|&x| f16::from_f32(x)).collect();
-        let keys16 = place(dram, &keys16);
-        drop(keys);
-        group.throughput(Throughput::Bytes((n * d * 2) as u64));
-        group.bench_function("f16", |b| match read {
-            Read::Scores => {
-                b.iter(|| dense_scores_with(best, black_box(&keys16), n, d, &q, 1, &mut out).unwrap())
-            }
-            Read::Values => {
-                b.iter(|| dense_axpy_with(best, black_box(&keys16), n, d, &p, 1, &mut out).unwrap())
-            }
-        });
+        if want("f32") {
+            group.throughput(Throughput::Bytes((n * d * 4) as u64));
+            group.bench_function("f32", |b| match read {
+                Read::Scores => {
+                    b.iter(|| dense_scores_with(best, black_box(&keys), n, d, &q, 1, &mut out).unwrap())
+                }
+                Read::Values => {
+                    b.iter(|| dense_axpy_with(best, black_box(&keys), n, d, &p, 1, &mut out).unwrap())
+                }
+            });
+        }
+        if want("f16") {
+            let keys16: Vec<f16> = keys.iter().map(|&x| f16::from_f32(x)).collect();
+            let keys16 = place(dram, &keys16);
+            drop(keys);
+            group.throughput(Throughput::Bytes((n * d * 2) as u64));
+            group.bench_function("f16", |b| match read {
+                Read::Scores => {
+                    b.iter(|| dense_scores_with(best, black_box(&keys16), n, d, &q, 1, &mut out).unwrap())
+                }
+                Read::Values => {
+                    b.iter(|| dense_axpy_with(best, black_box(&keys16), n, d, &p, 1, &mut out).unwrap())
+                }
+            });
+        }
     }
     let specs: &[&str] = if d == D {
         &[
@@ -136,7 +142,7 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
     } else {
         &["int8-token", "int4-token", "int8-channel", "int4-channel"]
     };
-    for &spec in specs {
+    for &spec in specs.iter().filter(|s| want(s)) {
         let parsed: QuantSpec = spec.parse().unwrap();
         let qt = quantize(&keys(n, d), &parsed).unwrap();
         let mem = qt.memory();
@@ -275,7 +281,7 @@ fn decode_at(c: &mut Criterion, len: usize) {
     let kv = normal_tensor(Shape::new(kv_heads, len, D), 21);
     let vv = normal_tensor(Shape::new(kv_heads, len, D), 22);
     let q: Vec<f32> = (0..q_heads * D).map(|_| rng.normal() as f32).collect();
-    let mut group = c.benchmark_group(name);
+    let mut group = c.benchmark_group(&name);
     group.sample_size(if len > 8192 { 10 } else { 20 });
 
     // Baselines: contiguous f32 and f16 K and V through `kvq::baseline::dense_attention`, which
@@ -314,6 +320,10 @@ fn decode_at(c: &mut Criterion, len: usize) {
         ("int4-channel32-p8", "int4-g32-mse-rot-p8"),
         ("int4-g32", "int4-g32"),
     ] {
+        // Caches whose entries a filter cannot select are not built.
+        if !kvq_benches::wanted(&format!("{name}/{k}/{v}"), GROUPS) {
+            continue;
+        }
         let mut cache = layer_cache(kv_heads, D, kv_heads * len / 32, k, v);
         let seq = cache.create();
         cache.extend(seq, 0, &kv, &vv).unwrap();

@@ -86,40 +86,53 @@ pub fn filter_in(args: &[String]) -> Option<&str> {
 
 /// Whether a group named `group` can hold a benchmark that `filter` selects, for groups whose
 /// inputs take long to build (gigabytes of keys, whole caches). A filter is a regex that
-/// criterion finds anywhere in `group/entry`; the text that every match begins with (the
-/// whole filter when it is plain text, see [`required_literal`]) decides: when it starts with
-/// one of `prefixes`, as group names do, only groups whose name contains it or that it starts
-/// with are built; any other filter (a spec name, say, which appears in many groups' entries,
-/// or an alternation) may select any group.
+/// criterion finds anywhere in `group/entry`. Each branch of its alternation ([`branches`])
+/// is judged by the text every match of it begins with (the whole branch when it is plain
+/// text, see [`required_literal`]): when that starts with one of `prefixes`, as group names
+/// do, the branch selects only groups whose name contains it or that it starts with; any other
+/// branch (a spec name, say, which appears in many groups' entries) may select any group.
 pub fn group_wanted(filter: Option<&str>, group: &str, prefixes: &[&str]) -> bool {
     let Some(f) = filter else { return true };
-    let Some(lit) = required_literal(f) else { return true };
-    if !prefixes.iter().any(|p| lit.starts_with(p)) {
-        return true;
-    }
-    group.contains(&lit) || lit.starts_with(&format!("{group}/"))
+    branches(f).into_iter().any(|b| match required_literal(b) {
+        Some(lit) if prefixes.iter().any(|p| lit.starts_with(p)) => {
+            group.contains(&lit) || lit.starts_with(&format!("{group}/"))
+        }
+        _ => true,
+    })
 }
 
-/// The literal text that every match of the regex `re` begins with: its characters up to the
-/// first one with a meaning in a regex (less the last, when that is a quantifier that can
-/// repeat it zero times), after a leading `^`. `None` when there is none, or when `re` has an
-/// alternation outside parentheses (its branches need not share that text).
-pub fn required_literal(re: &str) -> Option<String> {
-    const META: &[char] = &['\\', '.', '^', '$', '*', '+', '?', '(', ')', '[', ']', '{', '}', '|'];
-    // An alternation at depth 0 (outside groups and classes; escapes skipped).
-    let (mut depth, mut class, mut chars) = (0usize, false, re.chars());
-    while let Some(c) = chars.next() {
+/// The branches of the regex `re`'s alternation outside groups and classes (`a|b(c|d)`:
+/// `a` and `b(c|d)`); `re` alone when it has none.
+pub fn branches(re: &str) -> Vec<&str> {
+    let (mut out, mut from) = (Vec::new(), 0);
+    let (mut depth, mut class, mut escaped) = (0usize, false, false);
+    for (i, c) in re.char_indices() {
         match c {
-            '\\' => {
-                chars.next();
-            }
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
             '[' if !class => class = true,
             ']' if class => class = false,
             '(' if !class => depth += 1,
             ')' if !class => depth = depth.saturating_sub(1),
-            '|' if !class && depth == 0 => return None,
+            '|' if !class && depth == 0 => {
+                out.push(&re[from..i]);
+                from = i + 1;
+            }
             _ => {}
         }
+    }
+    out.push(&re[from..]);
+    out
+}
+
+/// The literal text that every match of the regex `re` begins with: its characters up to the
+/// first one with a meaning in a regex (less the last, when that is a quantifier that can
+/// repeat it zero times), after a leading `^`. `None` when there is none, or when `re` has
+/// more than one of [`branches`] (they need not share that text).
+pub fn required_literal(re: &str) -> Option<String> {
+    const META: &[char] = &['\\', '.', '^', '$', '*', '+', '?', '(', ')', '[', ']', '{', '}', '|'];
+    if branches(re).len() > 1 {
+        return None;
     }
     let body = re.strip_prefix('^').unwrap_or(re);
     let mut lit: String = body.chars().take_while(|c| !META.contains(c)).collect();
@@ -184,12 +197,36 @@ mod tests {
         // `decode_` then anything: every decode group, no other.
         assert!(group_wanted(Some("decode_.*4k"), "decode_llama3_8b_layer_32k", p));
         assert!(!group_wanted(Some("decode_.*4k"), s4k, p));
-        // Alternations, optional characters and entry names may select any group.
+        // Each branch of an alternation selects its own groups.
+        let two = Some("stream_read|scores_dram_8388608x128/int4-channel/avx512-int8$");
+        assert!(group_wanted(two, "stream_read_512MiB", p));
+        assert!(group_wanted(two, sdram, p));
+        assert!(!group_wanted(two, s4k, p));
+        assert!(!group_wanted(two, "decode_llama3_8b_layer_32k", p));
         assert!(group_wanted(Some("scores_4096x128|decode_"), "decode_llama3_8b_layer_4k", p));
+        assert!(!group_wanted(Some("scores_4096x128|decode_"), sdram, p));
+        assert!(group_wanted(Some("scores_4096x128|int4"), sdram, p));
+        // Groups, optional characters and entry names may select any group.
         assert!(group_wanted(Some("(scores|axpy)_dram"), sdram, p));
         assert!(group_wanted(Some("scores_dram_8388608x128?/f32"), "scores_dram_8388608x12", p));
         assert!(group_wanted(Some(".*dram"), sdram, p));
         assert!(group_wanted(Some("int4-(channel|token)"), sdram, p));
+    }
+
+    #[test]
+    fn the_same_test_selects_the_entries_of_a_group_worth_building() {
+        // The benches ask for `group/spec` (and `group/keys/values`) before building its inputs.
+        let p = &["decode_", "scores_", "axpy_", "stream_"];
+        let one = Some("scores_dram_8388608x128/int4-channel/avx512-int8$");
+        assert!(group_wanted(one, "scores_dram_8388608x128/int4-channel", p));
+        assert!(!group_wanted(one, "scores_dram_8388608x128/int8-channel", p));
+        assert!(!group_wanted(one, "scores_dram_8388608x128/f32", p));
+        assert!(group_wanted(Some("scores_dram_8388608x128"), "scores_dram_8388608x128/f16", p));
+        assert!(group_wanted(Some("scores_dram_8388608x128/int"), "scores_dram_8388608x128/int2-token", p));
+        // A key spec that another begins with: the entries of both can match.
+        let kv = Some("decode_llama3_8b_layer_4k/int4-channel/int4-token");
+        assert!(group_wanted(kv, "decode_llama3_8b_layer_4k/int4-channel/int4-token-mse-rot", p));
+        assert!(!group_wanted(kv, "decode_llama3_8b_layer_4k/int4-channel32-p8/int4-g32-mse-rot-p8", p));
     }
 
     #[test]
@@ -205,6 +242,9 @@ mod tests {
         assert_eq!(required_literal("scores_\\d").as_deref(), Some("scores_"));
         assert_eq!(required_literal("plain").as_deref(), Some("plain"));
         assert_eq!(required_literal("a|b"), None);
+        assert_eq!(branches("a|b(c|d)|[|]e|f\\|g"), vec!["a", "b(c|d)", "[|]e", "f\\|g"]);
+        assert_eq!(branches("plain"), vec!["plain"]);
+        assert_eq!(branches("a|"), vec!["a", ""]);
         assert_eq!(required_literal("a[|]b").as_deref(), Some("a"));
         assert_eq!(required_literal("a\\|b").as_deref(), Some("a"));
         assert_eq!(required_literal("(?i)scores"), None);
