@@ -14,7 +14,8 @@
 //! package, so ordinary builds never compile candle); `cargo xtask bench` runs both and puts
 //! them in one table.
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
 use kvq::attention::{
     AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch, decode_attention_path,
@@ -27,8 +28,8 @@ use kvq_benches::{best_float, layer_cache};
 /// does not name are skipped before their inputs are built (`kvq_benches::wanted`).
 const GROUPS: &[&str] = &["scores_", "axpy_", "decode_", "stream_"];
 use kvq_kernels_simd::{
-    Backend, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dense_axpy_with, dense_scores_with,
-    dispatch, scores_int8_with, scores_with,
+    Backend, DenseRow, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dense_axpy_with,
+    dense_scores_with, dispatch, scores_int8_with, scores_with,
 };
 use kvq_quant_core::synth::{Rng, normal_tensor};
 use kvq_quant_core::{QuantSpec, Shape, quantize};
@@ -98,33 +99,14 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
     let mut out = vec![0f32; if read == Read::Scores { n } else { d }];
     if want("f32") || want("f16") {
         let keys = place(dram, keys(n, d).data());
-        // The best full-precision kernels (FMA; f16 widened in registers with F16C), so that
-        // "vs f16" compares against code an engine could have.
-        let best = best_float();
         if want("f32") {
-            group.throughput(Throughput::Bytes((n * d * 4) as u64));
-            group.bench_function("f32", |b| match read {
-                Read::Scores => {
-                    b.iter(|| dense_scores_with(best, black_box(&keys), n, d, &q, 1, &mut out).unwrap())
-                }
-                Read::Values => {
-                    b.iter(|| dense_axpy_with(best, black_box(&keys), n, d, &p, 1, &mut out).unwrap())
-                }
-            });
+            dense_entry(&mut group, "f32", read, &keys, d, &q, &p, &mut out);
         }
         if want("f16") {
             let keys16: Vec<f16> = keys.iter().map(|&x| f16::from_f32(x)).collect();
             let keys16 = place(dram, &keys16);
             drop(keys);
-            group.throughput(Throughput::Bytes((n * d * 2) as u64));
-            group.bench_function("f16", |b| match read {
-                Read::Scores => {
-                    b.iter(|| dense_scores_with(best, black_box(&keys16), n, d, &q, 1, &mut out).unwrap())
-                }
-                Read::Values => {
-                    b.iter(|| dense_axpy_with(best, black_box(&keys16), n, d, &p, 1, &mut out).unwrap())
-                }
-            });
+            dense_entry(&mut group, "f16", read, &keys16, d, &q, &p, &mut out);
         }
     }
     let specs: &[&str] = if d == D {
@@ -237,6 +219,28 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
         }
     }
     group.finish();
+}
+
+/// A full-precision entry of a read group over the rows `x` of `d` values: the best float
+/// kernels (FMA; f16 widened in registers with F16C), so that "vs f16" compares against code
+/// an engine could have.
+#[allow(clippy::too_many_arguments)]
+fn dense_entry<T: DenseRow>(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    label: &str,
+    read: Read,
+    x: &[T],
+    d: usize,
+    q: &[f32],
+    p: &[f32],
+    out: &mut [f32],
+) {
+    let (best, n) = (best_float(), x.len() / d);
+    group.throughput(Throughput::Bytes(std::mem::size_of_val(x) as u64));
+    group.bench_function(label, |b| match read {
+        Read::Scores => b.iter(|| dense_scores_with(best, black_box(x), n, d, q, 1, out).unwrap()),
+        Read::Values => b.iter(|| dense_axpy_with(best, black_box(x), n, d, p, 1, out).unwrap()),
+    });
 }
 
 fn block_row_bytes(d: usize, bits: u8) -> usize {
