@@ -2,10 +2,12 @@
 //! `cross`, Debian packages it installs itself).
 //!
 //! - `ci`: formatting, clippy with warnings denied, the tests, and the docs with warnings denied.
-//! - `test --level baseline|v3|native|scalar`: the test executables (not the doc tests, which
-//!   `ci` runs) built with the matching RUSTFLAGS (none; `-C target-cpu=x86-64-v3`;
+//! - `test --level baseline|v3|native|scalar|newcomer`: the test executables (not the doc
+//!   tests, which `ci` runs) built with the matching RUSTFLAGS (none; `-C target-cpu=x86-64-v3`;
 //!   `-C target-cpu=native`) or with the scalar kernels forced; prints `rustc --print cfg` and
 //!   the backend chosen first. baseline and scalar reuse the build of `cargo test --workspace`.
+//!   `newcomer` runs that build's tests as a fresh clone without `../shared` would: the shared
+//!   capture hidden (`KVQ_SHARED_DATA=none`) and `CI` unset, every package included.
 //! - `cross`: builds the tests for aarch64-unknown-linux-gnu with Debian's toolchain and runs
 //!   them under qemu-user with `-cpu max` (dotprod), all but the CLI's, then the kernels' tests
 //!   again with `-cpu cortex-a72` (no dotprod), from the same build.
@@ -246,14 +248,22 @@ fn test_level(args: &[String]) -> Result<(), String> {
         _ => return Err(usage()),
     };
     let (flags, target_dir, forced) = match level {
-        "baseline" => ("", None, None),
+        "baseline" | "newcomer" => ("", None, None),
         "v3" => ("-C target-cpu=x86-64-v3", Some("target/level-v3"), None),
         "native" => ("-C target-cpu=native", Some("target/level-native"), None),
         "scalar" => ("", None, Some("scalar")),
-        other => return Err(format!("unknown level {other:?}; use baseline, v3, native or scalar")),
+        other => {
+            return Err(format!("unknown level {other:?}; use baseline, v3, native, scalar or newcomer"));
+        }
     };
+    // A newcomer's machine: the README's promise is that `cargo test --workspace` passes in a
+    // fresh clone with only the toolchain, where no `../shared` sits beside the checkout.
+    let newcomer = level == "newcomer";
     let configure = |cmd: &mut Command| {
         clean_flags(cmd);
+        if newcomer {
+            cmd.env("KVQ_SHARED_DATA", "none").env_remove("CI");
+        }
         if !flags.is_empty() {
             cmd.env("RUSTFLAGS", flags);
         }
@@ -298,9 +308,10 @@ fn test_level(args: &[String]) -> Result<(), String> {
     run(&mut info)?;
     // kvq-candle (candle and a model on top of kvq's kernels) is tested once, by `ci`: its
     // arithmetic is candle's, and the kernels it calls are tested at every level here.
+    // The newcomer run is the README's test command, so it runs every package once.
     run_harnesses(
         &artifacts,
-        |a| a.package != "kvq-candle" && a.package != "kvq-fuzz",
+        |a| newcomer || (a.package != "kvq-candle" && a.package != "kvq-fuzz"),
         |exe| {
             let mut cmd = Command::new(exe);
             configure(&mut cmd);

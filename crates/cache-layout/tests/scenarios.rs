@@ -1,5 +1,7 @@
 //! Scripted scenarios: block-table snapshots, exhaustion, calibration, memory, real data.
 
+#[path = "../../quant-core/tests/common/shared_data.rs"]
+mod shared_data;
 use kvq_cache_layout::{CacheConfig, CacheError, PagedCache, SeqId, TailDtype};
 use kvq_quant_core::calibration::Part;
 use kvq_quant_core::io::TensorFile;
@@ -203,13 +205,12 @@ fn memory_is_exact() {
 }
 
 fn real_layer(layer: usize) -> Option<(Tensor, Tensor, Tensor)> {
-    let path =
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/kv-smollm2-135m-sample.safetensors");
-    let file = if std::path::Path::new(path).exists() {
-        TensorFile::open(path).unwrap()
-    } else {
-        assert!(std::env::var_os("CI").is_none(), "CI must provide ../shared/data");
-        TensorFile::open(concat!(env!("CARGO_MANIFEST_DIR"), "/../kvq/data/sample.safetensors")).unwrap()
+    let file = match shared_data::shared_capture() {
+        Some(path) => TensorFile::open(path).unwrap(),
+        None => {
+            shared_data::note_missing("using the embedded 256-token sample");
+            TensorFile::open(concat!(env!("CARGO_MANIFEST_DIR"), "/../kvq/data/sample.safetensors")).unwrap()
+        }
     };
     let read = |s: &str| file.read(&format!("layer{layer}.{s}")).ok();
     Some((read("q")?, read("k")?, read("v")?))

@@ -25,8 +25,13 @@ fn model_path() -> PathBuf {
     PathBuf::from(std::env::var("KVQ_MODEL").expect("KVQ_MODEL: run `cargo xtask eval --check`"))
 }
 
+#[path = "../../quant-core/tests/common/shared_data.rs"]
+mod shared_data;
+
+/// The shared capture: these checks compare against its transformers outputs and cannot fall
+/// back to the embedded sample, which has none.
 fn shared() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/kv-smollm2-135m-sample.safetensors")
+    shared_data::shared_capture().expect("the shared capture (../shared/data or KVQ_SHARED_DATA)")
 }
 
 fn shared_tokens() -> Vec<u32> {

@@ -2,6 +2,8 @@
 //! cache, within a relative 2e-5 (f32 scores, softmax and sums against f64), for every kernel
 //! backend this CPU has, on random data and on real SmolLM2 keys, values and queries.
 
+#[path = "../../quant-core/tests/common/shared_data.rs"]
+mod shared_data;
 use kvq::attention::{ScorePath, decode_attention_path, decode_attention_with};
 use kvq::kernels::dispatch::available;
 use kvq::layout::{CacheConfig, PagedCache, SeqId, TailDtype};
@@ -158,13 +160,12 @@ fn channel_groups_inside_blocks() {
 /// The shared capture of SmolLM2-135M (2048 tokens) when it is there, which CI provides, else
 /// the embedded sample (256 tokens).
 fn real_sample() -> TensorFile {
-    let path =
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/kv-smollm2-135m-sample.safetensors");
-    if std::path::Path::new(path).exists() {
-        TensorFile::open(path).unwrap()
-    } else {
-        assert!(std::env::var_os("CI").is_none(), "CI must provide ../shared/data");
-        TensorFile::from_bytes("sample", kvq::SAMPLE.to_vec()).unwrap()
+    match shared_data::shared_capture() {
+        Some(path) => TensorFile::open(path).unwrap(),
+        None => {
+            shared_data::note_missing("using the embedded 256-token sample");
+            TensorFile::from_bytes("sample", kvq::SAMPLE.to_vec()).unwrap()
+        }
     }
 }
 
@@ -188,17 +189,27 @@ fn real_smollm2_layers() {
 /// The integer paths against the float path on real SmolLM2 layers: at the model's head_dim 64
 /// (KV head 0 and its three query heads: int8 queries, float values) and at 128 (KV heads 0 and
 /// 1 side by side, their query heads likewise), where AVX-512 VNNI also runs the integer value
-/// kernel (INT4 values meet 8-bit weights). The output stays within 1.5% of the float path's
-/// (3.5% in blocks of 128; measured: 0.02-1.1% at 128; the keys' int8 query gives most of it, and 8-bit weights on
-/// uncentred codes reached 3%). Every backend this CPU has.
+/// kernel (INT4 values meet 8-bit weights). Every backend this CPU has, at 256 tokens (all the
+/// embedded sample has), 512 and 2048.
+///
+/// The outputs of the queries of the last 8 positions, taken together, stay within 2% of the
+/// float path's (3.5% in blocks of 128). Measured on the shared capture and on the embedded
+/// sample, every backend of an AVX-512 VNNI machine: at most 1.54% (layer 9, 2048 tokens, d 128)
+/// and 2.65% in blocks of 128 (layer 0, 512 tokens). One query alone was the measure until
+/// 2026-12-06 and too noisy for a bound: at 256 tokens single positions reached 1.8% (layer 9)
+/// and 3.4% in blocks of 128 (layer 0). The keys' int8 query gives most of the difference;
+/// 8-bit weights on uncentred codes reached 3%.
 #[test]
 fn integer_paths_track_the_float_path_on_real_layers() {
+    const QUERIES: usize = 8;
     let file = real_sample();
     for layer in [0, 9, 29] {
         let read = |s: &str| file.read(&format!("layer{layer}.{s}")).unwrap();
         let (q, k, v) = (read("q"), read("k"), read("v"));
         let tokens = k.shape().tokens;
-        for (len, heads) in [512, 2048].into_iter().map(|n| tokens.min(n)).flat_map(|n| [(n, 1), (n, 2)]) {
+        let mut lens: Vec<usize> = [256, 512, 2048].into_iter().map(|n| tokens.min(n)).collect();
+        lens.dedup();
+        for (len, heads) in lens.into_iter().flat_map(|n| [(n, 1), (n, 2)]) {
             let d = 64 * heads;
             // Row i of each of the first `heads` KV heads, side by side.
             let cat = |t: &Tensor| {
@@ -207,19 +218,24 @@ fn integer_paths_track_the_float_path_on_real_layers() {
                 Tensor::new(Shape::new(1, len, d), data).unwrap()
             };
             let (kp, vp) = (cat(&k), cat(&v));
-            // Query head i of each KV head's group of three, side by side.
-            let qrow: Vec<f32> = (0..3)
-                .flat_map(|i| {
-                    (0..heads).flat_map(|h| q.row(0, 3 * h + i, len - 1).to_vec()).collect::<Vec<_>>()
+            // For each of the last positions, query head i of each KV head's group of three,
+            // side by side.
+            let qrows: Vec<Vec<f32>> = (len - QUERIES..len)
+                .map(|pos| {
+                    (0..3)
+                        .flat_map(|i| {
+                            (0..heads).flat_map(|h| q.row(0, 3 * h + i, pos).to_vec()).collect::<Vec<_>>()
+                        })
+                        .collect()
                 })
                 .collect();
             // Blocks of 128 tokens (keys per channel over the block or in groups of 32 inside
             // it) round the weights with one scale per 128 rows: coarser where attention is
-            // peaked, up to 3.05% from the float path here (layer 0, 512 tokens, d 128);
-            // `kvq-eval` on SmolLM2 finds no loss from it (mean KL 6.2e-3 integer, 7.0e-3 float).
+            // peaked; `kvq-eval` on SmolLM2 finds no loss from it (mean KL 6.2e-3 integer,
+            // 7.0e-3 float).
             for (ks, vs, bs, within) in [
-                ("int4-channel", "int4-token", 32usize, 1.5e-2),
-                ("int4-channel-p8", "int4-token-p8", 32, 1.5e-2),
+                ("int4-channel", "int4-token", 32usize, 2e-2),
+                ("int4-channel-p8", "int4-token-p8", 32, 2e-2),
                 ("int4-channel32-p8", "int4-token", 128, 3.5e-2),
                 ("int4-channel", "int4-token", 128, 3.5e-2),
             ] {
@@ -232,10 +248,14 @@ fn integer_paths_track_the_float_path_on_real_layers() {
                 let seq = cache.create();
                 cache.extend(seq, 0, &kp, &vp).unwrap();
                 for backend in available() {
-                    let run = |path| {
-                        let mut out = vec![0f32; 3 * d];
-                        decode_attention_path(backend, path, &cache, seq, 0, &qrow, 3, &mut out).unwrap();
-                        out
+                    let run = |path| -> Vec<f32> {
+                        let mut all = Vec::with_capacity(QUERIES * 3 * d);
+                        for qrow in &qrows {
+                            let mut out = vec![0f32; 3 * d];
+                            decode_attention_path(backend, path, &cache, seq, 0, qrow, 3, &mut out).unwrap();
+                            all.extend_from_slice(&out);
+                        }
+                        all
                     };
                     let (float, int) = (run(ScorePath::Float), run(ScorePath::Int8));
                     let want: Vec<f64> = float.iter().map(|&x| f64::from(x)).collect();

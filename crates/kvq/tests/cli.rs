@@ -3,6 +3,8 @@
 use std::process::Output;
 
 mod common;
+#[path = "../../quant-core/tests/common/shared_data.rs"]
+mod shared_data;
 
 use common::kvq;
 
@@ -124,12 +126,11 @@ fn analyze_json_has_every_field() {
 
 #[test]
 fn analyze_shared_data_per_head_snapshot() {
-    let path =
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/kv-smollm2-135m-sample.safetensors");
-    if !std::path::Path::new(path).exists() {
-        assert!(std::env::var_os("CI").is_none(), "CI must provide ../shared/data");
+    let Some(path) = shared_data::shared_capture() else {
+        shared_data::note_missing("skipped: the snapshot is of the 2048-token capture");
         return;
-    }
+    };
+    let path = path.to_str().expect("a UTF-8 path");
     let specs = "int4-tensor,int4-channel/int4-token,int2-channel/int2-token";
     let out = kvq(&["analyze", path, "--specs", specs, "--positions", "8", "--per-head"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
