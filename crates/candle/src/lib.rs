@@ -11,6 +11,7 @@
 //! - [`eval`]: KL divergence, top-1 agreement and perplexity of a quantized cache against the
 //!   reference, in real decode or llama.cpp's perplexity protocol (the `kvq-eval` binary).
 //! - [`GgufTokenizer`]: the GGUF's own BPE tokenizer.
+//! - [`tiny`]: a tiny random model with a real tokenizer and chat template, for tests and demos.
 //!
 //! ```no_run
 //! use kvq_candle::{KvStore, KvqStore, LlamaModel};
@@ -33,9 +34,10 @@ pub mod error;
 pub mod eval;
 pub mod model;
 pub mod store;
+pub mod tiny;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
 pub use model::{LlamaConfig, LlamaModel, Weights};
-pub use store::{F32Cache, KvStore, KvqStore};
+pub use store::{F32Cache, KvStore, KvqSeq, KvqStore};
 pub use tokenizer::GgufTokenizer;

@@ -1,6 +1,8 @@
 //! Where a model keeps one sequence's keys and values: kvq's quantized cache, or a plain f32
 //! cache that is the reference every quantized run is measured against.
 
+use std::borrow::{Borrow, BorrowMut};
+
 use kvq::attention::ScorePath;
 use kvq::cache::{KvCacheConfig, QuantizedKvCache};
 use kvq::layout::SeqId;
@@ -192,15 +194,20 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// One sequence in kvq's [`QuantizedKvCache`]: its residual window, sinks and per-layer specs
-/// as the config says, attention through kvq's fused kernels.
+/// as the config says, attention through kvq's fused kernels. The cache is the store's own
+/// ([`KvqStore`]) or borrowed from a caller that keeps many sequences in one pool
+/// ([`KvqSeq::borrowed`], what a server does).
 #[derive(Debug, Clone)]
-pub struct KvqStore {
-    cache: QuantizedKvCache,
+pub struct KvqSeq<C> {
+    cache: C,
     seq: SeqId,
     path: ScorePath,
 }
 
-impl KvqStore {
+/// A store that owns its cache, with one sequence in it.
+pub type KvqStore = KvqSeq<QuantizedKvCache>;
+
+impl KvqSeq<QuantizedKvCache> {
     /// A cache made from `config`, with one sequence in it.
     ///
     /// # Errors
@@ -210,10 +217,20 @@ impl KvqStore {
         let seq = cache.create();
         Ok(Self { cache, seq, path })
     }
+}
 
+impl<'a> KvqSeq<&'a mut QuantizedKvCache> {
+    /// Sequence `seq` of a cache that holds others too; nothing is checked until the first
+    /// call (an unknown sequence is then [`Error::Kvq`]).
+    pub fn borrowed(cache: &'a mut QuantizedKvCache, seq: SeqId, path: ScorePath) -> Self {
+        Self { cache, seq, path }
+    }
+}
+
+impl<C: Borrow<QuantizedKvCache>> KvqSeq<C> {
     /// The cache.
     pub fn cache(&self) -> &QuantizedKvCache {
-        &self.cache
+        self.cache.borrow()
     }
 
     /// The sequence this store reads and writes.
@@ -222,34 +239,34 @@ impl KvqStore {
     }
 }
 
-impl KvStore for KvqStore {
+impl<C: BorrowMut<QuantizedKvCache>> KvStore for KvqSeq<C> {
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
-        Ok(self.cache.append(self.seq, layer, k, v)?)
+        Ok(self.cache.borrow_mut().append(self.seq, layer, k, v)?)
     }
 
     fn attention(&self, layer: usize, q: &[f32], out: &mut [f32]) -> Result<()> {
-        Ok(self.cache.attention_path(self.path, self.seq, layer, q, out)?)
+        Ok(self.cache().attention_path(self.path, self.seq, layer, q, out)?)
     }
 
     fn check_capacity(&self, tokens: usize) -> Result<()> {
-        Ok(self.cache.check_capacity(self.seq, tokens)?)
+        Ok(self.cache().check_capacity(self.seq, tokens)?)
     }
 
     fn len(&self, layer: usize) -> usize {
-        self.cache.len(self.seq, layer).unwrap_or(0)
+        self.cache().len(self.seq, layer).unwrap_or(0)
     }
 
     fn truncate(&mut self, len: usize) -> Result<()> {
-        Ok(self.cache.truncate(self.seq, len)?)
+        Ok(self.cache.borrow_mut().truncate(self.seq, len)?)
     }
 
+    /// Empties the sequence; its reservation, if any, stays.
     fn reset(&mut self) -> Result<()> {
-        self.cache.free(self.seq)?;
-        self.seq = self.cache.create();
-        Ok(())
+        self.truncate(0)
     }
 
+    /// Bytes in use in the whole cache (every sequence of a borrowed one).
     fn used_bytes(&self) -> usize {
-        self.cache.used_bytes()
+        self.cache().used_bytes()
     }
 }

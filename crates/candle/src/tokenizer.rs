@@ -19,6 +19,8 @@ pub struct GgufTokenizer {
     inner: Tokenizer,
     bos: Option<u32>,
     add_bos: bool,
+    end_of_generation: Vec<u32>,
+    chat_template: Option<String>,
 }
 
 impl GgufTokenizer {
@@ -60,10 +62,24 @@ impl GgufTokenizer {
             Some(v) => v.to_u32().ok(),
             None => None,
         };
-        let bos = int("tokenizer.ggml.bos_token_id");
+        let vocab = inner.get_vocab_size(true);
+        let bos = int("tokenizer.ggml.bos_token_id").filter(|&b| (b as usize) < vocab);
         let add_bos =
             matches!(ct.metadata.get("tokenizer.ggml.add_bos_token"), Some(gguf_file::Value::Bool(true)));
-        Ok(Self { inner, bos, add_bos })
+        // llama.cpp's end-of-generation tokens: end of sequence, end of turn, end of message.
+        let mut end_of_generation: Vec<u32> =
+            ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
+                .into_iter()
+                .filter_map(int)
+                .filter(|&t| (t as usize) < vocab)
+                .collect();
+        end_of_generation.sort_unstable();
+        end_of_generation.dedup();
+        let chat_template = match ct.metadata.get("tokenizer.chat_template") {
+            Some(gguf_file::Value::String(s)) => Some(s.clone()),
+            _ => None,
+        };
+        Ok(Self { inner, bos, add_bos, end_of_generation, chat_template })
     }
 
     /// Token ids of `text`, with the BOS token in front when the model's tokenizer adds one
@@ -87,6 +103,49 @@ impl GgufTokenizer {
     /// [`Error::Tokenizer`].
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, false).map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// Token ids of `text` exactly as written: no BOS added, and special tokens spelled in the
+    /// text (`<|im_start|>`) are those tokens, as a rendered chat template needs.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`].
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of `ids` without the special tokens (what a client is shown).
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`].
+    pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// The beginning-of-sequence token, when the model has one.
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// Whether a text's tokens start with BOS.
+    pub fn adds_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// The tokens that end a generation (`eos`, `eot` and `eom` of the GGUF's metadata).
+    pub fn end_of_generation(&self) -> &[u32] {
+        &self.end_of_generation
+    }
+
+    /// The chat template of the GGUF's metadata (`tokenizer.chat_template`, Jinja).
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// The text of one token as the vocabulary spells it (`<|im_end|>`), if it exists.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
     }
 
     /// The underlying `tokenizers` tokenizer.
