@@ -37,6 +37,11 @@
 //!   candle-transformers and against the transformers capture in `../shared/data` on the real
 //!   model; otherwise runs `kvq-eval` (release) with ARGS.
 //!
+//! - `openai-check`: the official OpenAI Python client (the `openai` package from PyPI, in a
+//!   virtual environment under `target/openai-venv`) against `kvq-serve` on loopback with kvq's
+//!   tiny model: completions, chat, streaming and error cases
+//!   (`crates/serve/tests/openai/check.py`).
+//!
 //! With `XTASK_TALLY=FILE`, every test run appends `passed failed` to FILE, so that a CI
 //! script can sum them.
 
@@ -58,6 +63,7 @@ fn main() -> ExitCode {
         Some("bench") => bench(rest),
         Some("miri") => miri(),
         Some("fuzz") => fuzz(rest),
+        Some("openai-check") => openai_check(),
         Some("make-sample") => make_sample(rest),
         Some("fetch-model") => fetch_model(rest).map(|_| ()),
         Some("fetch-text") => fetch_text(rest).map(|_| ()),
@@ -75,7 +81,7 @@ fn main() -> ExitCode {
 }
 
 fn usage() -> String {
-    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | fuzz [--seconds N] [--inputs N] [--seed S] [TARGET...] | make-sample SRC OUT [TOKENS] | fetch-model smollm2-135m | fetch-text botchan | ggml [--steps N] [CONTEXT...] | eval [--check] [KVQ-EVAL ARGS]>"
+    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | fuzz [--seconds N] [--inputs N] [--seed S] [TARGET...] | make-sample SRC OUT [TOKENS] | fetch-model smollm2-135m | fetch-text botchan | ggml [--steps N] [CONTEXT...] | eval [--check] [KVQ-EVAL ARGS] | openai-check>"
         .into()
 }
 
@@ -292,7 +298,15 @@ fn test_level(args: &[String]) -> Result<(), String> {
     let mut build = cargo();
     build.arg("test");
     if target_dir.is_some() {
-        build.args(["--workspace", "--exclude", "kvq-candle", "--exclude", "kvq-fuzz"]);
+        build.args([
+            "--workspace",
+            "--exclude",
+            "kvq-candle",
+            "--exclude",
+            "kvq-serve",
+            "--exclude",
+            "kvq-fuzz",
+        ]);
     } else {
         build.arg("--workspace");
     }
@@ -306,12 +320,13 @@ fn test_level(args: &[String]) -> Result<(), String> {
     info.arg("info");
     configure(&mut info);
     run(&mut info)?;
-    // kvq-candle (candle and a model on top of kvq's kernels) is tested once, by `ci`: its
-    // arithmetic is candle's, and the kernels it calls are tested at every level here.
+    // kvq-candle (candle and a model on top of kvq's kernels) and kvq-serve (on kvq-candle) are
+    // tested once, by `ci`: their arithmetic is candle's, and the kernels they call are tested
+    // at every level here.
     // The newcomer run is the README's test command, so it runs every package once.
     run_harnesses(
         &artifacts,
-        |a| newcomer || (a.package != "kvq-candle" && a.package != "kvq-fuzz"),
+        |a| newcomer || !["kvq-candle", "kvq-serve", "kvq-fuzz"].contains(&a.package.as_str()),
         |exe| {
             let mut cmd = Command::new(exe);
             configure(&mut cmd);
@@ -379,7 +394,7 @@ fn cross() -> Result<(), String> {
         .args(["test", "--target", CROSS_TARGET, "--target-dir"])
         .arg(root().join("target/aarch64-cross"))
         .arg("--workspace");
-    for p in ["xtask", "kvq-benches", "kvq-candle", "kvq-fuzz"] {
+    for p in ["xtask", "kvq-benches", "kvq-candle", "kvq-serve", "kvq-fuzz"] {
         build.args(["--exclude", p]);
     }
     let artifacts = build_tests(&mut build)?;
@@ -1013,6 +1028,55 @@ fn find_member(dir: &Path, member: &str) -> Option<PathBuf> {
 }
 
 /// The Python that runs pip (Debian and pyenv name it `python3`).
+/// The `openai` package the check installs: a client nobody here wrote, pinned so that a new
+/// release cannot change CI's verdict unannounced.
+const OPENAI_PACKAGE: &str = "openai==3.63.0";
+
+fn openai_check() -> Result<(), String> {
+    // The server and the tiny model's writer from `cargo test --workspace`'s build (a build of
+    // `-p kvq-serve` alone would unify features differently and build its dependencies again).
+    let artifacts = build_tests(clean_flags(&mut cargo()).args(["test", "--workspace"]))?;
+    let find = |target: &str| {
+        artifacts
+            .iter()
+            .find(|a| a.package == "kvq-serve" && a.target == target && !a.harness)
+            .map(|a| a.exe.clone())
+            .ok_or(format!("the test build made no kvq-serve {target}"))
+    };
+    let (serve, tiny) = (find("kvq-serve")?, find("tiny_model")?);
+    let venv = root().join("target/openai-venv");
+    let venv_python = venv.join("bin/python");
+    if !venv_python.exists() {
+        run(Command::new(python()).args(["-m", "venv"]).arg(&venv))?;
+    }
+    run(Command::new(&venv_python).args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        OPENAI_PACKAGE,
+    ]))?;
+    let mut cmd = Command::new(&venv_python);
+    cmd.arg(root().join("crates/serve/tests/openai/check.py"))
+        .env("KVQ_SERVE_BIN", &serve)
+        .env("KVQ_TINY_MODEL_BIN", &tiny);
+    eprintln!("xtask: running {cmd:?}");
+    let out = cmd.stdout(Stdio::piped()).output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    let counts = text.lines().rev().find_map(|l| {
+        let (p, rest) = l.split_once(" passed, ")?;
+        Some((p.trim().parse::<u64>().ok()?, rest.strip_suffix(" failed")?.trim().parse::<u64>().ok()?))
+    });
+    let (passed, failed) = match counts {
+        Some((p, f)) if out.status.success() || f > 0 => (p, f),
+        Some((p, _)) => (p, 1),
+        None => (0, 1),
+    };
+    report_tests("OpenAI client checks", passed, failed)
+}
+
 fn python() -> &'static str {
     if which("python3") { "python3" } else { "python" }
 }

@@ -1,0 +1,391 @@
+//! The scheduler: one thread that owns the model and the quantized cache, and runs steps of
+//! continuous batching over every admitted request.
+//!
+//! - Requests wait in arrival order. One is admitted when a running slot is free and the pool
+//!   can hold its whole length (prompt plus `max_tokens`): its blocks are reserved
+//!   ([`QuantizedKvCache::reserve`]), so an admitted request never fails for lack of blocks,
+//!   whatever the others do; a request that the pool could never hold is refused at once.
+//! - Each step decodes one token of every running request past its prompt, then spends a
+//!   token budget on the prompts still being prefilled, in chunks, oldest first.
+//! - A request whose client has gone (its event channel closed) is dropped at the next step
+//!   and its blocks return to the pool at once.
+//!
+//! Not yet here (the serving issue's next steps): one batched forward over the step's tokens
+//! (each sequence runs its own forward today), preemption, and the prefix cache.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use kvq::attention::ScorePath;
+use kvq::cache::{KvCacheConfig, QuantizedKvCache};
+use kvq::layout::SeqId;
+use kvq_candle::{GgufTokenizer, KvqSeq, LlamaModel};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::sampling::{Sampler, SamplingParams};
+use crate::text::{Detokenizer, StopMatcher};
+
+/// Why a generation ended (OpenAI's `finish_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens`, or the end of the context.
+    Length,
+}
+
+impl FinishReason {
+    /// The API's word for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// What the engine tells a request's handler.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Text to send (never part of a character or of a stop string).
+    Text(String),
+    /// The end, with the token counts.
+    Done {
+        /// Why.
+        reason: FinishReason,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens (an end-of-generation token included).
+        completion_tokens: usize,
+    },
+    /// The request failed (the model or the cache refused it); nothing more follows.
+    Error(String),
+}
+
+/// One generation request.
+#[derive(Debug)]
+pub struct Request {
+    /// Prompt token ids (not empty).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (at least 1).
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Keep going past end-of-generation tokens (benchmarks).
+    pub ignore_eos: bool,
+    /// Where events go; a closed channel cancels the request.
+    pub events: UnboundedSender<Event>,
+}
+
+/// The engine's limits.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Requests decoded together at most.
+    pub max_running: usize,
+    /// Prompt tokens prefilled per step, over all requests.
+    pub prefill_budget: usize,
+    /// The attention path of the cache.
+    pub path: ScorePath,
+    /// Longest sequence (prompt plus output) served.
+    pub context: usize,
+}
+
+/// Counters and gauges for `/metrics`, updated by the engine thread.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Requests admitted since the start.
+    pub admitted: AtomicU64,
+    /// Requests finished (every reason).
+    pub finished: AtomicU64,
+    /// Requests dropped because their client went away.
+    pub cancelled: AtomicU64,
+    /// Requests running now.
+    pub running: AtomicU64,
+    /// Requests waiting now.
+    pub waiting: AtomicU64,
+    /// Prompt tokens prefilled.
+    pub prompt_tokens: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+    /// Pool blocks in use (all layers).
+    pub blocks_used: AtomicU64,
+    /// Pool blocks free (all layers).
+    pub blocks_free: AtomicU64,
+    /// Bytes the cache holds.
+    pub cache_bytes: AtomicU64,
+    /// Tokens the cache holds (all sequences).
+    pub cached_tokens: AtomicU64,
+    /// Seconds spent in steps, as f64 bits.
+    pub busy_seconds: AtomicU64,
+}
+
+impl Stats {
+    /// Seconds spent in steps.
+    pub fn busy_seconds(&self) -> f64 {
+        f64::from_bits(self.busy_seconds.load(Ordering::Relaxed))
+    }
+}
+
+enum Phase {
+    /// Prompt tokens prefilled so far.
+    Prefill(usize),
+    /// The sampled token not yet in the cache.
+    Decode(u32),
+}
+
+struct Running {
+    req: Request,
+    seq: SeqId,
+    phase: Phase,
+    sampler: Sampler,
+    detok: Detokenizer,
+    stops: StopMatcher,
+    generated: usize,
+}
+
+impl Running {
+    fn send_text(&self, text: String) {
+        if !text.is_empty() {
+            let _ = self.req.events.send(Event::Text(text));
+        }
+    }
+
+    /// Sends the end; `true`, for the step's bookkeeping.
+    fn done(&self, reason: FinishReason) -> bool {
+        let _ = self.req.events.send(Event::Done {
+            reason,
+            prompt_tokens: self.req.prompt.len(),
+            completion_tokens: self.generated,
+        });
+        true
+    }
+
+    /// Ends the generation for `reason`, first sending what the detokenizer and the stop
+    /// matcher still hold (a stop string found in it ends it as a stop).
+    fn end(&mut self, tokenizer: &GgufTokenizer, reason: FinishReason) -> Result<bool, String> {
+        let owed = self.detok.finish(tokenizer).map_err(|e| e.to_string())?;
+        let released = self.stops.push(&owed);
+        if released.stopped {
+            self.send_text(released.text);
+            return Ok(self.done(FinishReason::Stop));
+        }
+        let held = self.stops.finish();
+        self.send_text(released.text + &held);
+        Ok(self.done(reason))
+    }
+}
+
+/// The scheduler and what it owns; [`Engine::run`] is its thread's body.
+pub struct Engine {
+    model: Arc<LlamaModel>,
+    tokenizer: Arc<GgufTokenizer>,
+    cache: QuantizedKvCache,
+    config: EngineConfig,
+    stats: Arc<Stats>,
+    waiting: VecDeque<Request>,
+    running: Vec<Running>,
+    eog: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl Engine {
+    /// An engine for `model` with a cache made from `cache`.
+    ///
+    /// # Errors
+    /// The cache config's, or a config made for another model.
+    pub fn new(
+        model: Arc<LlamaModel>,
+        tokenizer: Arc<GgufTokenizer>,
+        cache: KvCacheConfig,
+        config: EngineConfig,
+        stats: Arc<Stats>,
+    ) -> Result<Self, String> {
+        model.config().check_cache(&cache).map_err(|e| e.to_string())?;
+        let cache = QuantizedKvCache::new(cache).map_err(|e| e.to_string())?;
+        let eog = tokenizer.end_of_generation().to_vec();
+        Ok(Self {
+            model,
+            tokenizer,
+            cache,
+            config,
+            stats,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            eog,
+            logits: Vec::new(),
+        })
+    }
+
+    /// The cache (for tests and reports).
+    pub fn cache(&self) -> &QuantizedKvCache {
+        &self.cache
+    }
+
+    /// Serves requests from `rx` until every sender is gone and the work is done.
+    pub fn run(mut self, rx: std::sync::mpsc::Receiver<Request>) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match rx.recv() {
+                    Ok(r) => self.waiting.push_back(r),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(r) = rx.try_recv() {
+                self.waiting.push_back(r);
+            }
+            let start = Instant::now();
+            self.step();
+            let busy = self.stats.busy_seconds() + start.elapsed().as_secs_f64();
+            self.stats.busy_seconds.store(busy.to_bits(), Ordering::Relaxed);
+            self.publish();
+        }
+    }
+
+    /// One step: drop cancelled requests, admit, decode, prefill.
+    pub fn step(&mut self) {
+        self.drop_cancelled();
+        self.admit();
+        let mut budget = self.config.prefill_budget.max(1);
+        let mut i = 0;
+        while i < self.running.len() {
+            let done = match self.running[i].phase {
+                Phase::Decode(tok) => self.forward(i, &[tok]),
+                Phase::Prefill(_) if budget == 0 => Ok(false),
+                Phase::Prefill(done) => {
+                    let prompt_len = self.running[i].req.prompt.len();
+                    let n = (prompt_len - done).min(budget);
+                    budget -= n;
+                    let chunk = self.running[i].req.prompt[done..done + n].to_vec();
+                    self.stats.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
+                    if done + n < prompt_len {
+                        self.running[i].phase = Phase::Prefill(done + n);
+                        self.forward_only(i, &chunk).map(|()| false)
+                    } else {
+                        self.forward(i, &chunk)
+                    }
+                }
+            };
+            match done {
+                Ok(false) => i += 1,
+                Ok(true) => self.retire(i),
+                Err(e) => {
+                    let _ = self.running[i].req.events.send(Event::Error(e));
+                    self.retire(i);
+                }
+            }
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|r| !r.events.is_closed());
+        let mut gone = before - self.waiting.len();
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].req.events.is_closed() {
+                self.retire(i);
+                gone += 1;
+            } else {
+                i += 1;
+            }
+        }
+        self.stats.cancelled.fetch_add(gone as u64, Ordering::Relaxed);
+    }
+
+    fn admit(&mut self) {
+        while self.running.len() < self.config.max_running.max(1) {
+            let Some(req) = self.waiting.front() else { break };
+            let need = req.prompt.len() + req.max_tokens;
+            let seq = self.cache.create();
+            if let Err(e) = self.cache.reserve(seq, need) {
+                let _ = self.cache.free(seq);
+                if !self.running.is_empty() {
+                    break; // Blocks come back as running requests finish.
+                }
+                // The pool holds nothing else and still cannot hold this request.
+                let req = self.waiting.pop_front().expect("front");
+                let _ = req.events.send(Event::Error(format!(
+                    "{need} tokens (prompt and max_tokens) do not fit in the cache's pool: {e}"
+                )));
+                continue;
+            }
+            let req = self.waiting.pop_front().expect("front");
+            self.stats.admitted.fetch_add(1, Ordering::Relaxed);
+            let sampler = Sampler::new(req.sampling.clone(), &req.prompt);
+            let stops = StopMatcher::new(req.stop.clone());
+            self.running.push(Running {
+                req,
+                seq,
+                phase: Phase::Prefill(0),
+                sampler,
+                detok: Detokenizer::new(),
+                stops,
+                generated: 0,
+            });
+        }
+    }
+
+    /// Runs `tokens` through the model for request `i`, discarding the logits.
+    fn forward_only(&mut self, i: usize, tokens: &[u32]) -> Result<(), String> {
+        let r = &self.running[i];
+        let mut store = KvqSeq::borrowed(&mut self.cache, r.seq, self.config.path);
+        self.model.forward(&mut store, tokens).map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    /// Runs `tokens` for request `i`, samples the next token from the last position and sends
+    /// its text; `Ok(true)` when the request is finished.
+    fn forward(&mut self, i: usize, tokens: &[u32]) -> Result<bool, String> {
+        let seq = self.running[i].seq;
+        let mut store = KvqSeq::borrowed(&mut self.cache, seq, self.config.path);
+        let logits = self.model.forward(&mut store, tokens).map_err(|e| e.to_string())?;
+        let last =
+            logits.get(tokens.len() - 1).and_then(|row| row.to_vec1::<f32>()).map_err(|e| e.to_string())?;
+        self.logits = last;
+        let r = &mut self.running[i];
+        let Some(tok) = r.sampler.sample(&self.logits) else {
+            return Err("the model produced no finite logit".into());
+        };
+        r.sampler.accept(tok);
+        r.generated += 1;
+        self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        let total = r.req.prompt.len() + r.generated;
+        if !r.req.ignore_eos && self.eog.contains(&tok) {
+            return r.end(&self.tokenizer, FinishReason::Stop);
+        }
+        let delta = r.detok.push(&self.tokenizer, tok).map_err(|e| e.to_string())?;
+        let released = r.stops.push(&delta);
+        r.send_text(released.text);
+        if released.stopped {
+            return Ok(r.done(FinishReason::Stop));
+        }
+        if r.generated >= r.req.max_tokens || total >= self.config.context {
+            return r.end(&self.tokenizer, FinishReason::Length);
+        }
+        r.phase = Phase::Decode(tok);
+        Ok(false)
+    }
+
+    fn retire(&mut self, i: usize) {
+        let r = self.running.remove(i);
+        let _ = self.cache.free(r.seq);
+        self.stats.finished.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn publish(&self) {
+        let s = &self.stats;
+        s.running.store(self.running.len() as u64, Ordering::Relaxed);
+        s.waiting.store(self.waiting.len() as u64, Ordering::Relaxed);
+        let mem = self.cache.memory();
+        let free: usize = self.cache.free_blocks().iter().sum();
+        let used: usize = mem.iter().flat_map(|m| &m.layers).map(|l| l.blocks).sum();
+        s.blocks_used.store(used as u64, Ordering::Relaxed);
+        s.blocks_free.store(free as u64, Ordering::Relaxed);
+        s.cache_bytes.store(self.cache.used_bytes() as u64, Ordering::Relaxed);
+        let tokens: usize = self.running.iter().map(|r| self.cache.len(r.seq, 0).unwrap_or(0)).sum();
+        s.cached_tokens.store(tokens as u64, Ordering::Relaxed);
+    }
+}
