@@ -10,8 +10,12 @@
 //! - A request whose client has gone (its event channel closed) is dropped at the next step
 //!   and its blocks return to the pool at once.
 //!
+//! - A prompt that begins like an earlier one forks that prompt's cached blocks and prefills
+//!   only the rest ([`crate::prefix`]); snapshots give their blocks back, least recently used
+//!   first, when a request needs them.
+//!
 //! Not yet here (the serving issue's next steps): one batched forward over the step's tokens
-//! (each sequence runs its own forward today), preemption, and the prefix cache.
+//! (each sequence runs its own forward today) and preemption.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -24,6 +28,7 @@ use kvq::layout::SeqId;
 use kvq_candle::{GgufTokenizer, KvqSeq, LlamaModel};
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::prefix::{self, Geometry, PrefixCache};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::text::{Detokenizer, StopMatcher};
 
@@ -92,6 +97,10 @@ pub struct EngineConfig {
     pub path: ScorePath,
     /// Longest sequence (prompt plus output) served.
     pub context: usize,
+    /// Prefix snapshots kept at most (0: no prefix caching).
+    pub prefix_entries: usize,
+    /// The model's fingerprint, part of every prefix key.
+    pub model_fingerprint: Vec<u8>,
 }
 
 /// Counters and gauges for `/metrics`, updated by the engine thread.
@@ -121,6 +130,14 @@ pub struct Stats {
     pub cached_tokens: AtomicU64,
     /// Seconds spent in steps, as f64 bits.
     pub busy_seconds: AtomicU64,
+    /// Requests admitted on a prefix snapshot.
+    pub prefix_hits: AtomicU64,
+    /// Requests admitted without one.
+    pub prefix_misses: AtomicU64,
+    /// Prompt tokens not prefilled thanks to a snapshot.
+    pub prefix_tokens_reused: AtomicU64,
+    /// Snapshots held.
+    pub prefix_entries: AtomicU64,
 }
 
 impl Stats {
@@ -190,6 +207,7 @@ pub struct Engine {
     running: Vec<Running>,
     eog: Vec<u32>,
     logits: Vec<f32>,
+    prefix: PrefixCache,
 }
 
 impl Engine {
@@ -205,6 +223,16 @@ impl Engine {
         stats: Arc<Stats>,
     ) -> Result<Self, String> {
         model.config().check_cache(&cache).map_err(|e| e.to_string())?;
+        let geometry = Geometry { sinks: cache.sink_tokens, block: cache.block_size };
+        let prefix = PrefixCache::new(
+            geometry,
+            // The pool's size is no part of what a block holds.
+            prefix::root(
+                &config.model_fingerprint,
+                KvCacheConfig { blocks_per_layer: 0, ..cache.clone() }.to_json().as_bytes(),
+            ),
+            config.prefix_entries,
+        );
         let cache = QuantizedKvCache::new(cache).map_err(|e| e.to_string())?;
         let eog = tokenizer.end_of_generation().to_vec();
         Ok(Self {
@@ -217,6 +245,7 @@ impl Engine {
             running: Vec::new(),
             eog,
             logits: Vec::new(),
+            prefix,
         })
     }
 
@@ -265,7 +294,7 @@ impl Engine {
                         self.running[i].phase = Phase::Prefill(done + n);
                         self.forward_only(i, &chunk).map(|()| false)
                     } else {
-                        self.forward(i, &chunk)
+                        self.forward_then(i, &chunk, Self::snapshot)
                     }
                 }
             };
@@ -298,34 +327,91 @@ impl Engine {
 
     fn admit(&mut self) {
         while self.running.len() < self.config.max_running.max(1) {
-            let Some(req) = self.waiting.front() else { break };
+            let Some(req) = self.waiting.pop_front() else { break };
             let need = req.prompt.len() + req.max_tokens;
-            let seq = self.cache.create();
-            if let Err(e) = self.cache.reserve(seq, need) {
-                let _ = self.cache.free(seq);
-                if !self.running.is_empty() {
-                    break; // Blocks come back as running requests finish.
+            let admitted = loop {
+                match self.place(&req.prompt, need) {
+                    Ok(placed) => break Ok(placed),
+                    // Unreferenced snapshots give their blocks back first.
+                    Err(e) => match self.prefix.evict_lru() {
+                        Some(seq) => {
+                            let _ = self.cache.free(seq);
+                        }
+                        None => break Err(e),
+                    },
                 }
-                // The pool holds nothing else and still cannot hold this request.
-                let req = self.waiting.pop_front().expect("front");
-                let _ = req.events.send(Event::Error(format!(
-                    "{need} tokens (prompt and max_tokens) do not fit in the cache's pool: {e}"
-                )));
-                continue;
-            }
-            let req = self.waiting.pop_front().expect("front");
+            };
+            let (seq, reused) = match admitted {
+                Ok(placed) => placed,
+                Err(_) if !self.running.is_empty() => {
+                    // Blocks come back as running requests finish.
+                    self.waiting.push_front(req);
+                    break;
+                }
+                Err(e) => {
+                    // The pool holds nothing else and still cannot hold this request.
+                    let _ = req.events.send(Event::Error(format!(
+                        "{need} tokens (prompt and max_tokens) do not fit in the cache's pool: {e}"
+                    )));
+                    continue;
+                }
+            };
             self.stats.admitted.fetch_add(1, Ordering::Relaxed);
+            if reused > 0 {
+                self.stats.prefix_hits.fetch_add(1, Ordering::Relaxed);
+                self.stats.prefix_tokens_reused.fetch_add(reused as u64, Ordering::Relaxed);
+            } else {
+                self.stats.prefix_misses.fetch_add(1, Ordering::Relaxed);
+            }
             let sampler = Sampler::new(req.sampling.clone(), &req.prompt);
             let stops = StopMatcher::new(req.stop.clone());
             self.running.push(Running {
                 req,
                 seq,
-                phase: Phase::Prefill(0),
+                phase: Phase::Prefill(reused),
                 sampler,
                 detok: Detokenizer::new(),
                 stops,
                 generated: 0,
             });
+        }
+    }
+
+    /// A sequence for `prompt` holding the blocks of `need` tokens: a fork of the longest
+    /// prefix snapshot (and the tokens it already holds), else a new one. Nothing is left
+    /// behind on error.
+    fn place(&mut self, prompt: &[u32], need: usize) -> Result<(SeqId, usize), String> {
+        if let Some((snapshot, len)) = self.prefix.lookup(prompt)
+            && let Ok(seq) = self.cache.fork(snapshot)
+        {
+            if self.cache.reserve(seq, need - len).is_ok() {
+                return Ok((seq, len));
+            }
+            let _ = self.cache.free(seq);
+        }
+        let seq = self.cache.create();
+        match self.cache.reserve(seq, need) {
+            Ok(()) => Ok((seq, 0)),
+            Err(e) => {
+                let _ = self.cache.free(seq);
+                Err(e.to_string())
+            }
+        }
+    }
+
+    /// Keeps a snapshot of request `i`'s sequence, whose prompt has just been prefilled, cut
+    /// back to its last block boundary (see [`crate::prefix`]). Best effort: a fork or a cut
+    /// the cache refuses keeps nothing.
+    fn snapshot(&mut self, i: usize) {
+        let r = &self.running[i];
+        let Some(end) = self.prefix.wants(&r.req.prompt) else { return };
+        let Ok(copy) = self.cache.fork(r.seq) else { return };
+        if self.cache.truncate(copy, end).is_err() {
+            let _ = self.cache.free(copy);
+            return;
+        }
+        for seq in self.prefix.insert(&r.req.prompt, end, copy) {
+            let _ = self.cache.free(seq);
         }
     }
 
@@ -339,9 +425,16 @@ impl Engine {
     /// Runs `tokens` for request `i`, samples the next token from the last position and sends
     /// its text; `Ok(true)` when the request is finished.
     fn forward(&mut self, i: usize, tokens: &[u32]) -> Result<bool, String> {
+        self.forward_then(i, tokens, |_, _| {})
+    }
+
+    /// [`Engine::forward`], calling `then` between the model's pass and the sampling (when the
+    /// cache holds exactly the tokens given so far).
+    fn forward_then(&mut self, i: usize, tokens: &[u32], then: fn(&mut Self, usize)) -> Result<bool, String> {
         let seq = self.running[i].seq;
         let mut store = KvqSeq::borrowed(&mut self.cache, seq, self.config.path);
         let logits = self.model.forward(&mut store, tokens).map_err(|e| e.to_string())?;
+        then(self, i);
         let last =
             logits.get(tokens.len() - 1).and_then(|row| row.to_vec1::<f32>()).map_err(|e| e.to_string())?;
         self.logits = last;
@@ -387,5 +480,6 @@ impl Engine {
         s.cache_bytes.store(self.cache.used_bytes() as u64, Ordering::Relaxed);
         let tokens: usize = self.running.iter().map(|r| self.cache.len(r.seq, 0).unwrap_or(0)).sum();
         s.cached_tokens.store(tokens as u64, Ordering::Relaxed);
+        s.prefix_entries.store(self.prefix.len() as u64, Ordering::Relaxed);
     }
 }

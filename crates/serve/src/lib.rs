@@ -6,6 +6,7 @@
 //!
 //! - [`engine`]: the scheduler thread, continuous batching over a shared block pool, admission
 //!   by reserved blocks, cancellation when a client goes away.
+//! - [`prefix`]: automatic prefix caching, exact, keyed by a hash chain over blocks of tokens.
 //! - [`sampling`]: greedy, temperature, top-k, top-p, min-p, penalties, seeds.
 //! - [`text`]: incremental detokenization and stop strings.
 //! - [`chat`]: the model's chat template (Jinja).
@@ -23,6 +24,7 @@
 pub mod api;
 pub mod chat;
 pub mod engine;
+pub mod prefix;
 pub mod sampling;
 pub mod server;
 pub mod text;

@@ -60,6 +60,9 @@ struct Args {
     /// Attention's score path: `int8` (fused integer kernels) or `float`.
     #[arg(long, default_value = "int8", value_parser = ["int8", "float"])]
     path: String,
+    /// Prefix snapshots kept for reuse (0 turns prefix caching off).
+    #[arg(long, default_value_t = 64)]
+    prefix_entries: usize,
     /// Threads for the model's matrix products (and for the HTTP runtime, at most 4).
     #[arg(long, default_value_t = 2)]
     threads: usize,
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
         context: a.ctx,
         weights: if a.weights == "f32" { Weights::F32 } else { Weights::Native },
         path: if a.path == "float" { ScorePath::Float } else { ScorePath::Int8 },
+        prefix_entries: a.prefix_entries,
     };
     match run(&config, a.addr, a.threads.max(1)) {
         Ok(()) => ExitCode::SUCCESS,

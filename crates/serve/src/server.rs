@@ -56,6 +56,8 @@ pub struct ServerConfig {
     pub weights: Weights,
     /// The cache's attention path.
     pub path: ScorePath,
+    /// Prefix snapshots kept at most (0 turns prefix caching off).
+    pub prefix_entries: usize,
 }
 
 impl Default for ServerConfig {
@@ -73,6 +75,7 @@ impl Default for ServerConfig {
             context: 0,
             weights: Weights::Native,
             path: ScorePath::Int8,
+            prefix_entries: 64,
         }
     }
 }
@@ -170,6 +173,8 @@ impl Server {
                 prefill_budget: config.prefill_budget,
                 path: config.path,
                 context,
+                prefix_entries: config.prefix_entries,
+                model_fingerprint: fingerprint(&config.model)?,
             },
             Arc::clone(&stats),
         )?;
@@ -226,6 +231,24 @@ impl Server {
     }
 }
 
+/// What identifies a model file for prefix keys: its length and its first and last MiB
+/// (header, metadata and the ends of the tensor data).
+fn fingerprint(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let err = |e: std::io::Error| format!("{}: {e}", path.display());
+    let mut f = std::fs::File::open(path).map_err(err)?;
+    let len = f.metadata().map_err(err)?.len();
+    let mut out = len.to_le_bytes().to_vec();
+    let mut head = Vec::new();
+    (&mut f).take(1 << 20).read_to_end(&mut head).map_err(err)?;
+    f.seek(SeekFrom::Start(len.saturating_sub(1 << 20))).map_err(err)?;
+    let mut tail = Vec::new();
+    f.take(1 << 20).read_to_end(&mut tail).map_err(err)?;
+    out.extend(head);
+    out.extend(tail);
+    Ok(out)
+}
+
 /// Binds `addr` and serves until Ctrl-C; prints the address it listens on.
 ///
 /// # Errors
@@ -280,7 +303,7 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let busy = s.busy_seconds();
     let generated = g(&s.generated_tokens);
-    let rows: [(&str, &str, &str, String); 16] = [
+    let rows: Vec<(&str, &str, &str, String)> = vec![
         ("kvq_requests_total", "counter", "HTTP generation requests received", g(&app.requests).to_string()),
         (
             "kvq_requests_refused_total",
@@ -331,6 +354,25 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
             g(&s.cache_bytes).to_string(),
         ),
         ("kvq_cached_tokens", "gauge", "Tokens the running sequences hold", g(&s.cached_tokens).to_string()),
+        (
+            "kvq_prefix_hits_total",
+            "counter",
+            "Requests admitted on a cached prefix",
+            g(&s.prefix_hits).to_string(),
+        ),
+        (
+            "kvq_prefix_misses_total",
+            "counter",
+            "Requests admitted without one",
+            g(&s.prefix_misses).to_string(),
+        ),
+        (
+            "kvq_prefix_tokens_reused_total",
+            "counter",
+            "Prompt tokens not prefilled thanks to the prefix cache",
+            g(&s.prefix_tokens_reused).to_string(),
+        ),
+        ("kvq_prefix_entries", "gauge", "Prefix snapshots held", g(&s.prefix_entries).to_string()),
         (
             "kvq_cache_bits_per_value",
             "gauge",

@@ -365,3 +365,61 @@ fn sampling_with_a_seed_repeats_and_stop_strings_cut() {
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(text(&v), whole[..whole.find(&stop).unwrap()]);
 }
+
+#[test]
+fn a_repeated_or_extended_prompt_reuses_its_blocks_and_gives_the_same_text() {
+    let addr = start(config());
+    let prompt = "a shared system prompt that many requests begin with ".repeat(4);
+    let first = text(&completion(addr, &prompt, 12));
+    assert_eq!(metric(addr, "kvq_prefix_misses_total"), 1.0);
+    assert_eq!(metric(addr, "kvq_prefix_entries"), 1.0);
+    let prefilled = metric(addr, "kvq_prompt_tokens_total");
+    let again = completion(addr, &prompt, 12);
+    assert_eq!(text(&again), first);
+    assert_eq!(metric(addr, "kvq_prefix_hits_total"), 1.0);
+    let prompt_tokens = again["usage"]["prompt_tokens"].as_f64().unwrap();
+    let reused = metric(addr, "kvq_prefix_tokens_reused_total");
+    // Everything but the part of the last block that holds the prompt's last token.
+    assert!(reused >= prompt_tokens - 32.0 && reused < prompt_tokens, "{reused} of {prompt_tokens}");
+    assert_eq!(metric(addr, "kvq_prompt_tokens_total") - prefilled, prompt_tokens - reused);
+    // Same text as a server without prefix caching, and as the model run directly.
+    let plain = start(ServerConfig { prefix_entries: 0, ..config() });
+    assert_eq!(text(&completion(plain, &prompt, 12)), first);
+    assert_eq!(first, reference(&prompt, 12));
+    // A prompt that goes on from the first reuses its blocks too.
+    let longer = format!("{prompt} and then asks something else");
+    let t = text(&completion(addr, &longer, 10));
+    assert_eq!(metric(addr, "kvq_prefix_hits_total"), 2.0);
+    assert_eq!(t, text(&completion(plain, &longer, 10)));
+}
+
+/// Snapshots are cut at the last block boundary before a prompt's last token; at every
+/// distance from it (all 32 residues, blocks of 32 after 4 sinks, and past the first quantized
+/// block) a hit gives the text of a server without prefix caching.
+#[test]
+fn prefix_hits_are_exact_at_every_prompt_length() {
+    let addr = start(config());
+    let plain = start(ServerConfig { prefix_entries: 0, ..config() });
+    let ids = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| 3 + (i * 7919) % 300).collect() };
+    let run = |addr, prompt: &[u32]| {
+        let (status, v) = post(
+            addr,
+            "/v1/completions",
+            json!({ "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true }),
+        );
+        assert_eq!(status, 200, "{v}");
+        text(&v)
+    };
+    let mut hits = 0.0;
+    for n in (37..=70).chain([100, 101, 131, 132, 133]) {
+        let prompt = ids(n);
+        let want = run(plain, &prompt);
+        assert_eq!(run(addr, &prompt), want, "first, {n} tokens");
+        assert_eq!(run(addr, &prompt), want, "again, {n} tokens");
+        let mut longer = prompt.clone();
+        longer.extend(ids(90)[50..].iter().copied());
+        assert_eq!(run(addr, &longer), run(plain, &longer), "extended, {n} tokens");
+        hits = metric(addr, "kvq_prefix_hits_total");
+    }
+    assert!(hits >= 39.0, "{hits} hits");
+}
