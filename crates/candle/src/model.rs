@@ -13,7 +13,10 @@ use std::path::Path;
 
 use candle_core::quantized::{GgmlDType, QMatMul, gguf_file};
 use candle_core::{D, Device, Module, Tensor};
+use kvq::kernels::dispatch::Backend;
+use kvq::kernels::ggml::{self, Activations, GgmlType};
 use kvq::quant::RopePairing;
+use rayon::prelude::*;
 
 use crate::convert::to_f32_vec;
 use crate::error::{Error, Result};
@@ -307,18 +310,60 @@ impl Rope {
     }
 }
 
+/// A weight matrix `[rows, k]` and who multiplies it.
+#[derive(Debug)]
+enum Linear {
+    /// candle's matmul: f32 (dequantized) weights, f16, bf16, Q5 and the K-quants.
+    Candle(QMatMul),
+    /// Q4_0, Q4_1 and Q8_0 blocks as the file stores them, multiplied by kvq's kernels
+    /// ([`kvq::kernels::ggml`]: runtime-dispatched SIMD; candle has no fast path for Q4_1, and
+    /// builds its others only with target features a default build lacks).
+    Ggml { ty: GgmlType, bytes: Vec<u8>, rows: usize, k: usize, backend: Backend },
+}
+
+/// Weight rows per parallel task of a [`Linear::Ggml`] product.
+const ROWS_PER_TASK: usize = 64;
+
+impl Linear {
+    /// `x` (`[n, k]`) times the transposed weights: `[n, rows]`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (ty, bytes, rows, k, backend) = match self {
+            Linear::Candle(m) => return Ok(m.forward(x)?),
+            Linear::Ggml { ty, bytes, rows, k, backend } => (*ty, bytes, *rows, *k, *backend),
+        };
+        let xs = to_f32_vec(x)?;
+        let n = xs.len() / k;
+        let mut act = Activations::new();
+        act.quantize(&xs, k).map_err(|e| Error::Shape(e.to_string()))?;
+        let mut out_t = vec![0f32; rows * n];
+        let row_bytes = ty.row_bytes(k);
+        out_t
+            .par_chunks_mut(ROWS_PER_TASK * n)
+            .zip(bytes.par_chunks(ROWS_PER_TASK * row_bytes))
+            .try_for_each(|(o, w)| ggml::matmul_t(backend, ty, w, &act, o))
+            .map_err(|e| Error::Shape(e.to_string()))?;
+        let mut out = vec![0f32; n * rows];
+        for (r, col) in out_t.chunks_exact(n).enumerate() {
+            for (t, &v) in col.iter().enumerate() {
+                out[t * rows + r] = v;
+            }
+        }
+        Ok(Tensor::from_vec(out, (n, rows), &Device::Cpu)?)
+    }
+}
+
 #[derive(Debug)]
 struct Layer {
     attn_norm: Tensor,
-    q: QMatMul,
-    k: QMatMul,
-    v: QMatMul,
-    o: QMatMul,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
     bias: Option<[Tensor; 3]>,
     ffn_norm: Tensor,
-    gate: QMatMul,
-    up: QMatMul,
-    down: QMatMul,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
 }
 
 /// A Llama-family decoder loaded from GGUF; see the [module docs](self).
@@ -328,7 +373,7 @@ pub struct LlamaModel {
     embed: Tensor,
     layers: Vec<Layer>,
     norm: Tensor,
-    output: QMatMul,
+    output: Linear,
     rope: Rope,
     weight_types: Vec<(String, usize)>,
 }
@@ -336,8 +381,9 @@ pub struct LlamaModel {
 /// How the weight matrices are multiplied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Weights {
-    /// As stored: candle's quantized matmuls for quantized types. Fast and small, but each
-    /// activation row is rounded to 8 bits before the integer dot products (as in ggml), so a
+    /// As stored: Q4_0, Q4_1 and Q8_0 through kvq's integer kernels, other quantized types
+    /// through candle's quantized matmuls. Fast and small, but each activation row is rounded
+    /// to 8 bits per block of 32 before the integer dot products (as in ggml), so a
     /// one-ulp change upstream (another cache's attention output) can flip a rounding: two runs
     /// that differ only in their KV cache then differ by noise that has nothing to do with it.
     #[default]
@@ -355,6 +401,7 @@ struct Loader<'a, R> {
     file_len: u64,
     types: HashMap<String, usize>,
     weights: Weights,
+    backend: Backend,
 }
 
 impl<R: Read + Seek> Loader<'_, R> {
@@ -384,11 +431,27 @@ impl<R: Read + Seek> Loader<'_, R> {
         Ok(self.ct.tensor(self.reader, name, &Device::Cpu)?)
     }
 
-    fn matmul(&mut self, name: &str, dims: &[usize]) -> Result<QMatMul> {
+    fn matmul(&mut self, name: &str, dims: &[usize]) -> Result<Linear> {
         let q = self.get(name, dims)?;
-        match self.weights {
-            Weights::Native => Ok(QMatMul::from_qtensor(q)?),
-            Weights::F32 => Ok(QMatMul::Tensor(q.dequantize(&Device::Cpu)?)),
+        let ggml = match q.dtype() {
+            GgmlDType::Q4_0 => Some(GgmlType::Q4_0),
+            GgmlDType::Q4_1 => Some(GgmlType::Q4_1),
+            GgmlDType::Q8_0 => Some(GgmlType::Q8_0),
+            _ => None,
+        };
+        // candle's switch to dequantize every weight at load (what the cross-checks against
+        // candle-transformers set) holds here too.
+        let dequantize_all = std::env::var("CANDLE_DEQUANTIZE_ALL").is_ok_and(|v| !v.is_empty() && v != "0");
+        match (self.weights, ggml, dims) {
+            (Weights::Native, Some(ty), &[rows, k]) if k.is_multiple_of(ggml::QK) && !dequantize_all => {
+                let bytes = q.data()?.into_owned();
+                if bytes.len() != rows * ty.row_bytes(k) {
+                    return Err(bad(format!("{name}: {} bytes for {rows} rows of {k} {ty:?}", bytes.len())));
+                }
+                Ok(Linear::Ggml { ty, bytes, rows, k, backend: self.backend })
+            }
+            (Weights::Native, _, _) => Ok(Linear::Candle(QMatMul::from_qtensor(q)?)),
+            (Weights::F32, _, _) => Ok(Linear::Candle(QMatMul::Tensor(q.dequantize(&Device::Cpu)?))),
         }
     }
 
@@ -441,7 +504,8 @@ impl LlamaModel {
         let ct = gguf_file::Content::read(reader)?;
         let config = LlamaConfig::from_gguf(&ct)?;
         let c = &config;
-        let mut ld = Loader { ct: &ct, reader, file_len, types: HashMap::new(), weights };
+        let backend = kvq::kernels::dispatch::selected().map_err(|e| Error::Unsupported(e.to_string()))?;
+        let mut ld = Loader { ct: &ct, reader, file_len, types: HashMap::new(), weights, backend };
         let embed = ld.dense("token_embd.weight", &[c.vocab, c.hidden])?;
         let norm = ld.dense("output_norm.weight", &[c.hidden])?;
         let output = if ct.tensor_infos.contains_key("output.weight") {
@@ -567,7 +631,7 @@ impl LlamaModel {
             x = (x + mlp)?;
         }
         let x = rms_norm(&x, &self.norm, c.rms_eps)?;
-        Ok(self.output.forward(&x)?)
+        self.output.forward(&x)
     }
 }
 

