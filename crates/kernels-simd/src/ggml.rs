@@ -4,11 +4,10 @@
 //! (plus Q4_1's offset times the activation block's sum).
 //!
 //! [`matmul_t`] writes `out[r * n + t]`, weight row `r` against activation row `t`: a weight
-//! row is unpacked once into a code a byte and dotted with every activation row while it is in
-//! L1, so a prefill chunk reads the weights from memory once. The scalar reference and the AVX2
-//! kernel (runtime-detected; the AVX-512 backend runs it too) compute the same integer sums;
-//! only the order of the float accumulation differs. aarch64 runs the scalar reference for
-//! now.
+//! row is dotted with every activation row while it is in L1, so a prefill chunk reads the
+//! weights from memory once. The scalar reference and the AVX2 kernel (runtime-detected; the
+//! AVX-512 backend runs it too) compute the same integer sums; only the order of the float
+//! accumulation differs. aarch64 runs the scalar reference for now.
 
 use half::f16;
 
@@ -192,6 +191,8 @@ fn block_value(ty: GgmlType, dot: i32, sum: i32, dw: f32, mw: f32, da: f32) -> f
 }
 
 /// The reference: one block at a time, in order.
+/// The block's epilogue is [`block_value`]'s; the AVX2 kernel folds Q4_0's centre into the same
+/// `c * da * sum` term as Q4_1's minimum.
 pub fn scalar_matmul_t(ty: GgmlType, weights: &[u8], act: &Activations, out: &mut [f32]) {
     let (k, n) = (act.k, act.rows);
     let blocks = k / QK;
@@ -215,62 +216,93 @@ pub fn scalar_matmul_t(ty: GgmlType, weights: &[u8], act: &Activations, out: &mu
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Activations, GgmlType, QK, block_value, unpack_row};
+    use super::{Activations, GgmlType, QK};
 
-    /// [`super::scalar_matmul_t`] with the block dots in AVX2 (`vpmaddubsw`, `vpmaddwd`).
+    /// [`super::scalar_matmul_t`] in AVX2: each weight block's codes are widened in registers
+    /// (`vpand`/`vpsrlw` for 4-bit codes) and dotted with up to four activation rows at once
+    /// (`vpmaddubsw`, `vpmaddwd`, one accumulator per row), its scales converted with F16C.
     ///
     /// # Safety
     /// The CPU must have AVX2, FMA and F16C; the slices must have the lengths
     /// [`super::matmul_t`] checks.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn matmul_t(ty: GgmlType, weights: &[u8], act: &Activations, out: &mut [f32]) {
-        let (k, n) = (act.k, act.rows);
-        let blocks = k / QK;
-        let mut codes = vec![0u8; k];
-        let (mut d, mut m) = (vec![0f32; blocks], vec![0f32; blocks]);
-        let ones = _mm256_set1_epi16(1);
-        for (r, row) in weights.chunks_exact(ty.row_bytes(k)).enumerate() {
-            unpack_row(ty, row, &mut codes, &mut d, &mut m);
-            for t in 0..n {
-                let mut acc = _mm256_setzero_ps();
-                let mut tail = 0f32;
-                for b in 0..blocks {
-                    let ab = t * blocks + b;
-                    // SAFETY: `codes` holds `blocks * 32` bytes and `act.codes` `n * blocks * 32`
-                    // (checked by `matmul_t`); unaligned loads of 32 bytes inside them.
-                    let (w, a) = unsafe {
-                        (
-                            _mm256_loadu_si256(codes.as_ptr().add(b * QK).cast()),
-                            _mm256_loadu_si256(act.codes.as_ptr().add(ab * QK).cast()),
-                        )
-                    };
-                    let pairs = match ty {
-                        // Signed weights: |w| against a with w's sign (`vpmaddubsw` takes one
-                        // unsigned operand); |w| <= 128 and |a| <= 127 cannot saturate.
-                        GgmlType::Q8_0 => {
-                            _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
-                        }
-                        _ => _mm256_maddubs_epi16(w, a),
-                    };
-                    let dot = _mm256_madd_epi16(pairs, ones);
-                    let (dw, da) = (d[b], act.scales[ab]);
-                    match ty {
-                        GgmlType::Q8_0 => {
-                            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * da), acc);
-                        }
-                        // The centre or the minimum goes through the scalar epilogue, once per
-                        // block, with an integer dot of 0.
-                        _ => {
-                            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * da), acc);
-                            tail += block_value(ty, 0, act.sums[ab], dw, m[b], da);
-                        }
+        let n = act.rows;
+        for (r, row) in weights.chunks_exact(ty.row_bytes(act.k)).enumerate() {
+            let out = &mut out[r * n..(r + 1) * n];
+            let mut t = 0;
+            while t < n {
+                // SAFETY: the same contract, passed on; `t + TN <= n`.
+                unsafe {
+                    match n - t {
+                        1 => tile::<1>(ty, row, act, t, &mut out[t..]),
+                        2 => tile::<2>(ty, row, act, t, &mut out[t..]),
+                        3 => tile::<3>(ty, row, act, t, &mut out[t..]),
+                        _ => tile::<4>(ty, row, act, t, &mut out[t..]),
                     }
                 }
-                out[r * n + t] = hsum(acc) + tail;
+                t += 4;
             }
         }
     }
 
+    /// f16 bits to f32 with F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn half(lo: u8, hi: u8) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(u16::from_le_bytes([lo, hi])))))
+    }
+
+    /// Weight row `row` against activation rows `t0..t0 + TN`, into `out[..TN]`.
+    ///
+    /// # Safety
+    /// As [`matmul_t`], and `t0 + TN <= act.rows`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const TN: usize>(ty: GgmlType, row: &[u8], act: &Activations, t0: usize, out: &mut [f32]) {
+        let blocks = act.k / QK;
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); TN];
+        // Q4_0's centre and Q4_1's minimum: `c * da * sum` per block and row.
+        let mut tail = [0f32; TN];
+        for (b, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
+            let dw = half(block[0], block[1]);
+            // SAFETY: a block holds 18, 20 or 34 bytes: 16 code bytes after 2 or 4, or 32 after
+            // 2 (the chunk's length is `ty.block_bytes()`).
+            let (w, c) = unsafe {
+                match ty {
+                    GgmlType::Q8_0 => (_mm256_loadu_si256(block.as_ptr().add(2).cast()), 0.0),
+                    GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                        let at = if ty == GgmlType::Q4_1 { 4 } else { 2 };
+                        let bytes = _mm_loadu_si128(block.as_ptr().add(at).cast());
+                        let lo = _mm_and_si128(bytes, low);
+                        let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+                        let c = if ty == GgmlType::Q4_1 { half(block[2], block[3]) } else { -8.0 * dw };
+                        (_mm256_set_m128i(hi, lo), c)
+                    }
+                }
+            };
+            // Signed Q8_0 codes: |w| against a with w's sign (`vpmaddubsw` takes one unsigned
+            // operand); |w| <= 128 and |a| <= 127 cannot saturate its pair sums.
+            let wu = if ty == GgmlType::Q8_0 { _mm256_sign_epi8(w, w) } else { w };
+            for j in 0..TN {
+                let ab = (t0 + j) * blocks + b;
+                // SAFETY: activation block `ab` lies inside `act.codes` (`t0 + j < act.rows`).
+                let a = unsafe { _mm256_loadu_si256(act.codes.as_ptr().add(ab * QK).cast()) };
+                let a = if ty == GgmlType::Q8_0 { _mm256_sign_epi8(a, w) } else { a };
+                let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, a), ones);
+                let da = act.scales[ab];
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * da), acc[j]);
+                tail[j] += c * da * act.sums[ab] as f32;
+            }
+        }
+        for j in 0..TN {
+            out[j] = hsum(acc[j]) + tail[j];
+        }
+    }
+
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
