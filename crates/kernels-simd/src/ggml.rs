@@ -228,21 +228,24 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn matmul_t(ty: GgmlType, weights: &[u8], act: &Activations, out: &mut [f32]) {
         let n = act.rows;
-        for (r, row) in weights.chunks_exact(ty.row_bytes(act.k)).enumerate() {
-            let out = &mut out[r * n..(r + 1) * n];
-            let mut t = 0;
-            while t < n {
+        // Activation rows four at a time (a few KiB, kept in L1) against every weight row of
+        // the call (the caller hands over tens of KiB of them), so neither side streams from
+        // L2 once per row of the other.
+        let mut t = 0;
+        while t < n {
+            for (r, row) in weights.chunks_exact(ty.row_bytes(act.k)).enumerate() {
+                let out = &mut out[r * n + t..(r + 1) * n];
                 // SAFETY: the same contract, passed on; `t + TN <= n`.
                 unsafe {
                     match n - t {
-                        1 => tile::<1>(ty, row, act, t, &mut out[t..]),
-                        2 => tile::<2>(ty, row, act, t, &mut out[t..]),
-                        3 => tile::<3>(ty, row, act, t, &mut out[t..]),
-                        _ => tile::<4>(ty, row, act, t, &mut out[t..]),
+                        1 => tile::<1>(ty, row, act, t, out),
+                        2 => tile::<2>(ty, row, act, t, out),
+                        3 => tile::<3>(ty, row, act, t, out),
+                        _ => tile::<4>(ty, row, act, t, out),
                     }
                 }
-                t += 4;
             }
+            t += 4;
         }
     }
 
