@@ -42,6 +42,12 @@
 //!   tiny model: completions, chat, streaming and error cases
 //!   (`crates/serve/tests/openai/check.py`).
 //!
+//! - `serve-bench [--quick] [--threads N] [--configs ...] [--depths ...] [--clients ...]`:
+//!   kvq-serve (its default cache and INT8) and llama.cpp's llama-server (f16, q8_0 and q4_0
+//!   caches; built from the same sdist as `ggml`, into `target/llama/`) on the fetched
+//!   SmolLM2, driven by one load generator (`xtask/src/serve_bench.rs`); the table goes to
+//!   `target/serve-bench.md`.
+//!
 //! With `XTASK_TALLY=FILE`, every test run appends `passed failed` to FILE, so that a CI
 //! script can sum them.
 
@@ -49,6 +55,8 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
+
+mod serve_bench;
 
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -64,6 +72,7 @@ fn main() -> ExitCode {
         Some("miri") => miri(),
         Some("fuzz") => fuzz(rest),
         Some("openai-check") => openai_check(),
+        Some("serve-bench") => serve_bench(rest),
         Some("make-sample") => make_sample(rest),
         Some("fetch-model") => fetch_model(rest).map(|_| ()),
         Some("fetch-text") => fetch_text(rest).map(|_| ()),
@@ -81,7 +90,7 @@ fn main() -> ExitCode {
 }
 
 fn usage() -> String {
-    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | fuzz [--seconds N] [--inputs N] [--seed S] [TARGET...] | make-sample SRC OUT [TOKENS] | fetch-model smollm2-135m | fetch-text botchan | ggml [--steps N] [CONTEXT...] | eval [--check] [KVQ-EVAL ARGS] | openai-check>"
+    "usage: cargo xtask <ci | test --level baseline|v3|native|scalar | cross | bench [--quick] [--native] [FILTER] | miri | fuzz [--seconds N] [--inputs N] [--seed S] [TARGET...] | make-sample SRC OUT [TOKENS] | fetch-model smollm2-135m | fetch-text botchan | ggml [--steps N] [CONTEXT...] | eval [--check] [KVQ-EVAL ARGS] | openai-check | serve-bench [--quick] [...]>"
         .into()
 }
 
@@ -938,58 +947,8 @@ fn build_ggml() -> Result<PathBuf, String> {
     if fresh(&bin) {
         return Ok(bin);
     }
-    let src = dir.join("src");
-    let ggml = match find_member(&src, "vendor/llama.cpp/ggml/CMakeLists.txt") {
-        Some(cmake_lists) => cmake_lists.parent().expect("a file has a parent").to_path_buf(),
-        None => {
-            let _ = std::fs::remove_dir_all(&src);
-            std::fs::create_dir_all(&src).map_err(|e| format!("{}: {e}", src.display()))?;
-            let (requirement, sha256) = GGML_SDIST;
-            let req = src.join("requirements.txt");
-            std::fs::write(&req, format!("{requirement} --hash=sha256:{sha256}\n"))
-                .map_err(|e| e.to_string())?;
-            let status = Command::new(python())
-                .args(["-m", "pip", "download", "--no-deps", "--no-clean", "--no-build-isolation"])
-                .args(["--no-binary", "llama-cpp-python", "--require-hashes", "-d"])
-                .arg(src.join("dl"))
-                .arg("-r")
-                .arg(&req)
-                .env("TMPDIR", &src)
-                .stdout(Stdio::null())
-                .status()
-                .map_err(|e| format!("pip: {e}"))?;
-            eprintln!("xtask: pip download {requirement} (source) exited with {status}; looking for ggml");
-            find_member(&src, "vendor/llama.cpp/ggml/CMakeLists.txt")
-                .ok_or_else(|| format!("ggml not found in the {requirement} sdist (see pip's messages)"))?
-                .parent()
-                .expect("a file has a parent")
-                .to_path_buf()
-        }
-    };
-    // The sdist leaves out the pkg-config template ggml's CMakeLists configures.
-    let pc = ggml.join("ggml.pc.in");
-    if !pc.is_file() {
-        std::fs::write(&pc, "Name: ggml\n").map_err(|e| format!("{}: {e}", pc.display()))?;
-    }
-    // pip's `cmake` wheel installed into a folder runs from a script that imports its package:
-    // that folder goes on PYTHONPATH.
-    let (cmake, pythonpath) = if which("cmake") {
-        (PathBuf::from("cmake"), None)
-    } else {
-        let tools = dir.join("tools");
-        run(Command::new(python())
-            .args(["-m", "pip", "install", "--quiet", "--target"])
-            .arg(&tools)
-            .arg("cmake"))?;
-        (tools.join("bin/cmake"), Some(tools))
-    };
-    let cmake_cmd = || {
-        let mut cmd = Command::new(&cmake);
-        if let Some(p) = &pythonpath {
-            cmd.env("PYTHONPATH", p);
-        }
-        cmd
-    };
+    let ggml = llama_source()?.join("ggml");
+    let cmake_cmd = cmake()?;
     let build = dir.join("build");
     run(cmake_cmd().arg("-S").arg(&ggml).arg("-B").arg(&build).args([
         "-DCMAKE_BUILD_TYPE=Release",
@@ -1010,6 +969,206 @@ fn build_ggml() -> Result<PathBuf, String> {
         .args([lib.join("libggml.a"), lib.join("libggml-cpu.a"), lib.join("libggml-base.a")])
         .args(["-lstdc++", "-lm", "-lpthread"]))?;
     Ok(bin)
+}
+
+/// llama.cpp's source tree (`vendor/llama.cpp` of the sdist `GGML_SDIST`), unpacked into
+/// `target/ggml/src` on first use: pip checks the sdist's hash before unpacking it, and fails
+/// afterwards, as the package's build backend is not there.
+fn llama_source() -> Result<PathBuf, String> {
+    let src = root().join("target/ggml/src");
+    let member = "vendor/llama.cpp/ggml/CMakeLists.txt";
+    let ggml_lists = match find_member(&src, member) {
+        Some(p) => p,
+        None => {
+            let _ = std::fs::remove_dir_all(&src);
+            std::fs::create_dir_all(&src).map_err(|e| format!("{}: {e}", src.display()))?;
+            let (requirement, sha256) = GGML_SDIST;
+            let req = src.join("requirements.txt");
+            std::fs::write(&req, format!("{requirement} --hash=sha256:{sha256}\n"))
+                .map_err(|e| e.to_string())?;
+            let status = Command::new(python())
+                .args(["-m", "pip", "download", "--no-deps", "--no-clean", "--no-build-isolation"])
+                .args(["--no-binary", "llama-cpp-python", "--require-hashes", "-d"])
+                .arg(src.join("dl"))
+                .arg("-r")
+                .arg(&req)
+                .env("TMPDIR", &src)
+                .stdout(Stdio::null())
+                .status()
+                .map_err(|e| format!("pip: {e}"))?;
+            eprintln!(
+                "xtask: pip download {requirement} (source) exited with {status}; looking for llama.cpp"
+            );
+            find_member(&src, member).ok_or_else(|| {
+                format!("llama.cpp not found in the {requirement} sdist (see pip's messages)")
+            })?
+        }
+    };
+    let ggml = ggml_lists.parent().expect("a member path has parents");
+    // The sdist leaves out the pkg-config template ggml's CMakeLists configures.
+    let pc = ggml.join("ggml.pc.in");
+    if !pc.is_file() {
+        std::fs::write(&pc, "Name: ggml\n").map_err(|e| format!("{}: {e}", pc.display()))?;
+    }
+    // .../vendor/llama.cpp/ggml -> .../vendor/llama.cpp
+    Ok(ggml.parent().expect("a member path has parents").to_path_buf())
+}
+
+/// A `cmake` command: PATH's, else pip's `cmake` wheel installed into `target/ggml/tools` (it
+/// runs from a script that imports its package: that folder goes on PYTHONPATH).
+fn cmake() -> Result<impl Fn() -> Command, String> {
+    let (cmake, pythonpath) = if which("cmake") {
+        (PathBuf::from("cmake"), None)
+    } else {
+        let tools = root().join("target/ggml/tools");
+        if !tools.join("bin/cmake").exists() {
+            run(Command::new(python())
+                .args(["-m", "pip", "install", "--quiet", "--target"])
+                .arg(&tools)
+                .arg("cmake"))?;
+        }
+        (tools.join("bin/cmake"), Some(tools))
+    };
+    Ok(move || {
+        let mut cmd = Command::new(&cmake);
+        if let Some(p) = &pythonpath {
+            cmd.env("PYTHONPATH", p);
+        }
+        cmd
+    })
+}
+
+/// `target/llama/build/bin/llama-server` and `llama-bench`, built from the same sdist as
+/// `cargo xtask ggml` for the native CPU, without the web UI, TLS or downloads.
+fn build_llama() -> Result<PathBuf, String> {
+    let build = root().join("target/llama/build");
+    let bin = build.join("bin");
+    if bin.join("llama-server").is_file() && bin.join("llama-bench").is_file() {
+        return Ok(bin);
+    }
+    let src = llama_source()?;
+    let cmake_cmd = cmake()?;
+    run(cmake_cmd().arg("-S").arg(&src).arg("-B").arg(&build).args([
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON",
+        "-DGGML_OPENMP=OFF",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_APP=OFF",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+    ]))?;
+    run(cmake_cmd().arg("--build").arg(&build).args(["-j", "2", "--target", "llama-server", "llama-bench"]))?;
+    Ok(bin)
+}
+
+/// `serve-bench`: see `serve_bench.rs`.
+fn serve_bench(args: &[String]) -> Result<(), String> {
+    let usage = || {
+        "usage: cargo xtask serve-bench [--quick] [--threads N] [--configs kvq,kvq-int8,llama-f16,llama-q8_0,llama-q4_0] \
+         [--depths 0,4096,8000] [--clients 1,4,16] [--prompt-words N] [--gen N]"
+            .to_string()
+    };
+    let list = |v: &str| -> Result<Vec<usize>, String> {
+        v.split(',').map(|x| x.trim().parse().map_err(|_| usage())).collect()
+    };
+    let mut plan = serve_bench::Plan {
+        model: fetch_model(&["smollm2-135m".to_string()])?,
+        text: fetch_text(&["botchan".to_string()])?,
+        threads: 2,
+        depths: vec![0, 4096, 8000],
+        depth_tokens: 32,
+        clients: vec![1, 4, 16],
+        prompt_words: 1500,
+        output_tokens: 128,
+        configs: ["kvq", "kvq-int8", "llama-f16", "llama-q8_0", "llama-q4_0"].map(String::from).to_vec(),
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = || it.next().cloned().ok_or_else(usage);
+        match a.as_str() {
+            "--quick" => {
+                plan.depths = vec![0, 1024];
+                plan.clients = vec![1, 4];
+                plan.prompt_words = 300;
+                plan.output_tokens = 32;
+            }
+            "--threads" => plan.threads = value()?.parse().map_err(|_| usage())?,
+            "--configs" => plan.configs = value()?.split(',').map(String::from).collect(),
+            "--depths" => plan.depths = list(&value()?)?,
+            "--clients" => plan.clients = list(&value()?)?,
+            "--prompt-words" => plan.prompt_words = value()?.parse().map_err(|_| usage())?,
+            "--gen" => plan.output_tokens = value()?.parse().map_err(|_| usage())?,
+            _ => return Err(usage()),
+        }
+    }
+    let text = std::fs::read_to_string(&plan.text).map_err(|e| format!("{}: {e}", plan.text.display()))?;
+    run(cargo().args(["build", "--release", "-p", "kvq-serve", "--bin", "kvq-serve"]))?;
+    let kvq_bin = root().join("target/release/kvq-serve");
+    let llama_bin =
+        if plan.configs.iter().any(|c| c.starts_with("llama-")) { Some(build_llama()?) } else { None };
+    let max_clients = plan.clients.iter().copied().max().unwrap_or(1).max(1);
+    // Every sequence may take the model's whole context (SmolLM2: 8192 tokens), on both servers.
+    let ctx = 8192;
+    let logs = root().join("target/serve-bench");
+    std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
+    let (mut rows, mut sizes) = (Vec::new(), Vec::new());
+    for config in &plan.configs {
+        let port = serve_bench::free_port()?;
+        let threads = plan.threads.to_string();
+        let (cmd, bits) = match config.as_str() {
+            "kvq" | "kvq-int8" => {
+                let mut cmd = Command::new(&kvq_bin);
+                cmd.arg("--model").arg(&plan.model).args(["--addr", &format!("127.0.0.1:{port}")]);
+                cmd.args([
+                    "--threads",
+                    &threads,
+                    "--max-running",
+                    &max_clients.to_string(),
+                    "--ctx",
+                    &ctx.to_string(),
+                ]);
+                cmd.args(["--prefix-entries", "0", "--max-requests", &(4 * max_clients).to_string()]);
+                if config == "kvq-int8" {
+                    cmd.args(["--specs", "int8"]);
+                }
+                (cmd, 0.0)
+            }
+            other => {
+                let (kind, bits) = match other.strip_prefix("llama-") {
+                    Some("f16") => ("f16", 16.0),
+                    Some("q8_0") => ("q8_0", 8.5),
+                    Some("q4_0") => ("q4_0", 4.5),
+                    _ => return Err(format!("unknown config {other:?}\n{}", usage())),
+                };
+                let bin = llama_bin.as_ref().expect("built when a llama config is asked for");
+                let mut cmd = Command::new(bin.join("llama-server"));
+                cmd.arg("-m").arg(&plan.model).args(["--host", "127.0.0.1", "--port", &port.to_string()]);
+                cmd.args(["-np", &max_clients.to_string(), "-c", &(ctx * max_clients).to_string()]);
+                cmd.args(["-t", &threads, "-fa", "on", "-ctk", kind, "-ctv", kind]);
+                (cmd, bits)
+            }
+        };
+        let server = serve_bench::start(config, cmd, port, &logs.join(format!("{config}.log")), bits)?;
+        rows.extend(serve_bench::measure(&server, &plan, &text)?);
+        sizes.push((config.clone(), server.kv_bits));
+    }
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines().find_map(|l| {
+                l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+            })
+        })
+        .unwrap_or_else(|| "an unknown CPU".into());
+    let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let report = serve_bench::report(&plan, &rows, &sizes, &format!("{cpu}, {nproc} CPUs"));
+    println!("{report}");
+    let out = root().join("target/serve-bench.md");
+    std::fs::write(&out, report).map_err(|e| format!("{}: {e}", out.display()))?;
+    Ok(())
 }
 
 /// The first file under `dir` whose path ends with `member`.

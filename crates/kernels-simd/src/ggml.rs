@@ -191,8 +191,8 @@ fn block_value(ty: GgmlType, dot: i32, sum: i32, dw: f32, mw: f32, da: f32) -> f
 }
 
 /// The reference: one block at a time, in order.
-/// The block's epilogue is [`block_value`]'s; the AVX2 kernel folds Q4_0's centre into the same
-/// `c * da * sum` term as Q4_1's minimum.
+/// Each block's integer dot is scaled by both scales, plus Q4_0's centre (`-8 d`) or Q4_1's
+/// minimum times the activation block's scaled sum; the AVX2 kernel folds both into one term.
 pub fn scalar_matmul_t(ty: GgmlType, weights: &[u8], act: &Activations, out: &mut [f32]) {
     let (k, n) = (act.k, act.rows);
     let blocks = k / QK;

@@ -1,0 +1,236 @@
+//! `cargo xtask serve-bench`: kvq-serve and llama.cpp's llama-server driven by one load
+//! generator on loopback, same model, same threads, same requests.
+//!
+//! For each server config (kvq's default cache, INT8, llama.cpp's f16, q8_0 and q4_0 caches)
+//! it starts the server, waits for `/health`, and measures over OpenAI's streaming
+//! `/v1/completions` (`ignore_eos`, greedy):
+//! - one sequence at each depth (a prompt of about D tokens, then G tokens): decode tokens/s,
+//!   from the first streamed token to the last;
+//! - C concurrent clients, each with a distinct prompt of P words and G tokens out: aggregate
+//!   generated tokens/s over the wall time, and p50/p99 time to first token and inter-token
+//!   latency;
+//! - KV bytes per token from the config (kvq: its bits per value, every parameter counted;
+//!   llama.cpp: 16, 8.5 and 4.5 bits).
+//!
+//! The table goes to stdout and `target/serve-bench.md`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// What one run measures.
+pub struct Plan {
+    pub model: PathBuf,
+    pub text: PathBuf,
+    pub threads: usize,
+    pub depths: Vec<usize>,
+    pub depth_tokens: usize,
+    pub clients: Vec<usize>,
+    pub prompt_words: usize,
+    pub output_tokens: usize,
+    pub configs: Vec<String>,
+}
+
+/// One server under test.
+pub struct Server {
+    pub name: String,
+    child: Child,
+    port: u16,
+    pub kv_bits: f64,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free port on loopback.
+pub fn free_port() -> Result<u16, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    Ok(l.local_addr().map_err(|e| e.to_string())?.port())
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(3600)))
+        .build()
+        .into()
+}
+
+/// Starts `cmd` (listening on `port`) and waits for its `/health`.
+pub fn start(name: &str, mut cmd: Command, port: u16, log: &Path, kv_bits: f64) -> Result<Server, String> {
+    let log_file = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+    cmd.stdout(Stdio::null()).stderr(log_file);
+    eprintln!("xtask: running {cmd:?}");
+    let child = cmd.spawn().map_err(|e| format!("{cmd:?}: {e}"))?;
+    let mut server = Server { name: name.to_string(), child, port, kv_bits };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        if let Ok(r) = agent().get(&format!("http://127.0.0.1:{port}/health")).call()
+            && r.status().as_u16() == 200
+        {
+            break;
+        }
+        if let Ok(Some(status)) = server.child.try_wait() {
+            return Err(format!("{name} exited with {status} before it was ready; see {}", log.display()));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{name} was not ready in 300 s; see {}", log.display()));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // kvq's bits per value come from its metrics.
+    if server.kv_bits == 0.0 {
+        let mut r =
+            agent().get(&format!("http://127.0.0.1:{port}/metrics")).call().map_err(|e| e.to_string())?;
+        let text = r.body_mut().read_to_string().map_err(|e| e.to_string())?;
+        server.kv_bits = text
+            .lines()
+            .find_map(|l| l.strip_prefix("kvq_cache_bits_per_value "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(f64::NAN);
+    }
+    Ok(server)
+}
+
+/// One streamed completion: when it was sent, when each piece came, and the token counts.
+struct Stream {
+    sent: Instant,
+    pieces: Vec<Instant>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+fn stream(port: u16, prompt: &str, max_tokens: usize) -> Result<Stream, String> {
+    let body = json!({
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+        "stream": true, "stream_options": { "include_usage": true },
+    });
+    let sent = Instant::now();
+    let r = agent()
+        .post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .header("content-type", "application/json")
+        .send(body.to_string())
+        .map_err(|e| e.to_string())?;
+    if r.status().as_u16() != 200 {
+        let status = r.status();
+        let body = r.into_body().read_to_string().unwrap_or_default();
+        return Err(format!("status {status}: {body}"));
+    }
+    let mut s = Stream { sent, pieces: Vec::new(), prompt_tokens: 0, completion_tokens: 0 };
+    for line in BufReader::new(r.into_body().into_reader()).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data.trim() == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
+        if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+            s.pieces.push(Instant::now());
+        }
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            s.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+            s.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
+        }
+    }
+    if s.completion_tokens == 0 {
+        s.completion_tokens = s.pieces.len();
+    }
+    Ok(s)
+}
+
+fn words(text: &str, skip: usize, n: usize) -> String {
+    text.split_whitespace().cycle().skip(skip).take(n).collect::<Vec<_>>().join(" ")
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// The rows of one server.
+pub fn measure(server: &Server, plan: &Plan, text: &str) -> Result<Vec<String>, String> {
+    let mut rows = Vec::new();
+    for &depth in &plan.depths {
+        // About 1.3 tokens per word of English prose; each prompt starts elsewhere in the text,
+        // so that no server's prompt cache serves one from another.
+        let prompt = if depth == 0 {
+            "Once upon a time".to_string()
+        } else {
+            words(text, 31 * depth, depth * 10 / 13)
+        };
+        let s = stream(server.port, &prompt, plan.depth_tokens)?;
+        let span = match (s.pieces.first(), s.pieces.last()) {
+            (Some(a), Some(b)) if s.completion_tokens > 1 => b.duration_since(*a).as_secs_f64(),
+            _ => f64::NAN,
+        };
+        let tps = (s.completion_tokens.saturating_sub(1)) as f64 / span;
+        eprintln!("xtask: {} depth {} ({} tokens): {tps:.1} tokens/s", server.name, depth, s.prompt_tokens);
+        rows.push(format!(
+            "| {} | one sequence, depth {} | {tps:.1} tokens/s | | |",
+            server.name, s.prompt_tokens
+        ));
+    }
+    for &clients in &plan.clients {
+        let start = Instant::now();
+        let results: Vec<Result<Stream, String>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..clients)
+                .map(|i| {
+                    let prompt =
+                        format!("Run {clients}, reader {i}: {}", words(text, 997 * i, plan.prompt_words));
+                    sc.spawn(move || stream(server.port, &prompt, plan.output_tokens))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("client panicked".into()))).collect()
+        });
+        let wall = start.elapsed().as_secs_f64();
+        let results: Vec<Stream> = results.into_iter().collect::<Result<_, _>>()?;
+        let generated: usize = results.iter().map(|s| s.completion_tokens).sum();
+        let mut ttft: Vec<f64> = results
+            .iter()
+            .filter_map(|s| s.pieces.first().map(|t| t.duration_since(s.sent).as_secs_f64()))
+            .collect();
+        let mut itl: Vec<f64> = results
+            .iter()
+            .flat_map(|s| s.pieces.windows(2).map(|w| w[1].duration_since(w[0]).as_secs_f64() * 1e3))
+            .collect();
+        let prompt_tokens = results.iter().map(|s| s.prompt_tokens).max().unwrap_or(0);
+        let agg = generated as f64 / wall;
+        let (t50, t99) = (percentile(&mut ttft, 0.5), percentile(&mut ttft, 0.99));
+        let (i50, i99) = (percentile(&mut itl, 0.5), percentile(&mut itl, 0.99));
+        eprintln!("xtask: {} {clients} clients: {agg:.1} tokens/s, TTFT p50 {t50:.2} s", server.name);
+        rows.push(format!(
+            "| {} | {clients} clients, prompts of ~{prompt_tokens} tokens, {} out | {agg:.1} tokens/s | {t50:.2} / {t99:.2} s | {i50:.0} / {i99:.0} ms |",
+            server.name, plan.output_tokens
+        ));
+    }
+    Ok(rows)
+}
+
+/// The report's header and the KV-size lines.
+pub fn report(plan: &Plan, rows: &[String], servers: &[(String, f64)], machine: &str) -> String {
+    let mut out = format!(
+        "# serve-bench\n\nModel {}, {} threads, {machine}. Greedy, `ignore_eos`, streamed.\n\n\
+         | server | load | generated | TTFT p50 / p99 | inter-token p50 / p99 |\n|---|---|---|---|---|\n",
+        plan.model.display(),
+        plan.threads
+    );
+    for r in rows {
+        out += r;
+        out.push('\n');
+    }
+    out += "\n| server | KV bits per value |\n|---|---|\n";
+    for (name, bits) in servers {
+        out += &format!("| {name} | {bits:.2} |\n");
+    }
+    out
+}
