@@ -208,6 +208,16 @@ fn build_tests(cmd: &mut Command) -> Result<Vec<Artifact>, String> {
     Ok(found)
 }
 
+/// The executable of `package`'s binary or example `target` among `artifacts` (not a test
+/// harness).
+fn binary(artifacts: &[Artifact], package: &str, target: &str) -> Result<PathBuf, String> {
+    artifacts
+        .iter()
+        .find(|a| a.package == package && a.target == target && !a.harness)
+        .map(|a| a.exe.clone())
+        .ok_or(format!("the test build made no {package} {target}"))
+}
+
 /// The package name in a cargo package id: `path+file:///…/candle#kvq-candle@0.1.0` names it,
 /// `path+file:///…/kvq#0.1.0` leaves it to the directory.
 fn package_name(id: &str, dir: &Path) -> String {
@@ -321,11 +331,7 @@ fn test_level(args: &[String]) -> Result<(), String> {
     }
     configure(&mut build);
     let artifacts = build_tests(&mut build)?;
-    let kvq = artifacts
-        .iter()
-        .find(|a| a.package == "kvq" && a.target == "kvq" && !a.harness)
-        .ok_or("the test build made no kvq binary")?;
-    let mut info = Command::new(&kvq.exe);
+    let mut info = Command::new(binary(&artifacts, "kvq", "kvq")?);
     info.arg("info");
     configure(&mut info);
     run(&mut info)?;
@@ -645,11 +651,7 @@ fn fuzz(args: &[String]) -> Result<(), String> {
     // The binary that `cargo test --workspace` builds for kvq-fuzz's own tests: building it
     // with `-p kvq-fuzz` would unify features differently and build its dependencies again.
     let artifacts = build_tests(clean_flags(&mut cargo()).args(["test", "--workspace"]))?;
-    let bin = artifacts
-        .iter()
-        .find(|a| a.package == "kvq-fuzz" && a.target == "kvq-fuzz" && !a.harness)
-        .map(|a| a.exe.clone())
-        .ok_or("the test build made no kvq-fuzz binary")?;
+    let bin = binary(&artifacts, "kvq-fuzz", "kvq-fuzz")?;
     if targets.is_empty() {
         let out = Command::new(&bin).arg("--list").output().map_err(|e| format!("{}: {e}", bin.display()))?;
         targets = String::from_utf8_lossy(&out.stdout).split_whitespace().map(String::from).collect();
@@ -1195,14 +1197,8 @@ fn openai_check() -> Result<(), String> {
     // The server and the tiny model's writer from `cargo test --workspace`'s build (a build of
     // `-p kvq-serve` alone would unify features differently and build its dependencies again).
     let artifacts = build_tests(clean_flags(&mut cargo()).args(["test", "--workspace"]))?;
-    let find = |target: &str| {
-        artifacts
-            .iter()
-            .find(|a| a.package == "kvq-serve" && a.target == target && !a.harness)
-            .map(|a| a.exe.clone())
-            .ok_or(format!("the test build made no kvq-serve {target}"))
-    };
-    let (serve, tiny) = (find("kvq-serve")?, find("tiny_model")?);
+    let serve = binary(&artifacts, "kvq-serve", "kvq-serve")?;
+    let tiny = binary(&artifacts, "kvq-serve", "tiny_model")?;
     let venv = root().join("target/openai-venv");
     let venv_python = venv.join("bin/python");
     if !venv_python.exists() {

@@ -45,10 +45,7 @@ pub const IM_START: u32 = 1;
 /// `<|im_end|>`: closes a chat turn; the model's end-of-generation token (`eos_token_id`).
 pub const IM_END: u32 = 2;
 
-/// A ChatML template (SmolLM2 and Qwen2 use this turn format), in Jinja.
-pub const CHATML_TEMPLATE: &str = "{% for message in messages %}\
-{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
-{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+pub use crate::tokenizer::CHATML_TEMPLATE;
 
 /// The weight types of the tiny model's matrices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

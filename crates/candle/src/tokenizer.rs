@@ -13,6 +13,13 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 
 use crate::error::{Error, Result};
 
+/// The ChatML chat template (SmolLM2's and Qwen2's turn format), in Jinja: what a model
+/// without a `tokenizer.chat_template` is given, as llama.cpp does, and what
+/// [`crate::tiny::TinyModel`] writes.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}\
+{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
+{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
 /// A GGUF model's tokenizer.
 #[derive(Debug, Clone)]
 pub struct GgufTokenizer {
@@ -88,12 +95,10 @@ impl GgufTokenizer {
     /// # Errors
     /// [`Error::Tokenizer`].
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.get_ids().len() + 1);
+        let mut ids = self.encode_raw(text)?;
         if let (true, Some(b)) = (self.add_bos, self.bos) {
-            ids.push(b);
+            ids.insert(0, b);
         }
-        ids.extend_from_slice(enc.get_ids());
         Ok(ids)
     }
 

@@ -23,9 +23,7 @@ pub struct ChatTemplate {
 }
 
 /// ChatML, for models without a template of their own.
-pub const CHATML: &str = "{% for message in messages %}\
-{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
-{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+pub use kvq_candle::tokenizer::CHATML_TEMPLATE as CHATML;
 
 impl ChatTemplate {
     /// Compiles `source` (ChatML when `None`); `bos` and `eos` are the texts of the model's

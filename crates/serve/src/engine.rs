@@ -206,7 +206,6 @@ pub struct Engine {
     waiting: VecDeque<Request>,
     running: Vec<Running>,
     eog: Vec<u32>,
-    logits: Vec<f32>,
     prefix: PrefixCache,
 }
 
@@ -244,14 +243,8 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             eog,
-            logits: Vec::new(),
             prefix,
         })
-    }
-
-    /// The cache (for tests and reports).
-    pub fn cache(&self) -> &QuantizedKvCache {
-        &self.cache
     }
 
     /// Serves requests from `rx` until every sender is gone and the work is done.
@@ -292,7 +285,7 @@ impl Engine {
                     self.stats.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
                     if done + n < prompt_len {
                         self.running[i].phase = Phase::Prefill(done + n);
-                        self.forward_only(i, &chunk).map(|()| false)
+                        self.run_model(i, &chunk).map(|_| false)
                     } else {
                         self.forward_then(i, &chunk, Self::snapshot)
                     }
@@ -415,11 +408,10 @@ impl Engine {
         }
     }
 
-    /// Runs `tokens` through the model for request `i`, discarding the logits.
-    fn forward_only(&mut self, i: usize, tokens: &[u32]) -> Result<(), String> {
-        let r = &self.running[i];
-        let mut store = KvqSeq::borrowed(&mut self.cache, r.seq, self.config.path);
-        self.model.forward(&mut store, tokens).map(|_| ()).map_err(|e| e.to_string())
+    /// Runs `tokens` through the model on request `i`'s sequence: the logits of every position.
+    fn run_model(&mut self, i: usize, tokens: &[u32]) -> Result<candle_core::Tensor, String> {
+        let mut store = KvqSeq::borrowed(&mut self.cache, self.running[i].seq, self.config.path);
+        self.model.forward(&mut store, tokens).map_err(|e| e.to_string())
     }
 
     /// Runs `tokens` for request `i`, samples the next token from the last position and sends
@@ -431,15 +423,12 @@ impl Engine {
     /// [`Engine::forward`], calling `then` between the model's pass and the sampling (when the
     /// cache holds exactly the tokens given so far).
     fn forward_then(&mut self, i: usize, tokens: &[u32], then: fn(&mut Self, usize)) -> Result<bool, String> {
-        let seq = self.running[i].seq;
-        let mut store = KvqSeq::borrowed(&mut self.cache, seq, self.config.path);
-        let logits = self.model.forward(&mut store, tokens).map_err(|e| e.to_string())?;
+        let logits = self.run_model(i, tokens)?;
         then(self, i);
         let last =
             logits.get(tokens.len() - 1).and_then(|row| row.to_vec1::<f32>()).map_err(|e| e.to_string())?;
-        self.logits = last;
         let r = &mut self.running[i];
-        let Some(tok) = r.sampler.sample(&self.logits) else {
+        let Some(tok) = r.sampler.sample(&last) else {
             return Err("the model produced no finite logit".into());
         };
         r.sampler.accept(tok);
@@ -472,12 +461,14 @@ impl Engine {
         let s = &self.stats;
         s.running.store(self.running.len() as u64, Ordering::Relaxed);
         s.waiting.store(self.waiting.len() as u64, Ordering::Relaxed);
+        // One walk of every layer's tables per step (`used_bytes` would walk them again).
         let mem = self.cache.memory();
-        let free: usize = self.cache.free_blocks().iter().sum();
+        let free: usize = mem.iter().map(|m| m.free_blocks).sum();
         let used: usize = mem.iter().flat_map(|m| &m.layers).map(|l| l.blocks).sum();
+        let bytes: usize = mem.iter().map(|m| m.used_bytes()).sum();
         s.blocks_used.store(used as u64, Ordering::Relaxed);
         s.blocks_free.store(free as u64, Ordering::Relaxed);
-        s.cache_bytes.store(self.cache.used_bytes() as u64, Ordering::Relaxed);
+        s.cache_bytes.store(bytes as u64, Ordering::Relaxed);
         let tokens: usize = self.running.iter().map(|r| self.cache.len(r.seq, 0).unwrap_or(0)).sum();
         s.cached_tokens.store(tokens as u64, Ordering::Relaxed);
         s.prefix_entries.store(self.prefix.len() as u64, Ordering::Relaxed);

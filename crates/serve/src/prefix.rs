@@ -23,8 +23,17 @@ use kvq::layout::SeqId;
 
 /// FNV-1a over 64 bits: stable across processes and releases, cheap, and never trusted alone
 /// (hits are confirmed by the tokens).
-fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
+fn fnv(h: u64, bytes: &[u8]) -> u64 {
+    fnv_bytes(h, bytes.iter().copied())
+}
+
+/// [`fnv`] over token ids, each as its 4 little-endian bytes.
+fn fnv_tokens(h: u64, tokens: &[u32]) -> u64 {
+    fnv_bytes(h, tokens.iter().flat_map(|t| t.to_le_bytes()))
+}
+
+fn fnv_bytes(mut h: u64, bytes: impl Iterator<Item = u8>) -> u64 {
+    for b in bytes {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
@@ -58,19 +67,15 @@ impl Geometry {
     /// shortest first.
     pub fn keys(&self, root: u64, tokens: &[u32]) -> Vec<(usize, u64)> {
         let Some(last) = self.boundary_before(tokens.len()) else { return Vec::new() };
-        let mut key = fnv(root, &bytes(&tokens[..self.sinks]));
+        let mut key = fnv_tokens(root, &tokens[..self.sinks]);
         (self.sinks + self.block..=last)
             .step_by(self.block.max(1))
             .map(|end| {
-                key = fnv(key, &bytes(&tokens[end - self.block..end]));
+                key = fnv_tokens(key, &tokens[end - self.block..end]);
                 (end, key)
             })
             .collect()
     }
-}
-
-fn bytes(tokens: &[u32]) -> Vec<u8> {
-    tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
 }
 
 /// One kept snapshot.
