@@ -73,6 +73,24 @@ pub struct PagedCache {
     /// For a `-qa` K spec, per `layer · kv_heads + head`: the head's channel order and width
     /// regions (empty otherwise).
     pub(crate) k_segments: Vec<HeadSegments>,
+    /// Buffers of an append, kept so that appends allocate nothing once warm.
+    pub(crate) scratch: AppendScratch,
+}
+
+/// The buffers [`PagedCache::append`] reuses from call to call. Not part of a cache's value:
+/// any two compare equal.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct AppendScratch {
+    bytes: Vec<u8>,
+    params: Vec<GroupParams>,
+    rows: Vec<f32>,
+    columns: Vec<f32>,
+}
+
+impl PartialEq for AppendScratch {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 const PARTS: [Part; 2] = [Part::K, Part::V];
@@ -163,6 +181,7 @@ impl PagedCache {
             stats: CacheStats::default(),
             reserved: 0,
             k_segments,
+            scratch: AppendScratch::default(),
         })
     }
 
@@ -521,8 +540,19 @@ impl PagedCache {
         }
         let (bs, heads, sinks, d) =
             (self.config.block_size, self.config.kv_heads, self.config.sink_tokens, self.config.head_dim);
-        let Self { parts, statics, static_ranges, pool, seqs, stats, config, reserved, k_segments, .. } =
-            self;
+        let Self {
+            parts,
+            statics,
+            static_ranges,
+            pool,
+            seqs,
+            stats,
+            config,
+            reserved,
+            k_segments,
+            scratch,
+            ..
+        } = self;
         let ls = &mut seqs.get_mut(&seq).expect("checked by blocks_needed").layers[layer];
         // The blocks come from the layer's reservation first; its tokens are used up.
         let r = &mut ls.reserved;
@@ -545,10 +575,9 @@ impl PagedCache {
         }
 
         let k_bytes = parts[0].bytes();
-        let mut scratch = vec![0u8; d];
-        let mut params = vec![GroupParams::default(); heads * d];
-        let mut rows = Vec::with_capacity(heads * bs * d);
-        let mut columns = Vec::new();
+        let AppendScratch { bytes: scratch, params, rows, columns } = &mut *scratch;
+        scratch.resize(d, 0);
+        params.resize(heads * d, GroupParams::default());
         let segments = |i: usize, h: usize| if i == 0 { k_segments.get(layer * heads + h) } else { None };
         for t in 0..n {
             let pos = ls.len + t;
@@ -581,7 +610,7 @@ impl PagedCache {
                                 p,
                                 &mut pool.block_mut(id)[span.clone()],
                                 r,
-                                &mut scratch,
+                                scratch,
                             )?;
                         }
                         ls.done[i] = p + 1;
@@ -597,7 +626,7 @@ impl PagedCache {
                                 &static_ranges[i][g],
                                 &mut pool.block_mut(id)[span.clone()],
                                 r,
-                                &mut scratch,
+                                scratch,
                             )?;
                             stats.clamped_values = stats.clamped_values.saturating_add(clamped);
                         }
@@ -616,7 +645,7 @@ impl PagedCache {
                             let fb = ls.done[i] / bs;
                             rows.clear();
                             for tail in &ls.tails[i] {
-                                tail.extend_f32(0..bs * d, &mut rows);
+                                tail.extend_f32(0..bs * d, rows);
                             }
                             if let (0, Some(rope)) = (i, &config.rope) {
                                 // `-prerope` keys: the block's tokens turned back by their
@@ -630,7 +659,7 @@ impl PagedCache {
                                 .enumerate()
                                 .map(|(h, block)| match segments(i, h) {
                                     Some(seg) => seg
-                                        .channel_block_params(block, &mut columns)
+                                        .channel_block_params(block, columns)
                                         .map(|params| BlockParams { params, grid: None }),
                                     None => layout.block_params(&config.row_kernels, block),
                                 })
@@ -644,8 +673,8 @@ impl PagedCache {
                                         block,
                                         &params.params,
                                         region,
-                                        &mut columns,
-                                        &mut scratch,
+                                        columns,
+                                        scratch,
                                     ),
                                     None => layout.write_block(
                                         &config.row_kernels,
@@ -653,7 +682,7 @@ impl PagedCache {
                                         &params.params,
                                         params.grid.as_ref(),
                                         region,
-                                        &mut scratch,
+                                        scratch,
                                     ),
                                 }
                                 ls.tails[i][h].drain_front(bs * d);
