@@ -51,6 +51,15 @@ pub enum Error {
     /// Invalid evaluation input (too few tokens for the protocol, bad options).
     #[error("eval: {0}")]
     Eval(String),
+    /// The model's hidden state overflowed (a non-finite value after a layer): a broken
+    /// model file, or weights this input drives out of range.
+    #[error("the model produced a non-finite value in layer {layer} at position {position}")]
+    NonFinite {
+        /// The decoder layer (0-based).
+        layer: usize,
+        /// The token's position in its sequence.
+        position: usize,
+    },
     /// Tokenization failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

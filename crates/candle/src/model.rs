@@ -12,13 +12,16 @@ use std::io::{Read, Seek};
 use std::path::Path;
 
 use candle_core::quantized::{GgmlDType, QMatMul, gguf_file};
-use candle_core::{D, Device, Module, Tensor};
+use candle_core::{Device, Module, Tensor};
+use kvq::attention::{AttentionOptions, BatchSeq, DecodeWorkspace};
+use kvq::cache::QuantizedKvCache;
 use kvq::kernels::dispatch::Backend;
 use kvq::kernels::ggml::{self, Activations, GgmlType};
+use kvq::layout::SeqId;
 use kvq::quant::RopePairing;
 use rayon::prelude::*;
 
-use crate::convert::to_f32_vec;
+use crate::convert::{to_f32_vec, with_f32};
 use crate::error::{Error, Result};
 use crate::store::KvStore;
 
@@ -291,9 +294,9 @@ impl Rope {
         Self { inv_freq: inv_freq(head_dim, theta), pairing }
     }
 
-    /// `(cos, sin)` of every pair at `pos`.
-    fn table(&self, pos: usize) -> Vec<(f32, f32)> {
-        self.inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).map(|(s, c)| (c, s)).collect()
+    /// Pushes `(cos, sin)` of every pair at `pos`.
+    fn push_table(&self, pos: usize, out: &mut Vec<(f32, f32)>) {
+        out.extend(self.inv_freq.iter().map(|f| (pos as f32 * f).sin_cos()).map(|(s, c)| (c, s)));
     }
 
     /// Rotates every head of `x` (`heads × head_dim`).
@@ -325,42 +328,55 @@ enum Linear {
 const ROWS_PER_TASK: usize = 64;
 
 impl Linear {
-    /// `x` (`[n, k]`) times the transposed weights: `[n, rows]`.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// The input's rows times the transposed weights into `out` (`[n, rows]`); `t` is
+    /// scratch.
+    fn forward_into(
+        &self,
+        x: &mut Input<'_>,
+        out: &mut [f32],
+        act: &mut Activations,
+        t: &mut Vec<f32>,
+    ) -> Result<()> {
+        let n = x.n;
+        if n == 0 {
+            return Ok(());
+        }
         let (ty, bytes, rows, k, backend) = match self {
-            Linear::Candle(m) => return Ok(m.forward(x)?),
+            Linear::Candle(m) => {
+                let k = x.x.len() / n.max(1);
+                let y = m.forward(&Tensor::from_slice(x.x, (n, k), &Device::Cpu)?)?;
+                return with_f32(&y, |y| out.copy_from_slice(y));
+            }
             Linear::Ggml { ty, bytes, rows, k, backend } => (*ty, bytes, *rows, *k, *backend),
         };
-        let xs = to_f32_vec(x)?;
-        let n = xs.len() / k;
-        let mut act = Activations::new();
-        act.quantize(&xs, k).map_err(|e| Error::Shape(e.to_string()))?;
-        let mut out_t = vec![0f32; rows * n];
+        if !x.quantized {
+            act.quantize(x.x, k).map_err(|e| Error::Shape(e.to_string()))?;
+            x.quantized = true;
+        }
+        t.resize(rows * n, 0.0);
         let row_bytes = ty.row_bytes(k);
-        out_t
-            .par_chunks_mut(ROWS_PER_TASK * n)
+        t.par_chunks_mut(ROWS_PER_TASK * n)
             .zip(bytes.par_chunks(ROWS_PER_TASK * row_bytes))
-            .try_for_each(|(o, w)| ggml::matmul_t(backend, ty, w, &act, o))
+            .try_for_each(|(o, w)| ggml::matmul_t(backend, ty, w, act, o))
             .map_err(|e| Error::Shape(e.to_string()))?;
-        let mut out = vec![0f32; n * rows];
-        for (r, col) in out_t.chunks_exact(n).enumerate() {
-            for (t, &v) in col.iter().enumerate() {
-                out[t * rows + r] = v;
+        for (r, col) in t.chunks_exact(n).enumerate() {
+            for (i, &v) in col.iter().enumerate() {
+                out[i * rows + r] = v;
             }
         }
-        Ok(Tensor::from_vec(out, (n, rows), &Device::Cpu)?)
+        Ok(())
     }
 }
 
 #[derive(Debug)]
 struct Layer {
-    attn_norm: Tensor,
+    attn_norm: Vec<f32>,
     q: Linear,
     k: Linear,
     v: Linear,
     o: Linear,
-    bias: Option<[Tensor; 3]>,
-    ffn_norm: Tensor,
+    bias: Option<[Vec<f32>; 3]>,
+    ffn_norm: Vec<f32>,
     gate: Linear,
     up: Linear,
     down: Linear,
@@ -370,9 +386,10 @@ struct Layer {
 #[derive(Debug)]
 pub struct LlamaModel {
     config: LlamaConfig,
-    embed: Tensor,
+    /// `[vocab, hidden]`, dequantized.
+    embed: Vec<f32>,
     layers: Vec<Layer>,
-    norm: Tensor,
+    norm: Vec<f32>,
     output: Linear,
     rope: Rope,
     weight_types: Vec<(String, usize)>,
@@ -455,8 +472,8 @@ impl<R: Read + Seek> Loader<'_, R> {
         }
     }
 
-    fn dense(&mut self, name: &str, dims: &[usize]) -> Result<Tensor> {
-        Ok(self.get(name, dims)?.dequantize(&Device::Cpu)?)
+    fn dense(&mut self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+        to_f32_vec(&self.get(name, dims)?.dequantize(&Device::Cpu)?)
     }
 }
 
@@ -575,15 +592,11 @@ impl LlamaModel {
     ///
     /// # Errors
     /// [`Error::Token`] for an id outside the vocabulary, [`Error::Shape`] for an empty input
-    /// or a store whose layers are out of step; the store's errors (a full pool).
+    /// or a store whose layers are out of step, [`Error::NonFinite`] when the model's values
+    /// overflow; the store's errors (a full pool).
     pub fn forward(&self, store: &mut dyn KvStore, tokens: &[u32]) -> Result<Tensor> {
         let c = &self.config;
-        if tokens.is_empty() {
-            return Err(Error::Shape("no tokens".into()));
-        }
-        if let Some((position, &token)) = tokens.iter().enumerate().find(|&(_, &t)| t as usize >= c.vocab) {
-            return Err(Error::Token { token, position, vocab: c.vocab });
-        }
+        self.check_tokens(tokens)?;
         let start = store.len(0);
         if let Some(l) = (1..c.layers).find(|&l| store.len(l) != start) {
             return Err(Error::Shape(format!(
@@ -592,51 +605,440 @@ impl LlamaModel {
             )));
         }
         store.check_capacity(tokens.len())?;
-        let result = self.forward_inner(store, tokens, start);
+        let (n, qd, kd) = (tokens.len(), c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut b = Buffers::default();
+        b.positions.extend(start..start + n);
+        let mut attend = |l: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]| -> Result<()> {
+            for t in 0..n {
+                store.append(l, &k[t * kd..(t + 1) * kd], &v[t * kd..(t + 1) * kd])?;
+                store.attention(l, &q[t * qd..(t + 1) * qd], &mut out[t * qd..(t + 1) * qd])?;
+            }
+            Ok(())
+        };
+        let result = self.run_layers(&mut b, tokens, &mut attend);
         if result.is_err() {
             // Best effort: the error is what the caller needs; a store that cannot be cut
             // back says so on its next call (layers out of step).
             let _ = store.truncate(start);
         }
-        result
+        result?;
+        b.selected.extend(0..n);
+        let mut logits = Vec::new();
+        self.logits(&mut b, &mut logits)?;
+        Ok(Tensor::from_vec(logits, (n, c.vocab), &Device::Cpu)?)
     }
 
-    fn forward_inner(&self, store: &mut dyn KvStore, tokens: &[u32], start: usize) -> Result<Tensor> {
+    /// One step of continuous batching on kvq's cache: every entry of `batch` brings new
+    /// tokens of its sequence (one to decode, or a chunk of a prompt), and the whole step runs
+    /// as one pass: each projection and the MLP are one matrix product over all of the
+    /// step's tokens (the weights are read once per step, not once per sequence), and each
+    /// layer's attention is one [`QuantizedKvCache::attention_batch`] call over the batch per
+    /// round (below). Returns the logits of the last token of every entry whose
+    /// [`StepSeq::logits`] is set, in batch order, `vocab` values each.
+    ///
+    /// The result is the one the tokens would get one at a time: a token attends over the
+    /// cache as it was right after its own keys and values were appended. The cache changes
+    /// what older tokens see only when a block is quantized, so a prompt chunk is cut before
+    /// each token that completes a block (rounds), and the tokens of one round append
+    /// together and then attend causally together. Prefilling a prompt in chunks of any size
+    /// therefore leaves the same cache and gives the same logits (up to floating-point
+    /// association), which the prefix cache of a server relies on.
+    ///
+    /// Once `ws` and the cache have served steps as large, a decode step allocates nothing on
+    /// the heap when its matrices are ones kvq's kernels multiply (Q4_0, Q4_1, Q8_0; candle's,
+    /// for other types and under [`Weights::F32`], allocate their results), it runs on a
+    /// worker of a rayon pool ([`rayon::ThreadPool::install`]; from outside, rayon's injector
+    /// allocates a block of its queue every 63 parallel calls), and no sequence completes a
+    /// block (quantizing one still allocates its parameters, a few KiB per layer).
+    ///
+    /// Nothing is appended when a check fails (ids, distinct sequences of equal length in
+    /// every layer, room in the pool); a failure in mid-pass cuts every sequence back to its
+    /// length before the call.
+    ///
+    /// ```
+    /// use kvq::cache::QuantizedKvCache;
+    /// use kvq_candle::model::{StepOptions, StepSeq, StepWorkspace};
+    /// use kvq_candle::tiny::TinyModel;
+    ///
+    /// let (model, _tokenizer) = TinyModel::default().load()?;
+    /// let mut cache = QuantizedKvCache::new(model.config().cache_builder().build()?)?;
+    /// let (a, b) = (cache.create(), cache.create());
+    /// let mut ws = StepWorkspace::new();
+    /// let options = StepOptions::default();
+    /// // Prefill two prompts in one step, then decode both in one step.
+    /// let batch = [StepSeq::new(a, &[0, 72, 105]), StepSeq::new(b, &[0, 33])];
+    /// let vocab = model.config().vocab;
+    /// let logits = model.step(&mut cache, &batch, &options, &mut ws)?;
+    /// assert_eq!(logits.len(), 2 * vocab);
+    /// let logits = model.step(&mut cache, &[StepSeq::new(a, &[7]), StepSeq::new(b, &[9])], &options, &mut ws)?;
+    /// assert_eq!(logits.len(), 2 * vocab);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for an empty batch or entry, a sequence twice or with layers out of
+    /// step; [`Error::Token`]; [`Error::NonFinite`]; the cache's errors (an unknown sequence,
+    /// a full pool).
+    pub fn step<'w>(
+        &self,
+        cache: &mut QuantizedKvCache,
+        batch: &[StepSeq<'_>],
+        options: &StepOptions,
+        ws: &'w mut StepWorkspace,
+    ) -> Result<&'w [f32]> {
         let c = &self.config;
-        let n = tokens.len();
-        let (qd, kd, d) = (c.heads * c.head_dim, c.kv_heads * c.head_dim, c.head_dim);
-        let ids = Tensor::new(tokens, &Device::Cpu)?;
-        let mut x = self.embed.index_select(&ids, 0)?;
-        let tables: Vec<_> = (0..n).map(|t| self.rope.table(start + t)).collect();
-        let mut attn = vec![0f32; n * qd];
-        for (l, layer) in self.layers.iter().enumerate() {
-            let h = rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
-            let (mut q, mut k, mut v) = (layer.q.forward(&h)?, layer.k.forward(&h)?, layer.v.forward(&h)?);
-            if let Some([bq, bk, bv]) = &layer.bias {
-                (q, k, v) = (q.broadcast_add(bq)?, k.broadcast_add(bk)?, v.broadcast_add(bv)?);
-            }
-            let (mut q, mut k, v) = (to_f32_vec(&q)?, to_f32_vec(&k)?, to_f32_vec(&v)?);
-            for t in 0..n {
-                let (qt, kt) = (&mut q[t * qd..(t + 1) * qd], &mut k[t * kd..(t + 1) * kd]);
-                self.rope.apply(qt, &tables[t]);
-                self.rope.apply(kt, &tables[t]);
-                store.append(l, kt, &v[t * kd..(t + 1) * kd])?;
-                store.attention(l, qt, &mut attn[t * qd..(t + 1) * qd])?;
-            }
-            debug_assert_eq!(attn.len(), n * c.heads * d);
-            let a = Tensor::from_slice(&attn, (n, qd), &Device::Cpu)?;
-            x = (x + layer.o.forward(&a)?)?;
-            let h = rms_norm(&x, &layer.ffn_norm, c.rms_eps)?;
-            let mlp = layer.down.forward(&(layer.gate.forward(&h)?.silu()? * layer.up.forward(&h)?)?)?;
-            x = (x + mlp)?;
+        if batch.is_empty() {
+            return Err(Error::Shape("an empty batch".into()));
         }
-        let x = rms_norm(&x, &self.norm, c.rms_eps)?;
-        self.output.forward(&x)
+        ws.starts.clear();
+        for (i, e) in batch.iter().enumerate() {
+            self.check_tokens(e.tokens)?;
+            if batch[..i].iter().any(|o| o.seq == e.seq) {
+                return Err(Error::Shape(format!("sequence {:?} twice in one step", e.seq)));
+            }
+            let start = cache.len(e.seq, 0)?;
+            for l in 1..c.layers {
+                let len = cache.len(e.seq, l)?;
+                if len != start {
+                    return Err(Error::Shape(format!(
+                        "sequence {:?} holds {start} tokens in layer 0 and {len} in layer {l}",
+                        e.seq
+                    )));
+                }
+            }
+            cache.check_capacity(e.seq, e.tokens.len())?;
+            ws.starts.push(start);
+        }
+        let StepWorkspace { buffers: b, rounds, starts, logits } = ws;
+        b.positions.clear();
+        b.tokens.clear();
+        for (e, &start) in batch.iter().zip(starts.iter()) {
+            b.positions.extend(start..start + e.tokens.len());
+            b.tokens.extend_from_slice(e.tokens);
+        }
+        let tokens = std::mem::take(&mut b.tokens);
+        let dims = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let geometry = (cache.config().sink_tokens, cache.config().block_size);
+        let result = {
+            let cache = &mut *cache;
+            let mut attend = |l: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]| {
+                let geometry = match options.prefill {
+                    Prefill::Exact => None,
+                    Prefill::Chunked => Some(geometry),
+                };
+                rounds.attend(cache, &options.attention, l, batch, starts, geometry, (q, k, v), out, dims)
+            };
+            self.run_layers(b, &tokens, &mut attend)
+        };
+        b.tokens = tokens;
+        if let Err(e) = result {
+            for (e, &start) in batch.iter().zip(starts.iter()) {
+                // Best effort, as in `forward`.
+                let _ = cache.truncate(e.seq, start);
+            }
+            return Err(e);
+        }
+        b.selected.clear();
+        let mut row = 0;
+        for e in batch {
+            row += e.tokens.len();
+            if e.logits {
+                b.selected.push(row - 1);
+            }
+        }
+        self.logits(b, logits)?;
+        Ok(logits)
+    }
+
+    /// Checks a pass's token ids.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(Error::Shape("no tokens".into()));
+        }
+        let vocab = self.config.vocab;
+        match tokens.iter().enumerate().find(|&(_, &t)| t as usize >= vocab) {
+            Some((position, &token)) => Err(Error::Token { token, position, vocab }),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `tokens` (at `b.positions`) through every layer, `attend` appending each layer's
+    /// keys and values and writing its attention; leaves the last hidden states in `b.x`.
+    fn run_layers(&self, b: &mut Buffers, tokens: &[u32], attend: &mut Attend<'_>) -> Result<()> {
+        let c = &self.config;
+        let (n, hd, ffn) = (tokens.len(), c.hidden, c.ffn);
+        let (qd, kd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        b.x.clear();
+        for &t in tokens {
+            b.x.extend_from_slice(&self.embed[t as usize * hd..(t as usize + 1) * hd]);
+        }
+        b.rope.clear();
+        for &p in &b.positions {
+            self.rope.push_table(p, &mut b.rope);
+        }
+        let half = c.head_dim / 2;
+        for (buf, len) in [
+            (&mut b.h, n * hd),
+            (&mut b.q, n * qd),
+            (&mut b.k, n * kd),
+            (&mut b.v, n * kd),
+            (&mut b.attn, n * qd),
+        ] {
+            buf.resize(len, 0.0);
+        }
+        b.gate.resize(n * ffn, 0.0);
+        b.up.resize(n * ffn, 0.0);
+        for (l, layer) in self.layers.iter().enumerate() {
+            rms_norm(&b.x, &layer.attn_norm, c.rms_eps, &mut b.h);
+            let mut input = Input::new(&b.h, n);
+            layer.q.forward_into(&mut input, &mut b.q, &mut b.act, &mut b.t)?;
+            layer.k.forward_into(&mut input, &mut b.k, &mut b.act, &mut b.t)?;
+            layer.v.forward_into(&mut input, &mut b.v, &mut b.act, &mut b.t)?;
+            if let Some([bq, bk, bv]) = &layer.bias {
+                for (out, bias) in [(&mut b.q, bq), (&mut b.k, bk), (&mut b.v, bv)] {
+                    for row in out.chunks_exact_mut(bias.len()) {
+                        row.iter_mut().zip(bias).for_each(|(x, b)| *x += b);
+                    }
+                }
+            }
+            for t in 0..n {
+                let table = &b.rope[t * half..(t + 1) * half];
+                self.rope.apply(&mut b.q[t * qd..(t + 1) * qd], table);
+                self.rope.apply(&mut b.k[t * kd..(t + 1) * kd], table);
+            }
+            attend(l, &b.q, &b.k, &b.v, &mut b.attn)?;
+            layer.o.forward_into(&mut Input::new(&b.attn, n), &mut b.h, &mut b.act, &mut b.t)?;
+            b.x.iter_mut().zip(&b.h).for_each(|(x, h)| *x += h);
+            rms_norm(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.h);
+            let mut input = Input::new(&b.h, n);
+            layer.gate.forward_into(&mut input, &mut b.gate, &mut b.act, &mut b.t)?;
+            layer.up.forward_into(&mut input, &mut b.up, &mut b.act, &mut b.t)?;
+            b.gate.iter_mut().zip(&b.up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
+            layer.down.forward_into(&mut Input::new(&b.gate, n), &mut b.h, &mut b.act, &mut b.t)?;
+            b.x.iter_mut().zip(&b.h).for_each(|(x, h)| *x += h);
+            if let Some(i) = b.x.iter().position(|v| !v.is_finite()) {
+                return Err(Error::NonFinite { layer: l, position: b.positions[i / hd] });
+            }
+        }
+        Ok(())
+    }
+
+    /// The logits of the rows `b.selected` of the last hidden states, into `out`.
+    fn logits(&self, b: &mut Buffers, out: &mut Vec<f32>) -> Result<()> {
+        let c = &self.config;
+        let (hd, m) = (c.hidden, b.selected.len());
+        out.clear();
+        if m == 0 {
+            return Ok(());
+        }
+        b.t.clear();
+        for &r in &b.selected {
+            b.t.extend_from_slice(&b.x[r * hd..(r + 1) * hd]);
+        }
+        b.h.resize(m * hd, 0.0);
+        rms_norm(&b.t, &self.norm, c.rms_eps, &mut b.h);
+        out.resize(m * c.vocab, 0.0);
+        self.output.forward_into(&mut Input::new(&b.h[..m * hd], m), out, &mut b.act, &mut b.t)
     }
 }
 
-/// RMSNorm over the last dimension, in f32.
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
+/// What [`LlamaModel::run_layers`] calls in each layer: append the keys and values of the
+/// pass's tokens and write their attention (`layer, q, k, v, out`).
+type Attend<'a> = dyn FnMut(usize, &[f32], &[f32], &[f32], &mut [f32]) -> Result<()> + 'a;
+
+/// One sequence's part of a [`LlamaModel::step`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepSeq<'a> {
+    /// The sequence, created in the cache.
+    pub seq: SeqId,
+    /// Its new tokens: one to decode, or a chunk of its prompt.
+    pub tokens: &'a [u32],
+    /// Whether the step returns the logits of its last token (not for a prompt chunk that
+    /// more chunks follow).
+    pub logits: bool,
+}
+
+impl<'a> StepSeq<'a> {
+    /// `tokens` of `seq`, with the logits of the last one.
+    pub fn new(seq: SeqId, tokens: &'a [u32]) -> Self {
+        Self { seq, tokens, logits: true }
+    }
+
+    /// `tokens` of `seq`, without logits: a chunk of a prompt that more chunks follow.
+    pub fn chunk(seq: SeqId, tokens: &'a [u32]) -> Self {
+        Self { seq, tokens, logits: false }
+    }
+}
+
+/// How a [`LlamaModel::step`] attends.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepOptions {
+    /// The cache's attention options (score path, scale, window, soft cap).
+    pub attention: AttentionOptions,
+    /// How prompt chunks attend.
+    pub prefill: Prefill,
+}
+
+impl StepOptions {
+    /// The default options on `path`.
+    pub fn with_path(path: kvq::attention::ScorePath) -> Self {
+        Self { attention: AttentionOptions::with_path(path), ..Self::default() }
+    }
+}
+
+/// How the tokens of a prompt chunk attend in a [`LlamaModel::step`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Prefill {
+    /// One token of each sequence per attention call: every token's attention is the very
+    /// arithmetic of a decode step, so a prompt prefilled in chunks of any size, alone or
+    /// beside others, gives the same cache and logits to the bit (on kvq's GGML kernels),
+    /// what an exact prefix cache needs.
+    #[default]
+    Exact,
+    /// The tokens of a chunk attend together, cut only where a block is quantized (the
+    /// cache a token sees is still the one it would see alone): one attention call per
+    /// block of the chunk instead of one per token. The causal kernels sum in another order
+    /// than a decode step's, so results match [`Prefill::Exact`] to float association (and
+    /// the 8-bit rounding of the activations that follows), not to the bit.
+    Chunked,
+}
+
+/// The buffers of [`LlamaModel::step`], kept across steps (see its allocation note).
+#[derive(Debug, Default)]
+pub struct StepWorkspace {
+    buffers: Buffers,
+    rounds: Rounds,
+    starts: Vec<usize>,
+    logits: Vec<f32>,
+}
+
+impl StepWorkspace {
+    /// An empty workspace; the first step sizes it.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+/// The activations of a pass, row-major over its tokens.
+#[derive(Debug, Default)]
+struct Buffers {
+    tokens: Vec<u32>,
+    positions: Vec<usize>,
+    /// Rows whose logits are wanted.
+    selected: Vec<usize>,
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// A matrix product's transposed result, or rows gathered for the logits.
+    t: Vec<f32>,
+    act: Activations,
+    rope: Vec<(f32, f32)>,
+}
+
+/// The attention of a [`LlamaModel::step`], in rounds.
+#[derive(Debug, Default)]
+struct Rounds {
+    decode: DecodeWorkspace,
+    batch: Vec<BatchSeq>,
+    /// Per entry: tokens appended in this layer so far.
+    cursor: Vec<usize>,
+    /// Per round entry: its first row in the step, its rows.
+    rows: Vec<(usize, usize)>,
+    q: Vec<f32>,
+    out: Vec<f32>,
+}
+
+impl Rounds {
+    /// Appends the keys and values of every entry's tokens to `layer` and writes their
+    /// attention into `out`, round by round: a round takes one token of each entry, or with
+    /// `geometry` (sink tokens, block size) the tokens up to (not including) the next one
+    /// that completes a block, appends them, and attends with all of them in one call.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &mut self,
+        cache: &mut QuantizedKvCache,
+        options: &AttentionOptions,
+        layer: usize,
+        batch: &[StepSeq<'_>],
+        starts: &[usize],
+        geometry: Option<(usize, usize)>,
+        (q, k, v): (&[f32], &[f32], &[f32]),
+        out: &mut [f32],
+        (qd, kd): (usize, usize),
+    ) -> Result<()> {
+        // Where a round must end: before every token under `Prefill::Exact`, before a token
+        // that completes a block under `Prefill::Chunked`.
+        let completes = |p: usize| match geometry {
+            None => true,
+            Some((sinks, block)) => p + 1 == sinks || (p >= sinks && (p - sinks + 1).is_multiple_of(block)),
+        };
+        self.cursor.clear();
+        self.cursor.resize(batch.len(), 0);
+        loop {
+            self.batch.clear();
+            self.rows.clear();
+            let mut first = 0;
+            for (i, e) in batch.iter().enumerate() {
+                let (s, n) = (self.cursor[i], e.tokens.len());
+                if s < n {
+                    let mut end = s + 1;
+                    while end < n && !completes(starts[i] + end) {
+                        end += 1;
+                    }
+                    for r in first + s..first + end {
+                        cache.append(e.seq, layer, &k[r * kd..(r + 1) * kd], &v[r * kd..(r + 1) * kd])?;
+                    }
+                    self.batch.push(BatchSeq { seq: e.seq, tokens: end - s });
+                    self.rows.push((first + s, end - s));
+                    self.cursor[i] = end;
+                }
+                first += n;
+            }
+            if self.batch.is_empty() {
+                return Ok(());
+            }
+            self.q.clear();
+            for &(r, n) in &self.rows {
+                self.q.extend_from_slice(&q[r * qd..(r + n) * qd]);
+            }
+            self.out.resize(self.q.len(), 0.0);
+            cache.attention_batch(options, layer, &self.batch, &self.q, &mut self.out, &mut self.decode)?;
+            let mut at = 0;
+            for &(r, n) in &self.rows {
+                out[r * qd..(r + n) * qd].copy_from_slice(&self.out[at..at + n * qd]);
+                at += n * qd;
+            }
+        }
+    }
+}
+
+/// The input of one or more matrix products: rows of `k` values, rounded to 8 bits for kvq's
+/// kernels once, by the first product that needs it.
+struct Input<'a> {
+    x: &'a [f32],
+    n: usize,
+    quantized: bool,
+}
+
+impl<'a> Input<'a> {
+    fn new(x: &'a [f32], n: usize) -> Self {
+        Self { x, n, quantized: false }
+    }
+}
+
+/// RMSNorm of each row of `x` (rows of `w.len()` values) into `out`, in f32.
+fn rms_norm(x: &[f32], w: &[f32], eps: f64, out: &mut [f32]) {
+    for (row, o) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
+        let inv = 1.0 / (ms + eps as f32).sqrt();
+        for ((o, &v), &w) in o.iter_mut().zip(row).zip(w) {
+            *o = v * inv * w;
+        }
+    }
 }

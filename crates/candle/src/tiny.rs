@@ -58,7 +58,8 @@ pub struct Types {
     pub output: GgmlDType,
 }
 
-/// What to write; [`TinyModel::default`] is a `llama` model in Q8_0/Q4_0/F16, seed 1.
+/// What to write; [`TinyModel::default`] is a `llama` model in Q8_0 (attention and output) and
+/// Q4_0 (MLP), the types kvq's own kernels multiply, seed 1.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TinyModel {
     /// `llama`, or `qwen2` (adds q/k/v biases).
@@ -73,7 +74,7 @@ impl Default for TinyModel {
     fn default() -> Self {
         Self {
             arch: "llama".into(),
-            types: Types { attn: GgmlDType::Q8_0, mlp: GgmlDType::Q4_0, output: GgmlDType::F16 },
+            types: Types { attn: GgmlDType::Q8_0, mlp: GgmlDType::Q4_0, output: GgmlDType::Q8_0 },
             seed: 1,
         }
     }
@@ -160,6 +161,30 @@ impl TinyModel {
     /// [`Error::Io`] when the file cannot be written; [`Error::Candle`] from quantizing.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
+        let io = |source| Error::Io { path: path.display().to_string(), source };
+        let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+        self.write_to(&mut f)?;
+        std::io::Write::flush(&mut f).map_err(io)
+    }
+
+    /// The model and its tokenizer, built in memory (no file).
+    ///
+    /// # Errors
+    /// [`Error::Candle`] from quantizing; none for the models this module writes.
+    pub fn load(&self) -> Result<(crate::LlamaModel, crate::GgufTokenizer)> {
+        let mut bytes = std::io::Cursor::new(Vec::new());
+        self.write_to(&mut bytes)?;
+        bytes.set_position(0);
+        let tokenizer = crate::GgufTokenizer::from_gguf(&gguf_file::Content::read(&mut bytes)?)?;
+        let model = crate::LlamaModel::read(&mut bytes, crate::Weights::Native)?;
+        Ok((model, tokenizer))
+    }
+
+    /// Writes the model as GGUF to `w`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when `w` fails; [`Error::Candle`] from quantizing.
+    pub fn write_to<W: std::io::Write + std::io::Seek>(&self, out: &mut W) -> Result<()> {
         let mut rng = Rng::new(self.seed);
         let (qd, kd) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
         let types = self.types;
@@ -220,10 +245,7 @@ impl TinyModel {
         ];
         let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        let io = |source| Error::Io { path: path.display().to_string(), source };
-        let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
-        gguf_file::write(&mut f, &md_refs, &t_refs)?;
-        std::io::Write::flush(&mut f).map_err(io)?;
+        gguf_file::write(out, &md_refs, &t_refs)?;
         Ok(())
     }
 }

@@ -14,8 +14,10 @@
 //!   only the rest ([`crate::prefix`]); snapshots give their blocks back, least recently used
 //!   first, when a request needs them.
 //!
-//! Not yet here (the serving issue's next steps): one batched forward over the step's tokens
-//! (each sequence runs its own forward today) and preemption.
+//! - A step is one batched forward ([`LlamaModel::step`]): the weights are read once for all
+//!   of its tokens, and every token attends as it would alone, so batching changes no output.
+//!
+//! Not yet here (the serving issue's next step): preemption.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -25,7 +27,8 @@ use std::time::Instant;
 use kvq::attention::ScorePath;
 use kvq::cache::{KvCacheConfig, QuantizedKvCache};
 use kvq::layout::SeqId;
-use kvq_candle::{GgufTokenizer, KvqSeq, LlamaModel};
+use kvq_candle::model::{StepOptions, StepSeq, StepWorkspace};
+use kvq_candle::{GgufTokenizer, LlamaModel};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::prefix::{self, Geometry, PrefixCache};
@@ -207,6 +210,8 @@ pub struct Engine {
     running: Vec<Running>,
     eog: Vec<u32>,
     prefix: PrefixCache,
+    options: StepOptions,
+    ws: StepWorkspace,
 }
 
 impl Engine {
@@ -234,6 +239,7 @@ impl Engine {
         );
         let cache = QuantizedKvCache::new(cache).map_err(|e| e.to_string())?;
         let eog = tokenizer.end_of_generation().to_vec();
+        let options = StepOptions::with_path(config.path);
         Ok(Self {
             model,
             tokenizer,
@@ -244,6 +250,8 @@ impl Engine {
             running: Vec::new(),
             eog,
             prefix,
+            options,
+            ws: StepWorkspace::new(),
         })
     }
 
@@ -267,39 +275,102 @@ impl Engine {
         }
     }
 
-    /// One step: drop cancelled requests, admit, decode, prefill.
+    /// One step: drop cancelled requests, admit, then one batched forward of every running
+    /// request's next token and of prompt chunks within the prefill budget.
     pub fn step(&mut self) {
         self.drop_cancelled();
         self.admit();
+        // (request, tokens, its prompt done after this step) of the step, in running order.
+        let mut plan: Vec<(usize, std::ops::Range<usize>)> = Vec::with_capacity(self.running.len());
         let mut budget = self.config.prefill_budget.max(1);
-        let mut i = 0;
-        while i < self.running.len() {
-            let done = match self.running[i].phase {
-                Phase::Decode(tok) => self.forward(i, &[tok]),
-                Phase::Prefill(_) if budget == 0 => Ok(false),
+        for (i, r) in self.running.iter().enumerate() {
+            match r.phase {
+                Phase::Decode(_) => plan.push((i, 0..1)),
+                Phase::Prefill(_) if budget == 0 => {}
                 Phase::Prefill(done) => {
-                    let prompt_len = self.running[i].req.prompt.len();
-                    let n = (prompt_len - done).min(budget);
+                    let n = (r.req.prompt.len() - done).min(budget);
                     budget -= n;
-                    let chunk = self.running[i].req.prompt[done..done + n].to_vec();
-                    self.stats.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
-                    if done + n < prompt_len {
-                        self.running[i].phase = Phase::Prefill(done + n);
-                        self.run_model(i, &chunk).map(|_| false)
-                    } else {
-                        self.forward_then(i, &chunk, Self::snapshot)
-                    }
-                }
-            };
-            match done {
-                Ok(false) => i += 1,
-                Ok(true) => self.retire(i),
-                Err(e) => {
-                    let _ = self.running[i].req.events.send(Event::Error(e));
-                    self.retire(i);
+                    plan.push((i, done..done + n));
                 }
             }
         }
+        if plan.is_empty() {
+            return;
+        }
+        let outcome = self.run_step(&plan);
+        let outcome = match outcome {
+            Ok(logits) => plan.iter().zip(logits).map(|(p, l)| (p.0, Ok(l))).collect(),
+            // One request's failure (a value the cache refuses) must not fail the others: the
+            // step left the cache as it was, so each request runs again alone.
+            Err(_) if plan.len() > 1 => plan
+                .iter()
+                .map(|p| (p.0, self.run_step(std::slice::from_ref(p)).map(|mut l| l.remove(0))))
+                .collect(),
+            Err(e) => vec![(plan[0].0, Err(e))],
+        };
+        let mut finished = Vec::new();
+        for (i, result) in outcome {
+            let done = result.and_then(|logits| self.advance(i, logits));
+            match done {
+                Ok(false) => {}
+                Ok(true) => finished.push(i),
+                Err(e) => {
+                    let _ = self.running[i].req.events.send(Event::Error(e));
+                    finished.push(i);
+                }
+            }
+        }
+        for i in finished.into_iter().rev() {
+            self.retire(i);
+        }
+    }
+
+    /// Runs one batched forward over `plan` (request, the prompt range to prefill, or `0..1`
+    /// for a decode token): the logits of each entry that ends its prompt or decodes, `None`
+    /// for a prompt chunk that more chunks follow.
+    fn run_step(
+        &mut self,
+        plan: &[(usize, std::ops::Range<usize>)],
+    ) -> Result<Vec<Option<Vec<f32>>>, String> {
+        let running = &self.running;
+        let batch: Vec<StepSeq<'_>> = plan
+            .iter()
+            .map(|(i, range)| {
+                let r = &running[*i];
+                match &r.phase {
+                    Phase::Decode(tok) => StepSeq::new(r.seq, std::slice::from_ref(tok)),
+                    Phase::Prefill(_) => StepSeq {
+                        seq: r.seq,
+                        tokens: &r.req.prompt[range.clone()],
+                        logits: range.end == r.req.prompt.len(),
+                    },
+                }
+            })
+            .collect();
+        let logits = self
+            .model
+            .step(&mut self.cache, &batch, &self.options, &mut self.ws)
+            .map_err(|e| e.to_string())?;
+        let vocab = self.model.config().vocab;
+        let mut rows = logits.chunks_exact(vocab);
+        Ok(batch.iter().map(|e| if e.logits { rows.next().map(<[f32]>::to_vec) } else { None }).collect())
+    }
+
+    /// Moves request `i` past its part of the step: a prompt chunk counted, or a prompt
+    /// finished (snapshot kept) or a decode token, sampled from `logits` and sent; `Ok(true)`
+    /// when the request is finished.
+    fn advance(&mut self, i: usize, logits: Option<Vec<f32>>) -> Result<bool, String> {
+        if let Phase::Prefill(done) = self.running[i].phase {
+            let len = self.cache.len(self.running[i].seq, 0).map_err(|e| e.to_string())?;
+            self.stats.prompt_tokens.fetch_add((len - done) as u64, Ordering::Relaxed);
+            if logits.is_none() {
+                self.running[i].phase = Phase::Prefill(len);
+                return Ok(false);
+            }
+            self.snapshot(i);
+        }
+        let Some(last) = logits else { return Err("no logits for a finished prompt".into()) };
+        self.sample(i, &last)
     }
 
     fn drop_cancelled(&mut self) {
@@ -408,27 +479,11 @@ impl Engine {
         }
     }
 
-    /// Runs `tokens` through the model on request `i`'s sequence: the logits of every position.
-    fn run_model(&mut self, i: usize, tokens: &[u32]) -> Result<candle_core::Tensor, String> {
-        let mut store = KvqSeq::borrowed(&mut self.cache, self.running[i].seq, self.config.path);
-        self.model.forward(&mut store, tokens).map_err(|e| e.to_string())
-    }
-
-    /// Runs `tokens` for request `i`, samples the next token from the last position and sends
-    /// its text; `Ok(true)` when the request is finished.
-    fn forward(&mut self, i: usize, tokens: &[u32]) -> Result<bool, String> {
-        self.forward_then(i, tokens, |_, _| {})
-    }
-
-    /// [`Engine::forward`], calling `then` between the model's pass and the sampling (when the
-    /// cache holds exactly the tokens given so far).
-    fn forward_then(&mut self, i: usize, tokens: &[u32], then: fn(&mut Self, usize)) -> Result<bool, String> {
-        let logits = self.run_model(i, tokens)?;
-        then(self, i);
-        let last =
-            logits.get(tokens.len() - 1).and_then(|row| row.to_vec1::<f32>()).map_err(|e| e.to_string())?;
+    /// Samples request `i`'s next token from `last` (the logits after its last token) and
+    /// sends its text; `Ok(true)` when the request is finished.
+    fn sample(&mut self, i: usize, last: &[f32]) -> Result<bool, String> {
         let r = &mut self.running[i];
-        let Some(tok) = r.sampler.sample(&last) else {
+        let Some(tok) = r.sampler.sample(last) else {
             return Err("the model produced no finite logit".into());
         };
         r.sampler.accept(tok);

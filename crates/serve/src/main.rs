@@ -70,11 +70,6 @@ struct Args {
 
 fn main() -> ExitCode {
     let a = Args::parse();
-    // candle's CPU matmuls and kvq's batched attention run on rayon's global pool.
-    if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(a.threads.max(1)).build_global() {
-        eprintln!("kvq-serve: --threads {}: {e}", a.threads);
-        return ExitCode::FAILURE;
-    }
     let config = ServerConfig {
         model: a.model,
         model_id: a.model_id,
@@ -89,6 +84,7 @@ fn main() -> ExitCode {
         weights: if a.weights == "f32" { Weights::F32 } else { Weights::Native },
         path: if a.path == "float" { ScorePath::Float } else { ScorePath::Int8 },
         prefix_entries: a.prefix_entries,
+        threads: a.threads.max(1),
     };
     match run(&config, a.addr, a.threads.max(1)) {
         Ok(()) => ExitCode::SUCCESS,

@@ -58,6 +58,9 @@ pub struct ServerConfig {
     pub path: ScorePath,
     /// Prefix snapshots kept at most (0 turns prefix caching off).
     pub prefix_entries: usize,
+    /// Threads of the engine's own rayon pool (the matrix products and the attention), the
+    /// engine's thread among them.
+    pub threads: usize,
 }
 
 impl Default for ServerConfig {
@@ -76,6 +79,7 @@ impl Default for ServerConfig {
             weights: Weights::Native,
             path: ScorePath::Int8,
             prefix_entries: 64,
+            threads: 2,
         }
     }
 }
@@ -179,9 +183,17 @@ impl Server {
             Arc::clone(&stats),
         )?;
         let (tx, rx) = std::sync::mpsc::channel();
+        // The engine runs on a worker of its own pool: its parallel calls then go to that
+        // worker's queue, where rayon allocates nothing (a thread outside the pool pushes them
+        // into the pool's injector, which allocates a block every 63 calls).
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(config.threads.max(1))
+            .thread_name(|i| format!("kvq-engine-{i}"))
+            .build()
+            .map_err(|e| format!("the engine's threads: {e}"))?;
         std::thread::Builder::new()
             .name("kvq-engine".into())
-            .spawn(move || engine.run(rx))
+            .spawn(move || pool.install(|| engine.run(rx)))
             .map_err(|e| format!("the engine thread: {e}"))?;
         let model_id = config.model_id.clone().unwrap_or_else(|| {
             config.model.file_stem().map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
