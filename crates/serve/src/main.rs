@@ -63,7 +63,8 @@ struct Args {
     /// Prefix snapshots kept for reuse (0 turns prefix caching off).
     #[arg(long, default_value_t = 64)]
     prefix_entries: usize,
-    /// Threads for the model's matrix products (and for the HTTP runtime, at most 4).
+    /// Threads of the engine's pool (matrix products and attention; the HTTP runtime takes at
+    /// most 4).
     #[arg(long, default_value_t = 2)]
     threads: usize,
 }
