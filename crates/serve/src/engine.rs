@@ -2,9 +2,10 @@
 //! continuous batching over every admitted request.
 //!
 //! - Requests wait in arrival order. One is admitted when a running slot is free and the pool
-//!   can hold its whole length (prompt plus `max_tokens`): its blocks are reserved
-//!   ([`QuantizedKvCache::reserve`]), so an admitted request never fails for lack of blocks,
-//!   whatever the others do; a request that the pool could never hold is refused at once.
+//!   can reserve its blocks ([`QuantizedKvCache::reserve`]): its whole length (prompt plus
+//!   `max_tokens`), or under [`Admission::Optimistic`] at least its prompt and a block more. A
+//!   request never fails for lack of blocks, whatever the others do; one that the empty pool
+//!   could not hold is refused at once.
 //! - Each step decodes one token of every running request past its prompt, then spends a
 //!   token budget on the prompts still being prefilled, in chunks, oldest first.
 //! - A request whose client has gone (its event channel closed) is dropped at the next step
@@ -17,7 +18,11 @@
 //! - A step is one batched forward ([`LlamaModel::step`]): the weights are read once for all
 //!   of its tokens, and every token attends as it would alone, so batching changes no output.
 //!
-//! Not yet here (the serving issue's next step): preemption.
+//! - With [`Admission::Optimistic`] (the default) a request that does not fit whole is
+//!   admitted on its prompt and a block more; when a step finds no block for a request's
+//!   tokens, the youngest running request is preempted: its sequence is exported to host
+//!   memory (the cache's own bytes) and imported again, before any new admission, once
+//!   blocks are free. Its output does not change.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -104,6 +109,22 @@ pub struct EngineConfig {
     pub prefix_entries: usize,
     /// The model's fingerprint, part of every prefix key.
     pub model_fingerprint: Vec<u8>,
+    /// How much of a request's length admission reserves.
+    pub admission: Admission,
+}
+
+/// How much of a request's length its admission reserves in the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Admission {
+    /// The prompt and a block of tokens more when the whole length does not fit, so that
+    /// more requests run at once; a request whose next tokens find no block preempts the
+    /// youngest running one (its sequence exported to host memory, bytes as the cache
+    /// holds them, and imported again when blocks are free): outputs do not change.
+    #[default]
+    Optimistic,
+    /// The whole length (prompt plus `max_tokens`): nothing is ever preempted, and requests
+    /// wait for blocks that the running ones may never use.
+    Full,
 }
 
 /// Counters and gauges for `/metrics`, updated by the engine thread.
@@ -119,6 +140,10 @@ pub struct Stats {
     pub running: AtomicU64,
     /// Requests waiting now.
     pub waiting: AtomicU64,
+    /// Requests preempted now (their sequence in host memory).
+    pub preempted: AtomicU64,
+    /// Preemptions since the start.
+    pub preemptions: AtomicU64,
     /// Prompt tokens prefilled.
     pub prompt_tokens: AtomicU64,
     /// Tokens generated.
@@ -159,6 +184,8 @@ enum Phase {
 
 struct Running {
     req: Request,
+    /// Admission order: the youngest running request is preempted first.
+    admitted_at: u64,
     seq: SeqId,
     phase: Phase,
     sampler: Sampler,
@@ -207,7 +234,11 @@ pub struct Engine {
     config: EngineConfig,
     stats: Arc<Stats>,
     waiting: VecDeque<Request>,
+    /// Oldest admitted first.
     running: Vec<Running>,
+    /// Preempted requests and their sequences' bytes, oldest admitted first.
+    preempted: VecDeque<(Running, Vec<u8>)>,
+    admissions: u64,
     eog: Vec<u32>,
     prefix: PrefixCache,
     options: StepOptions,
@@ -248,6 +279,8 @@ impl Engine {
             stats,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            preempted: VecDeque::new(),
+            admissions: 0,
             eog,
             prefix,
             options,
@@ -258,7 +291,7 @@ impl Engine {
     /// Serves requests from `rx` until every sender is gone and the work is done.
     pub fn run(mut self, rx: std::sync::mpsc::Receiver<Request>) {
         loop {
-            if self.running.is_empty() && self.waiting.is_empty() {
+            if self.running.is_empty() && self.waiting.is_empty() && self.preempted.is_empty() {
                 match rx.recv() {
                     Ok(r) => self.waiting.push_back(r),
                     Err(_) => return,
@@ -279,7 +312,11 @@ impl Engine {
     /// request's next token and of prompt chunks within the prefill budget.
     pub fn step(&mut self) {
         self.drop_cancelled();
-        self.admit();
+        self.resume();
+        if self.preempted.is_empty() {
+            self.admit();
+        }
+        self.secure();
         // (request, tokens, its prompt done after this step) of the step, in running order.
         let mut plan: Vec<(usize, std::ops::Range<usize>)> = Vec::with_capacity(self.running.len());
         let mut budget = self.config.prefill_budget.max(1);
@@ -374,9 +411,10 @@ impl Engine {
     }
 
     fn drop_cancelled(&mut self) {
-        let before = self.waiting.len();
+        let before = self.waiting.len() + self.preempted.len();
         self.waiting.retain(|r| !r.events.is_closed());
-        let mut gone = before - self.waiting.len();
+        self.preempted.retain(|(r, _)| !r.req.events.is_closed());
+        let mut gone = before - self.waiting.len() - self.preempted.len();
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].req.events.is_closed() {
@@ -393,31 +431,30 @@ impl Engine {
         while self.running.len() < self.config.max_running.max(1) {
             let Some(req) = self.waiting.pop_front() else { break };
             let need = req.prompt.len() + req.max_tokens;
-            let admitted = loop {
-                match self.place(&req.prompt, need) {
-                    Ok(placed) => break Ok(placed),
-                    // Unreferenced snapshots give their blocks back first.
-                    Err(e) => match self.prefix.evict_lru() {
-                        Some(seq) => {
-                            let _ = self.cache.free(seq);
-                        }
-                        None => break Err(e),
-                    },
-                }
-            };
-            let (seq, reused) = match admitted {
-                Ok(placed) => placed,
-                Err(_) if !self.running.is_empty() => {
-                    // Blocks come back as running requests finish.
-                    self.waiting.push_front(req);
+            if let Err(e) = self.fits_alone(need) {
+                let _ = req.events.send(Event::Error(format!(
+                    "{need} tokens (prompt and max_tokens) do not fit in the cache's pool: {e}"
+                )));
+                continue;
+            }
+            let mut wants = vec![need];
+            if self.config.admission == Admission::Optimistic {
+                wants.push(need.min(req.prompt.len() + self.cache.config().block_size));
+            }
+            let mut admitted = Err(String::new());
+            for want in wants {
+                admitted = self.with_eviction(|e| e.place(&req.prompt, want));
+                if admitted.is_ok() {
                     break;
                 }
-                Err(e) => {
-                    // The pool holds nothing else and still cannot hold this request.
-                    let _ = req.events.send(Event::Error(format!(
-                        "{need} tokens (prompt and max_tokens) do not fit in the cache's pool: {e}"
-                    )));
-                    continue;
+            }
+            let (seq, reused) = match admitted {
+                Ok(placed) => placed,
+                Err(_) => {
+                    // Blocks come back as running requests finish (the pool holds a request
+                    // of this length when nothing else is in it).
+                    self.waiting.push_front(req);
+                    break;
                 }
             };
             self.stats.admitted.fetch_add(1, Ordering::Relaxed);
@@ -429,8 +466,10 @@ impl Engine {
             }
             let sampler = Sampler::new(req.sampling.clone(), &req.prompt);
             let stops = StopMatcher::new(req.stop.clone());
+            self.admissions += 1;
             self.running.push(Running {
                 req,
+                admitted_at: self.admissions,
                 seq,
                 phase: Phase::Prefill(reused),
                 sampler,
@@ -438,6 +477,103 @@ impl Engine {
                 stops,
                 generated: 0,
             });
+        }
+    }
+
+    /// Whether a sequence of `tokens` fits in the empty pool.
+    fn fits_alone(&self, tokens: usize) -> Result<(), String> {
+        let config = self.cache.config();
+        let blocks = config.blocks_for_tokens(tokens).map_err(|e| e.to_string())?;
+        match blocks.iter().enumerate().find(|&(_, &b)| b > config.blocks_per_layer) {
+            Some((layer, &b)) => {
+                Err(format!("layer {layer} needs {b} blocks of its {}", config.blocks_per_layer))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `f` until it succeeds, evicting a prefix snapshot (least recently used first)
+    /// after each failure; its last error when none is left.
+    fn with_eviction<T>(&mut self, mut f: impl FnMut(&mut Self) -> Result<T, String>) -> Result<T, String> {
+        loop {
+            match f(self) {
+                Ok(t) => return Ok(t),
+                Err(e) => match self.prefix.evict_lru() {
+                    Some(seq) => {
+                        let _ = self.cache.free(seq);
+                    }
+                    None => return Err(e),
+                },
+            }
+        }
+    }
+
+    /// Makes sure every running request can append what this step gives it (its decode token,
+    /// or its share of the prefill budget), oldest first: a reservation that falls short is
+    /// extended by a block of tokens, snapshots are evicted, and when the pool still has no
+    /// room the youngest running request is preempted.
+    fn secure(&mut self) {
+        let bs = self.cache.config().block_size;
+        let mut budget = self.config.prefill_budget.max(1);
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &self.running[i];
+            let n = match r.phase {
+                Phase::Decode(_) => 1,
+                Phase::Prefill(done) => (r.req.prompt.len() - done).min(budget),
+            };
+            let (seq, rest) = (r.seq, r.req.prompt.len() + r.req.max_tokens);
+            let len = self.cache.len(seq, 0).unwrap_or(0);
+            let covered = self.cache.reserved_tokens(seq).unwrap_or(0) >= n;
+            let want = rest.saturating_sub(len).min(n + bs).max(n);
+            if n == 0
+                || covered
+                || self.with_eviction(|e| e.cache.reserve(seq, want).map_err(|e| e.to_string())).is_ok()
+            {
+                if let Phase::Prefill(_) = self.running[i].phase {
+                    budget -= n;
+                }
+                i += 1;
+                continue;
+            }
+            // The youngest gives its blocks back: maybe this very request.
+            self.preempt(self.running.len() - 1);
+        }
+    }
+
+    /// Moves running request `i` to host memory: its sequence exported, its blocks freed.
+    fn preempt(&mut self, i: usize) {
+        let r = self.running.remove(i);
+        match self.cache.export_sequence(r.seq) {
+            Ok(bytes) => {
+                let _ = self.cache.free(r.seq);
+                self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+                let at = self.preempted.partition_point(|(p, _)| p.admitted_at < r.admitted_at);
+                self.preempted.insert(at, (r, bytes));
+            }
+            Err(e) => {
+                let _ = self.cache.free(r.seq);
+                let _ = r.req.events.send(Event::Error(format!(
+                    "the pool is full and the request could not be preempted: {e}"
+                )));
+                self.stats.finished.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Brings preempted requests back, oldest first, while their sequences fit in the pool.
+    fn resume(&mut self) {
+        while self.running.len() < self.config.max_running.max(1) {
+            let Some((_, bytes)) = self.preempted.front() else { break };
+            let bytes = bytes.clone();
+            let Ok(seq) = self.with_eviction(|e| e.cache.import_sequence(&bytes).map_err(|e| e.to_string()))
+            else {
+                break;
+            };
+            let (mut r, _) = self.preempted.pop_front().expect("a front");
+            r.seq = seq;
+            let at = self.running.partition_point(|p| p.admitted_at < r.admitted_at);
+            self.running.insert(at, r);
         }
     }
 
@@ -516,6 +652,7 @@ impl Engine {
         let s = &self.stats;
         s.running.store(self.running.len() as u64, Ordering::Relaxed);
         s.waiting.store(self.waiting.len() as u64, Ordering::Relaxed);
+        s.preempted.store(self.preempted.len() as u64, Ordering::Relaxed);
         // One walk of every layer's tables per step (`used_bytes` would walk them again).
         let mem = self.cache.memory();
         let free: usize = mem.iter().map(|m| m.free_blocks).sum();

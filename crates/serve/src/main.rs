@@ -15,6 +15,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use kvq::attention::ScorePath;
 use kvq_candle::Weights;
+use kvq_serve::engine::Admission;
 use kvq_serve::server::{ServerConfig, run};
 
 /// Serve a GGUF model on kvq's quantized KV cache, over OpenAI's HTTP API.
@@ -63,6 +64,11 @@ struct Args {
     /// Prefix snapshots kept for reuse (0 turns prefix caching off).
     #[arg(long, default_value_t = 64)]
     prefix_entries: usize,
+    /// Admission: `optimistic` reserves a request's prompt and a block more when its whole
+    /// length does not fit (more requests at once; the youngest is preempted to host memory
+    /// when blocks run out), `full` reserves prompt plus max_tokens (nothing preempted).
+    #[arg(long, default_value = "optimistic", value_parser = ["optimistic", "full"])]
+    admission: String,
     /// Threads of the engine's pool (matrix products and attention; the HTTP runtime takes at
     /// most 4).
     #[arg(long, default_value_t = 2)]
@@ -86,6 +92,7 @@ fn main() -> ExitCode {
         path: if a.path == "float" { ScorePath::Float } else { ScorePath::Int8 },
         prefix_entries: a.prefix_entries,
         threads: a.threads.max(1),
+        admission: if a.admission == "full" { Admission::Full } else { Admission::Optimistic },
     };
     match run(&config, a.addr, a.threads.max(1)) {
         Ok(()) => ExitCode::SUCCESS,

@@ -27,7 +27,7 @@ use crate::api::{
     self, ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, Checked, CompletionRequest, Prompt, Usage,
 };
 use crate::chat::ChatTemplate;
-use crate::engine::{Engine, EngineConfig, Event, FinishReason, Request, Stats};
+use crate::engine::{Admission, Engine, EngineConfig, Event, FinishReason, Request, Stats};
 
 /// What the server is started with.
 #[derive(Debug, Clone)]
@@ -58,6 +58,8 @@ pub struct ServerConfig {
     pub path: ScorePath,
     /// Prefix snapshots kept at most (0 turns prefix caching off).
     pub prefix_entries: usize,
+    /// How much of a request's length admission reserves.
+    pub admission: Admission,
     /// Threads of the engine's own rayon pool (the matrix products and the attention), the
     /// engine's thread among them.
     pub threads: usize,
@@ -80,6 +82,7 @@ impl Default for ServerConfig {
             path: ScorePath::Int8,
             prefix_entries: 64,
             threads: 2,
+            admission: Admission::Optimistic,
         }
     }
 }
@@ -178,6 +181,7 @@ impl Server {
                 path: config.path,
                 context,
                 prefix_entries: config.prefix_entries,
+                admission: config.admission,
                 model_fingerprint: fingerprint(&config.model)?,
             },
             Arc::clone(&stats),
@@ -343,6 +347,18 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         ),
         ("kvq_sequences_running", "gauge", "Sequences being decoded or prefilled", g(&s.running).to_string()),
         ("kvq_sequences_waiting", "gauge", "Requests waiting for admission", g(&s.waiting).to_string()),
+        (
+            "kvq_sequences_preempted",
+            "gauge",
+            "Requests preempted, their sequences in host memory",
+            g(&s.preempted).to_string(),
+        ),
+        (
+            "kvq_preemptions_total",
+            "counter",
+            "Requests preempted for lack of blocks",
+            g(&s.preemptions).to_string(),
+        ),
         ("kvq_prompt_tokens_total", "counter", "Prompt tokens prefilled", g(&s.prompt_tokens).to_string()),
         ("kvq_generated_tokens_total", "counter", "Tokens generated", generated.to_string()),
         ("kvq_busy_seconds_total", "counter", "Seconds the engine spent in steps", format!("{busy:.6}")),

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvq::attention::ScorePath;
 use kvq_candle::{GgufTokenizer, KvStore, KvqStore, LlamaModel};
+use kvq_serve::engine::Admission;
 use kvq_serve::server::{Server, ServerConfig};
 use serde_json::{Value, json};
 
@@ -201,12 +202,11 @@ fn concurrent_requests_give_the_text_each_gives_alone() {
     assert_eq!(alone, together);
 }
 
-#[test]
-fn a_pool_for_one_request_serves_many_one_after_another() {
-    let prompt = "a small pool ".repeat(20);
+/// The bytes of a pool that holds `need · 3/2` blocks per layer, where `need` is what one
+/// request of `prompt` and `max_tokens` takes; and `need`.
+fn pool_for_one_and_a_half(prompt: &str, max_tokens: usize) -> (usize, usize) {
     let tok = GgufTokenizer::load(tiny_model()).unwrap();
-    let tokens = tok.encode(&prompt).unwrap().len() + 30;
-    // A pool that holds one such request's blocks and not two.
+    let tokens = tok.encode(prompt).unwrap().len() + max_tokens;
     let probe = kvq_candle::LlamaModel::load(tiny_model()).unwrap();
     let c = probe.config().cache_builder().blocks_per_layer(1).build().unwrap();
     let need = c.blocks_for_tokens(tokens).unwrap()[0];
@@ -214,7 +214,15 @@ fn a_pool_for_one_request_serves_many_one_after_another() {
     assert!(need >= 4 && blocks < 2 * need, "{tokens} tokens take {need} blocks");
     let block_bytes: usize =
         kvq::cache::QuantizedKvCache::new(c).unwrap().memory().iter().map(|m| m.block_bytes).sum();
-    let addr = start(ServerConfig { pool_bytes: blocks * block_bytes, ..config() });
+    (blocks * block_bytes, need)
+}
+
+#[test]
+fn a_pool_for_one_request_serves_many_one_after_another() {
+    let prompt = "a small pool ".repeat(20);
+    // Whole-length reservations: one request at a time, nothing preempted.
+    let (pool_bytes, _) = pool_for_one_and_a_half(&prompt, 30);
+    let addr = start(ServerConfig { pool_bytes, admission: Admission::Full, ..config() });
     let alone = text(&completion(addr, &prompt, 30));
     let together: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..4).map(|_| s.spawn(|| text(&completion(addr, &prompt, 30)))).collect();
@@ -222,6 +230,7 @@ fn a_pool_for_one_request_serves_many_one_after_another() {
     });
     assert!(together.iter().all(|t| *t == alone));
     assert_eq!(metric(addr, "kvq_requests_admitted_total"), 5.0);
+    assert_eq!(metric(addr, "kvq_preemptions_total"), 0.0);
     // A request the pool could never hold is refused, and the server goes on.
     let (status, v) = post(
         addr,
@@ -231,6 +240,26 @@ fn a_pool_for_one_request_serves_many_one_after_another() {
     assert_eq!(status, 400, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("pool"), "{v}");
     assert_eq!(text(&completion(addr, &prompt, 30)), alone);
+}
+
+#[test]
+fn memory_pressure_preempts_and_changes_no_output() {
+    // Short prompts and long outputs: optimistic admission runs the four requests at once on
+    // their prompts, and their outputs outgrow a pool for one and a half of them.
+    let prompts: Vec<String> = (0..4).map(|i| format!("pressure {i}: ")).collect();
+    let (pool_bytes, _) = pool_for_one_and_a_half(&prompts[0], 120);
+    let big = start(config());
+    let alone: Vec<String> = prompts.iter().map(|p| text(&completion(big, p, 120))).collect();
+    let addr = start(ServerConfig { pool_bytes, ..config() });
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> =
+            prompts.iter().map(|p| s.spawn(move || text(&completion(addr, p, 120)))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone);
+    assert!(metric(addr, "kvq_preemptions_total") >= 1.0);
+    assert_eq!(metric(addr, "kvq_sequences_preempted"), 0.0);
+    assert_eq!(metric(addr, "kvq_sequences_running"), 0.0);
 }
 
 fn metric(addr: SocketAddr, name: &str) -> f64 {
