@@ -17,6 +17,7 @@ use kvq::attention::{AttentionOptions, BatchSeq, DecodeWorkspace};
 use kvq::cache::QuantizedKvCache;
 use kvq::kernels::dispatch::Backend;
 use kvq::kernels::ggml::{self, Activations, GgmlType};
+use kvq::kernels::ggml_packed::{self, PackedWeights};
 use kvq::layout::SeqId;
 use kvq::quant::RopePairing;
 use rayon::prelude::*;
@@ -318,10 +319,11 @@ impl Rope {
 enum Linear {
     /// candle's matmul: f32 (dequantized) weights, f16, bf16, Q5 and the K-quants.
     Candle(QMatMul),
-    /// Q4_0, Q4_1 and Q8_0 blocks as the file stores them, multiplied by kvq's kernels
-    /// ([`kvq::kernels::ggml`]: runtime-dispatched SIMD; candle has no fast path for Q4_1, and
-    /// builds its others only with target features a default build lacks).
-    Ggml { ty: GgmlType, bytes: Vec<u8>, rows: usize, k: usize, backend: Backend },
+    /// Q4_0, Q4_1 and Q8_0 blocks, repacked eight rows at a time at load
+    /// ([`kvq::kernels::ggml_packed`], the same bytes) and multiplied by kvq's kernels
+    /// (runtime-dispatched SIMD; candle has no fast path for Q4_1, and builds its others only
+    /// with target features a default build lacks).
+    Ggml { packed: PackedWeights, backend: Backend },
 }
 
 /// Weight rows per parallel task of a [`Linear::Ggml`] product.
@@ -341,23 +343,27 @@ impl Linear {
         if n == 0 {
             return Ok(());
         }
-        let (ty, bytes, rows, k, backend) = match self {
+        let (packed, backend) = match self {
             Linear::Candle(m) => {
                 let k = x.x.len() / n.max(1);
                 let y = m.forward(&Tensor::from_slice(x.x, (n, k), &Device::Cpu)?)?;
                 return with_f32(&y, |y| out.copy_from_slice(y));
             }
-            Linear::Ggml { ty, bytes, rows, k, backend } => (*ty, bytes, *rows, *k, *backend),
+            Linear::Ggml { packed, backend } => (packed, *backend),
         };
+        let (rows, k) = (packed.rows(), packed.k());
         if !x.quantized {
             act.quantize(x.x, k).map_err(|e| Error::Shape(e.to_string()))?;
             x.quantized = true;
         }
         t.resize(rows * n, 0.0);
-        let row_bytes = ty.row_bytes(k);
+        let (groups, per_task) = (packed.groups(), ROWS_PER_TASK / ggml_packed::GROUP);
         t.par_chunks_mut(ROWS_PER_TASK * n)
-            .zip(bytes.par_chunks(ROWS_PER_TASK * row_bytes))
-            .try_for_each(|(o, w)| ggml::matmul_t(backend, ty, w, act, o))
+            .enumerate()
+            .try_for_each(|(i, o)| {
+                let range = i * per_task..((i + 1) * per_task).min(groups);
+                ggml_packed::matmul_packed(backend, packed, range, act, o)
+            })
             .map_err(|e| Error::Shape(e.to_string()))?;
         for (r, col) in t.chunks_exact(n).enumerate() {
             for (i, &v) in col.iter().enumerate() {
@@ -461,11 +467,10 @@ impl<R: Read + Seek> Loader<'_, R> {
         let dequantize_all = std::env::var("CANDLE_DEQUANTIZE_ALL").is_ok_and(|v| !v.is_empty() && v != "0");
         match (self.weights, ggml, dims) {
             (Weights::Native, Some(ty), &[rows, k]) if k.is_multiple_of(ggml::QK) && !dequantize_all => {
-                let bytes = q.data()?.into_owned();
-                if bytes.len() != rows * ty.row_bytes(k) {
-                    return Err(bad(format!("{name}: {} bytes for {rows} rows of {k} {ty:?}", bytes.len())));
-                }
-                Ok(Linear::Ggml { ty, bytes, rows, k, backend: self.backend })
+                let bytes = q.data()?;
+                let packed =
+                    PackedWeights::new(ty, &bytes, rows, k).map_err(|e| bad(format!("{name}: {e}")))?;
+                Ok(Linear::Ggml { packed, backend: self.backend })
             }
             (Weights::Native, _, _) => Ok(Linear::Candle(QMatMul::from_qtensor(q)?)),
             (Weights::F32, _, _) => Ok(Linear::Candle(QMatMul::Tensor(q.dequantize(&Device::Cpu)?))),

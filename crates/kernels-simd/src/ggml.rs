@@ -5,9 +5,10 @@
 //!
 //! [`matmul_t`] writes `out[r * n + t]`, weight row `r` against activation row `t`: a weight
 //! row is dotted with every activation row while it is in L1, so a prefill chunk reads the
-//! weights from memory once. The scalar reference and the AVX2 kernel (runtime-detected; the
-//! AVX-512 backend runs it too) compute the same integer sums; only the order of the float
-//! accumulation differs. aarch64 runs the scalar reference for now.
+//! weights from memory once. The scalar reference and the AVX2 and AVX-512 VNNI kernels
+//! (runtime-detected; tiles of two weight rows by four activation rows) compute the same
+//! integer sums; only the order of the float accumulation differs. aarch64 runs the scalar
+//! reference for now.
 
 use half::f16;
 
@@ -52,6 +53,10 @@ pub struct Activations {
     codes: Vec<i8>,
     scales: Vec<f32>,
     sums: Vec<i32>,
+    /// Block-major copies for the SIMD kernels, rows padded to a multiple of 4 with zeros
+    /// (codes too): `[block][row]` scales, and scales times sums.
+    bm_scales: Vec<f32>,
+    bm_scaled_sums: Vec<f32>,
     k: usize,
     rows: usize,
 }
@@ -72,6 +77,19 @@ impl Activations {
         self.k
     }
 
+    /// The codes (rows padded to a multiple of 4 with zeros), and the block-major scales and
+    /// scaled sums (`[block][padded row]`).
+    pub(crate) fn parts(&self) -> (&[i8], &[f32], &[f32]) {
+        (&self.codes, &self.bm_scales, &self.bm_scaled_sums)
+    }
+
+    /// Block `b` of row `t` against a weight block's codes as [`unpack_row`] leaves them: the
+    /// integer dot, the activation block's sum of codes and its scale.
+    pub(crate) fn block_dot(&self, ty: GgmlType, t: usize, b: usize, w: &[u8]) -> (i32, i32, f32) {
+        let ab = t * (self.k / QK) + b;
+        (block_dot(ty, w, &self.codes[ab * QK..(ab + 1) * QK]), self.sums[ab], self.scales[ab])
+    }
+
     /// Rounds the rows of `x` (`x.len() / k` rows of `k` values).
     ///
     /// # Errors
@@ -85,7 +103,10 @@ impl Activations {
             return Err(KernelError::Shape(format!("a non-finite activation ({v})")));
         }
         let blocks = x.len() / QK;
-        self.codes.resize(x.len(), 0);
+        let rows = x.len() / k;
+        let padded = rows.next_multiple_of(4);
+        self.codes.clear();
+        self.codes.resize(padded * k, 0);
         self.scales.resize(blocks, 0.0);
         self.sums.resize(blocks, 0);
         for (b, xs) in x.chunks_exact(QK).enumerate() {
@@ -100,18 +121,40 @@ impl Activations {
             self.scales[b] = d;
             self.sums[b] = sum;
         }
+        let per_row = k / QK;
+        self.bm_scales.clear();
+        self.bm_scales.resize(per_row * padded, 0.0);
+        self.bm_scaled_sums.clear();
+        self.bm_scaled_sums.resize(per_row * padded, 0.0);
+        for (i, (&d, &sum)) in self.scales.iter().zip(&self.sums).enumerate() {
+            let (t, b) = (i / per_row, i % per_row);
+            self.bm_scales[b * padded + t] = d;
+            self.bm_scaled_sums[b * padded + t] = d * sum as f32;
+        }
         self.k = k;
-        self.rows = x.len() / k;
+        self.rows = rows;
         Ok(())
     }
 }
 
-/// The code that [`matmul_t`] runs for `backend`.
+/// The code that [`matmul_t`] runs for `backend`: AVX-512 VNNI's (`vpdpbusd` on 256-bit
+/// registers) where the CPU has it, AVX2's for the AVX2 backend (and an AVX-512 CPU without
+/// VNNI), the scalar reference otherwise.
 pub fn implementation(backend: Backend) -> Backend {
     match backend {
+        Backend::Avx512 if backend.is_available() && vnni_available() => Backend::Avx512,
         Backend::Avx2 | Backend::Avx512 if backend.is_available() => Backend::Avx2,
         _ => Backend::Scalar,
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn vnni_available() -> bool {
+    std::arch::is_x86_feature_detected!("avx512vnni")
+}
+#[cfg(not(target_arch = "x86_64"))]
+fn vnni_available() -> bool {
+    false
 }
 
 /// `out[r * n + t]` = weight row `r` of `weights` · activation row `t` of `act`, for every
@@ -142,7 +185,11 @@ pub fn matmul_t(
     match implementation(backend) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `implementation` returns Avx2 only where AVX2, FMA and F16C are available.
-        Backend::Avx2 => unsafe { avx2::matmul_t(ty, weights, act, out) },
+        Backend::Avx2 => unsafe { x86::matmul_t_avx2(ty, weights, act, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `implementation` returns Avx512 only where AVX-512 (F, BW, VL), VNNI, AVX2,
+        // FMA and F16C are available.
+        Backend::Avx512 => unsafe { x86::matmul_t_vnni(ty, weights, act, out) },
         _ => scalar_matmul_t(ty, weights, act, out),
     }
     Ok(())
@@ -182,7 +229,7 @@ fn block_dot(ty: GgmlType, w: &[u8], a: &[i8]) -> i32 {
 
 /// The float epilogue of one block: the integer dot scaled, Q4_0's centre and Q4_1's minimum.
 #[inline]
-fn block_value(ty: GgmlType, dot: i32, sum: i32, dw: f32, mw: f32, da: f32) -> f32 {
+pub(crate) fn block_value(ty: GgmlType, dot: i32, sum: i32, dw: f32, mw: f32, da: f32) -> f32 {
     match ty {
         GgmlType::Q4_0 => dw * da * (dot - 8 * sum) as f32,
         GgmlType::Q4_1 => dw * da * dot as f32 + mw * da * sum as f32,
@@ -213,41 +260,10 @@ pub fn scalar_matmul_t(ty: GgmlType, weights: &[u8], act: &Activations, out: &mu
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+mod x86 {
     use std::arch::x86_64::*;
 
     use super::{Activations, GgmlType, QK};
-
-    /// [`super::scalar_matmul_t`] in AVX2: each weight block's codes are widened in registers
-    /// (`vpand`/`vpsrlw` for 4-bit codes) and dotted with up to four activation rows at once
-    /// (`vpmaddubsw`, `vpmaddwd`, one accumulator per row), its scales converted with F16C.
-    ///
-    /// # Safety
-    /// The CPU must have AVX2, FMA and F16C; the slices must have the lengths
-    /// [`super::matmul_t`] checks.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn matmul_t(ty: GgmlType, weights: &[u8], act: &Activations, out: &mut [f32]) {
-        let n = act.rows;
-        // Activation rows four at a time (a few KiB, kept in L1) against every weight row of
-        // the call (the caller hands over tens of KiB of them), so neither side streams from
-        // L2 once per row of the other.
-        let mut t = 0;
-        while t < n {
-            for (r, row) in weights.chunks_exact(ty.row_bytes(act.k)).enumerate() {
-                let out = &mut out[r * n + t..(r + 1) * n];
-                // SAFETY: the same contract, passed on; `t + TN <= n`.
-                unsafe {
-                    match n - t {
-                        1 => tile::<1>(ty, row, act, t, out),
-                        2 => tile::<2>(ty, row, act, t, out),
-                        3 => tile::<3>(ty, row, act, t, out),
-                        _ => tile::<4>(ty, row, act, t, out),
-                    }
-                }
-            }
-            t += 4;
-        }
-    }
 
     /// f16 bits to f32 with F16C.
     #[inline]
@@ -256,63 +272,168 @@ mod avx2 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(u16::from_le_bytes([lo, hi])))))
     }
 
-    /// Weight row `row` against activation rows `t0..t0 + TN`, into `out[..TN]`.
+    /// One weight block widened to a code per byte: the codes as `vpmaddubsw`/`vpdpbusd` take
+    /// them (unsigned: Q4's 0..16, or |q| for Q8_0), the signs to give the activations (Q8_0),
+    /// the scale, and the factor of the activation block's scaled sum (Q4_0's `-8 d`, Q4_1's
+    /// minimum, 0 for Q8_0).
     ///
     /// # Safety
-    /// As [`matmul_t`], and `t0 + TN <= act.rows`.
+    /// `block` is one whole block of `ty`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const TN: usize>(ty: GgmlType, row: &[u8], act: &Activations, t0: usize, out: &mut [f32]) {
-        let blocks = act.k / QK;
-        let ones = _mm256_set1_epi16(1);
-        let low = _mm_set1_epi8(0x0F);
-        let mut acc = [_mm256_setzero_ps(); TN];
-        // Q4_0's centre and Q4_1's minimum: `c * da * sum` per block and row.
-        let mut tail = [0f32; TN];
-        for (b, block) in row.chunks_exact(ty.block_bytes()).enumerate() {
-            let dw = half(block[0], block[1]);
-            // SAFETY: a block holds 18, 20 or 34 bytes: 16 code bytes after 2 or 4, or 32 after
-            // 2 (the chunk's length is `ty.block_bytes()`).
-            let (w, c) = unsafe {
-                match ty {
-                    GgmlType::Q8_0 => (_mm256_loadu_si256(block.as_ptr().add(2).cast()), 0.0),
-                    GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                        let at = if ty == GgmlType::Q4_1 { 4 } else { 2 };
-                        let bytes = _mm_loadu_si128(block.as_ptr().add(at).cast());
-                        let lo = _mm_and_si128(bytes, low);
-                        let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-                        let c = if ty == GgmlType::Q4_1 { half(block[2], block[3]) } else { -8.0 * dw };
-                        (_mm256_set_m128i(hi, lo), c)
-                    }
-                }
-            };
-            // Signed Q8_0 codes: |w| against a with w's sign (`vpmaddubsw` takes one unsigned
-            // operand); |w| <= 128 and |a| <= 127 cannot saturate its pair sums.
-            let wu = if ty == GgmlType::Q8_0 { _mm256_sign_epi8(w, w) } else { w };
-            for j in 0..TN {
-                let ab = (t0 + j) * blocks + b;
-                // SAFETY: activation block `ab` lies inside `act.codes` (`t0 + j < act.rows`).
-                let a = unsafe { _mm256_loadu_si256(act.codes.as_ptr().add(ab * QK).cast()) };
-                let a = if ty == GgmlType::Q8_0 { _mm256_sign_epi8(a, w) } else { a };
-                let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, a), ones);
-                let da = act.scales[ab];
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * da), acc[j]);
-                tail[j] += c * da * act.sums[ab] as f32;
+    unsafe fn unpack(ty: GgmlType, block: &[u8]) -> (__m256i, __m256i, f32, f32) {
+        let dw = half(block[0], block[1]);
+        match ty {
+            GgmlType::Q8_0 => {
+                // SAFETY: a Q8_0 block is 34 bytes: 32 codes after the scale.
+                let w = unsafe { _mm256_loadu_si256(block.as_ptr().add(2).cast()) };
+                (_mm256_sign_epi8(w, w), w, dw, 0.0)
             }
-        }
-        for j in 0..TN {
-            out[j] = hsum(acc[j]) + tail[j];
+            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let at = if ty == GgmlType::Q4_1 { 4 } else { 2 };
+                // SAFETY: a Q4 block is 16 code bytes after 2 (Q4_0) or 4 (Q4_1) bytes.
+                let bytes = unsafe { _mm_loadu_si128(block.as_ptr().add(at).cast()) };
+                let low = _mm_set1_epi8(0x0F);
+                let lo = _mm_and_si128(bytes, low);
+                let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+                let c = if ty == GgmlType::Q4_1 { half(block[2], block[3]) } else { -8.0 * dw };
+                (_mm256_set_m128i(hi, lo), _mm256_setzero_si256(), dw, c)
+            }
         }
     }
 
+    /// The four rows' 8-lane dot products summed across lanes: `[Σd0, Σd1, Σd2, Σd3]`.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
+    #[target_feature(enable = "avx2")]
+    fn sum4(d: &[__m256i; 4]) -> __m128 {
+        let y = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+        _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1)))
     }
+
+    /// The integer dot of a block's codes with activation codes `a`, eight lanes of partial
+    /// sums: `vpmaddubsw` + `vpmaddwd` (|w| <= 128 and |a| <= 127 cannot saturate the pair
+    /// sums).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn dot_avx2(wu: __m256i, a: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(wu, a), _mm256_set1_epi16(1))
+    }
+
+    /// [`dot_avx2`] in one `vpdpbusd`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vnni,avx512vl,avx2")]
+    fn dot_vnni(wu: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, a)
+    }
+
+    /// The kernel for one instruction set: tiles of two weight rows by four activation rows.
+    /// Per block, each pair's dot is summed across lanes with its row's three others
+    /// (`vphaddd`), and the four sums are scaled and accumulated together, the activation
+    /// scales read four rows at a time from [`Activations`]' block-major copies.
+    macro_rules! kernel {
+        ($matmul:ident, $tile:ident, $features:literal, $dot:ident) => {
+            /// [`super::scalar_matmul_t`] with this module's tiles.
+            ///
+            /// # Safety
+            /// The CPU must have the function's target features; the slices must have the
+            /// lengths [`super::matmul_t`] checks.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $matmul(ty: GgmlType, weights: &[u8], act: &Activations, out: &mut [f32]) {
+                let (n, rb) = (act.rows, ty.row_bytes(act.k));
+                let rows = weights.len() / rb;
+                // Four activation rows (a few KiB, in L1) against every weight row of the
+                // call, two at a time.
+                let mut t = 0;
+                while t < n {
+                    let tn = (n - t).min(4);
+                    let mut r = 0;
+                    while r < rows {
+                        let two = r + 1 < rows;
+                        let row0 = &weights[r * rb..(r + 1) * rb];
+                        let row1 = if two { &weights[(r + 1) * rb..(r + 2) * rb] } else { row0 };
+                        // SAFETY: the same contract, passed on; `t + tn <= n`.
+                        let [s0, s1] = unsafe {
+                            match tn {
+                                1 => $tile::<1>(ty, row0, row1, act, t),
+                                2 => $tile::<2>(ty, row0, row1, act, t),
+                                3 => $tile::<3>(ty, row0, row1, act, t),
+                                _ => $tile::<4>(ty, row0, row1, act, t),
+                            }
+                        };
+                        out[r * n + t..r * n + t + tn].copy_from_slice(&s0[..tn]);
+                        if two {
+                            out[(r + 1) * n + t..(r + 1) * n + t + tn].copy_from_slice(&s1[..tn]);
+                        }
+                        r += 2;
+                    }
+                    t += 4;
+                }
+            }
+
+            /// Weight rows `row0` and `row1` against activation rows `t0..t0 + TN`.
+            ///
+            /// # Safety
+            /// As the kernel, `t0` a multiple of 4, `t0 + TN <= act.rows`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $tile<const TN: usize>(
+                ty: GgmlType,
+                row0: &[u8],
+                row1: &[u8],
+                act: &Activations,
+                t0: usize,
+            ) -> [[f32; 4]; 2] {
+                let blocks = act.k / QK;
+                let padded = act.rows.next_multiple_of(4);
+                let bb = ty.block_bytes();
+                let mut acc = [_mm_setzero_ps(); 2];
+                for b in 0..blocks {
+                    // SAFETY: block `b` of each row lies inside it.
+                    let (w0, s0, dw0, c0) = unsafe { unpack(ty, &row0[b * bb..(b + 1) * bb]) };
+                    // SAFETY: as above.
+                    let (w1, s1, dw1, c1) = unsafe { unpack(ty, &row1[b * bb..(b + 1) * bb]) };
+                    let (mut d0, mut d1) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+                    for j in 0..TN {
+                        let ab = (t0 + j) * blocks + b;
+                        // SAFETY: activation block `ab` lies inside `act.codes` (`t0 + j < rows`).
+                        let a = unsafe { _mm256_loadu_si256(act.codes.as_ptr().add(ab * QK).cast()) };
+                        if ty == GgmlType::Q8_0 {
+                            d0[j] = $dot(w0, _mm256_sign_epi8(a, s0));
+                            d1[j] = $dot(w1, _mm256_sign_epi8(a, s1));
+                        } else {
+                            d0[j] = $dot(w0, a);
+                            d1[j] = $dot(w1, a);
+                        }
+                    }
+                    let at = b * padded + t0;
+                    // SAFETY: the block-major copies hold `padded` rows per block, and
+                    // `t0 + 4 <= padded`.
+                    let (da, sa) = unsafe {
+                        (
+                            _mm_loadu_ps(act.bm_scales.as_ptr().add(at)),
+                            _mm_loadu_ps(act.bm_scaled_sums.as_ptr().add(at)),
+                        )
+                    };
+                    acc[0] = _mm_fmadd_ps(sum4(&d0), _mm_mul_ps(_mm_set1_ps(dw0), da), acc[0]);
+                    acc[1] = _mm_fmadd_ps(sum4(&d1), _mm_mul_ps(_mm_set1_ps(dw1), da), acc[1]);
+                    if ty != GgmlType::Q8_0 {
+                        acc[0] = _mm_fmadd_ps(_mm_set1_ps(c0), sa, acc[0]);
+                        acc[1] = _mm_fmadd_ps(_mm_set1_ps(c1), sa, acc[1]);
+                    }
+                }
+                let mut out = [[0f32; 4]; 2];
+                // SAFETY: each array holds four f32.
+                unsafe {
+                    _mm_storeu_ps(out[0].as_mut_ptr(), acc[0]);
+                    _mm_storeu_ps(out[1].as_mut_ptr(), acc[1]);
+                }
+                out
+            }
+        };
+    }
+
+    kernel!(matmul_t_avx2, tile_avx2, "avx2,fma,f16c", dot_avx2);
+    kernel!(matmul_t_vnni, tile_vnni, "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c", dot_vnni);
 }
 
 #[cfg(test)]
@@ -400,7 +521,17 @@ mod tests {
     #[test]
     fn every_backend_matches_the_reference_and_the_reference_the_dequantized_product() {
         for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            for (rows, k, n) in [(1, 32, 1), (3, 64, 2), (5, 576, 7), (17, 1536, 3), (2, 4096, 1)] {
+            let shapes = [
+                (1, 32, 1),
+                (3, 64, 2),
+                (4, 64, 4),
+                (5, 576, 7),
+                (6, 128, 8),
+                (7, 96, 5),
+                (17, 1536, 3),
+                (2, 4096, 1),
+            ];
+            for (rows, k, n) in shapes {
                 for extreme in [false, true] {
                     let w = weights(ty, rows, k, (rows * k + n) as u64, extreme);
                     let x = activations(n, k, k as u64 + 3);

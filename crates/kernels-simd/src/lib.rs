@@ -81,6 +81,7 @@ pub mod fused_avx2;
 #[cfg(target_arch = "aarch64")]
 pub mod fused_dotprod;
 pub mod ggml;
+pub mod ggml_packed;
 mod int8;
 mod intv;
 pub mod memory;

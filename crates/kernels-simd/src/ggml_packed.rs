@@ -1,0 +1,481 @@
+//! GGML weights repacked for SIMD: eight rows interleaved per block of 32 values, so that one
+//! 8-lane integer dot (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`) advances eight rows' sums at
+//! once against a broadcast group of four activation codes, with no sum across lanes.
+//!
+//! [`PackedWeights::new`] takes rows as a GGUF stores them (Q4_0, Q4_1, Q8_0) and lays out, for
+//! each group of eight rows and each block: the eight f16 scales, the eight f16 minimums
+//! (Q4_1), then the codes in 32-byte runs, run `q` holding bytes `4q..4q + 4` of every row's
+//! codes, row after row. For Q4 the low nibbles of run `q` are values `4q..4q + 4` of the
+//! eight rows and the high nibbles values `16 + 4q..`; for Q8_0 run `q` is values `4q..4q + 4`.
+//! The bytes per block are the GGUF's, so the weights take no more memory; rows past the last
+//! (to fill a group) are zeros.
+//!
+//! [`matmul_packed`] computes what [`crate::ggml::matmul_t`] computes (the same integer sums,
+//! the float accumulation in another order): the scalar reference unpacks a group's rows and
+//! runs the same arithmetic as `ggml::scalar_matmul_t`; the AVX2 and AVX-512 VNNI kernels take
+//! eight weight rows by up to four activation rows per tile.
+
+use std::ops::Range;
+
+use half::f16;
+
+use crate::block::KernelError;
+use crate::dispatch::Backend;
+use crate::ggml::{Activations, GgmlType, QK};
+
+/// Rows interleaved per group.
+pub const GROUP: usize = 8;
+
+/// Weight rows of one GGML type, repacked eight rows at a time (see the [module docs](self)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackedWeights {
+    ty: GgmlType,
+    rows: usize,
+    k: usize,
+    data: Vec<u8>,
+}
+
+/// Bytes of one block of a group: the scales (and minimums), then the codes.
+fn block_bytes(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q4_0 => 16 + 128,
+        GgmlType::Q4_1 => 32 + 128,
+        GgmlType::Q8_0 => 16 + 256,
+    }
+}
+
+/// Where the codes of a block begin.
+fn header_bytes(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q4_1 { 32 } else { 16 }
+}
+
+/// Bytes of one row's codes in a GGML block.
+fn code_bytes(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q8_0 { QK } else { QK / 2 }
+}
+
+impl PackedWeights {
+    /// Repacks `rows` rows of `k` values of type `ty`, as a GGUF stores them.
+    ///
+    /// # Errors
+    /// [`KernelError::Shape`] when `k` is not a positive multiple of 32 or `weights` is not
+    /// `rows` such rows.
+    pub fn new(ty: GgmlType, weights: &[u8], rows: usize, k: usize) -> Result<Self, KernelError> {
+        let row_bytes = ty.row_bytes(k);
+        if k == 0 || !k.is_multiple_of(QK) || rows.checked_mul(row_bytes) != Some(weights.len()) {
+            return Err(KernelError::Shape(format!(
+                "{} bytes for {rows} rows of {k} values of {ty:?}",
+                weights.len()
+            )));
+        }
+        let (blocks, groups) = (k / QK, rows.div_ceil(GROUP));
+        let (bb, hb, cb) = (block_bytes(ty), header_bytes(ty), code_bytes(ty));
+        let mut data = vec![0u8; groups * blocks * bb];
+        for (r, row) in weights.chunks_exact(row_bytes).enumerate() {
+            let (g, i) = (r / GROUP, r % GROUP);
+            for (b, src) in row.chunks_exact(ty.block_bytes()).enumerate() {
+                let dst = &mut data[(g * blocks + b) * bb..(g * blocks + b + 1) * bb];
+                dst[2 * i..2 * i + 2].copy_from_slice(&src[..2]);
+                if ty == GgmlType::Q4_1 {
+                    dst[16 + 2 * i..16 + 2 * i + 2].copy_from_slice(&src[2..4]);
+                }
+                let codes = &src[ty.block_bytes() - cb..];
+                for q in 0..cb / 4 {
+                    let at = hb + q * 4 * GROUP + 4 * i;
+                    dst[at..at + 4].copy_from_slice(&codes[4 * q..4 * q + 4]);
+                }
+            }
+        }
+        Ok(Self { ty, rows, k, data })
+    }
+
+    /// The weight type.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Values per row.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Groups of [`GROUP`] rows (the last one may be partial).
+    pub fn groups(&self) -> usize {
+        self.rows.div_ceil(GROUP)
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Row `i` of group `g` as GGML codes, a byte each in value order (Q4: 0..16; Q8_0: the
+    /// signed byte), with its scales and minimums: the inverse of the packing.
+    fn unpack_row(&self, g: usize, i: usize, codes: &mut [u8], d: &mut [f32], m: &mut [f32]) {
+        let (ty, blocks) = (self.ty, self.k / QK);
+        let (bb, hb, cb) = (block_bytes(ty), header_bytes(ty), code_bytes(ty));
+        for b in 0..blocks {
+            let src = &self.data[(g * blocks + b) * bb..(g * blocks + b + 1) * bb];
+            d[b] = f16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f32();
+            m[b] = if ty == GgmlType::Q4_1 {
+                f16::from_le_bytes([src[16 + 2 * i], src[16 + 2 * i + 1]]).to_f32()
+            } else {
+                0.0
+            };
+            let out = &mut codes[b * QK..(b + 1) * QK];
+            for q in 0..cb / 4 {
+                for j in 0..4 {
+                    let byte = src[hb + q * 4 * GROUP + 4 * i + j];
+                    if ty == GgmlType::Q8_0 {
+                        out[4 * q + j] = byte;
+                    } else {
+                        out[4 * q + j] = byte & 0x0F;
+                        out[QK / 2 + 4 * q + j] = byte >> 4;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The code that [`matmul_packed`] runs for `backend` (as [`crate::ggml::implementation`]).
+pub fn implementation(backend: Backend) -> Backend {
+    crate::ggml::implementation(backend)
+}
+
+/// `out[r * n + t]` = weight row `r` · activation row `t` for the rows of the groups `groups`
+/// of `w` (`r` counted from the first of them) and the `n = act.rows()` activation rows.
+///
+/// # Errors
+/// [`KernelError::Shape`] when the activations' row length is not the weights', the groups
+/// are out of range, or `out` is not the rows of those groups times `n` long.
+pub fn matmul_packed(
+    backend: Backend,
+    w: &PackedWeights,
+    groups: Range<usize>,
+    act: &Activations,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    if act.k() != w.k || groups.start > groups.end || groups.end > w.groups() {
+        return Err(KernelError::Shape(format!(
+            "activations of {} values against rows of {}, groups {groups:?} of {}",
+            act.k(),
+            w.k,
+            w.groups()
+        )));
+    }
+    let rows = (groups.end * GROUP).min(w.rows).saturating_sub(groups.start * GROUP);
+    if out.len() != rows * act.rows() {
+        return Err(KernelError::Shape(format!("out has {} values, not {rows} × {}", out.len(), act.rows())));
+    }
+    match implementation(backend) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `implementation` returns Avx2 only where AVX2, FMA and F16C are available.
+        Backend::Avx2 => unsafe { x86::matmul_avx2(w, groups, act, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `implementation` returns Avx512 only where AVX-512 (F, BW, VL), VNNI, AVX2,
+        // FMA and F16C are available.
+        Backend::Avx512 => unsafe { x86::matmul_vnni(w, groups, act, out) },
+        _ => scalar_matmul_packed(w, groups, act, out),
+    }
+    Ok(())
+}
+
+/// The reference: each row of the groups unpacked, then `ggml::scalar_matmul_t`'s arithmetic,
+/// block after block in order.
+pub fn scalar_matmul_packed(w: &PackedWeights, groups: Range<usize>, act: &Activations, out: &mut [f32]) {
+    let (k, n) = (w.k, act.rows());
+    let blocks = k / QK;
+    let mut codes = vec![0u8; k];
+    let (mut d, mut m) = (vec![0f32; blocks], vec![0f32; blocks]);
+    let first = groups.start * GROUP;
+    for r in first..(groups.end * GROUP).min(w.rows) {
+        w.unpack_row(r / GROUP, r % GROUP, &mut codes, &mut d, &mut m);
+        for t in 0..n {
+            let mut acc = 0f32;
+            for b in 0..blocks {
+                let (dot, sum, da) = act.block_dot(w.ty, t, b, &codes[b * QK..(b + 1) * QK]);
+                acc += crate::ggml::block_value(w.ty, dot, sum, d[b], m[b], da);
+            }
+            out[(r - first) * n + t] = acc;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::{GROUP, PackedWeights, block_bytes, header_bytes};
+    use crate::ggml::{Activations, GgmlType, QK};
+
+    /// Eight rows' dots of Q4 codes: `vpmaddubsw` + `vpmaddwd` (15 · 127 · 2 cannot saturate).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn dot_avx2(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)))
+    }
+
+    /// [`dot_avx2`] in one `vpdpbusd`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vnni,avx512vl,avx2")]
+    fn dot_vnni(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, w, a)
+    }
+
+    /// The kernel for one instruction set: tiles of a group's eight rows by up to four
+    /// activation rows; per block, the eight code registers are unpacked once and dotted with
+    /// each activation row's broadcast groups of four codes.
+    macro_rules! kernel {
+        ($matmul:ident, $tile:ident, $features:literal, $dot:ident) => {
+            /// [`super::scalar_matmul_packed`] with this module's tiles.
+            ///
+            /// # Safety
+            /// The CPU must have the function's target features; the arguments must pass
+            /// [`super::matmul_packed`]'s checks.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $matmul(
+                w: &PackedWeights,
+                groups: Range<usize>,
+                act: &Activations,
+                out: &mut [f32],
+            ) {
+                let n = act.rows();
+                let first = groups.start * GROUP;
+                for g in groups {
+                    let live = (w.rows - g * GROUP).min(GROUP);
+                    let mut t = 0;
+                    while t < n {
+                        let tn = (n - t).min(4);
+                        // SAFETY: the same contract, passed on; `t + tn <= n`.
+                        let acc = unsafe {
+                            match tn {
+                                1 => $tile::<1>(w, g, act, t),
+                                2 => $tile::<2>(w, g, act, t),
+                                3 => $tile::<3>(w, g, act, t),
+                                _ => $tile::<4>(w, g, act, t),
+                            }
+                        };
+                        for (j, rows) in acc.iter().enumerate().take(tn) {
+                            for (i, &v) in rows.iter().enumerate().take(live) {
+                                out[(g * GROUP + i - first) * n + t + j] = v;
+                            }
+                        }
+                        t += 4;
+                    }
+                }
+            }
+
+            /// Group `g` against activation rows `t0..t0 + TN`: `[row t][weight row i]`.
+            ///
+            /// # Safety
+            /// As the kernel, `t0` a multiple of 4, `t0 + TN <= act.rows()`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $tile<const TN: usize>(
+                w: &PackedWeights,
+                g: usize,
+                act: &Activations,
+                t0: usize,
+            ) -> [[f32; 8]; 4] {
+                let ty = w.ty;
+                let blocks = w.k / QK;
+                let (bb, hb) = (block_bytes(ty), header_bytes(ty));
+                let padded = act.rows().next_multiple_of(4);
+                let (codes, scales, scaled_sums) = act.parts();
+                let low = _mm256_set1_epi8(0x0F);
+                let mut acc = [_mm256_setzero_ps(); TN];
+                let mut wr = [_mm256_setzero_si256(); 8];
+                for b in 0..blocks {
+                    let blk = &w.data[(g * blocks + b) * bb..(g * blocks + b + 1) * bb];
+                    // SAFETY: a packed block holds its scales (16 bytes), Q4_1's minimums (16),
+                    // then 128 (Q4) or 256 (Q8_0) code bytes.
+                    let (dw, c) = unsafe {
+                        let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast()));
+                        let c = match ty {
+                            GgmlType::Q4_0 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
+                            GgmlType::Q4_1 => _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
+                            GgmlType::Q8_0 => _mm256_setzero_ps(),
+                        };
+                        if ty == GgmlType::Q8_0 {
+                            for (q, r) in wr.iter_mut().enumerate() {
+                                *r = _mm256_loadu_si256(blk.as_ptr().add(hb + 32 * q).cast());
+                            }
+                        } else {
+                            for q in 0..4 {
+                                let x = _mm256_loadu_si256(blk.as_ptr().add(hb + 32 * q).cast());
+                                wr[q] = _mm256_and_si256(x, low);
+                                wr[q + 4] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+                            }
+                        }
+                        (dw, c)
+                    };
+                    for (j, acc) in acc.iter_mut().enumerate() {
+                        let ab = (t0 + j) * blocks + b;
+                        let a = &codes[ab * QK..(ab + 1) * QK];
+                        let mut dot = _mm256_setzero_si256();
+                        for (q, &wq) in wr.iter().enumerate() {
+                            // Values 4q.. for Q8_0; for Q4, runs 0..4 are the low nibbles
+                            // (values 4q..) and runs 4..8 the high ones (values 16 + 4(q - 4)..).
+                            let at = if ty == GgmlType::Q8_0 || q < 4 { 4 * q } else { 16 + 4 * (q - 4) };
+                            let four = i32::from_le_bytes([
+                                a[at] as u8,
+                                a[at + 1] as u8,
+                                a[at + 2] as u8,
+                                a[at + 3] as u8,
+                            ]);
+                            let av = _mm256_set1_epi32(four);
+                            dot = if ty == GgmlType::Q8_0 {
+                                // Signed codes: |w| against a with w's sign.
+                                $dot(dot, _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(av, wq))
+                            } else {
+                                $dot(dot, wq, av)
+                            };
+                        }
+                        let at = b * padded + t0 + j;
+                        let da = _mm256_set1_ps(scales[at]);
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), *acc);
+                        if ty != GgmlType::Q8_0 {
+                            *acc = _mm256_fmadd_ps(c, _mm256_set1_ps(scaled_sums[at]), *acc);
+                        }
+                    }
+                }
+                let mut out = [[0f32; 8]; 4];
+                for (o, a) in out.iter_mut().zip(&acc) {
+                    // SAFETY: each row holds eight f32.
+                    unsafe { _mm256_storeu_ps(o.as_mut_ptr(), *a) };
+                }
+                out
+            }
+        };
+    }
+
+    kernel!(matmul_avx2, tile_avx2, "avx2,fma,f16c", dot_avx2);
+    kernel!(matmul_vnni, tile_vnni, "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c", dot_vnni);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ggml::{matmul_t, scalar_matmul_t};
+
+    /// Random weight rows of `ty` in GGML's layout, codes at the extremes or not.
+    fn weights(ty: GgmlType, rows: usize, k: usize, seed: u64, extreme: bool) -> Vec<u8> {
+        let mut s = seed | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut out = Vec::new();
+        for _ in 0..rows * k / QK {
+            out.extend_from_slice(&f16::from_f32((next() % 1000) as f32 / 50_000.0 + 1e-4).to_le_bytes());
+            if ty == GgmlType::Q4_1 {
+                out.extend_from_slice(&f16::from_f32(-((next() % 100) as f32) / 1000.0).to_le_bytes());
+            }
+            for i in 0..code_bytes(ty) {
+                let extreme_byte = if ty == GgmlType::Q8_0 { [0x80u8, 0x7F][i % 2] } else { 0xFF };
+                out.push(if extreme { extreme_byte } else { next() as u8 });
+            }
+        }
+        out
+    }
+
+    fn activations(n: usize, k: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n * k)
+            .map(|i| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let v = (s % 20_001) as f32 / 10_000.0 - 1.0;
+                if i % 97 == 0 { v * 40.0 } else { v }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn packing_keeps_every_row_and_the_reference_equals_the_unpacked_one() {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            for (rows, k, n) in [(1, 32, 1), (8, 64, 3), (13, 96, 5), (17, 576, 4), (24, 128, 9)] {
+                let raw = weights(ty, rows, k, (rows * 31 + k) as u64, false);
+                let w = PackedWeights::new(ty, &raw, rows, k).unwrap();
+                assert_eq!(w.bytes(), rows.div_ceil(GROUP) * (k / QK) * block_bytes(ty));
+                let mut act = Activations::new();
+                act.quantize(&activations(n, k, 5), k).unwrap();
+                let mut want = vec![0f32; rows * n];
+                scalar_matmul_t(ty, &raw, &act, &mut want);
+                let mut got = vec![f32::NAN; rows * n];
+                scalar_matmul_packed(&w, 0..w.groups(), &act, &mut got);
+                // The same rows, the same arithmetic in the same order: the same bits.
+                assert_eq!(got, want, "{ty:?} {rows}x{k}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_backend_matches_the_reference_on_every_group_range() {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            for (rows, k, n) in
+                [(1, 32, 1), (8, 64, 4), (13, 96, 5), (17, 576, 7), (30, 1536, 2), (9, 4096, 1)]
+            {
+                for extreme in [false, true] {
+                    let raw = weights(ty, rows, k, (rows * 7 + n) as u64, extreme);
+                    let w = PackedWeights::new(ty, &raw, rows, k).unwrap();
+                    let mut act = Activations::new();
+                    act.quantize(&activations(n, k, k as u64), k).unwrap();
+                    let mut want = vec![0f32; rows * n];
+                    scalar_matmul_t(ty, &raw, &act, &mut want);
+                    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+                    for backend in crate::dispatch::available() {
+                        let groups = w.groups();
+                        for range in [0..groups, 0..groups.div_ceil(2), groups / 2..groups] {
+                            let first = range.start * GROUP;
+                            let end = (range.end * GROUP).min(rows);
+                            let mut got = vec![f32::NAN; (end - first) * n];
+                            matmul_packed(backend, &w, range.clone(), &act, &mut got).unwrap();
+                            for (i, (&g, &e)) in got.iter().zip(&want[first * n..end * n]).enumerate() {
+                                assert!(
+                                    (g - e).abs() <= 1e-5 * scale,
+                                    "{ty:?} {backend} {rows}x{k} n {n} groups {range:?} [{i}]: {g} vs {e}"
+                                );
+                            }
+                        }
+                        // And the unpacked kernels agree.
+                        let mut raw_out = vec![f32::NAN; rows * n];
+                        matmul_t(backend, ty, &raw, &act, &mut raw_out).unwrap();
+                        for (&g, &e) in raw_out.iter().zip(&want) {
+                            assert!((g - e).abs() <= 1e-5 * scale);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        assert!(PackedWeights::new(GgmlType::Q4_1, &[0; 19], 1, 32).is_err());
+        assert!(PackedWeights::new(GgmlType::Q4_1, &[0; 20], 1, 40).is_err());
+        assert!(PackedWeights::new(GgmlType::Q4_1, &[0; 20], 2, 32).is_err());
+        let w = PackedWeights::new(GgmlType::Q4_1, &[0; 40], 2, 32).unwrap();
+        let mut act = Activations::new();
+        act.quantize(&[1.0; 64], 32).unwrap();
+        let backend = Backend::Scalar;
+        assert!(matmul_packed(backend, &w, 0..2, &act, &mut [0.0; 4]).is_err());
+        assert!(matmul_packed(backend, &w, 0..1, &act, &mut [0.0; 3]).is_err());
+        let mut out = [f32::NAN; 4];
+        matmul_packed(backend, &w, 0..1, &act, &mut out).unwrap();
+        assert_eq!(out, [0.0; 4]);
+        let mut act64 = Activations::new();
+        act64.quantize(&[1.0; 64], 64).unwrap();
+        assert!(matmul_packed(backend, &w, 0..1, &act64, &mut [0.0; 2]).is_err());
+    }
+}
