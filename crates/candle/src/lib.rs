@@ -32,6 +32,7 @@ pub mod calibrate;
 pub mod convert;
 pub mod error;
 pub mod eval;
+pub mod gguf;
 pub mod model;
 pub mod store;
 pub mod tiny;

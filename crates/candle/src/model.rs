@@ -520,6 +520,8 @@ impl LlamaModel {
         let file_len = reader
             .seek(std::io::SeekFrom::End(0))
             .map_err(|source| Error::Io { path: "<reader>".into(), source })?;
+        // Checked before candle's parser reads it (see `crate::gguf`).
+        crate::gguf::check(reader, file_len)?;
         reader
             .seek(std::io::SeekFrom::Start(0))
             .map_err(|source| Error::Io { path: "<reader>".into(), source })?;

@@ -39,11 +39,19 @@ impl GgufTokenizer {
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let name = path.display().to_string();
-        let mut file = std::io::BufReader::new(
-            std::fs::File::open(path).map_err(|source| Error::Io { path: name.clone(), source })?,
-        );
+        let io = |source| Error::Io { path: name.clone(), source };
+        let f = std::fs::File::open(path).map_err(io)?;
+        let len = f.metadata().map_err(io)?.len();
+        let mut file = std::io::BufReader::new(f);
+        let named = |e: Error| match e {
+            Error::Model { reason, .. } => Error::Model { path: name.clone(), reason },
+            other => other,
+        };
+        // Checked before candle's parser reads it (see `crate::gguf`).
+        crate::gguf::check(&mut file, len).map_err(named)?;
+        std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(0)).map_err(io)?;
         let ct = gguf_file::Content::read(&mut file)
-            .map_err(|e| Error::Model { path: name, reason: e.to_string() })?;
+            .map_err(|e| Error::Model { path: name.clone(), reason: crate::error::candle_message(&e) })?;
         Self::from_gguf(&ct)
     }
 
