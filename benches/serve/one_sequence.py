@@ -13,8 +13,9 @@ import time
 import urllib.request
 
 port, text_path = sys.argv[1], sys.argv[2]
+n_words = int(sys.argv[3]) if len(sys.argv) > 3 else 1500
 words = open(text_path).read().split()
-prompt = " ".join(words[:1500])
+prompt = " ".join(words[:n_words])
 
 
 def request(p, n=1, **extra):

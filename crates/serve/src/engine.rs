@@ -32,6 +32,7 @@ use std::time::Instant;
 use kvq::attention::ScorePath;
 use kvq::cache::{KvCacheConfig, QuantizedKvCache};
 use kvq::layout::SeqId;
+pub use kvq_candle::model::Prefill;
 use kvq_candle::model::{StepOptions, StepSeq, StepWorkspace};
 use kvq_candle::{GgufTokenizer, LlamaModel};
 use tokio::sync::mpsc::UnboundedSender;
@@ -111,6 +112,9 @@ pub struct EngineConfig {
     pub model_fingerprint: Vec<u8>,
     /// How much of a request's length admission reserves.
     pub admission: Admission,
+    /// How prompt chunks attend ([`Prefill::Exact`]: as decode steps would, which the
+    /// prefix cache's exactness relies on).
+    pub prefill: Prefill,
 }
 
 /// How much of a request's length its admission reserves in the pool.
@@ -270,7 +274,7 @@ impl Engine {
         );
         let cache = QuantizedKvCache::new(cache).map_err(|e| e.to_string())?;
         let eog = tokenizer.end_of_generation().to_vec();
-        let options = StepOptions::with_path(config.path);
+        let options = StepOptions { prefill: config.prefill, ..StepOptions::with_path(config.path) };
         Ok(Self {
             model,
             tokenizer,

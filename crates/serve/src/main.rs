@@ -15,7 +15,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use kvq::attention::ScorePath;
 use kvq_candle::Weights;
-use kvq_serve::engine::Admission;
+use kvq_serve::engine::{Admission, Prefill};
 use kvq_serve::server::{ServerConfig, run};
 
 /// Serve a GGUF model on kvq's quantized KV cache, over OpenAI's HTTP API.
@@ -69,6 +69,12 @@ struct Args {
     /// when blocks run out), `full` reserves prompt plus max_tokens (nothing preempted).
     #[arg(long, default_value = "optimistic", value_parser = ["optimistic", "full"])]
     admission: String,
+    /// How prompt chunks attend: `exact` (each token as a decode step would: batching, chunk
+    /// sizes and prefix-cache hits change no output) or `chunked` (a chunk's tokens together
+    /// between the points where the cache quantizes a block: faster on long prompts, the
+    /// same results up to float rounding).
+    #[arg(long, default_value = "exact", value_parser = ["exact", "chunked"])]
+    prefill: String,
     /// Threads of the engine's pool (matrix products and attention; the HTTP runtime takes at
     /// most 4).
     #[arg(long, default_value_t = 2)]
@@ -93,6 +99,7 @@ fn main() -> ExitCode {
         prefix_entries: a.prefix_entries,
         threads: a.threads.max(1),
         admission: if a.admission == "full" { Admission::Full } else { Admission::Optimistic },
+        prefill: if a.prefill == "chunked" { Prefill::Chunked } else { Prefill::Exact },
     };
     match run(&config, a.addr, a.threads.max(1)) {
         Ok(()) => ExitCode::SUCCESS,

@@ -27,7 +27,7 @@ use crate::api::{
     self, ApiError, CHAT_FIELDS, COMPLETION_FIELDS, ChatRequest, Checked, CompletionRequest, Prompt, Usage,
 };
 use crate::chat::ChatTemplate;
-use crate::engine::{Admission, Engine, EngineConfig, Event, FinishReason, Request, Stats};
+use crate::engine::{Admission, Engine, EngineConfig, Event, FinishReason, Prefill, Request, Stats};
 
 /// What the server is started with.
 #[derive(Debug, Clone)]
@@ -60,6 +60,8 @@ pub struct ServerConfig {
     pub prefix_entries: usize,
     /// How much of a request's length admission reserves.
     pub admission: Admission,
+    /// How prompt chunks attend.
+    pub prefill: Prefill,
     /// Threads of the engine's own rayon pool (the matrix products and the attention), the
     /// engine's thread among them.
     pub threads: usize,
@@ -83,6 +85,7 @@ impl Default for ServerConfig {
             prefix_entries: 64,
             threads: 2,
             admission: Admission::Optimistic,
+            prefill: Prefill::Exact,
         }
     }
 }
@@ -182,6 +185,7 @@ impl Server {
                 context,
                 prefix_entries: config.prefix_entries,
                 admission: config.admission,
+                prefill: config.prefill,
                 model_fingerprint: fingerprint(&config.model)?,
             },
             Arc::clone(&stats),
