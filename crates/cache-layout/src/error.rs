@@ -97,3 +97,19 @@ pub enum CacheError {
 
 /// Shorthand for results of this crate.
 pub type Result<T, E = CacheError> = std::result::Result<T, E>;
+
+impl CacheError {
+    /// This error as one of layer `layer` of a model whose layers are each a single-layer
+    /// cache (which reports its only layer as 0): the layer fields say `layer`.
+    pub fn in_layer(self, layer: usize) -> Self {
+        match self {
+            CacheError::NonFinite { part, layer: 0, head, token, channel, value } => {
+                CacheError::NonFinite { part, layer, head, token, channel, value }
+            }
+            CacheError::TruncateIntoBlock { layer: 0, len, quantized_from, quantized_until } => {
+                CacheError::TruncateIntoBlock { layer, len, quantized_from, quantized_until }
+            }
+            other => other,
+        }
+    }
+}

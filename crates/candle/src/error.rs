@@ -55,7 +55,7 @@ pub enum Error {
     /// model file, or weights this input drives out of range.
     #[error("the model produced a non-finite value in layer {layer} at position {position}")]
     NonFinite {
-        /// The decoder layer (0-based).
+        /// The decoder layer (0-based); the number of layers for the output head.
         layer: usize,
         /// The token's position in its sequence.
         position: usize,

@@ -797,6 +797,7 @@ impl LlamaModel {
         b.up.resize(n * ffn, 0.0);
         for (l, layer) in self.layers.iter().enumerate() {
             rms_norm(&b.x, &layer.attn_norm, c.rms_eps, &mut b.h);
+            finite(&b.h, hd, l, &b.positions)?;
             let mut input = Input::new(&b.h, n);
             layer.q.forward_into(&mut input, &mut b.q, &mut b.act, &mut b.t)?;
             layer.k.forward_into(&mut input, &mut b.k, &mut b.act, &mut b.t)?;
@@ -813,19 +814,25 @@ impl LlamaModel {
                 self.rope.apply(&mut b.q[t * qd..(t + 1) * qd], table);
                 self.rope.apply(&mut b.k[t * kd..(t + 1) * kd], table);
             }
+            // Non-finite values stop the pass here, named by layer and position, before the
+            // cache refuses them (or a softmax turns them into NaN).
+            for (buf, width) in [(&b.q, qd), (&b.k, kd), (&b.v, kd)] {
+                finite(buf, width, l, &b.positions)?;
+            }
             attend(l, &b.q, &b.k, &b.v, &mut b.attn)?;
+            finite(&b.attn, qd, l, &b.positions)?;
             layer.o.forward_into(&mut Input::new(&b.attn, n), &mut b.h, &mut b.act, &mut b.t)?;
             b.x.iter_mut().zip(&b.h).for_each(|(x, h)| *x += h);
             rms_norm(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.h);
+            finite(&b.h, hd, l, &b.positions)?;
             let mut input = Input::new(&b.h, n);
             layer.gate.forward_into(&mut input, &mut b.gate, &mut b.act, &mut b.t)?;
             layer.up.forward_into(&mut input, &mut b.up, &mut b.act, &mut b.t)?;
             b.gate.iter_mut().zip(&b.up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
+            finite(&b.gate, ffn, l, &b.positions)?;
             layer.down.forward_into(&mut Input::new(&b.gate, n), &mut b.h, &mut b.act, &mut b.t)?;
             b.x.iter_mut().zip(&b.h).for_each(|(x, h)| *x += h);
-            if let Some(i) = b.x.iter().position(|v| !v.is_finite()) {
-                return Err(Error::NonFinite { layer: l, position: b.positions[i / hd] });
-            }
+            finite(&b.x, hd, l, &b.positions)?;
         }
         Ok(())
     }
@@ -845,7 +852,14 @@ impl LlamaModel {
         b.h.resize(m * hd, 0.0);
         rms_norm(&b.t, &self.norm, c.rms_eps, &mut b.h);
         out.resize(m * c.vocab, 0.0);
-        self.output.forward_into(&mut Input::new(&b.h[..m * hd], m), out, &mut b.act, &mut b.t)
+        self.output.forward_into(&mut Input::new(&b.h[..m * hd], m), out, &mut b.act, &mut b.t)?;
+        // The output head, named as the layer after the last.
+        match out.iter().position(|v| !v.is_finite()) {
+            Some(i) => {
+                Err(Error::NonFinite { layer: c.layers, position: b.positions[b.selected[i / c.vocab]] })
+            }
+            None => Ok(()),
+        }
     }
 }
 
@@ -1036,6 +1050,15 @@ struct Input<'a> {
 impl<'a> Input<'a> {
     fn new(x: &'a [f32], n: usize) -> Self {
         Self { x, n, quantized: false }
+    }
+}
+
+/// [`Error::NonFinite`] for the first non-finite value of `buf` (rows of `width` values, at
+/// `positions`), in `layer`.
+fn finite(buf: &[f32], width: usize, layer: usize, positions: &[usize]) -> Result<()> {
+    match buf.iter().position(|v| !v.is_finite()) {
+        Some(i) => Err(Error::NonFinite { layer, position: positions[i / width] }),
+        None => Ok(()),
     }
 }
 

@@ -242,3 +242,24 @@ fn conversions_refuse_bad_tensors_and_read_every_float_dtype() {
     ));
     assert_eq!(cache.len(seq, 0).unwrap(), 12, "refused calls appended nothing");
 }
+
+#[test]
+fn non_finite_values_stop_the_pass_naming_the_layer() {
+    let dir = temp_dir("errors-nonfinite");
+    let inf = rewrite(&dir, "inf.gguf", |_, ts| {
+        let t = Tensor::full(f32::INFINITY, HIDDEN, &Device::Cpu).unwrap();
+        ts.iter_mut().find(|(n, _)| n == "blk.1.attn_norm.weight").unwrap().1 =
+            QTensor::quantize(&t, GgmlDType::F32).unwrap();
+    });
+    let model = LlamaModel::load(inf).unwrap();
+    let mut cache = KvqStore::new(model.config().cache_builder().build().unwrap(), ScorePath::Float).unwrap();
+    match model.forward(&mut cache, &[1, 2, 3]) {
+        Err(Error::NonFinite { layer: 1, position: 0 }) => {}
+        other => panic!("{other:?}"),
+    }
+    // Nothing stays in the cache of the refused pass, and its message names the layer.
+    assert_eq!((0..LAYERS).map(|l| cache.len(l)).collect::<Vec<_>>(), vec![0; LAYERS]);
+    let e = model.forward(&mut cache, &[1]).unwrap_err().to_string();
+    assert!(e.contains("layer 1") && e.contains("position 0"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

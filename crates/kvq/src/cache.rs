@@ -670,7 +670,7 @@ impl QuantizedKvCache {
     /// [`KvqError::Cache`]; nothing changes on error.
     pub fn append<T: Element>(&mut self, seq: SeqId, layer: usize, k: &[T], v: &[T]) -> Result<(), KvqError> {
         let (k, v) = (T::widen(k), T::widen(v));
-        Ok(self.layer_mut(layer)?.append(seq, 0, &k, &v)?)
+        Ok(self.layer_mut(layer)?.append(seq, 0, &k, &v).map_err(|e| e.in_layer(layer))?)
     }
 
     /// Appends one token to every layer: `k` and `v` hold `layers × kv_heads × head_dim`
@@ -691,10 +691,10 @@ impl QuantizedKvCache {
         let (k, v) = (T::widen(k), T::widen(v));
         let layer = |l: usize| l * per_layer..(l + 1) * per_layer;
         for (l, c) in self.layers.iter().enumerate() {
-            c.check_append(seq, 0, &k[layer(l)], &v[layer(l)])?;
+            c.check_append(seq, 0, &k[layer(l)], &v[layer(l)]).map_err(|e| e.in_layer(l))?;
         }
         for (l, c) in self.layers.iter_mut().enumerate() {
-            c.append(seq, 0, &k[layer(l)], &v[layer(l)])?;
+            c.append(seq, 0, &k[layer(l)], &v[layer(l)]).map_err(|e| e.in_layer(l))?;
         }
         Ok(())
     }
@@ -855,7 +855,7 @@ impl QuantizedKvCache {
     /// # Errors
     /// [`KvqError::Cache`]; nothing changes on error.
     pub fn extend(&mut self, seq: SeqId, layer: usize, k: &Tensor, v: &Tensor) -> Result<(), KvqError> {
-        Ok(self.layer_mut(layer)?.extend(seq, 0, k, v)?)
+        Ok(self.layer_mut(layer)?.extend(seq, 0, k, v).map_err(|e| e.in_layer(layer))?)
     }
 
     /// Checks that `tokens` more tokens of `seq` fit in every layer's pool now (its reservations
@@ -896,11 +896,11 @@ impl QuantizedKvCache {
     /// # Errors
     /// [`KvqError::Cache`]; nothing changes on error.
     pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<(), KvqError> {
-        for c in &self.layers {
-            c.check_truncate(seq, len)?;
+        for (l, c) in self.layers.iter().enumerate() {
+            c.check_truncate(seq, len).map_err(|e| e.in_layer(l))?;
         }
-        for c in &mut self.layers {
-            c.truncate(seq, len)?;
+        for (l, c) in self.layers.iter_mut().enumerate() {
+            c.truncate(seq, len).map_err(|e| e.in_layer(l))?;
         }
         Ok(())
     }

@@ -195,3 +195,27 @@ fn query_heads_are_bounded() {
     let e = KvCacheConfig::from_toml(&bad).unwrap_err();
     assert!(e.to_string().contains("query_heads"), "{e}");
 }
+
+#[test]
+fn errors_of_a_layer_name_the_models_layer() {
+    // Each layer is a one-layer cache inside; its errors used to say layer 0 whatever the layer.
+    let spec: QuantSpec = "int4-token".parse().unwrap();
+    let config =
+        KvCacheConfig::builder(3, 1, 1, 32).specs(spec.clone(), spec).sink_tokens(0).build().unwrap();
+    let mut cache = QuantizedKvCache::new(config).unwrap();
+    let seq = cache.create();
+    let mut k = vec![0.5f32; 32];
+    k[7] = f32::NAN;
+    let v = vec![0.5f32; 32];
+    match cache.append(seq, 2, &k, &v) {
+        Err(KvqError::Cache(CacheError::NonFinite { layer: 2, channel: 7, .. })) => {}
+        other => panic!("{other:?}"),
+    }
+    let mut all_k = vec![0.5f32; 3 * 32];
+    all_k[32 + 5] = f32::INFINITY;
+    let all_v = vec![0.5f32; 3 * 32];
+    let e = cache.append_all_layers(seq, &all_k, &all_v).unwrap_err();
+    assert!(matches!(e, KvqError::Cache(CacheError::NonFinite { layer: 1, channel: 5, .. })), "{e:?}");
+    assert!(e.to_string().contains("layer 1"), "{e}");
+    assert_eq!(cache.len(seq, 0).unwrap(), 0);
+}
