@@ -437,11 +437,12 @@ mod x86 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// Random weight rows of `ty` in GGML's layout, from a fixed generator.
-    fn weights(ty: GgmlType, rows: usize, k: usize, seed: u64, extreme: bool) -> Vec<u8> {
+    /// Random weight rows of `ty` in GGML's layout, from a fixed generator (also the packed
+    /// layout's tests' input).
+    pub(crate) fn weights(ty: GgmlType, rows: usize, k: usize, seed: u64, extreme: bool) -> Vec<u8> {
         let mut s = seed | 1;
         let mut next = move || {
             s ^= s << 13;

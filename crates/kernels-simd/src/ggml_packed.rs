@@ -363,30 +363,8 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ggml::tests::weights;
     use crate::ggml::{matmul_t, scalar_matmul_t};
-
-    /// Random weight rows of `ty` in GGML's layout, codes at the extremes or not.
-    fn weights(ty: GgmlType, rows: usize, k: usize, seed: u64, extreme: bool) -> Vec<u8> {
-        let mut s = seed | 1;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
-        let mut out = Vec::new();
-        for _ in 0..rows * k / QK {
-            out.extend_from_slice(&f16::from_f32((next() % 1000) as f32 / 50_000.0 + 1e-4).to_le_bytes());
-            if ty == GgmlType::Q4_1 {
-                out.extend_from_slice(&f16::from_f32(-((next() % 100) as f32) / 1000.0).to_le_bytes());
-            }
-            for i in 0..code_bytes(ty) {
-                let extreme_byte = if ty == GgmlType::Q8_0 { [0x80u8, 0x7F][i % 2] } else { 0xFF };
-                out.push(if extreme { extreme_byte } else { next() as u8 });
-            }
-        }
-        out
-    }
 
     fn activations(n: usize, k: usize, seed: u64) -> Vec<f32> {
         let mut s = seed | 1;
