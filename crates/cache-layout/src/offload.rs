@@ -27,6 +27,7 @@ const MAGIC: &[u8; 8] = b"KVQCACHE";
 pub const OFFLOAD_VERSION: u32 = 1;
 const KIND_CACHE: u8 = 0;
 const KIND_SEQUENCE: u8 = 1;
+const KIND_SPLIT: u8 = 2;
 /// The largest offload file [`PagedCache::load`] reads (a pool of 2^32 blocks could not be
 /// described in less, but no machine holds such a pool in memory either).
 pub const MAX_FILE_BYTES: u64 = 1 << 40;
@@ -227,7 +228,12 @@ fn open(bytes: &[u8], kind: u8) -> Result<(CacheConfig, Reader<'_>)> {
     }
     let k = r.u8()?;
     if k != kind {
-        let what = |k| if k == KIND_CACHE { "a whole cache" } else { "one sequence" };
+        let what = |k| match k {
+            KIND_CACHE => "a whole cache",
+            KIND_SEQUENCE => "one sequence",
+            KIND_SPLIT => "the head of a split sequence",
+            _ => "an unknown kind of contents",
+        };
         return Err(CacheError::Offload(format!("the file holds {}, not {}", what(k), what(kind))));
     }
     let header_len = r.u32()? as usize;
@@ -249,15 +255,17 @@ fn start(config: &CacheConfig, kind: u8) -> Result<Writer> {
 }
 
 impl PagedCache {
-    fn write_layer(&self, w: &mut Writer, ls: &LayerSeq, with_blocks: bool) {
+    /// One layer's state; block contents in the file from index `with_blocks` of its table
+    /// (`usize::MAX`: only the ids; `0`: all of them).
+    fn write_layer(&self, w: &mut Writer, ls: &LayerSeq, with_blocks: usize) {
         w.u64(ls.len as u64);
         w.u64(ls.done[0] as u64);
         w.u64(ls.done[1] as u64);
         w.u64(ls.blocks.len() as u64);
-        for &id in &ls.blocks {
-            if with_blocks {
+        for (i, &id) in ls.blocks.iter().enumerate() {
+            if i >= with_blocks {
                 w.bytes(self.pool.block(id));
-            } else {
+            } else if with_blocks == usize::MAX {
                 w.u32(id);
             }
         }
@@ -278,15 +286,30 @@ impl PagedCache {
         Ok(())
     }
 
+    /// Reads one layer; `blocks(r, i)` makes the id of its table's block `i`, of which the
+    /// first `given_blocks` are not in the file.
     fn read_layer<'a>(
         &self,
         r: &mut Reader<'a>,
-        blocks: &mut dyn FnMut(&mut Reader<'a>) -> Result<BlockId>,
+        given_blocks: usize,
+        blocks: &mut dyn FnMut(&mut Reader<'a>, usize) -> Result<BlockId>,
     ) -> Result<LayerSeq> {
         let c = &self.config;
         let (len, done_k, done_v) = (r.usize()?, r.usize()?, r.usize()?);
-        // Every block costs at least 4 bytes of the file (an id, or a length and contents).
-        let n_blocks = r.count(4, "block count")?;
+        // Every block costs at least 4 bytes of the file (an id, or a length and contents),
+        // but for those of a split sequence given beside it.
+        let n_blocks = match given_blocks {
+            0 => r.count(4, "block count")?,
+            given => {
+                let n = r.usize()?;
+                if n < given || (n - given).checked_mul(4).is_none_or(|b| b > r.left()) {
+                    return Err(CacheError::Offload(format!(
+                        "{n} blocks, {given} of them given apart, do not fit the bytes left"
+                    )));
+                }
+                n
+            }
+        };
         // The blocks that the quantized tokens need (the done counts are checked against the
         // length once the layer is read).
         let needed = crate::cache::held_blocks(c.block_size, [done_k, done_v]).checked_mul(c.kv_heads);
@@ -297,8 +320,8 @@ impl PagedCache {
             return Err(CacheError::Offload(format!("{n_blocks} blocks exceed the pool")));
         }
         let mut ids = Vec::with_capacity(n_blocks);
-        for _ in 0..n_blocks {
-            ids.push(blocks(r)?);
+        for i in 0..n_blocks {
+            ids.push(blocks(r, i)?);
         }
         let [kt, vt] = c.tail_dtypes();
         let read_bufs = |r: &mut Reader<'a>, t| -> Result<Vec<TailBuf>> {
@@ -390,7 +413,7 @@ impl PagedCache {
         for (id, s) in &self.seqs {
             w.u64(id.0);
             for ls in &s.layers {
-                self.write_layer(&mut w, ls, false);
+                self.write_layer(&mut w, ls, usize::MAX);
             }
         }
         Ok(seal(w))
@@ -446,7 +469,7 @@ impl PagedCache {
             let id = SeqId(r.u64()?);
             let mut layers = Vec::new();
             for _ in 0..cache.config.layers {
-                let ls = cache.read_layer(&mut r, &mut |r| {
+                let ls = cache.read_layer(&mut r, 0, &mut |r, _| {
                     let b = r.u32()?;
                     if b as usize >= cap {
                         return Err(CacheError::Offload(format!("block id {b} outside the pool")));
@@ -514,7 +537,7 @@ impl PagedCache {
         let s = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
         let mut w = start(&self.config, KIND_SEQUENCE)?;
         for ls in &s.layers {
-            self.write_layer(&mut w, ls, true);
+            self.write_layer(&mut w, ls, 0);
         }
         Ok(seal(w))
     }
@@ -522,7 +545,20 @@ impl PagedCache {
     /// Reads a one-sequence file into its layers (block ids still placeholders) and the
     /// contents of its blocks, checking everything but the free blocks.
     fn parse_sequence<'a>(&self, bytes: &'a [u8]) -> Result<(Vec<LayerSeq>, Vec<&'a [u8]>)> {
-        let (config, mut r) = open(bytes, KIND_SEQUENCE)?;
+        self.parse_layers(bytes, KIND_SEQUENCE, &[])
+    }
+
+    /// Reads the layers of a sequence file (`KIND_SEQUENCE`) or of a split head
+    /// (`KIND_SPLIT`, whose first blocks are `given`: one slice per block of tokens, every
+    /// layer's heads in order) written by a cache of this config, and the contents of every
+    /// block, in the order of the layers' tables.
+    fn parse_layers<'a>(
+        &self,
+        bytes: &'a [u8],
+        kind: u8,
+        given: &[&'a [u8]],
+    ) -> Result<(Vec<LayerSeq>, Vec<&'a [u8]>)> {
+        let (config, mut r) = open(bytes, kind)?;
         let config = CacheConfig {
             capacity_blocks: self.config.capacity_blocks,
             row_kernels: self.config.row_kernels,
@@ -534,11 +570,29 @@ impl PagedCache {
             ));
         }
         let bb = self.pool.block_bytes();
+        let heads = self.config.kv_heads;
+        let given_tokens = if kind == KIND_SPLIT { r.usize()? } else { 0 };
+        if given_tokens != given.len() {
+            return Err(CacheError::Offload(format!(
+                "the head is for {given_tokens} stored blocks of tokens, {} given",
+                given.len()
+            )));
+        }
+        let split_bytes = self.split_block_bytes();
+        if let Some(b) = given.iter().find(|b| b.len() != split_bytes) {
+            return Err(CacheError::Offload(format!(
+                "a stored block of tokens of {} bytes, expected {split_bytes}",
+                b.len()
+            )));
+        }
         let mut contents: Vec<&[u8]> = Vec::new();
         let mut layers = Vec::with_capacity(self.config.layers);
-        for _ in 0..self.config.layers {
-            let ls = self.read_layer(&mut r, &mut |r| {
-                let b = r.bytes()?;
+        for l in 0..self.config.layers {
+            let ls = self.read_layer(&mut r, given.len() * heads, &mut |r, i| {
+                let b = match given.get(i / heads) {
+                    Some(g) => &g[(l * heads + i % heads) * bb..][..bb],
+                    None => r.bytes()?,
+                };
                 if b.len() != bb {
                     return Err(CacheError::Offload(format!("block of {} bytes, expected {bb}", b.len())));
                 }
@@ -547,12 +601,110 @@ impl PagedCache {
                 // A placeholder: real ids are allocated once the whole file has been read.
                 Ok(0)
             })?;
+            // What is given apart must be blocks that no later token changes.
+            if given.len() * self.config.block_size > ls.done[0].min(ls.done[1]) {
+                return Err(CacheError::Offload(format!(
+                    "{} stored blocks of tokens, but only {} tokens of layer {l} are quantized",
+                    given.len(),
+                    ls.done[0].min(ls.done[1])
+                )));
+            }
             layers.push(ls);
         }
         if r.at != r.data.len() {
             return Err(CacheError::Offload("trailing bytes after the last layer".into()));
         }
         Ok((layers, contents))
+    }
+
+    /// Bytes of one block of tokens of a split sequence ([`PagedCache::export_split`]): a pool
+    /// block for every layer and KV head.
+    pub fn split_block_bytes(&self) -> usize {
+        self.config.layers * self.config.kv_heads * self.pool.block_bytes()
+    }
+
+    /// The blocks of tokens of `seq` that are final: quantized in every layer, keys and
+    /// values, so that no later token changes their bytes.
+    pub fn final_blocks(&self, seq: SeqId) -> Result<usize> {
+        let s = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
+        let done = s.layers.iter().map(|ls| ls.done[0].min(ls.done[1])).min().unwrap_or(0);
+        Ok(done / self.config.block_size)
+    }
+
+    /// `seq` split for a store of blocks shared by prefix: its first `blocks` blocks of tokens
+    /// (at most its [`PagedCache::final_blocks`]), each as [`PagedCache::split_block_bytes`] bytes (every
+    /// layer's pool block of every KV head, in that order, as the cache holds them), and a
+    /// head with everything else (the config, lengths, the blocks not yet final, sinks and
+    /// full-precision tails), checksummed. A block of tokens depends only on the tokens up to
+    /// its end, so sequences that share a prefix share its blocks; the head belongs to one
+    /// length. [`PagedCache::import_split`] puts them together again, bit for bit.
+    ///
+    /// # Errors
+    /// [`CacheError::UnknownSequence`], [`CacheError::Offload`] (fixed codebooks, or more
+    /// blocks than are final).
+    pub fn export_split(&self, seq: SeqId, blocks: usize) -> Result<(Vec<u8>, Vec<Vec<u8>>)> {
+        let n = blocks;
+        let last = self.final_blocks(seq)?;
+        if n > last {
+            return Err(CacheError::Offload(format!("{n} blocks of tokens asked for, {last} are final")));
+        }
+        let s = &self.seqs[&seq];
+        let heads = self.config.kv_heads;
+        let mut w = start(&self.config, KIND_SPLIT)?;
+        w.u64(n as u64);
+        for ls in &s.layers {
+            self.write_layer(&mut w, ls, n * heads);
+        }
+        let mut contents = vec![Vec::with_capacity(self.split_block_bytes()); n];
+        for ls in &s.layers {
+            for (j, out) in contents.iter_mut().enumerate() {
+                for &id in &ls.blocks[j * heads..(j + 1) * heads] {
+                    out.extend_from_slice(self.pool.block(id));
+                }
+            }
+        }
+        Ok((seal(w), contents))
+    }
+
+    /// Whether [`PagedCache::import_split`] would succeed, changing nothing.
+    ///
+    /// # Errors
+    /// As [`PagedCache::import_split`].
+    pub fn check_import_split(&self, head: &[u8], blocks: &[&[u8]]) -> Result<()> {
+        let (_, contents) = self.parse_layers(head, KIND_SPLIT, blocks)?;
+        if contents.len() > self.unreserved_blocks() {
+            return Err(CacheError::PoolExhausted { needed: contents.len(), free: self.unreserved_blocks() });
+        }
+        Ok(())
+    }
+
+    /// A new sequence from a head and the blocks of tokens of [`PagedCache::export_split`]
+    /// (possibly of another process running the same config), in fresh blocks; every block
+    /// is checked as a file's would be.
+    ///
+    /// # Errors
+    /// [`CacheError::Offload`] for bad bytes, a head and blocks that do not go together, or
+    /// another cache config; [`CacheError::PoolExhausted`]; nothing changes on error.
+    pub fn import_split(&mut self, head: &[u8], blocks: &[&[u8]]) -> Result<SeqId> {
+        let (layers, contents) = self.parse_layers(head, KIND_SPLIT, blocks)?;
+        self.import_parsed(layers, contents)
+    }
+
+    fn import_parsed(&mut self, mut layers: Vec<LayerSeq>, contents: Vec<&[u8]>) -> Result<SeqId> {
+        let needed = contents.len();
+        if needed > self.unreserved_blocks() {
+            return Err(CacheError::PoolExhausted { needed, free: self.unreserved_blocks() });
+        }
+        let mut it = contents.into_iter();
+        for ls in &mut layers {
+            for id in &mut ls.blocks {
+                *id = self.pool.alloc().expect("reserved above");
+                self.pool.block_mut(*id).copy_from_slice(it.next().expect("one content per block"));
+            }
+        }
+        let id = self.take_seq_id();
+        self.seqs.insert(id, Sequence { layers });
+        Ok(id)
     }
 
     /// Whether [`PagedCache::import_sequence`] of `bytes` would succeed, without changing
@@ -576,20 +728,7 @@ impl PagedCache {
     /// [`CacheError::Offload`] for a bad file or a different cache config,
     /// [`CacheError::PoolExhausted`]; nothing changes on error.
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
-        let (mut layers, contents) = self.parse_sequence(bytes)?;
-        let needed = contents.len();
-        if needed > self.unreserved_blocks() {
-            return Err(CacheError::PoolExhausted { needed, free: self.unreserved_blocks() });
-        }
-        let mut it = contents.into_iter();
-        for ls in &mut layers {
-            for id in &mut ls.blocks {
-                *id = self.pool.alloc().expect("reserved above");
-                self.pool.block_mut(*id).copy_from_slice(it.next().expect("one content per block"));
-            }
-        }
-        let id = self.take_seq_id();
-        self.seqs.insert(id, Sequence { layers });
-        Ok(id)
+        let (layers, contents) = self.parse_sequence(bytes)?;
+        self.import_parsed(layers, contents)
     }
 }

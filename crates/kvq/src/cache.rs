@@ -21,6 +21,27 @@ pub const CONFIG_VERSION: u32 = 1;
 const SEQ_MAGIC: &[u8; 8] = b"KVQSEQS\0";
 /// Their version.
 const SEQ_VERSION: u32 = 1;
+/// The container of the per-layer heads of a split sequence.
+const SPLIT_MAGIC: &[u8; 8] = b"KVQSPLIT";
+
+/// Per-layer parts, each with its length, behind `magic`, the version and the layer count,
+/// with a CRC-32 of everything.
+fn container(magic: &[u8; 8], parts: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = magic.to_vec();
+    out.extend_from_slice(&SEQ_VERSION.to_le_bytes());
+    out.extend_from_slice(&(parts.len() as u32).to_le_bytes());
+    for p in parts {
+        out.extend_from_slice(&(p.len() as u64).to_le_bytes());
+        out.extend_from_slice(p);
+    }
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+fn offload(message: String) -> KvqError {
+    KvqError::Cache(CacheError::Offload(message))
+}
 
 /// The most values one token's queries can have (`query_heads × head_dim`).
 pub const MAX_QUERY_VALUES: usize = 1 << 24;
@@ -781,17 +802,8 @@ impl QuantizedKvCache {
     /// # Errors
     /// [`KvqError::Cache`]: an unknown sequence, or a spec without a text form (fixed codebooks).
     pub fn export_sequence(&self, seq: SeqId) -> Result<Vec<u8>, KvqError> {
-        let mut out = SEQ_MAGIC.to_vec();
-        out.extend_from_slice(&SEQ_VERSION.to_le_bytes());
-        out.extend_from_slice(&(self.layers.len() as u32).to_le_bytes());
-        for c in &self.layers {
-            let bytes = c.export_sequence(seq)?;
-            out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-            out.extend_from_slice(&bytes);
-        }
-        let crc = crc32fast::hash(&out);
-        out.extend_from_slice(&crc.to_le_bytes());
-        Ok(out)
+        let parts = self.layers.iter().map(|c| c.export_sequence(seq)).collect::<Result<Vec<_>, _>>()?;
+        Ok(container(SEQ_MAGIC, &parts))
     }
 
     /// Brings back a sequence written by [`QuantizedKvCache::export_sequence`] as a new
@@ -802,22 +814,125 @@ impl QuantizedKvCache {
     /// [`KvqError::Cache`] with [`CacheError::Offload`] for a bad file or one written by a
     /// cache of another config, [`CacheError::PoolExhausted`]; nothing changes on error.
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId, KvqError> {
-        let bad = |m: String| KvqError::Cache(CacheError::Offload(m));
-        let head = SEQ_MAGIC.len() + 8;
-        if bytes.len() < head + 4 || bytes[..SEQ_MAGIC.len()] != SEQ_MAGIC[..] {
-            return Err(bad("not a kvq sequence file (bad magic or truncated)".into()));
+        let parts = self.open_container(SEQ_MAGIC, bytes)?;
+        self.import_layers(|c, l| {
+            let part = parts[l];
+            (c.check_import(part), move |c: &mut PagedCache| c.import_sequence(part))
+        })
+    }
+
+    /// Bytes of one block of tokens of [`QuantizedKvCache::export_split`]: every layer's.
+    pub fn split_block_bytes(&self) -> usize {
+        self.layers.iter().map(PagedCache::split_block_bytes).sum()
+    }
+
+    /// The blocks of tokens of `seq` that no later token changes, in every layer.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`]: an unknown sequence.
+    pub fn final_blocks(&self, seq: SeqId) -> Result<usize, KvqError> {
+        let mut n = usize::MAX;
+        for c in &self.layers {
+            n = n.min(c.final_blocks(seq)?);
+        }
+        Ok(if self.layers.is_empty() { 0 } else { n })
+    }
+
+    /// `seq` split for a block store shared by prefix ([`PagedCache::export_split`] in every
+    /// layer): its first `blocks` blocks of tokens (at most [`QuantizedKvCache::final_blocks`]),
+    /// each [`QuantizedKvCache::split_block_bytes`] bytes of every layer's quantized rows
+    /// exactly as the cache holds them, and a checksummed head with the rest. Sequences with the
+    /// same tokens (and the same model and config) have the same blocks of tokens; the head
+    /// belongs to one length.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`]: an unknown sequence, a spec without a text form, too many blocks.
+    pub fn export_split(&self, seq: SeqId, blocks: usize) -> Result<(Vec<u8>, Vec<Vec<u8>>), KvqError> {
+        let mut heads = Vec::with_capacity(self.layers.len());
+        let mut out = vec![Vec::with_capacity(self.split_block_bytes()); blocks];
+        for (l, c) in self.layers.iter().enumerate() {
+            let (head, parts) = c.export_split(seq, blocks).map_err(|e| e.in_layer(l))?;
+            heads.push(head);
+            for (o, p) in out.iter_mut().zip(parts) {
+                o.extend_from_slice(&p);
+            }
+        }
+        Ok((container(SPLIT_MAGIC, &heads), out))
+    }
+
+    /// A new sequence from a head and blocks of tokens of [`QuantizedKvCache::export_split`],
+    /// possibly written by another process. Every layer's part is checked before any layer
+    /// changes.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`] with [`CacheError::Offload`] for bad bytes, pieces that do not go
+    /// together, another config; [`CacheError::PoolExhausted`]; nothing changes on error.
+    pub fn import_split(&mut self, head: &[u8], blocks: &[&[u8]]) -> Result<SeqId, KvqError> {
+        let heads = self.open_container(SPLIT_MAGIC, head)?;
+        let total = self.split_block_bytes();
+        if let Some(b) = blocks.iter().find(|b| b.len() != total) {
+            return Err(offload(format!("a block of tokens of {} bytes, expected {total}", b.len())));
+        }
+        // Each layer's slice of every block of tokens.
+        let mut per_layer: Vec<Vec<&[u8]>> = vec![Vec::with_capacity(blocks.len()); self.layers.len()];
+        let mut at = 0;
+        for (c, slices) in self.layers.iter().zip(&mut per_layer) {
+            let n = c.split_block_bytes();
+            slices.extend(blocks.iter().map(|b| &b[at..at + n]));
+            at += n;
+        }
+        self.import_layers(|c, l| {
+            let (h, b) = (heads[l], &per_layer[l]);
+            (c.check_import_split(h, b), move |c: &mut PagedCache| c.import_split(h, b))
+        })
+    }
+
+    /// Checks every layer's import (`plan(layer's cache, l)` gives the check's result and the
+    /// import), then imports into every layer.
+    fn import_layers<F>(
+        &mut self,
+        mut plan: impl FnMut(&PagedCache, usize) -> (Result<(), CacheError>, F),
+    ) -> Result<SeqId, KvqError>
+    where
+        F: FnOnce(&mut PagedCache) -> Result<SeqId, CacheError>,
+    {
+        let mut imports = Vec::with_capacity(self.layers.len());
+        for (l, c) in self.layers.iter().enumerate() {
+            let (checked, import) = plan(c, l);
+            checked.map_err(|e| match e {
+                CacheError::Offload(m) => offload(format!("layer {l}: {m}")),
+                other => KvqError::Cache(other),
+            })?;
+            imports.push(import);
+        }
+        let ids = self
+            .layers
+            .iter_mut()
+            .zip(imports)
+            .map(|(c, import)| import(c))
+            .collect::<Result<Vec<_>, _>>()?;
+        debug_assert!(ids.windows(2).all(|w| w[0] == w[1]), "layers out of step");
+        ids.first().copied().ok_or_else(|| offload("a cache of no layers".into()))
+    }
+
+    /// The per-layer parts of a container written by [`container`], checked against this
+    /// cache's layer count.
+    fn open_container<'a>(&self, magic: &[u8; 8], bytes: &'a [u8]) -> Result<Vec<&'a [u8]>, KvqError> {
+        let head = magic.len() + 8;
+        if bytes.len() < head + 4 || bytes[..magic.len()] != magic[..] {
+            return Err(offload("not a kvq sequence file of this kind (bad magic or truncated)".into()));
         }
         let (content, crc) = bytes.split_at(bytes.len() - 4);
         if crc32fast::hash(content) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
-            return Err(bad("checksum mismatch: the file is corrupt or truncated".into()));
+            return Err(offload("checksum mismatch: the file is corrupt or truncated".into()));
         }
         let word = |at: usize| u32::from_le_bytes(content[at..at + 4].try_into().expect("4 bytes"));
-        let (version, layers) = (word(SEQ_MAGIC.len()), word(SEQ_MAGIC.len() + 4) as usize);
+        let (version, layers) = (word(magic.len()), word(magic.len() + 4) as usize);
         if version != SEQ_VERSION {
-            return Err(bad(format!("sequence file version {version} (this build reads {SEQ_VERSION})")));
+            return Err(offload(format!("sequence file version {version} (this build reads {SEQ_VERSION})")));
         }
         if layers != self.layers.len() {
-            return Err(bad(format!("the file has {layers} layers, the cache {}", self.layers.len())));
+            return Err(offload(format!("the file has {layers} layers, the cache {}", self.layers.len())));
         }
         let mut parts = Vec::with_capacity(layers);
         let mut at = head;
@@ -827,27 +942,14 @@ impl QuantizedKvCache {
                 .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
                 .and_then(|n| usize::try_from(n).ok())
                 .filter(|&n| n <= content.len() - at - 8)
-                .ok_or_else(|| bad(format!("layer {l}: truncated")))?;
+                .ok_or_else(|| offload(format!("layer {l}: truncated")))?;
             parts.push(&content[at + 8..at + 8 + len]);
             at += 8 + len;
         }
         if at != content.len() {
-            return Err(bad("trailing bytes after the last layer".into()));
+            return Err(offload("trailing bytes after the last layer".into()));
         }
-        for (l, (c, part)) in self.layers.iter().zip(&parts).enumerate() {
-            c.check_import(part).map_err(|e| match e {
-                CacheError::Offload(m) => bad(format!("layer {l}: {m}")),
-                other => KvqError::Cache(other),
-            })?;
-        }
-        let ids = self
-            .layers
-            .iter_mut()
-            .zip(&parts)
-            .map(|(c, part)| c.import_sequence(part))
-            .collect::<Result<Vec<_>, _>>()?;
-        debug_assert!(ids.windows(2).all(|w| w[0] == w[1]), "layers out of step");
-        Ok(ids[0])
+        Ok(parts)
     }
 
     /// Appends many tokens (`[kv_heads, tokens, head_dim]` tensors) to `layer`.

@@ -722,3 +722,48 @@ fn blocks_for_tokens_is_what_a_sequence_holds() {
     let eager = base().specs("int4-channel".parse().unwrap(), "int4-token".parse().unwrap()).build().unwrap();
     assert_eq!(eager.blocks_for_tokens(12).unwrap(), [2, 2]);
 }
+
+/// A sequence split into blocks of tokens and a head comes back whole in another cache; a
+/// shorter sequence of the same tokens shares the longer one's blocks; pieces that do not go
+/// together change nothing.
+#[test]
+fn split_sequences_share_their_blocks_and_import_exactly() {
+    let c = config();
+    let per = c.kv_heads * c.head_dim;
+    let mut cache = QuantizedKvCache::new(c.clone()).unwrap();
+    let fill = |cache: &mut QuantizedKvCache, len: usize| {
+        let s = cache.create();
+        for t in 0..len {
+            cache.append_all_layers(s, &token(3 * per, t), &token(3 * per, t + 3)).unwrap();
+        }
+        s
+    };
+    let long = fill(&mut cache, 70);
+    let n = cache.final_blocks(long).unwrap();
+    assert!(n >= 2, "{n} final blocks");
+    let (_, blocks) = cache.export_split(long, n).unwrap();
+    assert!(blocks.iter().all(|b| b.len() == cache.split_block_bytes()));
+    let short = fill(&mut cache, 40);
+    let m = cache.final_blocks(short).unwrap();
+    let (head, own) = cache.export_split(short, m).unwrap();
+    assert_eq!(own[..], blocks[..m], "the same tokens, the same blocks");
+    let given: Vec<&[u8]> = blocks[..m].iter().map(Vec::as_slice).collect();
+    let mut other = QuantizedKvCache::new(c.clone()).unwrap();
+    let back = other.import_split(&head, &given).unwrap();
+    assert_eq!(other.export_sequence(back).unwrap(), cache.export_sequence(short).unwrap());
+
+    let before = other.export_sequence(back).unwrap();
+    let free = other.free_blocks();
+    let mut damaged = head.clone();
+    damaged[head.len() / 2] ^= 1;
+    assert!(other.import_split(&damaged, &given).is_err());
+    assert!(other.import_split(&head, &given[..m - 1]).is_err());
+    let mut cut = blocks[0].clone();
+    cut.truncate(cut.len() - 1);
+    let mut with_cut = given.clone();
+    with_cut[0] = &cut;
+    assert!(other.import_split(&head, &with_cut).is_err());
+    assert!(other.import_split(&cache.export_sequence(short).unwrap(), &given).is_err());
+    assert_eq!(other.free_blocks(), free);
+    assert_eq!(other.export_sequence(back).unwrap(), before);
+}
