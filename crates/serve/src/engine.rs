@@ -39,6 +39,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::prefix::{self, Geometry, PrefixCache};
 use crate::sampling::{Sampler, SamplingParams};
+use crate::store::{Fetched, PrefixStore};
 use crate::text::{Detokenizer, StopMatcher};
 
 /// Why a generation ended (OpenAI's `finish_reason`).
@@ -93,6 +94,9 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Where events go; a closed channel cancels the request.
     pub events: UnboundedSender<Event>,
+    /// A prefix of the prompt read from the shared store, checked, to import instead of
+    /// prefilling it (when the process's own prefix cache holds no longer one).
+    pub stored: Option<Fetched>,
 }
 
 /// The engine's limits.
@@ -115,6 +119,9 @@ pub struct EngineConfig {
     /// How prompt chunks attend ([`Prefill::Exact`]: as decode steps would, which the
     /// prefix cache's exactness relies on).
     pub prefill: Prefill,
+    /// The store shared with other processes, written with every prefix the process's own
+    /// prefix cache would keep ([`crate::store`]).
+    pub store: Option<Arc<PrefixStore>>,
 }
 
 /// How much of a request's length its admission reserves in the pool.
@@ -196,6 +203,8 @@ struct Running {
     detok: Detokenizer,
     stops: StopMatcher,
     generated: usize,
+    /// The prompt length at which a prefix snapshot is taken (prefill chunks stop there).
+    cut: Option<usize>,
 }
 
 impl Running {
@@ -265,11 +274,7 @@ impl Engine {
         let geometry = Geometry { sinks: cache.sink_tokens, block: cache.block_size };
         let prefix = PrefixCache::new(
             geometry,
-            // The pool's size is no part of what a block holds.
-            prefix::root(
-                &config.model_fingerprint,
-                KvCacheConfig { blocks_per_layer: 0, ..cache.clone() }.to_json().as_bytes(),
-            ),
+            prefix::cache_root(&config.model_fingerprint, &cache),
             config.prefix_entries,
         );
         let cache = QuantizedKvCache::new(cache).map_err(|e| e.to_string())?;
@@ -329,7 +334,11 @@ impl Engine {
                 Phase::Decode(_) => plan.push((i, 0..1)),
                 Phase::Prefill(_) if budget == 0 => {}
                 Phase::Prefill(done) => {
-                    let n = (r.req.prompt.len() - done).min(budget);
+                    let mut n = (r.req.prompt.len() - done).min(budget);
+                    // A chunk stops where the snapshot is taken.
+                    if let Some(cut) = r.cut.filter(|&c| c > done) {
+                        n = n.min(cut - done);
+                    }
                     budget -= n;
                     plan.push((i, done..done + n));
                 }
@@ -404,11 +413,13 @@ impl Engine {
         if let Phase::Prefill(done) = self.running[i].phase {
             let len = self.cache.len(self.running[i].seq, 0).map_err(|e| e.to_string())?;
             self.stats.prompt_tokens.fetch_add((len - done) as u64, Ordering::Relaxed);
+            if self.running[i].cut == Some(len) {
+                self.snapshot(i);
+            }
             if logits.is_none() {
                 self.running[i].phase = Phase::Prefill(len);
                 return Ok(false);
             }
-            self.snapshot(i);
         }
         let Some(last) = logits else { return Err("no logits for a finished prompt".into()) };
         self.sample(i, &last)
@@ -446,8 +457,9 @@ impl Engine {
                 wants.push(need.min(req.prompt.len() + self.cache.config().block_size));
             }
             let mut admitted = Err(String::new());
+            let mut stored = req.stored.as_ref();
             for want in wants {
-                admitted = self.with_eviction(|e| e.place(&req.prompt, want));
+                admitted = self.with_eviction(|e| e.place(&req.prompt, want, &mut stored));
                 if admitted.is_ok() {
                     break;
                 }
@@ -471,7 +483,11 @@ impl Engine {
             let sampler = Sampler::new(req.sampling.clone(), &req.prompt);
             let stops = StopMatcher::new(req.stop.clone());
             self.admissions += 1;
+            let local = self.prefix.wants(&req.prompt);
+            let shared = self.config.store.as_ref().and_then(|s| s.wants(&req.prompt));
+            let cut = local.or(shared).filter(|&end| end > reused);
             self.running.push(Running {
+                cut,
                 req,
                 admitted_at: self.admissions,
                 seq,
@@ -582,10 +598,43 @@ impl Engine {
     }
 
     /// A sequence for `prompt` holding the blocks of `need` tokens: a fork of the longest
-    /// prefix snapshot (and the tokens it already holds), else a new one. Nothing is left
-    /// behind on error.
-    fn place(&mut self, prompt: &[u32], need: usize) -> Result<(SeqId, usize), String> {
-        if let Some((snapshot, len)) = self.prefix.lookup(prompt)
+    /// prefix snapshot, or the prefix read from the shared store when it is longer (set to
+    /// `None` once it is refused), each with the tokens it already holds; else a new one.
+    /// Nothing is left behind on error.
+    fn place(
+        &mut self,
+        prompt: &[u32],
+        need: usize,
+        stored: &mut Option<&Fetched>,
+    ) -> Result<(SeqId, usize), String> {
+        let local = self.prefix.lookup(prompt);
+        if let Some(f) = *stored
+            && local.is_none_or(|(_, len)| len < f.end)
+        {
+            let blocks: Vec<&[u8]> = f.blocks.iter().map(Vec::as_slice).collect();
+            match self.cache.import_split(&f.head, &blocks) {
+                Ok(seq) => {
+                    if self.cache.reserve(seq, need - f.end).is_ok() {
+                        if let Some(store) = &self.config.store {
+                            store.stats().hits.fetch_add(1, Ordering::Relaxed);
+                            store.stats().tokens_reused.fetch_add(f.end as u64, Ordering::Relaxed);
+                        }
+                        return Ok((seq, f.end));
+                    }
+                    let _ = self.cache.free(seq);
+                }
+                // Blocks may come back: the caller evicts and calls again.
+                Err(kvq::cache::KvqError::Cache(kvq::layout::CacheError::PoolExhausted { .. })) => {}
+                Err(_) => {
+                    // Checked entries that do not import (another build's layout): computed.
+                    if let Some(store) = &self.config.store {
+                        store.stats().refused.fetch_add(1, Ordering::Relaxed);
+                    }
+                    *stored = None;
+                }
+            }
+        }
+        if let Some((snapshot, len)) = local
             && let Ok(seq) = self.cache.fork(snapshot)
         {
             if self.cache.reserve(seq, need - len).is_ok() {
@@ -603,14 +652,25 @@ impl Engine {
         }
     }
 
-    /// Keeps a snapshot of request `i`'s sequence, whose prompt has just been prefilled, cut
-    /// back to its last block boundary (see [`crate::prefix`]). Best effort: a fork or a cut
-    /// the cache refuses keeps nothing.
+    /// Keeps a snapshot of request `i`'s sequence, whose prompt has just been prefilled up to
+    /// its cut (see [`crate::prefix`]), in the process's prefix cache and in the shared
+    /// store, where each wants it. Best effort: a fork the cache refuses keeps nothing.
     fn snapshot(&mut self, i: usize) {
         let r = &self.running[i];
-        let Some(end) = self.prefix.wants(&r.req.prompt) else { return };
+        let local = self.prefix.wants(&r.req.prompt);
+        let shared = self.config.store.as_ref().and_then(|s| s.wants(&r.req.prompt));
+        if local.or(shared).is_none() {
+            return;
+        }
         let Ok(copy) = self.cache.fork(r.seq) else { return };
-        if self.cache.truncate(copy, end).is_err() {
+        let end = self.cache.len(copy, 0).unwrap_or(0);
+        if let Some(store) = self.config.store.as_ref().filter(|_| shared == Some(end))
+            && let Ok(n) = self.cache.final_blocks(copy)
+            && let Ok((head, blocks)) = self.cache.export_split(copy, n)
+        {
+            store.offer(&r.req.prompt, end, head, blocks);
+        }
+        if local != Some(end) {
             let _ = self.cache.free(copy);
             return;
         }

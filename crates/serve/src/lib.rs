@@ -27,4 +27,5 @@ pub mod engine;
 pub mod prefix;
 pub mod sampling;
 pub mod server;
+pub mod store;
 pub mod text;

@@ -79,6 +79,12 @@ struct Args {
     /// most 4).
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Share prompt prefixes' quantized blocks with other processes through a store:
+    /// `dir://PATH[?max_bytes=N]` (files, the default directory when no URL is given),
+    /// `redis://HOST:PORT/DB[?ttl=SECONDS]`, or `memory://`. A prompt whose prefix another
+    /// process computed is read from it instead of prefilled.
+    #[arg(long, value_name = "URL", num_args = 0..=1, default_missing_value = "")]
+    prefix_store: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -100,6 +106,7 @@ fn main() -> ExitCode {
         threads: a.threads.max(1),
         admission: if a.admission == "full" { Admission::Full } else { Admission::Optimistic },
         prefill: if a.prefill == "chunked" { Prefill::Chunked } else { Prefill::Exact },
+        prefix_store: a.prefix_store,
     };
     match run(&config, a.addr, a.threads.max(1)) {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,15 +1,17 @@
 //! Automatic prefix caching: prompts that begin like an earlier one reuse its cached blocks.
 //!
-//! When a request's prompt has been prefilled, the engine keeps a copy-on-write fork of its
-//! sequence cut back to the last block boundary before the prompt's last token (the boundary
-//! `B`; blocks follow the sink tokens). A later prompt whose first `B` tokens are the same
-//! forks that snapshot and prefills only the rest.
+//! While a request's prompt is prefilled, the engine keeps a copy-on-write fork of its
+//! sequence at the last block boundary before the prompt's last token (the boundary `B`;
+//! blocks follow the sink tokens): prefill chunks stop at `B`, and the fork is taken there. A
+//! later prompt whose first `B` tokens are the same forks that snapshot and prefills only the
+//! rest.
 //!
-//! Reuse is exact: the snapshot holds what a fresh prefill of those `B` tokens would hold.
-//! kvq's cache quantizes a block only once a full window of newer tokens follows it, and the
-//! prompt ran at most one block past `B`, so every block that the fresh prefill would keep in
-//! full precision is still in full precision in the snapshot (where it is not, the cut fails
-//! and no snapshot is kept). So a hit changes no output, only the time to the first token.
+//! Reuse is exact: the snapshot is what a prefill of those `B` tokens holds, taken when the
+//! sequence had exactly `B` tokens (a prompt chunk's tokens attend as decode steps would, so
+//! where chunks stop changes nothing). Cutting a longer sequence back to `B` would not do:
+//! once a prompt runs a whole block past `B`, the cache has quantized a block that a sequence
+//! of `B` tokens still holds in full precision. So a hit changes no output, only the time to
+//! the first token. The same snapshots go to the shared store ([`crate::store`]).
 //!
 //! Snapshots are keyed by a hash chain over the token ids of each block, the key of the block
 //! before, and a fingerprint of the model and the cache config; a hit is confirmed by
@@ -43,6 +45,13 @@ fn fnv_bytes(mut h: u64, bytes: impl Iterator<Item = u8>) -> u64 {
 /// The chain's root for a model and a cache config.
 pub fn root(model_fingerprint: &[u8], config_digest: &[u8]) -> u64 {
     fnv(fnv(0xcbf2_9ce4_8422_2325, model_fingerprint), config_digest)
+}
+
+/// The chain's root for a model's fingerprint and a cache config (its pool size left out: it
+/// is no part of what a block holds).
+pub fn cache_root(model_fingerprint: &[u8], cache: &kvq::cache::KvCacheConfig) -> u64 {
+    let json = kvq::cache::KvCacheConfig { blocks_per_layer: 0, ..cache.clone() }.to_json();
+    root(model_fingerprint, json.as_bytes())
 }
 
 /// Where blocks begin and end: after `sinks` tokens, every `block` tokens.

@@ -28,6 +28,8 @@ use crate::api::{
 };
 use crate::chat::ChatTemplate;
 use crate::engine::{Admission, Engine, EngineConfig, Event, FinishReason, Prefill, Request, Stats};
+use crate::prefix::{self, Geometry};
+use crate::store::{Fetched, PrefixStore};
 
 /// What the server is started with.
 #[derive(Debug, Clone)]
@@ -65,6 +67,9 @@ pub struct ServerConfig {
     /// Threads of the engine's own rayon pool (the matrix products and the attention), the
     /// engine's thread among them.
     pub threads: usize,
+    /// A block store shared with other processes ([`crate::store::open`]'s URL; empty: the
+    /// default directory), or none.
+    pub prefix_store: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -86,6 +91,7 @@ impl Default for ServerConfig {
             threads: 2,
             admission: Admission::Optimistic,
             prefill: Prefill::Exact,
+            prefix_store: None,
         }
     }
 }
@@ -106,6 +112,7 @@ struct App {
     bits_per_value: f64,
     pool_bytes: usize,
     next_id: AtomicU64,
+    store: Option<Arc<PrefixStore>>,
 }
 
 /// A server ready to be bound: the model loaded, the engine thread running.
@@ -174,6 +181,18 @@ impl Server {
         let stats = Arc::new(Stats::default());
         let tokenizer = Arc::new(tokenizer);
         let bits_per_value = cache.bits_per_value();
+        let model_fingerprint = fingerprint(&config.model)?;
+        let store = match &config.prefix_store {
+            None => None,
+            Some(url) => {
+                let backend = crate::store::open(url).map_err(|e| e.to_string())?;
+                let geometry = Geometry { sinks: cache.sink_tokens, block: cache.block_size };
+                let root = prefix::cache_root(&model_fingerprint, &cache);
+                let store = PrefixStore::new(backend, geometry, root)?;
+                eprintln!("kvq-serve: prefix store {}", store.describe());
+                Some(Arc::new(store))
+            }
+        };
         let engine = Engine::new(
             Arc::new(model),
             Arc::clone(&tokenizer),
@@ -186,7 +205,8 @@ impl Server {
                 prefix_entries: config.prefix_entries,
                 admission: config.admission,
                 prefill: config.prefill,
-                model_fingerprint: fingerprint(&config.model)?,
+                model_fingerprint,
+                store: store.clone(),
             },
             Arc::clone(&stats),
         )?;
@@ -221,6 +241,7 @@ impl Server {
             bits_per_value,
             pool_bytes: blocks * block_bytes,
             next_id: AtomicU64::new(1),
+            store,
         };
         Ok(Self { app: Arc::new(app), max_body: config.max_body })
     }
@@ -405,13 +426,61 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
             g(&s.prefix_tokens_reused).to_string(),
         ),
         ("kvq_prefix_entries", "gauge", "Prefix snapshots held", g(&s.prefix_entries).to_string()),
-        (
-            "kvq_cache_bits_per_value",
-            "gauge",
-            "Bits per cached key or value of the config",
-            format!("{:.4}", app.bits_per_value),
-        ),
     ];
+    let mut rows = rows;
+    if let Some(store) = &app.store {
+        let t = store.stats();
+        rows.extend([
+            (
+                "kvq_store_hits_total",
+                "counter",
+                "Requests admitted on a prefix read from the shared store",
+                g(&t.hits).to_string(),
+            ),
+            (
+                "kvq_store_misses_total",
+                "counter",
+                "Prompts of which the shared store held no prefix",
+                g(&t.misses).to_string(),
+            ),
+            (
+                "kvq_store_tokens_reused_total",
+                "counter",
+                "Prompt tokens not prefilled thanks to the shared store",
+                g(&t.tokens_reused).to_string(),
+            ),
+            (
+                "kvq_store_bytes_read_total",
+                "counter",
+                "Bytes of entries read from the shared store",
+                g(&t.bytes_read).to_string(),
+            ),
+            (
+                "kvq_store_bytes_written_total",
+                "counter",
+                "Bytes of entries written to the shared store",
+                g(&t.bytes_written).to_string(),
+            ),
+            (
+                "kvq_store_errors_total",
+                "counter",
+                "Shared store calls that failed (unreachable, I/O) and writes dropped",
+                g(&t.errors).to_string(),
+            ),
+            (
+                "kvq_store_refused_total",
+                "counter",
+                "Shared store entries refused (checksum, header, tokens) and recomputed",
+                g(&t.refused).to_string(),
+            ),
+        ]);
+    }
+    rows.extend([(
+        "kvq_cache_bits_per_value",
+        "gauge",
+        "Bits per cached key or value of the config",
+        format!("{:.4}", app.bits_per_value),
+    )]);
     let mut text = String::new();
     for (name, kind, help, value) in rows {
         text += &format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n");
@@ -494,9 +563,10 @@ fn fresh_seed(app: &App) -> u64 {
     t ^ app.next_id.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
-fn submit(app: &App, job: &Job) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+fn submit(app: &App, job: &Job, stored: Option<Fetched>) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
     let (tx, rx) = mpsc::unbounded_channel();
     let req = Request {
+        stored,
         prompt: job.prompt.clone(),
         max_tokens: job.max_tokens,
         sampling: job.checked.sampling.clone(),
@@ -598,7 +668,15 @@ async fn answer(app: Arc<App>, slot: Slot, prepared: Result<Job, ApiError>, kind
         Ok(j) => j,
         Err(e) => return e.into_response(),
     };
-    let mut rx = match submit(&app, &job) {
+    // The shared store is read here, off the engine's thread, while other requests decode.
+    let stored = match app.store.clone() {
+        Some(store) => {
+            let prompt = job.prompt.clone();
+            tokio::task::spawn_blocking(move || store.lookup(&prompt)).await.ok().flatten()
+        }
+        None => None,
+    };
+    let mut rx = match submit(&app, &job, stored) {
         Ok(rx) => rx,
         Err(e) => return e.into_response(),
     };

@@ -2,82 +2,16 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use kvq::attention::ScorePath;
 use kvq_candle::{GgufTokenizer, KvStore, KvqStore, LlamaModel};
 use kvq_serve::engine::Admission;
-use kvq_serve::server::{Server, ServerConfig};
+use kvq_serve::server::ServerConfig;
+
+mod common;
+use common::*;
 use serde_json::{Value, json};
-
-fn tiny_model() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("kvq-serve-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("tiny.gguf");
-        kvq_candle::tiny::TinyModel::default().write(&path).unwrap();
-        path
-    })
-    .clone()
-}
-
-fn config() -> ServerConfig {
-    ServerConfig {
-        model: tiny_model(),
-        model_id: Some("tiny".into()),
-        pool_bytes: 8 << 20,
-        context: 512,
-        ..ServerConfig::default()
-    }
-}
-
-/// Starts a server on a free loopback port; it stops when the test process ends.
-fn start(config: ServerConfig) -> SocketAddr {
-    let server = Server::start(&config).unwrap();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    listener.set_nonblocking(true).unwrap();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            server.serve(listener, std::future::pending()).await.unwrap();
-        });
-    });
-    addr
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(120)))
-        .build()
-        .into()
-}
-
-/// POSTs `body` (raw text); returns the status, the Retry-After header and the body.
-fn post_raw(addr: SocketAddr, path: &str, body: &str) -> (u16, Option<String>, String) {
-    let mut r = agent()
-        .post(&format!("http://{addr}{path}"))
-        .header("content-type", "application/json")
-        .send(body)
-        .unwrap();
-    let retry = r.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
-    (r.status().as_u16(), retry, r.body_mut().with_config().limit(64 << 20).read_to_string().unwrap())
-}
-
-fn post(addr: SocketAddr, path: &str, body: Value) -> (u16, Value) {
-    let (status, _, text) = post_raw(addr, path, &body.to_string());
-    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
-}
-
-fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut r = agent().get(&format!("http://{addr}{path}")).call().unwrap();
-    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
-}
 
 /// The data lines of a server-sent-events stream.
 fn stream(addr: SocketAddr, path: &str, body: Value) -> Vec<String> {
@@ -93,20 +27,6 @@ fn stream(addr: SocketAddr, path: &str, body: Value) -> Vec<String> {
         .map(Result::unwrap)
         .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
         .collect()
-}
-
-fn completion(addr: SocketAddr, prompt: &str, max_tokens: usize) -> Value {
-    let (status, v) = post(
-        addr,
-        "/v1/completions",
-        json!({ "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true }),
-    );
-    assert_eq!(status, 200, "{v}");
-    v
-}
-
-fn text(v: &Value) -> String {
-    v["choices"][0]["text"].as_str().unwrap().to_string()
 }
 
 /// Greedy decoding of `prompt` with the model and kvq's cache directly, no server: the text
@@ -260,25 +180,6 @@ fn memory_pressure_preempts_and_changes_no_output() {
     assert!(metric(addr, "kvq_preemptions_total") >= 1.0);
     settles(addr, "kvq_sequences_preempted", 0.0);
     settles(addr, "kvq_sequences_running", 0.0);
-}
-
-/// Waits (10 s at most) for a gauge to read `value`: the engine publishes its gauges after
-/// each step, a moment after the events of the step reach their clients.
-fn settles(addr: SocketAddr, name: &str, value: f64) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while metric(addr, name) != value {
-        assert!(Instant::now() < deadline, "{name} stays at {}, not {value}", metric(addr, name));
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-fn metric(addr: SocketAddr, name: &str) -> f64 {
-    let (_, body) = get(addr, "/metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .unwrap_or_else(|| panic!("{name} in {body}"))
-        .parse()
-        .unwrap()
 }
 
 #[test]
@@ -440,15 +341,7 @@ fn prefix_hits_are_exact_at_every_prompt_length() {
     let addr = start(config());
     let plain = start(ServerConfig { prefix_entries: 0, ..config() });
     let ids = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| 3 + (i * 7919) % 300).collect() };
-    let run = |addr, prompt: &[u32]| {
-        let (status, v) = post(
-            addr,
-            "/v1/completions",
-            json!({ "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true }),
-        );
-        assert_eq!(status, 200, "{v}");
-        text(&v)
-    };
+    let run = |addr, prompt: &[u32]| greedy_ids(addr, prompt, 8);
     let mut hits = 0.0;
     for n in (37..=70).chain([100, 101, 131, 132, 133]) {
         let prompt = ids(n);
