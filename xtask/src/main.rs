@@ -1070,7 +1070,8 @@ fn build_llama() -> Result<PathBuf, String> {
 fn serve_bench(args: &[String]) -> Result<(), String> {
     let usage = || {
         "usage: cargo xtask serve-bench [--quick] [--threads N] [--configs kvq,kvq-int8,llama-f16,llama-q8_0,llama-q4_0] \
-         [--depths 0,4096,8000] [--clients 1,4,16] [--prompt-words N] [--gen N]"
+         [--depths 0,4096,8000] [--clients 1,4,16] [--prompt-words N] [--gen N] \
+         [--prefix-store URL [--prefixes 1024,4096,8000]]"
             .to_string()
     };
     let list = |v: &str| -> Result<Vec<usize>, String> {
@@ -1087,10 +1088,13 @@ fn serve_bench(args: &[String]) -> Result<(), String> {
         output_tokens: 128,
         configs: ["kvq", "kvq-int8", "llama-f16", "llama-q8_0", "llama-q4_0"].map(String::from).to_vec(),
     };
+    let (mut store_url, mut prefixes) = (None, vec![1024, 4096, 8000]);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut value = || it.next().cloned().ok_or_else(usage);
         match a.as_str() {
+            "--prefix-store" => store_url = Some(value()?),
+            "--prefixes" => prefixes = list(&value()?)?,
             "--quick" => {
                 plan.depths = vec![0, 1024];
                 plan.clients = vec![1, 4];
@@ -1109,13 +1113,46 @@ fn serve_bench(args: &[String]) -> Result<(), String> {
     let text = std::fs::read_to_string(&plan.text).map_err(|e| format!("{}: {e}", plan.text.display()))?;
     run(cargo().args(["build", "--release", "-p", "kvq-serve", "--bin", "kvq-serve"]))?;
     let kvq_bin = root().join("target/release/kvq-serve");
+    let ctx = 8192;
+    let logs = root().join("target/serve-bench");
+    std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
+    if let Some(url) = store_url {
+        // Two processes on one store, each with its own prefix cache.
+        let mut servers = Vec::new();
+        for name in ["a", "b"] {
+            let port = serve_bench::free_port()?;
+            let mut cmd = Command::new(&kvq_bin);
+            cmd.arg("--model").arg(&plan.model).args(["--addr", &format!("127.0.0.1:{port}")]);
+            cmd.args([
+                "--threads",
+                &plan.threads.to_string(),
+                "--ctx",
+                &ctx.to_string(),
+                "--prefix-store",
+                &url,
+            ]);
+            servers.push(serve_bench::start(name, cmd, port, &logs.join(format!("store-{name}.log")), 0.0)?);
+        }
+        let rows = serve_bench::store(&servers[0], &servers[1], &url, &prefixes, &text)?;
+        let report = format!(
+            "# serve-bench --prefix-store\n\nModel {}, {} threads per process, {}. Time to the first token \
+             of a prompt: process A cold, process B from A's entries in the store, B again from its \
+             own prefix cache; bytes A stored per stored token.\n\n\
+             | store | prompt tokens | A cold | B from the store | B's own cache | stored per token |\n|---|---|---|---|---|---|\n{}\n",
+            plan.model.display(),
+            plan.threads,
+            machine(),
+            rows.join("\n")
+        );
+        println!("{report}");
+        let out = root().join("target/serve-bench-store.md");
+        std::fs::write(&out, report).map_err(|e| format!("{}: {e}", out.display()))?;
+        return Ok(());
+    }
     let llama_bin =
         if plan.configs.iter().any(|c| c.starts_with("llama-")) { Some(build_llama()?) } else { None };
     let max_clients = plan.clients.iter().copied().max().unwrap_or(1).max(1);
     // Every sequence may take the model's whole context (SmolLM2: 8192 tokens), on both servers.
-    let ctx = 8192;
-    let logs = root().join("target/serve-bench");
-    std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
     let (mut rows, mut sizes) = (Vec::new(), Vec::new());
     for config in &plan.configs {
         let port = serve_bench::free_port()?;
@@ -1157,6 +1194,15 @@ fn serve_bench(args: &[String]) -> Result<(), String> {
         rows.extend(serve_bench::measure(&server, &plan, &text)?);
         sizes.push((config.clone(), server.kv_bits));
     }
+    let report = serve_bench::report(&plan, &rows, &sizes, &machine());
+    println!("{report}");
+    let out = root().join("target/serve-bench.md");
+    std::fs::write(&out, report).map_err(|e| format!("{}: {e}", out.display()))?;
+    Ok(())
+}
+
+/// The CPU's model name and the CPUs this process may use.
+fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|c| {
@@ -1166,11 +1212,7 @@ fn serve_bench(args: &[String]) -> Result<(), String> {
         })
         .unwrap_or_else(|| "an unknown CPU".into());
     let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let report = serve_bench::report(&plan, &rows, &sizes, &format!("{cpu}, {nproc} CPUs"));
-    println!("{report}");
-    let out = root().join("target/serve-bench.md");
-    std::fs::write(&out, report).map_err(|e| format!("{}: {e}", out.display()))?;
-    Ok(())
+    format!("{cpu}, {nproc} CPUs")
 }
 
 /// The first file under `dir` whose path ends with `member`.

@@ -239,3 +239,82 @@ pub fn report(plan: &Plan, rows: &[String], servers: &[(String, f64)], machine: 
     }
     out
 }
+
+fn metric(port: u16, name: &str) -> Result<f64, String> {
+    let mut r = agent().get(&format!("http://127.0.0.1:{port}/metrics")).call().map_err(|e| e.to_string())?;
+    let text = r.body_mut().read_to_string().map_err(|e| e.to_string())?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| format!("no {name} in the metrics of port {port}"))
+}
+
+/// Time to the first token of `prompt` (one token asked for), and its prompt tokens.
+fn first_token(port: u16, prompt: &str) -> Result<(f64, usize), String> {
+    let s = stream(port, prompt, 1)?;
+    let t = s.pieces.first().map_or(f64::NAN, |p| p.duration_since(s.sent).as_secs_f64());
+    Ok((t, s.prompt_tokens))
+}
+
+/// `--prefix-store URL`: two kvq-serve processes (`a`, `b`) on one store. For each prefix
+/// length L, A answers a prompt of about L tokens cold (it prefills everything) and writes its
+/// blocks; B answers the same prompt from the store, then again from its own prefix cache.
+/// Times to first token, and the bytes A wrote per stored token against an f16 store of the
+/// same tokens.
+pub fn store(
+    a: &Server,
+    b: &Server,
+    url: &str,
+    prefixes: &[usize],
+    text: &str,
+) -> Result<Vec<String>, String> {
+    let mut rows = Vec::new();
+    for &len in prefixes {
+        let written = metric(a.port, "kvq_store_bytes_written_total")?;
+        let mut n_words = len * 10 / 13;
+        let (prompt, (cold, tokens)) = loop {
+            let prompt = words(text, 53 * len, n_words);
+            match first_token(a.port, &prompt) {
+                Err(e) if e.contains("400") && n_words > len / 2 => n_words -= n_words / 25,
+                other => break (prompt, other?),
+            }
+        };
+        // A's writer: done once its byte count stops moving.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut last = written;
+        loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let now = metric(a.port, "kvq_store_bytes_written_total")?;
+            if now > written && now == last {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!("A wrote nothing to {url} for the {tokens}-token prompt"));
+            }
+            last = now;
+        }
+        let stored_bytes = last - written;
+        let reused = metric(b.port, "kvq_store_tokens_reused_total")?;
+        let (from_store, _) = first_token(b.port, &prompt)?;
+        let stored_tokens = metric(b.port, "kvq_store_tokens_reused_total")? - reused;
+        if stored_tokens == 0.0 {
+            return Err(format!("B read nothing from {url} for the {tokens}-token prompt"));
+        }
+        let own = metric(b.port, "kvq_prefix_hits_total")?;
+        let (from_own, _) = first_token(b.port, &prompt)?;
+        if metric(b.port, "kvq_prefix_hits_total")? <= own {
+            return Err(format!("B's own prefix cache missed the {tokens}-token prompt"));
+        }
+        let f16_per_token = 2.0 * metric(a.port, "kvq_cache_values_per_token")?;
+        let per_token = stored_bytes / stored_tokens;
+        eprintln!(
+            "xtask: {url}, {tokens} tokens: cold {cold:.3} s, from the store {from_store:.3} s, own cache {from_own:.3} s; {per_token:.0} bytes/token"
+        );
+        rows.push(format!(
+            "| {url} | {tokens} ({stored_tokens} stored) | {cold:.3} s | {from_store:.3} s ({:.0}x) | {from_own:.3} s | {per_token:.0} B ({:.2}x f16's {f16_per_token:.0} B) |",
+            cold / from_store,
+            per_token / f16_per_token
+        ));
+    }
+    Ok(rows)
+}

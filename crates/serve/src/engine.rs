@@ -464,7 +464,7 @@ impl Engine {
                     break;
                 }
             }
-            let (seq, reused) = match admitted {
+            let (seq, reused, from_store) = match admitted {
                 Ok(placed) => placed,
                 Err(_) => {
                     // Blocks come back as running requests finish (the pool holds a request
@@ -474,7 +474,9 @@ impl Engine {
                 }
             };
             self.stats.admitted.fetch_add(1, Ordering::Relaxed);
-            if reused > 0 {
+            if from_store {
+                // Counted by the store's own metrics.
+            } else if reused > 0 {
                 self.stats.prefix_hits.fetch_add(1, Ordering::Relaxed);
                 self.stats.prefix_tokens_reused.fetch_add(reused as u64, Ordering::Relaxed);
             } else {
@@ -485,9 +487,12 @@ impl Engine {
             self.admissions += 1;
             let local = self.prefix.wants(&req.prompt);
             let shared = self.config.store.as_ref().and_then(|s| s.wants(&req.prompt));
-            let cut = local.or(shared).filter(|&end| end > reused);
+            let cut = local.or(shared);
+            // Admitted on a prefix that ends at the cut (read from the store, say): the
+            // snapshot is the sequence as it is now.
+            let now = reused > 0 && cut == Some(reused);
             self.running.push(Running {
-                cut,
+                cut: cut.filter(|&end| end > reused),
                 req,
                 admitted_at: self.admissions,
                 seq,
@@ -497,6 +502,9 @@ impl Engine {
                 stops,
                 generated: 0,
             });
+            if now {
+                self.snapshot(self.running.len() - 1);
+            }
         }
     }
 
@@ -600,13 +608,14 @@ impl Engine {
     /// A sequence for `prompt` holding the blocks of `need` tokens: a fork of the longest
     /// prefix snapshot, or the prefix read from the shared store when it is longer (set to
     /// `None` once it is refused), each with the tokens it already holds; else a new one.
+    /// Returns the sequence, the tokens it holds, and whether they came from the store.
     /// Nothing is left behind on error.
     fn place(
         &mut self,
         prompt: &[u32],
         need: usize,
         stored: &mut Option<&Fetched>,
-    ) -> Result<(SeqId, usize), String> {
+    ) -> Result<(SeqId, usize, bool), String> {
         let local = self.prefix.lookup(prompt);
         if let Some(f) = *stored
             && local.is_none_or(|(_, len)| len < f.end)
@@ -619,7 +628,7 @@ impl Engine {
                             store.stats().hits.fetch_add(1, Ordering::Relaxed);
                             store.stats().tokens_reused.fetch_add(f.end as u64, Ordering::Relaxed);
                         }
-                        return Ok((seq, f.end));
+                        return Ok((seq, f.end, true));
                     }
                     let _ = self.cache.free(seq);
                 }
@@ -638,13 +647,13 @@ impl Engine {
             && let Ok(seq) = self.cache.fork(snapshot)
         {
             if self.cache.reserve(seq, need - len).is_ok() {
-                return Ok((seq, len));
+                return Ok((seq, len, false));
             }
             let _ = self.cache.free(seq);
         }
         let seq = self.cache.create();
         match self.cache.reserve(seq, need) {
-            Ok(()) => Ok((seq, 0)),
+            Ok(()) => Ok((seq, 0, false)),
             Err(e) => {
                 let _ = self.cache.free(seq);
                 Err(e.to_string())

@@ -110,6 +110,7 @@ struct App {
     refused: AtomicU64,
     requests: AtomicU64,
     bits_per_value: f64,
+    values_per_token: usize,
     pool_bytes: usize,
     next_id: AtomicU64,
     store: Option<Arc<PrefixStore>>,
@@ -181,6 +182,7 @@ impl Server {
         let stats = Arc::new(Stats::default());
         let tokenizer = Arc::new(tokenizer);
         let bits_per_value = cache.bits_per_value();
+        let values_per_token = 2 * mc.layers * mc.kv_heads * mc.head_dim;
         let model_fingerprint = fingerprint(&config.model)?;
         let store = match &config.prefix_store {
             None => None,
@@ -239,6 +241,7 @@ impl Server {
             refused: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             bits_per_value,
+            values_per_token,
             pool_bytes: blocks * block_bytes,
             next_id: AtomicU64::new(1),
             store,
@@ -475,12 +478,20 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
             ),
         ]);
     }
-    rows.extend([(
-        "kvq_cache_bits_per_value",
-        "gauge",
-        "Bits per cached key or value of the config",
-        format!("{:.4}", app.bits_per_value),
-    )]);
+    rows.extend([
+        (
+            "kvq_cache_bits_per_value",
+            "gauge",
+            "Bits per cached key or value of the config",
+            format!("{:.4}", app.bits_per_value),
+        ),
+        (
+            "kvq_cache_values_per_token",
+            "gauge",
+            "Keys and values cached per token (layers x KV heads x head dim x 2)",
+            app.values_per_token.to_string(),
+        ),
+    ]);
     let mut text = String::new();
     for (name, kind, help, value) in rows {
         text += &format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n");

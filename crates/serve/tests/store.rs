@@ -89,9 +89,13 @@ fn two_servers_share_a_directory_store_with_the_texts_they_compute() {
     assert_eq!(metric(b, "kvq_store_refused_total"), 0.0);
     assert_eq!(metric(a, "kvq_store_errors_total") + metric(b, "kvq_store_errors_total"), 0.0);
     // The store survives the servers: a third one, started later, reads it.
-    let c = start(with_store(&url));
+    // With a prefix cache of its own, it reads the store once and keeps what it read.
+    let c = start(ServerConfig { prefix_entries: 8, ..with_store(&url) });
     assert_eq!(run(c, &longer), run(reference, &longer));
     assert_eq!(metric(c, "kvq_store_hits_total"), 1.0);
+    assert_eq!(run(c, &longer), run(reference, &longer));
+    assert_eq!(metric(c, "kvq_store_hits_total"), 1.0);
+    assert_eq!(metric(c, "kvq_prefix_hits_total"), 1.0, "the second time from its own cache");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
