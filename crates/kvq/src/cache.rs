@@ -326,6 +326,12 @@ impl KvCacheConfig {
         serde_json::to_string_pretty(&Wire::from(self)).expect("a config always serializes")
     }
 
+    /// The config as [`KvCacheConfig::save`] writes it to `path`: JSON for a `.json` name, TOML
+    /// otherwise.
+    pub fn to_text_for(&self, path: &Path) -> String {
+        if path.extension().is_some_and(|e| e == "json") { self.to_json() } else { self.to_toml() }
+    }
+
     /// Writes the config to `path`, as JSON for a `.json` name and TOML otherwise, atomically
     /// (a temporary file in the same directory, flushed, then renamed over `path`).
     ///
@@ -333,9 +339,7 @@ impl KvCacheConfig {
     /// [`KvqError::Io`]; `path` is unchanged then.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), KvqError> {
         let path = path.as_ref();
-        let text =
-            if path.extension().is_some_and(|e| e == "json") { self.to_json() } else { self.to_toml() };
-        kvq_quant_core::io::write_atomic(path, text.as_bytes())
+        kvq_quant_core::io::write_atomic(path, self.to_text_for(path).as_bytes())
             .map_err(|source| KvqError::Io { path: path.display().to_string(), source })
     }
 

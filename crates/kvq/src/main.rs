@@ -2,7 +2,7 @@
 //!
 //! Exit codes: 0 success, 1 an error while running (unreadable file, bad data), 2 bad usage.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -145,6 +145,9 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Replace an output file that is not writable.
+        #[arg(long)]
+        force: bool,
     },
     /// Gather static K/V ranges (per layer, head and channel) from one or more files into a
     /// calibration file that per-tensor and per-head cache specs use.
@@ -158,6 +161,9 @@ enum Command {
         /// Clip each channel's range to this percentile (e.g. 99.9) instead of min/max.
         #[arg(long)]
         percentile: Option<f64>,
+        /// Replace an output file that is not writable.
+        #[arg(long)]
+        force: bool,
     },
     /// Print the build, the CPU's kernel backends and the one selected.
     Info,
@@ -204,6 +210,9 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Replace figures that are not writable.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -282,9 +291,24 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             integer,
             (residual_blocks as usize, sinks as usize, block_size as usize),
         ),
-        Command::Recommend { file, budget_bits, out, model_layers, positions, rope_pairing, cache, json } => {
+        Command::Recommend {
+            file,
+            budget_bits,
+            out,
+            model_layers,
+            positions,
+            rope_pairing,
+            cache,
+            json,
+            force,
+        } => {
             if !(budget_bits.is_finite() && budget_bits > 0.0) {
                 return Err(format!("--budget-bits {budget_bits} is not a positive finite number").into());
+            }
+            // Before any work: an output that may not be written is refused now.
+            let inputs: Vec<&Path> = file.iter().map(PathBuf::as_path).collect();
+            if let Some(out) = &out {
+                check_output(out, &inputs, force)?;
             }
             let tf = open_input(file.as_deref())?;
             let layers = analysis::layers_from_file(&tf)?;
@@ -326,7 +350,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     run,
                     options.rope_pairing,
                 )?;
-                config.save(&out)?;
+                kvq::quant::io::write_output(&out, config.to_text_for(&out).as_bytes(), &inputs, force)
+                    .map_err(|e| format!("{}: {e}", out.display()))?;
                 let filled = source.iter().enumerate().filter(|&(m, &from)| m != from).count();
                 // Model layers that take a dumped layer's `-qa` spec without its maps (the
                 // dumped layer `from` is model layer `from` of the config).
@@ -360,7 +385,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             Ok(())
         }
-        Command::Calibrate { files, out, percentile } => {
+        Command::Calibrate { files, out, percentile, force } => {
+            let inputs: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+            check_output(&out, &inputs, force)?;
             let mut per_layer: Vec<(Vec<Tensor>, Vec<Tensor>)> = Vec::new();
             for path in &files {
                 let tf = TensorFile::open(path)?;
@@ -399,7 +426,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let v = per_layer.iter().map(|(_, v)| join(v)).collect::<Result<Vec<_>, _>>()?;
             let cal = Calibration::from_tensors(&k, &v, percentile)?;
             let json = serde_json::to_string_pretty(&cal)?;
-            kvq::quant::io::write_atomic(&out, json.as_bytes())
+            kvq::quant::io::write_output(&out, json.as_bytes(), &inputs, force)
                 .map_err(|e| format!("{}: {e}", out.display()))?;
             eprintln!(
                 "kvq: wrote {} ({} layers, {} KV heads × {} channels, from {} file(s))",
@@ -433,7 +460,12 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             cache,
             plot,
             json,
+            force,
         } => {
+            let inputs: Vec<&Path> = file.iter().map(PathBuf::as_path).collect();
+            if let Some(dir) = &plot {
+                kvq::plot::check_targets(dir, &inputs, force)?;
+            }
             let (source, layers, inv_freq, file_theta) = if synthetic {
                 let synthetic = vec![analysis::synthetic_layer()];
                 ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), synthetic, None, None)
@@ -483,13 +515,18 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 print!("{}", report.to_table());
             }
             if let Some(dir) = plot {
-                for path in kvq::plot::write_all(&report, &dir)? {
+                for path in kvq::plot::write_all(&report, &dir, &inputs, force)? {
                     eprintln!("kvq: wrote {}", path.display());
                 }
             }
             Ok(())
         }
     }
+}
+
+/// [`kvq::quant::io::check_output`], its error naming the path.
+fn check_output(out: &Path, inputs: &[&Path], force: bool) -> Result<(), String> {
+    kvq::quant::io::check_output(out, inputs, force).map_err(|e| format!("{}: {e}", out.display()))
 }
 
 /// The buffer `kvq bench` reads to measure the DRAM read rate: far larger than any L3.

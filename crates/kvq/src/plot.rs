@@ -435,29 +435,55 @@ pub fn layer_errors(report: &Report) -> Result<String, PlotError> {
     Ok(svg.finish())
 }
 
-/// Writes the three figures into `dir` (created if missing) and returns their paths:
-/// `error-histograms.svg` (when the report kept histograms), `bits-vs-error.svg` and
-/// `layer-errors.svg`.
+/// The figures' file names, as [`write_all`] writes them.
+pub const FIGURES: [&str; 3] = ["error-histograms.svg", "bits-vs-error.svg", "layer-errors.svg"];
+
+/// Checks, before an analysis runs, that [`write_all`] may write its figures into `dir`:
+/// `dir` is a directory (or absent), and every figure's path passes
+/// [`kvq_quant_core::io::check_output`].
 ///
 /// # Errors
-/// [`PlotError::Io`] when the directory or a file cannot be written, [`PlotError::Empty`] for a
-/// report without rows.
-pub fn write_all(report: &Report, dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
-    std::fs::create_dir_all(dir).map_err(|source| PlotError::Io { path: dir.to_path_buf(), source })?;
-    let mut figures =
-        vec![("bits-vs-error.svg", bits_vs_error(report)?), ("layer-errors.svg", layer_errors(report)?)];
+/// [`PlotError::Io`] naming the path refused.
+pub fn check_targets(dir: &Path, inputs: &[&Path], force: bool) -> Result<(), PlotError> {
+    if dir.exists() && !dir.is_dir() {
+        let source = std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a directory");
+        return Err(PlotError::Io { path: dir.to_path_buf(), source });
+    }
+    for name in FIGURES {
+        let path = dir.join(name);
+        kvq_quant_core::io::check_output(&path, inputs, force)
+            .map_err(|source| PlotError::Io { path, source })?;
+    }
+    Ok(())
+}
+
+/// Writes the figures into `dir` (created if missing), all or none, and returns their paths:
+/// `error-histograms.svg` (when the report kept histograms), `bits-vs-error.svg` and
+/// `layer-errors.svg`. Each path follows [`kvq_quant_core::io::check_output`]'s rules
+/// (`inputs` are the command's input files; `force` replaces files that are not writable);
+/// a replaced figure keeps its permissions.
+///
+/// # Errors
+/// [`PlotError::Io`] when the directory or a file cannot be written or is refused (nothing is
+/// replaced then), [`PlotError::Empty`] for a report without rows.
+pub fn write_all(
+    report: &Report,
+    dir: &Path,
+    inputs: &[&Path],
+    force: bool,
+) -> Result<Vec<PathBuf>, PlotError> {
+    let mut figures = vec![(FIGURES[1], bits_vs_error(report)?), (FIGURES[2], layer_errors(report)?)];
     match error_histograms(report) {
-        Ok(svg) => figures.insert(0, ("error-histograms.svg", svg)),
+        Ok(svg) => figures.insert(0, (FIGURES[0], svg)),
         Err(PlotError::Empty(_)) => {}
         Err(e) => return Err(e),
     }
-    let mut paths = Vec::new();
-    for (name, svg) in figures {
-        let path = dir.join(name);
-        std::fs::write(&path, svg).map_err(|source| PlotError::Io { path: path.clone(), source })?;
-        paths.push(path);
-    }
-    Ok(paths)
+    std::fs::create_dir_all(dir).map_err(|source| PlotError::Io { path: dir.to_path_buf(), source })?;
+    let files: Vec<(PathBuf, Vec<u8>)> =
+        figures.into_iter().map(|(name, svg)| (dir.join(name), svg.into_bytes())).collect();
+    kvq_quant_core::io::write_outputs(&files, inputs, force)
+        .map_err(|(path, source)| PlotError::Io { path, source })?;
+    Ok(files.into_iter().map(|(p, _)| p).collect())
 }
 
 #[cfg(test)]

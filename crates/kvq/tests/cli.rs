@@ -434,3 +434,65 @@ fn bench_prints_one_row_per_spec_and_the_baseline() {
     assert!(big < plain, "{plain} MiB in blocks of 32, {big} in blocks of 128");
     assert_ne!(kvq(&["bench", "--block-size", "0"]).status.code(), Some(0));
 }
+
+/// Every output path of the tools (`recommend --out`, `calibrate --out`, `analyze --plot`)
+/// refuses devices, FIFOs and directories, the command's own input, and a read-only file
+/// without `--force`, before any work; a replaced file keeps its permissions.
+#[cfg(unix)]
+#[test]
+fn outputs_never_clobber_what_they_must_not() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("kvq-outputs-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let embedded = concat!(env!("CARGO_MANIFEST_DIR"), "/data/sample.safetensors");
+    let input = dir.join("input.safetensors");
+    std::fs::copy(embedded, &input).unwrap();
+    let input = input.to_str().unwrap().to_string();
+    let refused = |args: &[&str], what: &str| {
+        let o = kvq(args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(what) && err.trim_end().lines().count() == 1, "{args:?}: {err}");
+    };
+    let recommend = |out: &str, extra: &[&str]| {
+        let mut a = vec!["recommend", &input, "--budget-bits", "6", "--positions", "4", "--out", out];
+        a.extend_from_slice(extra);
+        a.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    fn strs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    let d = dir.to_str().unwrap().to_string();
+    refused(&strs(&recommend(&d, &[])), "directory");
+    refused(&strs(&recommend("/dev/null", &[])), "not a regular file");
+    refused(&strs(&recommend(&input, &[])), "input");
+    // Through a hard link, the same file.
+    let link = dir.join("link.toml");
+    std::fs::hard_link(&input, &link).unwrap();
+    refused(&strs(&recommend(link.to_str().unwrap(), &[])), "input");
+    let ro = dir.join("ro.toml");
+    std::fs::write(&ro, "old").unwrap();
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o444)).unwrap();
+    refused(&strs(&recommend(ro.to_str().unwrap(), &[])), "--force");
+    assert_eq!(std::fs::read_to_string(&ro).unwrap(), "old");
+    let o = kvq(&strs(&recommend(ro.to_str().unwrap(), &["--force"])));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(std::fs::read_to_string(&ro).unwrap().contains("version"), "a config replaced it");
+    assert_eq!(std::fs::metadata(&ro).unwrap().permissions().mode() & 0o777, 0o444);
+
+    refused(&["calibrate", &input, "--out", &input], "input");
+    refused(&["calibrate", &input, "--out", "/dev/null"], "not a regular file");
+
+    // Plots: a figure that is a directory blocks the set; nothing is written.
+    let plots = dir.join("plots");
+    std::fs::create_dir_all(plots.join("layer-errors.svg")).unwrap();
+    let p = plots.to_str().unwrap();
+    refused(&["analyze", &input, "--specs", "int8-tensor", "--positions", "4", "--plot", p], "directory");
+    assert!(!plots.join("bits-vs-error.svg").exists(), "all or none");
+    refused(
+        &["analyze", &input, "--specs", "int8-tensor", "--plot", ro.to_str().unwrap()],
+        "not a directory",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -104,23 +104,174 @@ pub fn read_regular_file(path: &Path, max_bytes: u64) -> std::io::Result<Vec<u8>
 
 /// Writes `bytes` to `path` atomically: into a temporary file in the same directory, flushed
 /// to disk, then renamed over `path` (and the directory flushed), so that a crash or a full
-/// disk leaves either the previous file or the new one, never a torn file.
+/// disk leaves either the previous file or the new one, never a torn file. A replaced file's
+/// permissions are kept; a new file gets those the umask gives (as `File::create` would).
+///
+/// This is the library's primitive: it follows no rule about what `path` may be. Tools'
+/// outputs go through [`write_output`].
 ///
 /// # Errors
 /// The I/O errors of creating, writing, flushing or renaming; `path` is unchanged then.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let dir = match path.parent() {
+    let temp = write_temp(path, bytes)?;
+    finish(&temp, path)
+}
+
+/// The directory a file is written in (`.` for a bare name).
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
+    }
+}
+
+/// `bytes` in a new temporary file beside `path`, flushed, with `path`'s permissions when it
+/// exists; removed again on error.
+fn write_temp(path: &Path, bytes: &[u8]) -> std::io::Result<std::path::PathBuf> {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let dir = parent_dir(path);
+    let (temp, mut file) = loop {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let name =
+            format!(".kvq-{}-{nanos}-{}.tmp", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let temp = dir.join(name);
+        // `create_new` makes the file with the umask's permissions, never over another.
+        match std::fs::OpenOptions::new().write(true).create_new(true).open(&temp) {
+            Ok(f) => break (temp, f),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
     };
-    let mut tmp = tempfile::Builder::new().prefix(".kvq-").suffix(".tmp").tempfile_in(dir)?;
-    tmp.write_all(bytes)?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(path).map_err(|e| e.error)?;
+    let written =
+        file.write_all(bytes).and_then(|()| file.sync_all()).and_then(|()| match std::fs::metadata(path) {
+            Ok(old) if old.is_file() => std::fs::set_permissions(&temp, old.permissions()),
+            _ => Ok(()),
+        });
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&temp);
+        return Err(e);
+    }
+    Ok(temp)
+}
+
+/// Renames a temporary file of [`write_temp`] over `path` and flushes the directory.
+fn finish(temp: &Path, path: &Path) -> std::io::Result<()> {
+    if let Err(e) = std::fs::rename(temp, path) {
+        let _ = std::fs::remove_file(temp);
+        return Err(e);
+    }
     // The rename itself is durable once the directory is flushed (not possible everywhere).
-    if let Ok(d) = std::fs::File::open(dir) {
+    if let Ok(d) = std::fs::File::open(parent_dir(path)) {
         let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Whether two paths name the same file (device and inode on Unix; canonical paths
+/// elsewhere). Paths that do not exist name no file.
+fn same_file(a: &Path, b: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        match (std::fs::metadata(a), std::fs::metadata(b)) {
+            (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+            _ => false,
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
+    }
+}
+
+/// The rules for a tool's output path, checked before anything is computed or written:
+/// - a target that exists must be a regular file (not a directory, device, FIFO or socket);
+/// - it must not be one of the command's `inputs` (the same file by device and inode, whatever
+///   the path's spelling or links);
+/// - a file the user cannot write (read-only, or refused when opened for writing) is replaced
+///   only with `force`.
+///
+/// # Errors
+/// [`std::io::ErrorKind::InvalidInput`] for the first two, [`std::io::ErrorKind::PermissionDenied`]
+/// for the third, each with a message naming the rule.
+pub fn check_output(path: &Path, inputs: &[&Path], force: bool) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !meta.is_file() {
+        let what =
+            if meta.is_dir() { "a directory" } else { "not a regular file (a device, FIFO or socket)" };
+        return Err(Error::new(ErrorKind::InvalidInput, format!("the output exists and is {what}; refused")));
+    }
+    if let Some(input) = inputs.iter().find(|i| same_file(path, i)) {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!("the output is the command's input {}; refused", input.display()),
+        ));
+    }
+    if !force {
+        let writable =
+            !meta.permissions().readonly() && std::fs::OpenOptions::new().write(true).open(path).is_ok();
+        if !writable {
+            return Err(Error::new(
+                ErrorKind::PermissionDenied,
+                "the output exists and is not writable; --force replaces it",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A tool's output: [`check_output`], then [`write_atomic`].
+///
+/// # Errors
+/// As [`check_output`] and [`write_atomic`]; `path` is unchanged on error.
+pub fn write_output(path: &Path, bytes: &[u8], inputs: &[&Path], force: bool) -> std::io::Result<()> {
+    check_output(path, inputs, force)?;
+    write_atomic(path, bytes)
+}
+
+/// Several outputs, all or none: every path checked ([`check_output`]), every file written to
+/// a temporary beside it, and only then all renamed into place. A failure before the renames
+/// leaves every target as it was. Returns the path that failed with the error.
+///
+/// # Errors
+/// The first path refused or failed, with its error.
+pub fn write_outputs(
+    files: &[(std::path::PathBuf, Vec<u8>)],
+    inputs: &[&Path],
+    force: bool,
+) -> Result<(), (std::path::PathBuf, std::io::Error)> {
+    for (path, _) in files {
+        check_output(path, inputs, force).map_err(|e| (path.clone(), e))?;
+    }
+    let mut temps = Vec::with_capacity(files.len());
+    for (path, bytes) in files {
+        match write_temp(path, bytes) {
+            Ok(t) => temps.push(t),
+            Err(e) => {
+                for t in &temps {
+                    let _ = std::fs::remove_file(t);
+                }
+                return Err((path.clone(), e));
+            }
+        }
+    }
+    let mut renames = temps.iter().zip(files);
+    for (temp, (path, _)) in renames.by_ref() {
+        if let Err(e) = finish(temp, path) {
+            for (t, _) in renames {
+                let _ = std::fs::remove_file(t);
+            }
+            return Err((path.clone(), e));
+        }
     }
     Ok(())
 }
