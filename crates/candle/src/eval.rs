@@ -84,13 +84,17 @@ fn compare_with(
     next: u32,
     scratch: &mut Vec<f64>,
 ) -> PositionStats {
+    let t = next as usize;
+    // Non-finite logits have no distribution: no KL, no top token to agree on.
+    if !candidate.iter().all(|v| v.is_finite()) {
+        return PositionStats { kl: f64::NAN, nll_ref: -lr[t], nll: f64::NAN, same_top: false };
+    }
     log_softmax(candidate, scratch);
     let kl = lr
         .iter()
         .zip(scratch.iter())
         .map(|(&a, &b)| if a == f64::NEG_INFINITY { 0.0 } else { a.exp() * (a - b) })
         .sum::<f64>();
-    let t = next as usize;
     PositionStats {
         // Rounding can leave a tiny negative sum for equal rows; NaN stays NaN.
         kl: if kl.is_nan() { kl } else { kl.max(0.0) },
@@ -298,7 +302,7 @@ pub fn evaluate(
     let reference = &runs[0];
     let ppl_ref = mean(reference.stats.iter().map(|s| s.nll)).exp();
     let ref_tps = reference.timed_tokens as f64 / reference.time.as_secs_f64();
-    let reports = candidates
+    let reports: Vec<CandidateReport> = candidates
         .iter()
         .zip(&runs[1..])
         .map(|(c, r)| {
@@ -321,6 +325,20 @@ pub fn evaluate(
             }
         })
         .collect();
+    // Figures are finite or the run is an error (the forward already stops on non-finite
+    // logits; this holds the report itself to it).
+    let bad = reports.iter().find(|c: &&CandidateReport| {
+        ![c.ppl, c.kl_mean, c.kl_p99, c.kl_max, c.same_top1].iter().all(|v| v.is_finite())
+    });
+    if let Some(c) = bad.filter(|_| !reference.stats.is_empty()) {
+        return Err(Error::Eval(format!(
+            "{}: non-finite figures (perplexity {}, mean KL {})",
+            c.name, c.ppl, c.kl_mean
+        )));
+    }
+    if !ppl_ref.is_finite() && !reference.stats.is_empty() {
+        return Err(Error::Eval(format!("the reference's perplexity is {ppl_ref}")));
+    }
     Ok(Report {
         protocol,
         positions: reference.stats.len(),
@@ -384,6 +402,16 @@ pub fn input_ids(bytes: &[u8]) -> std::result::Result<Vec<u32>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn non_finite_logits_agree_on_nothing() {
+        let a = [1.0f32, 2.0, 3.0, -1.0];
+        for bad in [[f32::NAN, 2.0, 3.0, -1.0], [1.0, 2.0, f32::INFINITY, -1.0], [f32::NEG_INFINITY; 4]] {
+            let s = compare(&a, &bad, 2);
+            assert!(s.kl.is_nan() && s.nll.is_nan(), "{bad:?}");
+            assert!(!s.same_top, "{bad:?}: a top token over non-finite logits");
+        }
+    }
 
     #[test]
     fn kl_of_equal_rows_is_zero_and_grows_with_difference() {

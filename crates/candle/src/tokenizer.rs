@@ -20,6 +20,33 @@ pub const CHATML_TEMPLATE: &str = "{% for message in messages %}\
 {{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
 {% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
+/// Bytes of text [`GgufTokenizer::encode_prefix`] tokenizes at once, about.
+pub const PIECE_BYTES: usize = 1 << 16;
+
+/// Where the first piece of `text` ends: all of it when it is at most `piece` bytes, else
+/// before the last space within `piece` bytes that a non-whitespace character follows (the
+/// first one after, when there is none within; all of the text when there is none at all).
+/// Only a space: the pre-tokenizer splits there, and a piece that begins with one gets no
+/// prefix space of the tokenizer's own (a tab or newline would).
+fn piece_end(text: &str, piece: usize) -> usize {
+    if text.len() <= piece {
+        return text.len();
+    }
+    let starts_word = |(i, c): &(usize, char)| {
+        *i > 0 && *c == ' ' && text[i + 1..].chars().next().is_some_and(|n| !n.is_whitespace())
+    };
+    let mut limit = piece;
+    while !text.is_char_boundary(limit) {
+        limit -= 1;
+    }
+    text[..limit]
+        .char_indices()
+        .rev()
+        .find(starts_word)
+        .or_else(|| text.char_indices().skip_while(|&(i, _)| i < limit).find(starts_word))
+        .map_or(text.len(), |(i, _)| i)
+}
+
 /// A GGUF model's tokenizer.
 #[derive(Debug, Clone)]
 pub struct GgufTokenizer {
@@ -97,6 +124,36 @@ impl GgufTokenizer {
         Ok(Self { inner, bos, add_bos, end_of_generation, chat_template })
     }
 
+    /// The first `max_tokens` token ids of `text` (all of them for `None`), as [`Self::encode`]
+    /// gives them, BOS counted, in bounded memory: the text is tokenized in pieces of about
+    /// [`PIECE_BYTES`], each cut before a space that begins a word (where the
+    /// byte-level pre-tokenizer splits anyway, so the ids are those of the whole text), and no
+    /// piece is tokenized once there are enough. The tokenizer's working memory then follows
+    /// the piece, not the text (about 200 bytes per input byte tokenized at once).
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`].
+    pub fn encode_prefix(&self, text: &str, max_tokens: Option<usize>) -> Result<Vec<u32>> {
+        self.encode_pieces(text, max_tokens, PIECE_BYTES)
+    }
+
+    fn encode_pieces(&self, text: &str, max_tokens: Option<usize>, piece: usize) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        if let (true, Some(b)) = (self.add_bos, self.bos) {
+            ids.push(b);
+        }
+        let mut rest = text;
+        while !rest.is_empty() && max_tokens.is_none_or(|m| ids.len() < m) {
+            let cut = piece_end(rest, piece);
+            ids.extend(self.encode_raw(&rest[..cut])?);
+            rest = &rest[cut..];
+        }
+        if let Some(m) = max_tokens {
+            ids.truncate(m);
+        }
+        Ok(ids)
+    }
+
     /// Token ids of `text`, with the BOS token in front when the model's tokenizer adds one
     /// (`tokenizer.ggml.add_bos_token`), as llama.cpp tokenizes a text.
     ///
@@ -164,5 +221,43 @@ impl GgufTokenizer {
     /// The underlying `tokenizers` tokenizer.
     pub fn inner(&self) -> &Tokenizer {
         &self.inner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> GgufTokenizer {
+        crate::tiny::TinyModel::default().load().unwrap().1
+    }
+
+    #[test]
+    fn pieces_give_the_ids_of_the_whole_text() {
+        let t = tokenizer();
+        let text = "The quick brown fox, 12345 jumped\tover  the lazy dog.\n\nA new paragraph:   \
+                    three spaces, é and 日本語 and 🦀 — then <|im_start|>user\nHi<|im_end|>\n \n end ";
+        let whole = t.encode(text).unwrap();
+        for piece in (1..=48).chain([64, 100, 1000]) {
+            assert_eq!(t.encode_pieces(text, None, piece).unwrap(), whole, "pieces of {piece} bytes");
+            for m in [0, 1, 5, whole.len() - 1, whole.len(), whole.len() + 3] {
+                let want = &whole[..m.min(whole.len())];
+                assert_eq!(t.encode_pieces(text, Some(m), piece).unwrap(), want, "{piece} bytes, {m} tokens");
+            }
+        }
+        assert_eq!(t.encode_prefix("", Some(4)).unwrap(), t.encode("").unwrap());
+        // A text without whitespace is one piece.
+        let word = "x".repeat(300);
+        assert_eq!(t.encode_pieces(&word, None, 16).unwrap(), t.encode(&word).unwrap());
+    }
+
+    #[test]
+    fn pieces_end_before_a_word_and_on_a_char_boundary() {
+        assert_eq!(piece_end("abc def ghi", 5), 3);
+        assert_eq!(piece_end("abc def ghi", 100), 11);
+        assert_eq!(piece_end("abcdefgh ij", 4), 8, "the first cut after the limit");
+        assert_eq!(piece_end("é é é é", 4), 2);
+        assert_eq!(piece_end("abc  \n", 2), 6, "no word follows: everything");
+        assert_eq!(piece_end("abc\tdef ghi", 5), 7, "a tab is not a cut");
     }
 }

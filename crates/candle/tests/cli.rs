@@ -112,6 +112,11 @@ fn errors_are_one_line_and_exit_1() {
         (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     let (m, t) = (model.to_str().unwrap(), tokens.to_str().unwrap());
+    // A text past the documented limit (a sparse file: nothing is written), refused before
+    // it is read.
+    let huge = dir.join("huge.txt");
+    std::fs::File::create(&huge).unwrap().set_len((256 << 20) + 1).unwrap();
+    let huge = huge.to_str().unwrap();
     let (code, err) = run(&["--model", dir.join("none.gguf").to_str().unwrap(), "--tokens", t]);
     assert_eq!(code, Some(1));
     assert!(err.contains("cargo xtask fetch-model smollm2-135m"), "{err}");
@@ -123,6 +128,9 @@ fn errors_are_one_line_and_exit_1() {
         (vec!["--model", t, "--tokens", t], "model"),
         (vec!["--model", m, "--tokens", t, "--path", "fast"], "--path"),
         (vec!["--model", m, "--text", dir.join("none.txt").to_str().unwrap()], "none.txt"),
+        (vec!["--model", m, "--text", huge], "256 MiB"),
+        (vec!["--model", m, "--tokens", t, "--prefill", "100", "--specs", ""], "spec"),
+        (vec!["--model", m, "--tokens", t, "--prefill", "100", "--specs", ",,"], "spec"),
     ] {
         let (code, err) = run(&args);
         assert_eq!(code, Some(1), "{args:?}: {err}");

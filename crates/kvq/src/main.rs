@@ -324,6 +324,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             for (spec, why) in skipped {
                 eprintln!("kvq: skipping candidate {}: {why}", spec.name());
             }
+            if candidates.is_empty() {
+                return Err("no candidate spec applies to these layers (see the lines above)".into());
+            }
             let (rec, specs) =
                 kvq::recommend::recommend(&layers, &candidates, budget_bits, &options, |done, all| {
                     eprintln!("kvq: measured {done}/{all} layers");
@@ -500,6 +503,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 let (kept, skipped) = analysis::applicable_with(&layers, analysis::default_specs(), &options);
                 for (spec, why) in skipped {
                     eprintln!("kvq: skipping built-in spec {}: {why}", spec.name());
+                }
+                if kept.is_empty() {
+                    return Err("no built-in spec applies to these layers (see the lines above)".into());
                 }
                 kept
             } else {

@@ -132,10 +132,12 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut tokens = match (&args.tokens, &args.text) {
         (Some(p), _) => read_input_ids(p)?,
         (None, Some(p)) => {
-            let bytes = kvq::quant::io::read_regular_file(p, MAX_INPUT_BYTES)
-                .map_err(|e| format!("{}: {e}", p.display()))?;
+            let bytes = kvq::quant::io::read_regular_file(p, MAX_TEXT_BYTES).map_err(|e| {
+                format!("{}: {e} (texts of at most {} MiB are read)", p.display(), MAX_TEXT_BYTES >> 20)
+            })?;
             let text = String::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", p.display()))?;
-            GgufTokenizer::load(&model_path)?.encode(&text)?
+            // In pieces, and no further than --max-tokens: bounded memory whatever the text.
+            GgufTokenizer::load(&model_path)?.encode_prefix(&text, args.max_tokens)?
         }
         (None, None) => unreachable!("clap requires one"),
     };
@@ -246,11 +248,17 @@ fn candidates(
         };
         out.push(Candidate { name: name.to_string(), config, path });
     }
+    if out.is_empty() {
+        return Err("--specs names no spec (give KSPEC/VSPEC, one spec for both, or f32)".into());
+    }
     Ok(out)
 }
 
-/// The largest text or token file read (a regular file only: not `/dev/zero`, not a FIFO).
+/// The largest token file read (a regular file only: not `/dev/zero`, not a FIFO).
 const MAX_INPUT_BYTES: u64 = 1 << 30;
+/// The largest text read: held whole, with 4 bytes per token of its ids (tokenized in
+/// pieces of [`kvq_candle::tokenizer::PIECE_BYTES`], whose working memory is bounded).
+const MAX_TEXT_BYTES: u64 = 256 << 20;
 
 /// The `input_ids` of a safetensors file (a regular file only).
 fn read_input_ids(path: &Path) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
