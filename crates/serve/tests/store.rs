@@ -279,3 +279,59 @@ fn two_servers_share_redis_and_outlive_its_outages() {
         assert!(Instant::now() < deadline, "no write after Redis came back");
     }
 }
+
+/// A small tmpfs, unmounted when dropped; `None` (said) where mounting is not allowed.
+struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    fn mount(bytes: usize) -> Option<Self> {
+        let dir = temp_dir("full-disk");
+        std::fs::create_dir_all(&dir).unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(&dir)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("SKIPPED the full-disk case: mounting a tmpfs needs root here");
+            let _ = std::fs::remove_dir(&dir);
+            return None;
+        }
+        Some(Self(dir))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A directory store on a disk that fills up: writes fail and are counted, no entry is left
+/// torn, and every text is the one a plain server computes, from A and from B.
+#[test]
+fn a_full_disk_costs_writes_never_texts() {
+    let Some(disk) = SmallDisk::mount(192 << 10) else { return };
+    let url = format!("dir://{}", disk.0.display());
+    let (a, b, reference) = (start(with_store(&url)), start(with_store(&url)), plain());
+    for salt in 0..6 {
+        let prompt = ids(300 + 37 * salt as usize, 40 + salt);
+        let want = run(reference, &prompt);
+        assert_eq!(run(a, &prompt), want, "A, prompt {salt}");
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(run(b, &prompt), want, "B, prompt {salt}");
+    }
+    assert!(metric(a, "kvq_store_errors_total") > 0.0, "the disk never filled");
+    assert_eq!(metric(b, "kvq_store_refused_total"), 0.0, "a torn entry was read");
+    // Nothing but whole entries on the disk.
+    for (kind, _, path) in entries(&disk.0) {
+        assert!(kind == 1 || kind == 2, "{}", path.display());
+    }
+    let temps = std::fs::read_dir(&disk.0)
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with(".tmp"))
+        .count();
+    assert_eq!(temps, 0, "temporary files left on the full disk");
+}
