@@ -275,14 +275,27 @@ impl Server {
     }
 }
 
-/// What identifies a model file for prefix keys: its length and its first and last MiB
-/// (header, metadata and the ends of the tensor data).
+/// What identifies a model file for prefix keys, in this process and in every process sharing
+/// a prefix store: its length, a CRC-32 of all of it (tensor data included: a model whose
+/// weights differ keys differently), and its first and last MiB (header, metadata and the
+/// ends of the tensor data). Reading the file once costs what loading it does.
 fn fingerprint(path: &std::path::Path) -> Result<Vec<u8>, String> {
     use std::io::{Read, Seek, SeekFrom};
     let err = |e: std::io::Error| format!("{}: {e}", path.display());
     let mut f = std::fs::File::open(path).map_err(err)?;
     let len = f.metadata().map_err(err)?.len();
+    let mut crc = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(err)?;
+        if n == 0 {
+            break;
+        }
+        crc.update(&buf[..n]);
+    }
     let mut out = len.to_le_bytes().to_vec();
+    out.extend_from_slice(&crc.finalize().to_le_bytes());
+    f.seek(SeekFrom::Start(0)).map_err(err)?;
     let mut head = Vec::new();
     (&mut f).take(1 << 20).read_to_end(&mut head).map_err(err)?;
     f.seek(SeekFrom::Start(len.saturating_sub(1 << 20))).map_err(err)?;
