@@ -22,6 +22,8 @@
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
+pub mod gguf_fields;
+
 use kvq::analysis::{self, KvSpec, Options};
 use kvq::layout::{CacheConfig, PagedCache, SeqId};
 use kvq::prelude::*;
@@ -144,7 +146,7 @@ impl Target {
                 let (cache, seq) = facade_cache(21);
                 vec![cache.export_sequence(seq).expect("writes")]
             }
-            Target::Gguf => vec![tiny_gguf()],
+            Target::Gguf => vec![tiny_gguf(), tiny_model_gguf()],
             Target::Tokens => {
                 vec![token_file(safetensors::Dtype::I64, 12), token_file(safetensors::Dtype::U32, 5)]
             }
@@ -502,6 +504,14 @@ fn tiny_gguf() -> Vec<u8> {
     out.into_inner()
 }
 
+/// The tiny model of `kvq_candle::tiny` (Q8_0 weights, a byte-level BPE tokenizer, a chat
+/// template): what the server's tests run on.
+fn tiny_model_gguf() -> Vec<u8> {
+    let mut out = Cursor::new(Vec::new());
+    kvq_candle::tiny::TinyModel::default().write_to(&mut out).expect("writes");
+    out.into_inner()
+}
+
 fn run_gguf(input: &[u8]) -> Outcome {
     use kvq_candle::{GgufTokenizer, KvStore, LlamaModel, Weights};
     let model = LlamaModel::read(&mut Cursor::new(input), Weights::F32).map_err(err)?;
@@ -565,6 +575,8 @@ pub fn mutate(target: Target, rng: &mut Rng, input: &[u8], others: &[Vec<u8>]) -
         Target::OffloadCache | Target::OffloadSeq if input.len() > 21 && rng.below(2) == 0 => {
             Some(mutate_offload_parts(rng, input, others))
         }
+        // One header field, metadata value, tensor dim, type or offset given a new value.
+        Target::Gguf if rng.below(2) == 0 => gguf_fields::mutate(rng, input),
         _ => None,
     };
     if let Some(out) = structured {
