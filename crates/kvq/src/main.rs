@@ -327,10 +327,17 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             if candidates.is_empty() {
                 return Err("no candidate spec applies to these layers (see the lines above)".into());
             }
-            let (rec, specs) =
-                kvq::recommend::recommend(&layers, &candidates, budget_bits, &options, |done, all| {
-                    eprintln!("kvq: measured {done}/{all} layers");
-                })?;
+            // The budget is the written config's: each dumped layer weighs as many model
+            // layers as take its specs.
+            let weights = kvq::recommend::layer_weights(&layers, model_layers.map(|n| n as usize))?;
+            let (rec, specs) = kvq::recommend::recommend_weighted(
+                &layers,
+                &candidates,
+                budget_bits,
+                &weights,
+                &options,
+                |done, all| eprintln!("kvq: measured {done}/{all} layers"),
+            )?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rec)?);
             } else {

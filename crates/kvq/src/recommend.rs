@@ -116,7 +116,9 @@ pub enum RecommendError {
     Config(#[from] KvqError),
 }
 
-/// Chooses per-layer specs from `candidates` under `budget_bits` on average.
+/// Chooses per-layer specs from `candidates` under `budget_bits` on average over `layers`,
+/// each counted once. A dump of some of a model's layers should weigh each by the model
+/// layers it stands for: [`recommend_weighted`] with [`layer_weights`].
 ///
 /// # Errors
 /// [`RecommendError::BadBudget`] for a NaN, infinite or non-positive budget (checked before
@@ -128,11 +130,69 @@ pub fn recommend(
     options: &Options,
     progress: impl FnMut(usize, usize),
 ) -> Result<(Recommendation, Vec<KvSpec>), RecommendError> {
+    recommend_weighted(layers, candidates, budget_bits, &vec![1.0; layers.len()], options, progress)
+}
+
+/// How many model layers each dumped layer stands for in the config that [`config_with`]
+/// writes for `model_layers` (each model layer takes the specs of the nearest dumped layer):
+/// the weights under which [`recommend_weighted`]'s budget is the written config's.
+///
+/// # Errors
+/// As [`config_for`]: names that are not `layer{L}`, repeated layers, a layer past the model.
+pub fn layer_weights(layers: &[LayerInput], model_layers: Option<usize>) -> Result<Vec<f64>, RecommendError> {
+    let (ids, source) = sources(layers, model_layers)?;
+    Ok(ids.iter().map(|id| source.iter().filter(|&&s| s == *id).count() as f64).collect())
+}
+
+/// The model layer of each dumped layer, and for each model layer the dumped layer whose
+/// specs it takes (the nearest; the lower one on a tie).
+fn sources(
+    layers: &[LayerInput],
+    model_layers: Option<usize>,
+) -> Result<(Vec<usize>, Vec<usize>), RecommendError> {
+    let bad = |why: String| RecommendError::Layers(why);
+    let mut ids = Vec::with_capacity(layers.len());
+    for l in layers {
+        let id = model_layer(&l.name).ok_or_else(|| bad(format!("{}: not named layer<L>", l.name)))?;
+        if ids.contains(&id) {
+            return Err(bad(format!("layer {id} appears twice")));
+        }
+        ids.push(id);
+    }
+    let Some(&highest) = ids.iter().max() else { return Err(bad("no layers".into())) };
+    let n = model_layers.unwrap_or(highest + 1);
+    if highest >= n {
+        return Err(bad(format!("the dump holds layer {highest}, the model has {n} layers")));
+    }
+    let source: Vec<usize> = (0..n)
+        .map(|m| *ids.iter().min_by_key(|&&id| (id.abs_diff(m), id)).expect("at least one layer"))
+        .collect();
+    Ok((ids, source))
+}
+
+/// [`recommend`] with layer `l` counted `weights[l]` times in the average (and in the error
+/// the choice reduces): the model's layers, when the dump holds some of them.
+///
+/// # Errors
+/// As [`recommend`], and [`RecommendError::Layers`] for weights that are not one finite,
+/// positive number per layer.
+pub fn recommend_weighted(
+    layers: &[LayerInput],
+    candidates: &[KvSpec],
+    budget_bits: f64,
+    weights: &[f64],
+    options: &Options,
+    progress: impl FnMut(usize, usize),
+) -> Result<(Recommendation, Vec<KvSpec>), RecommendError> {
     if !(budget_bits.is_finite() && budget_bits > 0.0) {
         return Err(RecommendError::BadBudget(budget_bits));
     }
+    if weights.len() != layers.len() || !weights.iter().all(|w| w.is_finite() && *w > 0.0) {
+        return Err(RecommendError::Layers(format!("{} weights for {} layers", weights.len(), layers.len())));
+    }
     let report = analyze("recommend", layers, candidates, options, progress)?;
     let n = report.layers.len();
+    let total_weight: f64 = weights.iter().sum();
     // Per layer, the candidates sorted by bits.
     let options_per_layer: Vec<Vec<(f64, f64, usize)>> = report
         .layers
@@ -146,9 +206,9 @@ pub fn recommend(
         .collect();
     let mut pick: Vec<usize> = vec![0; n];
     let total_bits = |pick: &[usize], opts: &[Vec<(f64, f64, usize)>]| -> f64 {
-        pick.iter().zip(opts).map(|(&p, o)| o[p].0).sum()
+        pick.iter().zip(opts).zip(weights).map(|((&p, o), w)| o[p].0 * w).sum()
     };
-    let needed = total_bits(&pick, &options_per_layer) / n as f64;
+    let needed = total_bits(&pick, &options_per_layer) / total_weight;
     if needed > budget_bits {
         return Err(RecommendError::Budget { needed, budget: budget_bits });
     }
@@ -159,7 +219,7 @@ pub fn recommend(
             let (b0, e0, _) = opts[pick[l]];
             for (j, &(b, e, _)) in opts.iter().enumerate() {
                 let extra = b - b0;
-                if e >= e0 || (used + extra) / n as f64 > budget_bits + 1e-12 {
+                if e >= e0 || (used + extra * weights[l]) / total_weight > budget_bits + 1e-12 {
                     continue;
                 }
                 let gain = (e0 - e) / extra.max(1e-9);
@@ -186,7 +246,7 @@ pub fn recommend(
         });
         specs.push(candidates[idx].clone());
     }
-    let average_bits = chosen.iter().map(|c| c.bits).sum::<f64>() / n as f64;
+    let average_bits = chosen.iter().zip(weights).map(|(c, w)| c.bits * w).sum::<f64>() / total_weight;
     Ok((Recommendation { budget_bits, average_bits, layers: chosen }, specs))
 }
 
@@ -232,26 +292,11 @@ pub fn config_with(
     run: CacheRun,
     pairing: Option<RopePairing>,
 ) -> Result<(KvCacheConfig, Vec<usize>), RecommendError> {
-    let bad = |why: String| RecommendError::Layers(why);
-    let mut ids = Vec::with_capacity(layers.len());
-    for l in layers {
-        let id = model_layer(&l.name).ok_or_else(|| bad(format!("{}: not named layer<L>", l.name)))?;
-        if ids.contains(&id) {
-            return Err(bad(format!("layer {id} appears twice")));
-        }
-        ids.push(id);
-    }
-    let Some(&highest) = ids.iter().max() else { return Err(bad("no layers".into())) };
-    let n = model_layers.unwrap_or(highest + 1);
-    if highest >= n {
-        return Err(bad(format!("the dump holds layer {highest}, the model has {n} layers")));
-    }
+    let (ids, source) = sources(layers, model_layers)?;
+    let n = source.len();
     if specs.len() != ids.len() {
-        return Err(bad(format!("{} specs for {} layers", specs.len(), ids.len())));
+        return Err(RecommendError::Layers(format!("{} specs for {} layers", specs.len(), ids.len())));
     }
-    let source: Vec<usize> = (0..n)
-        .map(|m| *ids.iter().min_by_key(|&&id| (id.abs_diff(m), id)).expect("at least one layer"))
-        .collect();
     let (k, q) = (layers[0].k.shape(), layers[0].q.shape());
     let mut b = KvCacheConfig::builder(n, k.heads, q.heads, k.head_dim)
         .block_size(BLOCK_SIZE)

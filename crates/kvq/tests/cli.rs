@@ -316,6 +316,14 @@ fn recommend_respects_the_budget_and_writes_a_loadable_config() {
             assert_eq!(c.k_channel_bits.is_some(), c.k.channel_bits(), "model layer {m}");
         }
         qa_chosen |= layers.iter().any(|l| l["spec"].as_str().unwrap().contains("-qa"));
+        // The budget holds for the config written, over its 30 layers, not only for the
+        // three dumped ones (the weighted average is the config's own).
+        let written = config.bits_per_value();
+        assert!(
+            written <= budget.parse::<f64>().unwrap() + 1e-6,
+            "budget {budget}: the config has {written}"
+        );
+        assert!((written - avg).abs() < 0.02, "budget {budget}: config {written}, reported {avg}");
         assert!(kvq::cache::QuantizedKvCache::new(config).is_ok());
     }
     // Some budget picks bits per key channel, so their maps' path through the config is tested.
