@@ -297,6 +297,11 @@ impl Engine {
         })
     }
 
+    /// The keys of the prefix snapshots this engine holds, kept up to date from its thread.
+    pub fn prefix_keys(&self) -> prefix::HeldKeys {
+        self.prefix.held_keys()
+    }
+
     /// Serves requests from `rx` until every sender is gone and the work is done.
     pub fn run(mut self, rx: std::sync::mpsc::Receiver<Request>) {
         loop {

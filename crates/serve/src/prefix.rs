@@ -19,7 +19,8 @@
 //! blocks. Unreferenced snapshots are evicted least recently used: when the pool needs their
 //! blocks, or past a count limit.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, RwLock};
 
 use kvq::layout::SeqId;
 
@@ -87,6 +88,13 @@ impl Geometry {
     }
 }
 
+impl Geometry {
+    /// The longest boundary of `prompt` whose key is in `held` (0: none).
+    pub fn longest_held(&self, root: u64, prompt: &[u32], held: &HashSet<u64>) -> usize {
+        self.keys(root, prompt).into_iter().rev().find(|(_, k)| held.contains(k)).map_or(0, |(end, _)| end)
+    }
+}
+
 /// One kept snapshot.
 #[derive(Debug)]
 struct Entry {
@@ -103,17 +111,32 @@ pub struct PrefixCache {
     max_entries: usize,
     entries: HashMap<u64, Entry>,
     clock: u64,
+    /// The keys of `entries`, for other threads (the HTTP handlers, which skip the shared
+    /// store when this cache holds a prefix at least as long).
+    held: Arc<RwLock<HashSet<u64>>>,
 }
+
+/// The keys a [`PrefixCache`] holds, readable from other threads.
+pub type HeldKeys = Arc<RwLock<HashSet<u64>>>;
 
 impl PrefixCache {
     /// An empty prefix cache keeping at most `max_entries` snapshots (0: none).
     pub fn new(geometry: Geometry, root: u64, max_entries: usize) -> Self {
-        Self { geometry, root, max_entries, entries: HashMap::new(), clock: 0 }
+        Self { geometry, root, max_entries, entries: HashMap::new(), clock: 0, held: Arc::default() }
     }
 
     /// Whether snapshots are kept at all.
     pub fn enabled(&self) -> bool {
         self.max_entries > 0
+    }
+
+    /// The keys held, kept up to date as snapshots come and go.
+    pub fn held_keys(&self) -> HeldKeys {
+        Arc::clone(&self.held)
+    }
+
+    fn held(&self) -> std::sync::RwLockWriteGuard<'_, HashSet<u64>> {
+        self.held.write().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Snapshots held.
@@ -166,6 +189,7 @@ impl PrefixCache {
         {
             evicted.push(old.seq);
         }
+        self.held().insert(key);
         while self.entries.len() > self.max_entries {
             match self.evict_lru() {
                 Some(s) => evicted.push(s),
@@ -178,6 +202,7 @@ impl PrefixCache {
     /// Removes the least recently used snapshot; its sequence is the caller's to free.
     pub fn evict_lru(&mut self) -> Option<SeqId> {
         let key = *self.entries.iter().min_by_key(|(_, e)| e.last_used)?.0;
+        self.held().remove(&key);
         self.entries.remove(&key).map(|e| e.seq)
     }
 }

@@ -114,6 +114,8 @@ struct App {
     pool_bytes: usize,
     next_id: AtomicU64,
     store: Option<Arc<PrefixStore>>,
+    /// The engine's prefix snapshots: the store is asked only for longer prefixes.
+    local_keys: prefix::HeldKeys,
 }
 
 /// A server ready to be bound: the model loaded, the engine thread running.
@@ -212,6 +214,7 @@ impl Server {
             },
             Arc::clone(&stats),
         )?;
+        let local_keys = engine.prefix_keys();
         let (tx, rx) = std::sync::mpsc::channel();
         // The engine runs on a worker of its own pool: its parallel calls then go to that
         // worker's queue, where rayon allocates nothing (a thread outside the pool pushes them
@@ -245,6 +248,7 @@ impl Server {
             pool_bytes: blocks * block_bytes,
             next_id: AtomicU64::new(1),
             store,
+            local_keys,
         };
         Ok(Self { app: Arc::new(app), max_body: config.max_body })
     }
@@ -696,7 +700,16 @@ async fn answer(app: Arc<App>, slot: Slot, prepared: Result<Job, ApiError>, kind
     let stored = match app.store.clone() {
         Some(store) => {
             let prompt = job.prompt.clone();
-            tokio::task::spawn_blocking(move || store.lookup(&prompt)).await.ok().flatten()
+            let keys = Arc::clone(&app.local_keys);
+            tokio::task::spawn_blocking(move || {
+                // Not for what the process's own snapshots already hold.
+                let beyond =
+                    store.held_end(&prompt, &keys.read().unwrap_or_else(std::sync::PoisonError::into_inner));
+                store.lookup_beyond(&prompt, beyond)
+            })
+            .await
+            .ok()
+            .flatten()
         }
         None => None,
     };

@@ -662,7 +662,18 @@ impl PrefixStore {
     /// header, its checksum and the prompt's tokens; `None` on a miss or when the store
     /// cannot be read (counted).
     pub fn lookup(&self, prompt: &[u32]) -> Option<Fetched> {
-        let keys = self.geometry.keys(self.root, prompt);
+        self.lookup_beyond(prompt, 0)
+    }
+
+    /// [`PrefixStore::lookup`] of prefixes longer than `beyond` tokens only (what the
+    /// process's own prefix cache holds); nothing is read, or counted, when none can be.
+    pub fn lookup_beyond(&self, prompt: &[u32], beyond: usize) -> Option<Fetched> {
+        let all = self.geometry.keys(self.root, prompt);
+        let skipped = all.iter().take_while(|&&(end, _)| end <= beyond).count();
+        let keys = &all[skipped..];
+        if keys.is_empty() && beyond > 0 {
+            return None;
+        }
         let heads: Vec<String> = keys.iter().map(|&(_, k)| head_name(k)).collect();
         let held = match self.backend.contains(&heads) {
             Ok(h) => h,
@@ -672,7 +683,7 @@ impl PrefixStore {
             }
         };
         for i in (0..keys.len()).rev().filter(|&i| held.get(i) == Some(&true)) {
-            match self.fetch(prompt, &keys, i) {
+            match self.fetch(prompt, &all, i + skipped) {
                 Ok(Some(f)) => {
                     self.known.insert(keys[i].1);
                     return Some(f);
@@ -732,6 +743,12 @@ impl PrefixStore {
         }
         self.stats.bytes_read.fetch_add(read, Ordering::Relaxed);
         Ok(Some(Fetched { end, head: head.to_vec(), blocks }))
+    }
+
+    /// The longest prefix of `prompt` whose key is in `held` (a process's own prefix cache,
+    /// [`crate::prefix::PrefixCache::held_keys`]), in tokens; 0 for none.
+    pub fn held_end(&self, prompt: &[u32], held: &std::collections::HashSet<u64>) -> usize {
+        self.geometry.longest_held(self.root, prompt, held)
     }
 
     /// Where a prefilled `prompt` would be cut for the store, when its prefix has not been

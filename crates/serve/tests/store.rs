@@ -93,9 +93,15 @@ fn two_servers_share_a_directory_store_with_the_texts_they_compute() {
     let c = start(ServerConfig { prefix_entries: 8, ..with_store(&url) });
     assert_eq!(run(c, &longer), run(reference, &longer));
     assert_eq!(metric(c, "kvq_store_hits_total"), 1.0);
+    let read = metric(c, "kvq_store_bytes_read_total");
     assert_eq!(run(c, &longer), run(reference, &longer));
     assert_eq!(metric(c, "kvq_store_hits_total"), 1.0);
     assert_eq!(metric(c, "kvq_prefix_hits_total"), 1.0, "the second time from its own cache");
+    assert_eq!(
+        metric(c, "kvq_store_bytes_read_total"),
+        read,
+        "the store is not read for what the cache holds"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
