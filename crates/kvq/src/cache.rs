@@ -819,10 +819,7 @@ impl QuantizedKvCache {
     /// cache of another config, [`CacheError::PoolExhausted`]; nothing changes on error.
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId, KvqError> {
         let parts = self.open_container(SEQ_MAGIC, bytes)?;
-        self.import_layers(|c, l| {
-            let part = parts[l];
-            (c.check_import(part), move |c: &mut PagedCache| c.import_sequence(part))
-        })
+        self.import_layers(|c, l| c.check_import(parts[l]), |c, l| c.import_sequence(parts[l]))
     }
 
     /// Bytes of one block of tokens of [`QuantizedKvCache::export_split`]: every layer's.
@@ -885,36 +882,26 @@ impl QuantizedKvCache {
             slices.extend(blocks.iter().map(|b| &b[at..at + n]));
             at += n;
         }
-        self.import_layers(|c, l| {
-            let (h, b) = (heads[l], &per_layer[l]);
-            (c.check_import_split(h, b), move |c: &mut PagedCache| c.import_split(h, b))
-        })
+        self.import_layers(
+            |c, l| c.check_import_split(heads[l], &per_layer[l]),
+            |c, l| c.import_split(heads[l], &per_layer[l]),
+        )
     }
 
-    /// Checks every layer's import (`plan(layer's cache, l)` gives the check's result and the
-    /// import), then imports into every layer.
-    fn import_layers<F>(
+    /// Checks every layer's import (`check(layer's cache, l)`), then imports into every layer.
+    fn import_layers(
         &mut self,
-        mut plan: impl FnMut(&PagedCache, usize) -> (Result<(), CacheError>, F),
-    ) -> Result<SeqId, KvqError>
-    where
-        F: FnOnce(&mut PagedCache) -> Result<SeqId, CacheError>,
-    {
-        let mut imports = Vec::with_capacity(self.layers.len());
+        check: impl Fn(&PagedCache, usize) -> Result<(), CacheError>,
+        import: impl Fn(&mut PagedCache, usize) -> Result<SeqId, CacheError>,
+    ) -> Result<SeqId, KvqError> {
         for (l, c) in self.layers.iter().enumerate() {
-            let (checked, import) = plan(c, l);
-            checked.map_err(|e| match e {
+            check(c, l).map_err(|e| match e {
                 CacheError::Offload(m) => offload(format!("layer {l}: {m}")),
                 other => KvqError::Cache(other),
             })?;
-            imports.push(import);
         }
-        let ids = self
-            .layers
-            .iter_mut()
-            .zip(imports)
-            .map(|(c, import)| import(c))
-            .collect::<Result<Vec<_>, _>>()?;
+        let ids =
+            self.layers.iter_mut().enumerate().map(|(l, c)| import(c, l)).collect::<Result<Vec<_>, _>>()?;
         debug_assert!(ids.windows(2).all(|w| w[0] == w[1]), "layers out of step");
         ids.first().copied().ok_or_else(|| offload("a cache of no layers".into()))
     }

@@ -133,11 +133,9 @@ fn write_temp(path: &Path, bytes: &[u8]) -> std::io::Result<std::path::PathBuf> 
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let dir = parent_dir(path);
     let (temp, mut file) = loop {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let name =
-            format!(".kvq-{}-{nanos}-{}.tmp", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        // Unique within the process; a stale file of a process that had the same id is
+        // stepped over (`create_new` refuses it).
+        let name = format!(".kvq-{}-{}.tmp", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         let temp = dir.join(name);
         // `create_new` makes the file with the umask's permissions, never over another.
         match std::fs::OpenOptions::new().write(true).create_new(true).open(&temp) {

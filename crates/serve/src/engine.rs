@@ -673,21 +673,18 @@ impl Engine {
         let r = &self.running[i];
         let local = self.prefix.wants(&r.req.prompt);
         let shared = self.config.store.as_ref().and_then(|s| s.wants(&r.req.prompt));
-        if local.or(shared).is_none() {
-            return;
-        }
-        let Ok(copy) = self.cache.fork(r.seq) else { return };
-        let end = self.cache.len(copy, 0).unwrap_or(0);
+        let Ok(end) = self.cache.len(r.seq, 0) else { return };
+        // The store copies the sequence's bytes out; only the process's own cache needs a fork.
         if let Some(store) = self.config.store.as_ref().filter(|_| shared == Some(end))
-            && let Ok(n) = self.cache.final_blocks(copy)
-            && let Ok((head, blocks)) = self.cache.export_split(copy, n)
+            && let Ok(n) = self.cache.final_blocks(r.seq)
+            && let Ok((head, blocks)) = self.cache.export_split(r.seq, n)
         {
             store.offer(&r.req.prompt, end, head, blocks);
         }
         if local != Some(end) {
-            let _ = self.cache.free(copy);
             return;
         }
+        let Ok(copy) = self.cache.fork(r.seq) else { return };
         for seq in self.prefix.insert(&r.req.prompt, end, copy) {
             let _ = self.cache.free(seq);
         }

@@ -21,7 +21,6 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
@@ -193,9 +192,6 @@ pub struct DirStore {
     evicting: Mutex<()>,
 }
 
-/// Temporary file names: unique in the process (with its id, across processes).
-static TEMP: AtomicU64 = AtomicU64::new(0);
-
 impl DirStore {
     /// A store in `dir` (created when missing) holding about `max_bytes` at most.
     ///
@@ -281,21 +277,10 @@ impl BlockStore for DirStore {
         if path.exists() {
             return Ok(());
         }
-        // A temporary name of this process's own, renamed into place: readers (and other
-        // writers of the same key) see the old state or the whole entry, never a torn one.
-        let temp = self.dir.join(format!(
-            ".tmp-{}-{}-{}",
-            std::process::id(),
-            TEMP.fetch_add(1, Ordering::Relaxed),
-            path.file_name().map_or_else(Default::default, |n| n.to_string_lossy().into_owned())
-        ));
-        let written = std::fs::File::create_new(&temp)
-            .and_then(|mut f| f.write_all(value))
-            .and_then(|()| std::fs::rename(&temp, &path));
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&temp);
-            return Err(StoreError::Io(format!("{}: {e}", path.display())));
-        }
+        // A temporary file renamed into place (the project's atomic write): readers, and other
+        // writers of the same key, see no entry or a whole one, never a torn one.
+        kvq::quant::io::write_atomic(&path, value)
+            .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
         let used = self.used.fetch_add(value.len() as u64, Ordering::Relaxed) + value.len() as u64;
         if used > self.max_bytes {
             self.evict()?;
@@ -560,11 +545,11 @@ pub struct StoreStats {
     pub refused: AtomicU64,
 }
 
-/// The writer's work: a prefix to write (its tokens, the head and the blocks of tokens), or
-/// a caller waiting for the writes before it.
-enum Job {
-    Write { tokens: Vec<u32>, head: Vec<u8>, blocks: Vec<Vec<u8>> },
-    Flush(SyncSender<()>),
+/// The writer's work: a prefix to write (its tokens, the head and the blocks of tokens).
+struct Job {
+    tokens: Vec<u32>,
+    head: Vec<u8>,
+    blocks: Vec<Vec<u8>>,
 }
 
 /// Writes queued at most; more are dropped (the store is a cache).
@@ -769,22 +754,13 @@ impl PrefixStore {
         if !self.known.insert(key) {
             return;
         }
-        match self.jobs.try_send(Job::Write { tokens: prompt[..end].to_vec(), head, blocks }) {
+        match self.jobs.try_send(Job { tokens: prompt[..end].to_vec(), head, blocks }) {
             Ok(()) => {}
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
                 self.stats.errors.fetch_add(1, Ordering::Relaxed);
                 // Not written: another request may offer it again.
                 self.known.forget(key);
             }
-        }
-    }
-
-    /// Waits (up to a minute) until every write queued so far is done: for tests, and for a
-    /// server about to stop.
-    pub fn flush(&self) {
-        let (done, wait) = std::sync::mpsc::sync_channel(1);
-        if self.jobs.send(Job::Flush(done)).is_ok() {
-            let _ = wait.recv_timeout(Duration::from_secs(60));
         }
     }
 }
@@ -800,18 +776,11 @@ struct Writer {
 
 impl Writer {
     fn run(&self, rx: &Receiver<Job>) {
-        while let Ok(job) = rx.recv() {
-            match job {
-                Job::Write { tokens, head, blocks } => {
-                    if let Err(key) = self.write(&tokens, &head, &blocks) {
-                        self.stats.errors.fetch_add(1, Ordering::Relaxed);
-                        // Not written: offered again by the next prompt that reaches it.
-                        self.known.forget(key);
-                    }
-                }
-                Job::Flush(done) => {
-                    let _ = done.send(());
-                }
+        while let Ok(Job { tokens, head, blocks }) = rx.recv() {
+            if let Err(key) = self.write(&tokens, &head, &blocks) {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                // Not written: offered again by the next prompt that reaches it.
+                self.known.forget(key);
             }
         }
     }

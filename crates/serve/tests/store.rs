@@ -337,7 +337,7 @@ fn a_full_disk_costs_writes_never_texts() {
     }
     let temps = std::fs::read_dir(&disk.0)
         .unwrap()
-        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with(".tmp"))
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with('.'))
         .count();
     assert_eq!(temps, 0, "temporary files left on the full disk");
 }
