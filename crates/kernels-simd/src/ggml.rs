@@ -90,17 +90,24 @@ impl Activations {
         (block_dot(ty, w, &self.codes[ab * QK..(ab + 1) * QK]), self.sums[ab], self.scales[ab])
     }
 
-    /// Rounds the rows of `x` (`x.len() / k` rows of `k` values).
+    /// Rounds the rows of `x` (`x.len() / k` rows of `k` values), on this process's backend
+    /// ([`crate::dispatch::selected`]).
     ///
     /// # Errors
     /// [`KernelError::Shape`] when `k` is not a positive multiple of 32 or does not divide
     /// `x.len()`, or a value is not finite.
     pub fn quantize(&mut self, x: &[f32], k: usize) -> Result<(), KernelError> {
+        self.quantize_with(crate::dispatch::selected().unwrap_or_else(|_| crate::dispatch::detect()), x, k)
+    }
+
+    /// [`Activations::quantize`] on `backend` (AVX2 where it is available, the scalar
+    /// reference otherwise): the same codes, scales and sums to the bit on every backend.
+    ///
+    /// # Errors
+    /// As [`Activations::quantize`]; the activations are then empty.
+    pub fn quantize_with(&mut self, backend: Backend, x: &[f32], k: usize) -> Result<(), KernelError> {
         if k == 0 || !k.is_multiple_of(QK) || !x.len().is_multiple_of(k) {
             return Err(KernelError::Shape(format!("{} values in rows of {k} (a multiple of 32)", x.len())));
-        }
-        if let Some(v) = x.iter().find(|v| !v.is_finite()) {
-            return Err(KernelError::Shape(format!("a non-finite activation ({v})")));
         }
         let blocks = x.len() / QK;
         let rows = x.len() / k;
@@ -109,17 +116,17 @@ impl Activations {
         self.codes.resize(padded * k, 0);
         self.scales.resize(blocks, 0.0);
         self.sums.resize(blocks, 0);
-        for (b, xs) in x.chunks_exact(QK).enumerate() {
-            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (c, &v) in self.codes[b * QK..(b + 1) * QK].iter_mut().zip(xs) {
-                *c = (v * inv).round().clamp(-127.0, 127.0) as i8;
-                sum += i32::from(*c);
-            }
-            self.scales[b] = d;
-            self.sums[b] = sum;
+        let codes = &mut self.codes[..x.len()];
+        let finite = match quantize_implementation(backend) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `quantize_implementation` returns Avx2 only where AVX2 is available.
+            Backend::Avx2 => unsafe { x86::quantize_blocks(x, codes, &mut self.scales, &mut self.sums) },
+            _ => scalar_quantize_blocks(x, codes, &mut self.scales, &mut self.sums),
+        };
+        if !finite {
+            (self.k, self.rows) = (0, 0);
+            let v = x.iter().find(|v| !v.is_finite()).copied().unwrap_or(f32::NAN);
+            return Err(KernelError::Shape(format!("a non-finite activation ({v})")));
         }
         let per_row = k / QK;
         self.bm_scales.clear();
@@ -135,6 +142,38 @@ impl Activations {
         self.rows = rows;
         Ok(())
     }
+}
+
+/// The code that [`Activations::quantize_with`] runs for `backend`: AVX2's where the CPU
+/// has it (the AVX2 and AVX-512 backends), the scalar reference otherwise.
+pub fn quantize_implementation(backend: Backend) -> Backend {
+    match backend {
+        Backend::Avx2 | Backend::Avx512 if Backend::Avx2.is_available() => Backend::Avx2,
+        _ => Backend::Scalar,
+    }
+}
+
+/// The reference rounding of blocks of 32 values to 8-bit codes: scale `max|x| / 127`, codes
+/// `round(x / scale)` (halves away from zero), and each block's sum of codes. Returns whether
+/// every value was finite (the codes are meaningless where one was not).
+pub fn scalar_quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [i32]) -> bool {
+    let mut finite = true;
+    for (((xs, cs), scale), total) in
+        x.chunks_exact(QK).zip(codes.chunks_exact_mut(QK)).zip(scales.iter_mut()).zip(sums.iter_mut())
+    {
+        finite &= xs.iter().all(|v| v.is_finite());
+        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (c, &v) in cs.iter_mut().zip(xs) {
+            *c = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            sum += i32::from(*c);
+        }
+        *scale = d;
+        *total = sum;
+    }
+    finite
 }
 
 /// The code that [`matmul_t`] runs for `backend`: AVX-512 VNNI's (`vpdpbusd` on 256-bit
@@ -264,6 +303,68 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{Activations, GgmlType, QK};
+
+    /// [`super::scalar_quantize_blocks`] with AVX2, to the bit: the same maximum, scale and
+    /// reciprocal, and `roundf`'s halves away from zero (truncate, then step away where the
+    /// dropped fraction is at least a half; both steps exact).
+    ///
+    /// # Safety
+    /// AVX2 is available; `codes` holds `x.len()` values, `scales` and `sums` a block each.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_blocks(
+        x: &[f32],
+        codes: &mut [i8],
+        scales: &mut [f32],
+        sums: &mut [i32],
+    ) -> bool {
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
+        let inf = _mm256_set1_ps(f32::INFINITY);
+        let half = _mm256_set1_ps(0.5);
+        let one = _mm256_set1_ps(1.0);
+        let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+        let mut finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for (((xs, cs), scale), total) in
+            x.chunks_exact(QK).zip(codes.chunks_exact_mut(QK)).zip(scales.iter_mut()).zip(sums.iter_mut())
+        {
+            // SAFETY: a chunk holds 32 values, four loads of eight.
+            let v = unsafe { [0, 8, 16, 24].map(|i| _mm256_loadu_ps(xs.as_ptr().add(i))) };
+            let a = v.map(|v| _mm256_and_ps(v, abs_mask));
+            for a in a {
+                // NaN compares false, as does ±∞.
+                finite = _mm256_and_ps(finite, _mm256_cmp_ps::<_CMP_LT_OQ>(a, inf));
+            }
+            // The maximum of |x| (exact in any order; NaNs only where the block is refused).
+            let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
+            let d = _mm_cvtss_f32(m) / 127.0;
+            let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let q = v.map(|v| {
+                let y = _mm256_mul_ps(v, inv);
+                let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                let frac = _mm256_and_ps(_mm256_sub_ps(y, t), abs_mask);
+                let step = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half), one);
+                let r = _mm256_add_ps(t, _mm256_or_ps(step, _mm256_and_ps(y, sign_mask)));
+                _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+            });
+            let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let sum = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            let sum = _mm_add_epi32(sum, _mm_shuffle_epi32::<0b01_00_11_10>(sum));
+            let sum = _mm_add_epi32(sum, _mm_shuffle_epi32::<0b10_11_00_01>(sum));
+            // Four lanes of i32 to i8 (saturation cannot bite: |q| <= 127); packs interleave
+            // the 128-bit halves, the permute puts them back in order.
+            let w = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(q[0], q[1]));
+            let z = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(q[2], q[3]));
+            let b = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi16(w, z));
+            // SAFETY: a chunk of codes holds 32 bytes.
+            unsafe { _mm256_storeu_si256(cs.as_mut_ptr().cast(), b) };
+            *scale = d;
+            *total = _mm_cvtsi128_si32(sum);
+        }
+        _mm256_movemask_ps(finite) == 0xFF
+    }
 
     /// f16 bits to f32 with F16C.
     #[inline]
@@ -570,6 +671,52 @@ pub(crate) mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_quantizer_matches_the_reference_to_the_bit() {
+        // Blocks whose maximum is 127 have a scale of exactly 1: their halves are real ties.
+        let mut special = vec![127.0f32, -127.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5, 0.0, -0.0];
+        special.extend([0.49999997, -0.49999997, 63.5, -63.5]);
+        special.resize(32, 7.25);
+        special.extend([3.4e38, -1e-30, 1e-30, f32::MIN_POSITIVE, -3.4e38, 1.0]);
+        special.resize(64, -2.0e37);
+        let mut inputs = vec![special, vec![0.0; 32], vec![-0.0; 64], vec![3.4e38; 32], vec![-1e-38; 32]];
+        for blocks in [1, 2, 3, 7, 18, 48] {
+            inputs.push(activations(1, blocks * QK, blocks as u64 * 11));
+        }
+        for x in &inputs {
+            let n = x.len() / QK;
+            let mut want = (vec![0i8; x.len()], vec![0f32; n], vec![0i32; n]);
+            assert!(scalar_quantize_blocks(x, &mut want.0, &mut want.1, &mut want.2));
+            for backend in crate::dispatch::available() {
+                let mut act = Activations::new();
+                act.quantize_with(backend, x, QK).unwrap();
+                let name = quantize_implementation(backend);
+                assert_eq!(act.codes[..x.len()], want.0[..], "{name} {x:?}");
+                assert_eq!(
+                    act.scales.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want.1.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
+                assert_eq!(act.sums, want.2, "{name}");
+            }
+        }
+        // The ties round away from zero.
+        let mut act = Activations::new();
+        act.quantize_with(Backend::Scalar, &inputs[0], QK).unwrap();
+        assert_eq!(act.codes[2..10], [1, -1, 2, -2, 3, -3, 127, -127]);
+        // Every non-finite value, anywhere in a block, is refused by every backend.
+        for backend in crate::dispatch::available() {
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                for at in [0, 5, 31, 32, 63, 95] {
+                    let mut x = activations(1, 96, at as u64);
+                    x[at] = bad;
+                    let mut act = Activations::new();
+                    assert!(act.quantize_with(backend, &x, 96).is_err(), "{backend} {bad} at {at}");
+                    assert_eq!(act.rows(), 0);
                 }
             }
         }
