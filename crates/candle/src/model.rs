@@ -353,7 +353,7 @@ impl Linear {
         };
         let (rows, k) = (packed.rows(), packed.k());
         if !x.quantized {
-            act.quantize(x.x, k).map_err(|e| Error::Shape(e.to_string()))?;
+            act.quantize_with(backend, x.x, k).map_err(|e| Error::Shape(e.to_string()))?;
             x.quantized = true;
         }
         t.resize(rows * n, 0.0);
@@ -365,10 +365,23 @@ impl Linear {
                 ggml_packed::matmul_packed(backend, packed, range, act, o)
             })
             .map_err(|e| Error::Shape(e.to_string()))?;
-        for (r, col) in t.chunks_exact(n).enumerate() {
-            for (i, &v) in col.iter().enumerate() {
-                out[i * rows + r] = v;
+        // Back to token-major rows, a few tokens per task: each weight row's outputs for
+        // them are read together, written into as many output rows.
+        const TOKENS: usize = 16;
+        let t = &*t;
+        let transpose = |(i, o): (usize, &mut [f32])| {
+            let first = i * TOKENS;
+            let m = o.len() / rows;
+            for (r, col) in t.chunks_exact(n).enumerate() {
+                for (j, &v) in col[first..first + m].iter().enumerate() {
+                    o[j * rows + r] = v;
+                }
             }
+        };
+        if n > TOKENS {
+            out[..n * rows].par_chunks_mut(TOKENS * rows).enumerate().for_each(transpose);
+        } else {
+            transpose((0, &mut out[..n * rows]));
         }
         Ok(())
     }
@@ -728,12 +741,11 @@ impl LlamaModel {
         let geometry = (cache.config().sink_tokens, cache.config().block_size);
         let result = {
             let cache = &mut *cache;
+            // Both ways cut a chunk before each token that completes a block; under
+            // `Prefill::Exact` its tokens then attend token by token.
+            let attention = options.attention.token_by_token(options.prefill == Prefill::Exact);
             let mut attend = |l: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]| {
-                let geometry = match options.prefill {
-                    Prefill::Exact => None,
-                    Prefill::Chunked => Some(geometry),
-                };
-                rounds.attend(cache, &options.attention, l, batch, starts, geometry, (q, k, v), out, dims)
+                rounds.attend(cache, &attention, l, batch, starts, geometry, (q, k, v), out, dims)
             };
             self.run_layers(b, &tokens, &mut attend)
         };
@@ -911,15 +923,15 @@ impl StepOptions {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Prefill {
-    /// One token of each sequence per attention call: every token's attention is the very
-    /// arithmetic of a decode step, so a prompt prefilled in chunks of any size, alone or
-    /// beside others, gives the same cache and logits to the bit (on kvq's GGML kernels),
-    /// what an exact prefix cache needs.
+    /// The tokens of a chunk attend in one call per block of the chunk, each of them with
+    /// the very arithmetic of its own decode step ([`AttentionOptions::token_by_token`]), so
+    /// a prompt prefilled in chunks of any size, alone or beside others, gives the same cache
+    /// and logits to the bit (on kvq's GGML kernels), what an exact prefix cache needs.
     #[default]
     Exact,
     /// The tokens of a chunk attend together, cut only where a block is quantized (the
-    /// cache a token sees is still the one it would see alone): one attention call per
-    /// block of the chunk instead of one per token. The causal kernels sum in another order
+    /// cache a token sees is still the one it would see alone): the query rows of the
+    /// chunk's tokens go through the kernels together. The causal kernels sum in another order
     /// than a decode step's, so results match [`Prefill::Exact`] to float association (and
     /// the 8-bit rounding of the activations that follows), not to the bit.
     Chunked,
@@ -977,9 +989,9 @@ struct Rounds {
 
 impl Rounds {
     /// Appends the keys and values of every entry's tokens to `layer` and writes their
-    /// attention into `out`, round by round: a round takes one token of each entry, or with
-    /// `geometry` (sink tokens, block size) the tokens up to (not including) the next one
-    /// that completes a block, appends them, and attends with all of them in one call.
+    /// attention into `out`, round by round: a round takes each entry's tokens up to (not
+    /// including) the next one that completes a block (`geometry`: sink tokens, block size),
+    /// appends them, and attends with all of them in one call.
     #[allow(clippy::too_many_arguments)]
     fn attend(
         &mut self,
@@ -988,17 +1000,14 @@ impl Rounds {
         layer: usize,
         batch: &[StepSeq<'_>],
         starts: &[usize],
-        geometry: Option<(usize, usize)>,
+        (sinks, block): (usize, usize),
         (q, k, v): (&[f32], &[f32], &[f32]),
         out: &mut [f32],
         (qd, kd): (usize, usize),
     ) -> Result<()> {
-        // Where a round must end: before every token under `Prefill::Exact`, before a token
-        // that completes a block under `Prefill::Chunked`.
-        let completes = |p: usize| match geometry {
-            None => true,
-            Some((sinks, block)) => p + 1 == sinks || (p >= sinks && (p - sinks + 1).is_multiple_of(block)),
-        };
+        // Where a round must end: before a token that completes the sinks or a block (the
+        // cache changes what older tokens look like only then).
+        let completes = |p: usize| p + 1 == sinks || (p >= sinks && (p - sinks + 1).is_multiple_of(block));
         self.cursor.clear();
         self.cursor.resize(batch.len(), 0);
         loop {

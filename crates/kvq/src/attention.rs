@@ -73,6 +73,13 @@ pub struct AttentionOptions {
     /// Logit soft-capping (Gemma 2, Grok): each scaled score `s` becomes `cap · tanh(s / cap)`
     /// before the softmax.
     pub softcap: Option<f32>,
+    /// Tokens of a chunk ([`BatchSeq::tokens`] above 1) attend one after another, each with
+    /// exactly the arithmetic of a decode step of that token alone, instead of going through
+    /// the kernels together: a prompt prefilled in chunks then gives the very outputs of
+    /// decoding it token by token, when each chunk stops before a token that completes a
+    /// block (the cache a token sees must be the one it saw alone). Slower than together by
+    /// the blocks each token decodes for itself; faster than one call per token.
+    pub token_by_token: bool,
 }
 
 impl AttentionOptions {
@@ -96,6 +103,12 @@ impl AttentionOptions {
     /// Sets the soft cap of the scores.
     pub fn softcap(mut self, cap: f32) -> Self {
         self.softcap = Some(cap);
+        self
+    }
+
+    /// Sets whether a chunk's tokens attend token by token ([`AttentionOptions::token_by_token`]).
+    pub fn token_by_token(mut self, yes: bool) -> Self {
+        self.token_by_token = yes;
         self
     }
 
@@ -558,11 +571,16 @@ struct Task {
     head: usize,
     part: usize,
     parts: usize,
+    /// The sequence's new tokens whose rows this task attends (all of them, but where
+    /// [`AttentionOptions::token_by_token`] shares them out).
+    tokens: (usize, usize),
     /// The group's query rows, token after token, scaled.
     q: Vec<f32>,
     /// Per query row, the cached tokens it attends.
     spans: Vec<(usize, usize)>,
     st: Partial,
+    /// One token's state under [`AttentionOptions::token_by_token`].
+    one: Partial,
     bufs: (Vec<f32>, Vec<f32>),
     /// The value block's parameters where a fused kernel holds both blocks at once.
     vbufs: (Vec<f32>, Vec<f32>),
@@ -652,14 +670,24 @@ pub fn decode_attention_batch<T: Element>(
         } else {
             1
         };
+        // Tokens that attend one by one can be shared out too, when the pairs are few.
+        let tokens = batch[i].tokens;
+        let slices = if options.token_by_token && parts == 1 && tokens > 1 && pairs < 2 * threads {
+            (2 * threads).div_ceil(pairs).min(tokens)
+        } else {
+            1
+        };
         for head in 0..heads {
-            for part in 0..parts {
-                if n == tasks.len() {
-                    tasks.push(Task::default());
+            for slice in 0..slices {
+                for part in 0..parts {
+                    if n == tasks.len() {
+                        tasks.push(Task::default());
+                    }
+                    let t = &mut tasks[n];
+                    (t.entry, t.head, t.part, t.parts) = (i, head, part, parts);
+                    t.tokens = (slice * tokens / slices, (slice + 1) * tokens / slices);
+                    n += 1;
                 }
-                let t = &mut tasks[n];
-                (t.entry, t.head, t.part, t.parts) = (i, head, part, parts);
-                n += 1;
             }
         }
     }
@@ -699,7 +727,7 @@ pub fn decode_attention_batch<T: Element>(
             let first = seqs[lead.entry].1;
             let st = &lead.st;
             for r in 0..st.m.len() {
-                let (j, i) = (r / g, r % g);
+                let (j, i) = (lead.tokens.0 + r / g, r % g);
                 let row = (first + j) * query_heads + lead.head * g + i;
                 let inv = 1.0 / st.l[r];
                 for (y, &x) in out_row.iter_mut().zip(&st.o[r * d..(r + 1) * d]) {
@@ -776,20 +804,14 @@ impl Task {
                 }
             }
         }
-        let rows = e.tokens * g;
-        self.spans.clear();
-        self.spans.extend((0..rows).map(|r| {
-            let end = len - e.tokens + r / g + 1;
-            (options.sliding_window.map_or(0, |w| end.saturating_sub(w)), end)
-        }));
-        // Units before every row's window are never read.
-        let first = self.spans.iter().map(|s| s.0).min().unwrap_or(0);
+        let (from, to) = self.tokens;
+        let rows = (to - from) * g;
+        let window = |end: usize| options.sliding_window.map_or(0, |w| end.saturating_sub(w));
         let ks = cache.segment_iter(e.seq, layer, h, Part::K)?;
         let vs = cache.segment_iter(e.seq, layer, h, Part::V)?;
-        let units = Units::new(ks, vs, d).filter(move |u| u.end > first);
-        let per = if self.parts > 1 { units.clone().count().div_ceil(self.parts) } else { usize::MAX };
-        let mine = units.skip(self.part.saturating_mul(per)).take(per);
         self.st.reset(rows, d);
+        let rope = cache.config().rope.as_ref().map(|r| (r, cache.config().block_size));
+        let (parts, part) = (self.parts, self.part);
         let mut scratch = Scratch {
             bufs: &mut self.bufs,
             vbufs: &mut self.vbufs,
@@ -799,13 +821,63 @@ impl Task {
             rope: &mut self.rope,
             kernel: &mut self.kernel,
         };
-        let rope = cache.config().rope.as_ref().map(|r| (r, cache.config().block_size));
+        // This task's units of those that end after `first` and start before `end`, as a
+        // decode step at `end` sees them: a unit that runs past `end` (the full-precision
+        // tail, or a block of rows quantized one by one as they came) cut there, where that
+        // step's cache ended.
+        let mine = |first: usize, end: usize| {
+            let units = Units::new(ks.clone(), vs.clone(), d)
+                .filter(move |u| u.end > first)
+                .take_while(move |u| u.start < end)
+                .map(
+                    move |u| {
+                        if u.end <= end { u } else { Unit { end, k: u.k.cut(end), v: u.v.cut(end), ..u } }
+                    },
+                );
+            let per = if parts > 1 { units.clone().count().div_ceil(parts) } else { usize::MAX };
+            units.skip(part.saturating_mul(per)).take(per)
+        };
+        if options.token_by_token && e.tokens > 1 {
+            // Each token alone: its group's rows, its span, its own state, as its decode step.
+            for j in from..to {
+                let end = len - e.tokens + j + 1;
+                self.spans.clear();
+                self.spans.resize(g, (window(end), end));
+                self.one.reset(g, d);
+                let q = &self.q[j * g * d..(j + 1) * g * d];
+                attend(
+                    backend,
+                    options,
+                    readers,
+                    rope,
+                    mine(window(end), end),
+                    q,
+                    g,
+                    d,
+                    &self.spans,
+                    &mut self.one,
+                    &mut scratch,
+                )?;
+                let r = j - from;
+                self.st.m[r * g..(r + 1) * g].copy_from_slice(&self.one.m);
+                self.st.l[r * g..(r + 1) * g].copy_from_slice(&self.one.l);
+                self.st.o[r * g * d..(r + 1) * g * d].copy_from_slice(&self.one.o);
+            }
+            return Ok(());
+        }
+        self.spans.clear();
+        self.spans.extend((0..rows).map(|r| {
+            let end = len - e.tokens + r / g + 1;
+            (window(end), end)
+        }));
+        // Units before every row's window are never read.
+        let first = self.spans.iter().map(|s| s.0).min().unwrap_or(0);
         attend(
             backend,
             options,
             readers,
             rope,
-            mine,
+            mine(first, len),
             &self.q,
             rows,
             d,
@@ -1116,6 +1188,19 @@ struct Units<'a> {
 impl<'a> Units<'a> {
     fn new(k: kvq_cache_layout::Segments<'a>, v: kvq_cache_layout::Segments<'a>, d: usize) -> Self {
         Self { k: k.peekable(), v: v.peekable(), at: 0, d }
+    }
+}
+
+impl Run<'_> {
+    /// The run without its tokens from `end` on (a block's rows are quantized one by one
+    /// where a block is still being filled).
+    fn cut(self, end: usize) -> Self {
+        match self {
+            Run::Block(view) if view.first_token + view.tokens > end => {
+                Run::Block(BlockView { tokens: end.saturating_sub(view.first_token), ..view })
+            }
+            r => r,
+        }
     }
 }
 

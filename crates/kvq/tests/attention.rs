@@ -750,3 +750,120 @@ fn the_integer_kernel_is_named() {
         assert!(integer_decode_kernel(Backend::Scalar, &cache, empty, 4).is_err());
     }
 }
+
+/// Under [`AttentionOptions::token_by_token`], a chunk's rows are the very outputs of decoding
+/// its tokens one at a time (to the bit), when the chunks stop before each token that
+/// completes a block, as a model's prefill cuts them: for every backend, both score paths,
+/// formats with and without fused kernels, sinks, residual blocks, tail types, a sliding
+/// window, and one or several query heads per KV head.
+#[test]
+fn token_by_token_chunks_are_decode_steps_to_the_bit() {
+    use kvq::attention::{AttentionOptions, BatchSeq, DecodeWorkspace, decode_attention_batch};
+    let specs = [
+        ("int4-channel-p8", "int4-token-p8"),
+        ("int4-channel", "int4-token"),
+        ("int8-token", "int8-token"),
+        ("int4-g32", "int3-g16"),
+        ("fp8e4m3-token", "fp8e5m2-token"),
+        ("nf4-token", "nf4-token"),
+        ("int3-channel", "int2-token-mse-rot"),
+        ("int4-channel-p8", "int3-token-mse-rot-p8"),
+    ];
+    let mut rng = Rng::new(29);
+    let len = 80;
+    for (i, (k, v)) in specs.iter().enumerate() {
+        for (kv_heads, g, d, block) in [(2usize, 3usize, 64usize, 16usize), (1, 1, 128, 32)] {
+            let config = CacheConfig::new(1, kv_heads, d, 64)
+                .with_specs(k.parse().unwrap(), v.parse().unwrap())
+                .with_block_size(block)
+                .with_residual_blocks(i % 2)
+                .with_sink_tokens([0, 4, 3][i % 3])
+                .with_tail_dtype(TAILS[i % 3])
+                .with_row_window(i % 4 >= 2);
+            let (sinks, qh, row) = (config.sink_tokens, kv_heads * g, kv_heads * d);
+            let keys: Vec<f32> = (0..len * row).map(|_| rng.normal() as f32).collect();
+            let values: Vec<f32> = (0..len * row).map(|_| rng.normal() as f32).collect();
+            let q: Vec<f32> = (0..len * qh * d).map(|_| 2.0 * rng.normal() as f32).collect();
+            // Rounds: a token that completes the sinks or a block starts a new one.
+            let completes =
+                |p: usize| p + 1 == sinks || (p >= sinks && (p - sinks + 1).is_multiple_of(block));
+            let mut rounds = vec![0];
+            for p in 1..len {
+                if completes(p) || p - rounds.last().unwrap() == 13 {
+                    rounds.push(p);
+                }
+            }
+            rounds.push(len);
+            for window in [None, Some(20)] {
+                for backend in available() {
+                    for path in [ScorePath::Float, ScorePath::Int8] {
+                        let mut o = AttentionOptions::with_path(path).token_by_token(true);
+                        o.sliding_window = window;
+                        let mut ws = DecodeWorkspace::new();
+                        let what =
+                            format!("K {k} V {v}, d {d}, g {g}, window {window:?}, {backend} {path:?}");
+                        // One token at a time.
+                        let mut alone = PagedCache::new(config.clone()).unwrap();
+                        let a = alone.create();
+                        let mut want = vec![0f32; q.len()];
+                        for t in 0..len {
+                            alone
+                                .append(a, 0, &keys[t * row..(t + 1) * row], &values[t * row..(t + 1) * row])
+                                .unwrap();
+                            let (q, out) =
+                                (&q[t * qh * d..(t + 1) * qh * d], &mut want[t * qh * d..(t + 1) * qh * d]);
+                            decode_attention_batch(
+                                backend,
+                                &o,
+                                &alone,
+                                0,
+                                &[BatchSeq::decode(a)],
+                                q,
+                                qh,
+                                out,
+                                &mut ws,
+                            )
+                            .unwrap();
+                        }
+                        // In rounds.
+                        let in_rounds = |o: &AttentionOptions, ws: &mut DecodeWorkspace| {
+                            let mut chunked = PagedCache::new(config.clone()).unwrap();
+                            let c = chunked.create();
+                            let mut got = vec![0f32; q.len()];
+                            for r in rounds.windows(2) {
+                                for t in r[0]..r[1] {
+                                    let (k, v) =
+                                        (&keys[t * row..(t + 1) * row], &values[t * row..(t + 1) * row]);
+                                    chunked.append(c, 0, k, v).unwrap();
+                                }
+                                let batch = [BatchSeq { seq: c, tokens: r[1] - r[0] }];
+                                let span = r[0] * qh * d..r[1] * qh * d;
+                                let (q, out) = (&q[span.clone()], &mut got[span]);
+                                decode_attention_batch(backend, o, &chunked, 0, &batch, q, qh, out, ws)
+                                    .unwrap();
+                            }
+                            got
+                        };
+                        let got = in_rounds(&o, &mut ws);
+                        for (t, (x, y)) in got.chunks_exact(qh * d).zip(want.chunks_exact(qh * d)).enumerate()
+                        {
+                            assert!(
+                                x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "{what}: token {t} differs"
+                            );
+                        }
+                        // Without it, the chunk's rows go through the kernels together: the
+                        // same outputs to float association.
+                        let got = in_rounds(&o.token_by_token(false), &mut ws);
+                        let want: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
+                        let rel = rel_err(&got, &want);
+                        assert!(
+                            rel < if path == ScorePath::Int8 { 2e-2 } else { 1e-5 },
+                            "{what}: together {rel}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
