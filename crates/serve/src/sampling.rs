@@ -150,20 +150,28 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32]) -> Option<u32> {
         let p = &self.params;
         self.candidates.clear();
-        for (i, &l) in logits.iter().enumerate() {
-            if !l.is_finite() {
-                continue;
+        self.candidates.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        // The penalties, on the few tokens they touch (not a lookup per vocabulary entry).
+        let row = &mut self.candidates;
+        if p.repetition_penalty != 1.0 {
+            for &t in self.seen.keys() {
+                if let Some(c) = row.get_mut(t as usize) {
+                    let l = c.1;
+                    c.1 = if l > 0.0 { l / p.repetition_penalty } else { l * p.repetition_penalty };
+                }
             }
-            let t = i as u32;
-            let mut l = l;
-            if p.repetition_penalty != 1.0 && self.seen.contains_key(&t) {
-                l = if l > 0.0 { l / p.repetition_penalty } else { l * p.repetition_penalty };
-            }
-            if let Some(&n) = self.output_counts.get(&t) {
-                l -= p.frequency_penalty * n as f32 + p.presence_penalty;
-            }
-            self.candidates.push((t, l));
         }
+        for (&t, &n) in &self.output_counts {
+            if let Some(c) = row.get_mut(t as usize) {
+                c.1 -= p.frequency_penalty * n as f32 + p.presence_penalty;
+            }
+        }
+        // Tokens whose logit (as given) is not finite are never candidates.
+        let mut i = 0;
+        row.retain(|_| {
+            i += 1;
+            logits[i - 1].is_finite()
+        });
         if self.candidates.is_empty() {
             return None;
         }
@@ -281,6 +289,15 @@ mod tests {
         s.accept(0);
         s.accept(0);
         assert_eq!(s.sample(&logits), Some(1), "once per token: 2.0 - 2.0 < 1.9");
+        // Negative logits are multiplied; a seen token with a non-finite logit stays out; the
+        // penalties add up (repetition first).
+        let p =
+            SamplingParams { repetition_penalty: 1.2, presence_penalty: 0.5, ..SamplingParams::default() };
+        let mut s = Sampler::new(p, &[0, 1, 5]);
+        assert_eq!(s.sample(&[-1.0, -1.1, -1.15]), Some(2), "-1.2 and -1.32 < -1.15");
+        assert_eq!(s.sample(&[f32::NAN, -3.0, f32::NEG_INFINITY]), Some(1));
+        s.accept(2);
+        assert_eq!(s.sample(&[-1.0, -1.3, -0.6]), Some(0), "-1.2 > -0.6 · 1.2 - 0.5 and -1.56");
     }
 
     #[test]
