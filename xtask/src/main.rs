@@ -1087,6 +1087,7 @@ fn serve_bench(args: &[String]) -> Result<(), String> {
         prompt_words: 1500,
         output_tokens: 128,
         configs: ["kvq", "kvq-int8", "llama-f16", "llama-q8_0", "llama-q4_0"].map(String::from).to_vec(),
+        read_gbs: 0.0,
     };
     let (mut store_url, mut prefixes) = (None, vec![1024, 4096, 8000]);
     let mut it = args.iter();
@@ -1153,7 +1154,12 @@ fn serve_bench(args: &[String]) -> Result<(), String> {
         if plan.configs.iter().any(|c| c.starts_with("llama-")) { Some(build_llama()?) } else { None };
     let max_clients = plan.clients.iter().copied().max().unwrap_or(1).max(1);
     // Every sequence may take the model's whole context (SmolLM2: 8192 tokens), on both servers.
-    let (mut rows, mut sizes) = (Vec::new(), Vec::new());
+    if plan.depths.iter().any(|&d| d > 0) {
+        plan.read_gbs = serve_bench::read_rate();
+        eprintln!("xtask: one thread reads {:.1} GB/s", plan.read_gbs);
+    }
+    let mut measured = serve_bench::Measured { rows: Vec::new(), floors: Vec::new() };
+    let mut sizes = Vec::new();
     for config in &plan.configs {
         let port = serve_bench::free_port()?;
         let threads = plan.threads.to_string();
@@ -1191,10 +1197,12 @@ fn serve_bench(args: &[String]) -> Result<(), String> {
             }
         };
         let server = serve_bench::start(config, cmd, port, &logs.join(format!("{config}.log")), bits)?;
-        rows.extend(serve_bench::measure(&server, &plan, &text)?);
+        let m = serve_bench::measure(&server, &plan, &text)?;
+        measured.rows.extend(m.rows);
+        measured.floors.extend(m.floors);
         sizes.push((config.clone(), server.kv_bits));
     }
-    let report = serve_bench::report(&plan, &rows, &sizes, &machine());
+    let report = serve_bench::report(&plan, &measured, &sizes, &machine());
     println!("{report}");
     let out = root().join("target/serve-bench.md");
     std::fs::write(&out, report).map_err(|e| format!("{}: {e}", out.display()))?;

@@ -10,7 +10,10 @@
 //!   generated tokens/s over the wall time, and p50/p99 time to first token and inter-token
 //!   latency;
 //! - KV bytes per token from the config (kvq: its bits per value, every parameter counted;
-//!   llama.cpp: 16, 8.5 and 4.5 bits).
+//!   llama.cpp: 16, 8.5 and 4.5 bits);
+//! - for kvq's decode at each depth, the memory floor of a step: the model file's bytes and
+//!   the cache's bytes at that depth over the one-thread read rate, measured in the same run
+//!   ([`read_rate`]).
 //!
 //! The table goes to stdout and `target/serve-bench.md`.
 
@@ -32,6 +35,29 @@ pub struct Plan {
     pub prompt_words: usize,
     pub output_tokens: usize,
     pub configs: Vec<String>,
+    /// One thread's read rate in GB/s ([`read_rate`]), measured before the servers start.
+    pub read_gbs: f64,
+}
+
+/// What one server measured: its rows of the main table, and of the floor table.
+pub struct Measured {
+    pub rows: Vec<String>,
+    pub floors: Vec<String>,
+}
+
+/// One thread's read rate from memory in GB/s: the best of three sums over 512 MiB of `u64`
+/// (written first, so that every page is there).
+pub fn read_rate() -> f64 {
+    let words = 512 << 17;
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let sum = buf.iter().fold(0u64, |a, &x| a.wrapping_add(x));
+        std::hint::black_box(sum);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (words * 8) as f64 / best / 1e9
 }
 
 /// One server under test.
@@ -158,8 +184,9 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 }
 
 /// The rows of one server.
-pub fn measure(server: &Server, plan: &Plan, text: &str) -> Result<Vec<String>, String> {
-    let mut rows = Vec::new();
+pub fn measure(server: &Server, plan: &Plan, text: &str) -> Result<Measured, String> {
+    let (mut rows, mut floors) = (Vec::new(), Vec::new());
+    let model_bytes = std::fs::metadata(&plan.model).map_err(|e| e.to_string())?.len() as f64;
     for &depth in &plan.depths {
         // About 1.3 tokens per word of English prose; each prompt starts elsewhere in the text,
         // so that no server's prompt cache serves one from another.
@@ -184,6 +211,21 @@ pub fn measure(server: &Server, plan: &Plan, text: &str) -> Result<Vec<String>, 
             "| {} | one sequence, depth {} | {tps:.1} tokens/s | | |",
             server.name, s.prompt_tokens
         ));
+        if server.name.starts_with("kvq") && depth > 0 && plan.read_gbs > 0.0 {
+            let cache =
+                s.prompt_tokens as f64 * metric(server.port, "kvq_cache_values_per_token")? * server.kv_bits
+                    / 8.0;
+            let floor = (model_bytes + cache) / (plan.read_gbs * 1e9) * 1e3;
+            let step = 1e3 / tps;
+            floors.push(format!(
+                "| {} | {} | {step:.1} ms | {:.0} + {:.0} MB: {floor:.1} ms | {:.2}x |",
+                server.name,
+                s.prompt_tokens,
+                model_bytes / 1e6,
+                cache / 1e6,
+                step / floor
+            ));
+        }
     }
     for &clients in &plan.clients {
         let start = Instant::now();
@@ -218,11 +260,12 @@ pub fn measure(server: &Server, plan: &Plan, text: &str) -> Result<Vec<String>, 
             server.name, plan.output_tokens
         ));
     }
-    Ok(rows)
+    Ok(Measured { rows, floors })
 }
 
 /// The report's header and the KV-size lines.
-pub fn report(plan: &Plan, rows: &[String], servers: &[(String, f64)], machine: &str) -> String {
+pub fn report(plan: &Plan, m: &Measured, servers: &[(String, f64)], machine: &str) -> String {
+    let rows = &m.rows;
     let mut out = format!(
         "# serve-bench\n\nModel {}, {} threads, {machine}. Greedy, `ignore_eos`, streamed.\n\n\
          | server | load | generated | TTFT p50 / p99 | inter-token p50 / p99 |\n|---|---|---|---|---|\n",
@@ -236,6 +279,18 @@ pub fn report(plan: &Plan, rows: &[String], servers: &[(String, f64)], machine: 
     out += "\n| server | KV bits per value |\n|---|---|\n";
     for (name, bits) in servers {
         out += &format!("| {name} | {bits:.2} |\n");
+    }
+    if !m.floors.is_empty() {
+        out += &format!(
+            "\nDecode against its memory floor: the model file and the cache at that depth read once \
+             per step at one thread's read rate, {:.1} GB/s in this run.\n\n\
+             | server | depth | a step | floor | x floor |\n|---|---|---|---|---|\n",
+            plan.read_gbs
+        );
+        for f in &m.floors {
+            out += f;
+            out.push('\n');
+        }
     }
     out
 }
