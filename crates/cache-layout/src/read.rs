@@ -58,6 +58,18 @@ impl std::fmt::Debug for Segments<'_> {
 }
 
 impl Segments<'_> {
+    /// The segments without those that end at or before token `token` (the sinks and whole
+    /// blocks; the tail is kept): a walk that starts at a position without stepping through
+    /// every block before it.
+    pub fn skip_ending_by(mut self, token: usize) -> Self {
+        let cfg = &self.cache.config;
+        if token >= cfg.sink_tokens.min(self.ls.len) {
+            let block = token.saturating_sub(cfg.sink_tokens) / cfg.block_size;
+            self.next = self.next.max(1 + block.min(self.blocks));
+        }
+        self
+    }
+
     fn has_sinks(&self) -> bool {
         self.ls.len.min(self.cache.config.sink_tokens) > 0
     }

@@ -592,9 +592,11 @@ struct Task {
     kernel: kvq_kernels_simd::Scratch,
 }
 
-/// Contexts longer than this split one head's blocks across threads (flash-decoding) when
-/// there are fewer (sequence, KV head) pairs than threads.
-const SPLIT_TOKENS: usize = 2048;
+/// Each head's context is attended in parts of this many positions (a unit goes to the part
+/// its first token falls in), spread across threads and merged in position order
+/// (flash-decoding). The split depends on positions only, never on the threads or the rest
+/// of the batch, so neither changes a sequence's outputs.
+const SPLIT_TOKENS: usize = 1024;
 
 /// Decode attention for a batch of sequences of different lengths in one call (continuous
 /// batching). `q` and `out` hold every sequence's token rows in batch order, each row
@@ -665,15 +667,11 @@ pub fn decode_attention_batch<T: Element>(
         if len == 0 {
             continue;
         }
-        let parts = if pairs < threads && len > SPLIT_TOKENS {
-            threads.div_ceil(pairs).min(len.div_ceil(cfg.block_size))
-        } else {
-            1
-        };
-        // Tokens that attend one by one can be shared out too, when the pairs are few.
+        let parts = len.div_ceil(SPLIT_TOKENS);
+        // Tokens that attend one by one can be shared out too, when the tasks are few.
         let tokens = batch[i].tokens;
-        let slices = if options.token_by_token && parts == 1 && tokens > 1 && pairs < 2 * threads {
-            (2 * threads).div_ceil(pairs).min(tokens)
+        let slices = if options.token_by_token && tokens > 1 && pairs * parts < 2 * threads {
+            (2 * threads).div_ceil(pairs * parts).min(tokens)
         } else {
             1
         };
@@ -811,7 +809,7 @@ impl Task {
         let vs = cache.segment_iter(e.seq, layer, h, Part::V)?;
         self.st.reset(rows, d);
         let rope = cache.config().rope.as_ref().map(|r| (r, cache.config().block_size));
-        let (parts, part) = (self.parts, self.part);
+        let part = self.part;
         let mut scratch = Scratch {
             bufs: &mut self.bufs,
             vbufs: &mut self.vbufs,
@@ -825,17 +823,18 @@ impl Task {
         // decode step at `end` sees them: a unit that runs past `end` (the full-precision
         // tail, or a block of rows quantized one by one as they came) cut there, where that
         // step's cache ended.
+        // Of those, the ones that start in this task's part of the positions.
+        let (lo, hi) = (part * SPLIT_TOKENS, (part + 1) * SPLIT_TOKENS);
         let mine = |first: usize, end: usize| {
-            let units = Units::new(ks.clone(), vs.clone(), d)
+            Units::starting_at(ks.clone(), vs.clone(), d, lo.max(first))
+                .skip_while(move |u| u.start < lo)
                 .filter(move |u| u.end > first)
-                .take_while(move |u| u.start < end)
+                .take_while(move |u| u.start < end.min(hi))
                 .map(
                     move |u| {
                         if u.end <= end { u } else { Unit { end, k: u.k.cut(end), v: u.v.cut(end), ..u } }
                     },
-                );
-            let per = if parts > 1 { units.clone().count().div_ceil(parts) } else { usize::MAX };
-            units.skip(part.saturating_mul(per)).take(per)
+                )
         };
         if options.token_by_token && e.tokens > 1 {
             // Each token alone: its group's rows, its span, its own state, as its decode step.
@@ -933,7 +932,7 @@ pub fn decode_kernel(
     let readers = [PartReader::new(cache, Part::K), PartReader::new(cache, Part::V)];
     let (mut kb, mut vb) = Default::default();
     let int = path == ScorePath::Int8;
-    for u in Units::new(ks, vs, d) {
+    for u in Units::starting_at(ks, vs, d, 0) {
         if let (Run::Block(kv), Run::Block(vv)) = (u.k, u.v) {
             let fused = cache.config().rope.is_none()
                 && if kv.width_views().is_some() {
@@ -1186,8 +1185,20 @@ struct Units<'a> {
 }
 
 impl<'a> Units<'a> {
-    fn new(k: kvq_cache_layout::Segments<'a>, v: kvq_cache_layout::Segments<'a>, d: usize) -> Self {
-        Self { k: k.peekable(), v: v.peekable(), at: 0, d }
+    /// The units from the one that holds token `token` on (or a few before it: those that
+    /// start where the later of its K and V segments starts).
+    fn starting_at(
+        k: kvq_cache_layout::Segments<'a>,
+        v: kvq_cache_layout::Segments<'a>,
+        d: usize,
+        token: usize,
+    ) -> Self {
+        let (mut k, mut v) = (k.skip_ending_by(token).peekable(), v.skip_ending_by(token).peekable());
+        let at = match (k.peek(), v.peek()) {
+            (Some(a), Some(b)) => span(a).0.max(span(b).0),
+            _ => 0,
+        };
+        Self { k, v, at, d }
     }
 }
 
@@ -1260,10 +1271,20 @@ impl Partial {
         self.o.resize(rows * d, 0.0);
     }
 
-    /// Merges another partial over disjoint tokens (log-sum-exp), as flash-decoding does.
+    /// Merges another partial over disjoint tokens (log-sum-exp), as flash-decoding does. A
+    /// row that saw nothing on one side takes the other's as it is, so a part beyond a row's
+    /// end changes none of its bits.
     fn merge_from(&mut self, other: &Partial) {
         let d = self.o.len() / self.m.len().max(1);
         for i in 0..self.m.len() {
+            if other.m[i] == f32::NEG_INFINITY {
+                continue;
+            }
+            if self.m[i] == f32::NEG_INFINITY {
+                (self.m[i], self.l[i]) = (other.m[i], other.l[i]);
+                self.o[i * d..(i + 1) * d].copy_from_slice(&other.o[i * d..(i + 1) * d]);
+                continue;
+            }
             let m = self.m[i].max(other.m[i]);
             if m == f32::NEG_INFINITY {
                 continue;

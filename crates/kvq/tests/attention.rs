@@ -867,3 +867,96 @@ fn token_by_token_chunks_are_decode_steps_to_the_bit() {
         }
     }
 }
+
+/// A long context is split into parts by position, never by the thread count or the batch:
+/// a sequence's outputs are the same bits on 1 to 4 threads, alone or beside another, and
+/// token-by-token chunks across a part boundary still equal one decode call per token.
+#[test]
+fn outputs_do_not_depend_on_threads_or_the_batch() {
+    use kvq::attention::{AttentionOptions, BatchSeq, DecodeWorkspace, decode_attention_batch};
+    let mut rng = Rng::new(31);
+    let (kv_heads, g, d, len) = (2usize, 3usize, 64usize, 2080usize);
+    let (qh, row) = (kv_heads * g, kv_heads * d);
+    let config = CacheConfig::new(1, kv_heads, d, 256)
+        .with_specs("int4-channel-p8".parse().unwrap(), "int4-token-p8".parse().unwrap())
+        .with_block_size(32)
+        .with_sink_tokens(4);
+    let keys: Vec<f32> = (0..len * row).map(|_| rng.normal() as f32).collect();
+    let values: Vec<f32> = (0..len * row).map(|_| rng.normal() as f32).collect();
+    let q: Vec<f32> = (0..len * qh * d).map(|_| 2.0 * rng.normal() as f32).collect();
+    let (k_at, v_at, q_at) = (
+        |t: usize| &keys[t * row..(t + 1) * row],
+        |t: usize| &values[t * row..(t + 1) * row],
+        |t: usize| &q[t * qh * d..(t + 1) * qh * d],
+    );
+    let prefix = 2030;
+    let best = *available().last().unwrap();
+    let build = |upto: usize| {
+        let mut cache = PagedCache::new(config.clone()).unwrap();
+        let (a, b) = (cache.create(), cache.create());
+        for t in 0..upto {
+            cache.append(a, 0, k_at(t), v_at(t)).unwrap();
+        }
+        for t in 0..100 {
+            cache.append(b, 0, k_at(t), v_at(t)).unwrap();
+        }
+        (cache, a, b)
+    };
+    for path in [ScorePath::Float, ScorePath::Int8] {
+        let o = AttentionOptions::with_path(path).token_by_token(true);
+        let mut ws = DecodeWorkspace::new();
+        // One token at a time on one thread, alone: the reference.
+        let (mut alone, a, b) = build(prefix);
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let mut want = vec![0f32; (len - prefix) * qh * d];
+        for (i, t) in (prefix..len).enumerate() {
+            alone.append(a, 0, k_at(t), v_at(t)).unwrap();
+            let out = &mut want[i * qh * d..(i + 1) * qh * d];
+            one.install(|| {
+                decode_attention_batch(best, &o, &alone, 0, &[BatchSeq::decode(a)], q_at(t), qh, out, &mut ws)
+            })
+            .unwrap();
+        }
+        for threads in 1..=4 {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            // The last token decoded beside another sequence.
+            let mut got = vec![0f32; 2 * qh * d];
+            let mut both = q_at(len - 1).to_vec();
+            both.extend_from_slice(q_at(5));
+            let batch = [BatchSeq::decode(a), BatchSeq::decode(b)];
+            pool.install(|| {
+                decode_attention_batch(best, &o, &alone, 0, &batch, &both, qh, &mut got, &mut ws)
+            })
+            .unwrap();
+            let last = &want[(len - prefix - 1) * qh * d..];
+            assert!(
+                got[..qh * d].iter().zip(last).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{path:?}, {threads} threads, beside another sequence"
+            );
+            // The same tokens in chunks cut before each token that completes a block, across
+            // the part boundary at 2048.
+            let (mut chunked, c, _) = build(prefix);
+            let mut got = vec![0f32; want.len()];
+            let cuts = [prefix, 2035, 2047, 2048, 2051, 2070, len];
+            for w in cuts.windows(2) {
+                for t in w[0]..w[1] {
+                    chunked.append(c, 0, k_at(t), v_at(t)).unwrap();
+                }
+                let span = (w[0] - prefix) * qh * d..(w[1] - prefix) * qh * d;
+                let batch = [BatchSeq { seq: c, tokens: w[1] - w[0] }];
+                let qs = &q[w[0] * qh * d..w[1] * qh * d];
+                pool.install(|| {
+                    decode_attention_batch(best, &o, &chunked, 0, &batch, qs, qh, &mut got[span], &mut ws)
+                })
+                .unwrap();
+            }
+            for (i, (x, y)) in got.chunks_exact(qh * d).zip(want.chunks_exact(qh * d)).enumerate() {
+                assert!(
+                    x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{path:?}, {threads} threads: token {} differs",
+                    prefix + i
+                );
+            }
+        }
+    }
+}
