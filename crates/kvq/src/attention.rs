@@ -784,25 +784,26 @@ impl Task {
         let d = cache.config().head_dim;
         let h = self.head;
         let scale = options.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        // Only this task's tokens' rows.
+        let (from, to) = self.tokens;
         self.q.clear();
         match cache.key_segments(layer, h) {
             // Keys with bits per channel are stored with the head's channels permuted: so is
             // the query, once per step.
             Some(seg) => {
-                for r in 0..e.tokens * g {
+                for r in from * g..to * g {
                     let at = ((r / g) * query_heads + h * g + r % g) * d;
                     let row = &q[at..at + d];
                     self.q.extend(seg.permutation.iter().map(|&c| row[c].to_f32() * scale));
                 }
             }
             None => {
-                for j in 0..e.tokens {
+                for j in from..to {
                     let at = (j * query_heads + h * g) * d;
                     self.q.extend(q[at..at + g * d].iter().map(|x| x.to_f32() * scale));
                 }
             }
         }
-        let (from, to) = self.tokens;
         let rows = (to - from) * g;
         let window = |end: usize| options.sliding_window.map_or(0, |w| end.saturating_sub(w));
         let ks = cache.segment_iter(e.seq, layer, h, Part::K)?;
@@ -843,7 +844,8 @@ impl Task {
                 self.spans.clear();
                 self.spans.resize(g, (window(end), end));
                 self.one.reset(g, d);
-                let q = &self.q[j * g * d..(j + 1) * g * d];
+                let r = j - from;
+                let q = &self.q[r * g * d..(r + 1) * g * d];
                 attend(
                     backend,
                     options,
@@ -857,7 +859,6 @@ impl Task {
                     &mut self.one,
                     &mut scratch,
                 )?;
-                let r = j - from;
                 self.st.m[r * g..(r + 1) * g].copy_from_slice(&self.one.m);
                 self.st.l[r * g..(r + 1) * g].copy_from_slice(&self.one.l);
                 self.st.o[r * g * d..(r + 1) * g * d].copy_from_slice(&self.one.o);
