@@ -326,6 +326,7 @@ pub fn store(
     let mut rows = Vec::new();
     for &len in prefixes {
         let written = metric(a.port, "kvq_store_bytes_written_total")?;
+        let prefixes_before = metric(a.port, "kvq_store_prefixes_written_total")?;
         let mut n_words = len * 10 / 13;
         let (prompt, (cold, tokens)) = loop {
             let prompt = words(text, 53 * len, n_words);
@@ -334,21 +335,15 @@ pub fn store(
                 other => break (prompt, other?),
             }
         };
-        // A's writer: done once its byte count stops moving.
+        // A's writer: done once the prefix's head (written after its blocks) is in.
         let deadline = Instant::now() + Duration::from_secs(120);
-        let mut last = written;
-        loop {
-            std::thread::sleep(Duration::from_millis(500));
-            let now = metric(a.port, "kvq_store_bytes_written_total")?;
-            if now > written && now == last {
-                break;
-            }
+        while metric(a.port, "kvq_store_prefixes_written_total")? <= prefixes_before {
             if Instant::now() > deadline {
                 return Err(format!("A wrote nothing to {url} for the {tokens}-token prompt"));
             }
-            last = now;
+            std::thread::sleep(Duration::from_millis(100));
         }
-        let stored_bytes = last - written;
+        let stored_bytes = metric(a.port, "kvq_store_bytes_written_total")? - written;
         let reused = metric(b.port, "kvq_store_tokens_reused_total")?;
         let (from_store, _) = first_token(b.port, &prompt)?;
         let stored_tokens = metric(b.port, "kvq_store_tokens_reused_total")? - reused;

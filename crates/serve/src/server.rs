@@ -482,6 +482,12 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
                 g(&t.bytes_written).to_string(),
             ),
             (
+                "kvq_store_prefixes_written_total",
+                "counter",
+                "Prefixes written whole to the shared store (head after blocks): readable by others",
+                g(&t.prefixes_written).to_string(),
+            ),
+            (
                 "kvq_store_errors_total",
                 "counter",
                 "Shared store calls that failed (unreachable, I/O) and writes dropped",

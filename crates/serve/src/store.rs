@@ -539,6 +539,8 @@ pub struct StoreStats {
     pub bytes_read: AtomicU64,
     /// Entry bytes written.
     pub bytes_written: AtomicU64,
+    /// Prefixes written whole (their head put after their blocks): readable by every server.
+    pub prefixes_written: AtomicU64,
     /// Calls that failed (store unreachable, I/O), and writes dropped on a full queue.
     pub errors: AtomicU64,
     /// Entries refused by their checksum or header, or that did not import.
@@ -812,6 +814,7 @@ impl Writer {
         let entry = seal(KIND_HEAD, self.root, head_key, blocks.len() as u64, tokens, head);
         self.backend.put(&head_name(head_key), &entry).map_err(|_| head_key)?;
         self.stats.bytes_written.fetch_add(entry.len() as u64, Ordering::Relaxed);
+        self.stats.prefixes_written.fetch_add(1, Ordering::Release);
         Ok(())
     }
 }
