@@ -7,8 +7,9 @@
 //! row is dotted with every activation row while it is in L1, so a prefill chunk reads the
 //! weights from memory once. The scalar reference and the AVX2 and AVX-512 VNNI kernels
 //! (runtime-detected; tiles of two weight rows by four activation rows) compute the same
-//! integer sums; only the order of the float accumulation differs. aarch64 runs the scalar
-//! reference for now.
+//! integer sums; only the order of the float accumulation differs. On aarch64 this unpacked
+//! product is the scalar reference; the repacked one ([`crate::ggml_packed`], what a model
+//! multiplies) has NEON kernels, and [`Activations::quantize_with`] rounds with NEON.
 
 use half::f16;
 
@@ -121,6 +122,8 @@ impl Activations {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `quantize_implementation` returns Avx2 only where AVX2 is available.
             Backend::Avx2 => unsafe { x86::quantize_blocks(x, codes, &mut self.scales, &mut self.sums) },
+            #[cfg(target_arch = "aarch64")]
+            Backend::Wide => arm::quantize_blocks(x, codes, &mut self.scales, &mut self.sums),
             _ => scalar_quantize_blocks(x, codes, &mut self.scales, &mut self.sums),
         };
         if !finite {
@@ -145,9 +148,11 @@ impl Activations {
 }
 
 /// The code that [`Activations::quantize_with`] runs for `backend`: AVX2's where the CPU
-/// has it (the AVX2 and AVX-512 backends), the scalar reference otherwise.
+/// has it (the AVX2 and AVX-512 backends), NEON's on aarch64 (the `wide` and dotprod
+/// backends), the scalar reference otherwise.
 pub fn quantize_implementation(backend: Backend) -> Backend {
     match backend {
+        Backend::Wide | Backend::Dotprod if cfg!(target_arch = "aarch64") => Backend::Wide,
         Backend::Avx2 | Backend::Avx512 if Backend::Avx2.is_available() => Backend::Avx2,
         _ => Backend::Scalar,
     }
@@ -535,6 +540,52 @@ mod x86 {
 
     kernel!(matmul_t_avx2, tile_avx2, "avx2,fma,f16c", dot_avx2);
     kernel!(matmul_t_vnni, tile_vnni, "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c", dot_vnni);
+}
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use std::arch::aarch64::*;
+
+    use super::QK;
+
+    /// [`super::scalar_quantize_blocks`] with NEON, to the bit: the same f32 scale and
+    /// reciprocal, the same products, and `fcvtas`, which rounds halves away from zero as
+    /// `roundf` does (out-of-range values saturate, then the clamp to ±127 agrees).
+    pub(super) fn quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], sums: &mut [i32]) -> bool {
+        let mut finite = true;
+        for (((xs, cs), scale), total) in
+            x.chunks_exact(QK).zip(codes.chunks_exact_mut(QK)).zip(scales.iter_mut()).zip(sums.iter_mut())
+        {
+            // SAFETY: NEON is part of every aarch64 CPU; `xs` holds 32 f32 and `cs` 32 bytes,
+            // read and written four and eight at a time.
+            unsafe {
+                let v: [float32x4_t; 8] = std::array::from_fn(|i| vld1q_f32(xs.as_ptr().add(4 * i)));
+                let inf = vdupq_n_f32(f32::INFINITY);
+                let (mut ok, mut amax) = (vdupq_n_u32(u32::MAX), vdupq_n_f32(0.0));
+                for &vi in &v {
+                    let a = vabsq_f32(vi);
+                    // False for NaN and the infinities.
+                    ok = vandq_u32(ok, vcltq_f32(a, inf));
+                    amax = vmaxq_f32(amax, a);
+                }
+                finite &= vminvq_u32(ok) != 0;
+                let d = vmaxvq_f32(amax) / 127.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                let (lo, hi) = (vdupq_n_s32(-127), vdupq_n_s32(127));
+                let mut sum = vdupq_n_s32(0);
+                for (pair, out) in v.chunks_exact(2).zip(cs.chunks_exact_mut(8)) {
+                    let q0 = vmaxq_s32(vminq_s32(vcvtaq_s32_f32(vmulq_n_f32(pair[0], inv)), hi), lo);
+                    let q1 = vmaxq_s32(vminq_s32(vcvtaq_s32_f32(vmulq_n_f32(pair[1], inv)), hi), lo);
+                    sum = vaddq_s32(sum, vaddq_s32(q0, q1));
+                    let narrow = vmovn_s16(vcombine_s16(vmovn_s32(q0), vmovn_s32(q1)));
+                    vst1_s8(out.as_mut_ptr(), narrow);
+                }
+                *scale = d;
+                *total = vaddvq_s32(sum);
+            }
+        }
+        finite
+    }
 }
 
 #[cfg(test)]

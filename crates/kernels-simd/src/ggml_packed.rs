@@ -12,8 +12,9 @@
 //!
 //! [`matmul_packed`] computes what [`crate::ggml::matmul_t`] computes (the same integer sums,
 //! the float accumulation in another order): the scalar reference unpacks a group's rows and
-//! runs the same arithmetic as `ggml::scalar_matmul_t`; the AVX2 and AVX-512 VNNI kernels take
-//! eight weight rows by up to four activation rows per tile.
+//! runs the same arithmetic as `ggml::scalar_matmul_t`; the AVX2 and AVX-512 VNNI kernels, and
+//! on aarch64 the NEON kernels (`sdot` with the dot-product extension, widening products
+//! without), take eight weight rows by up to four activation rows per tile.
 
 use std::ops::Range;
 
@@ -143,8 +144,17 @@ impl PackedWeights {
     }
 }
 
-/// The code that [`matmul_packed`] runs for `backend` (as [`crate::ggml::implementation`]).
+/// The code that [`matmul_packed`] runs for `backend`: on x86-64 as
+/// [`crate::ggml::implementation`] (AVX-512 VNNI, AVX2, else the scalar reference); on aarch64
+/// the NEON kernel with `sdot` for the dotprod backend where the CPU has it, the NEON kernel
+/// with widening products for the `wide` backend (and dotprod on a CPU without it).
 pub fn implementation(backend: Backend) -> Backend {
+    #[cfg(target_arch = "aarch64")]
+    match backend {
+        Backend::Dotprod if backend.is_available() => return Backend::Dotprod,
+        Backend::Wide | Backend::Dotprod => return Backend::Wide,
+        _ => {}
+    }
     crate::ggml::implementation(backend)
 }
 
@@ -181,6 +191,12 @@ pub fn matmul_packed(
         // SAFETY: `implementation` returns Avx512 only where AVX-512 (F, BW, VL), VNNI, AVX2,
         // FMA and F16C are available.
         Backend::Avx512 => unsafe { x86::matmul_vnni(w, groups, act, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is part of every aarch64 CPU.
+        Backend::Wide => unsafe { arm::matmul_neon(w, groups, act, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: `implementation` returns Dotprod only where the CPU has the extension.
+        Backend::Dotprod => unsafe { arm::matmul_dotprod(w, groups, act, out) },
         _ => scalar_matmul_packed(w, groups, act, out),
     }
     Ok(())
@@ -207,12 +223,57 @@ pub fn scalar_matmul_packed(w: &PackedWeights, groups: Range<usize>, act: &Activ
     }
 }
 
+/// The SIMD kernels' walk over tiles of a group's eight rows by up to four activation rows:
+/// `tile(g, t, tn)` gives `[activation row t + j][weight row i]` for `j < tn`, written into
+/// `out` for the group's live rows.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+fn tiles(
+    w: &PackedWeights,
+    groups: Range<usize>,
+    act: &Activations,
+    out: &mut [f32],
+    mut tile: impl FnMut(usize, usize, usize) -> [[f32; 8]; 4],
+) {
+    let n = act.rows();
+    let first = groups.start * GROUP;
+    for g in groups {
+        let live = (w.rows - g * GROUP).min(GROUP);
+        for t in (0..n).step_by(4) {
+            let tn = (n - t).min(4);
+            let acc = tile(g, t, tn);
+            for (j, rows) in acc.iter().enumerate().take(tn) {
+                for (i, &v) in rows.iter().enumerate().take(live) {
+                    out[(g * GROUP + i - first) * n + t + j] = v;
+                }
+            }
+        }
+    }
+}
+
+/// The activation codes at `at..at + 4` of a block, as one little-endian word (broadcast to
+/// every lane, one word per weight row).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+fn four_codes(a: &[i8], at: usize) -> i32 {
+    i32::from_le_bytes([a[at] as u8, a[at + 1] as u8, a[at + 2] as u8, a[at + 3] as u8])
+}
+
+/// Where run `q` of a block's codes meets the activation's values: values `4q..` for Q8_0; for
+/// Q4, runs 0..4 are the low nibbles (values `4q..`) and runs 4..8 the high ones (values
+/// `16 + 4(q − 4)..`).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+fn run_start(ty: GgmlType, q: usize) -> usize {
+    if ty == GgmlType::Q8_0 || q < 4 { 4 * q } else { 16 + 4 * (q - 4) }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{GROUP, PackedWeights, block_bytes, header_bytes};
+    use super::{PackedWeights, block_bytes, header_bytes};
     use crate::ggml::{Activations, GgmlType, QK};
 
     /// Eight rows' dots of Q4 codes: `vpmaddubsw` + `vpmaddwd` (15 · 127 · 2 cannot saturate).
@@ -246,30 +307,17 @@ mod x86 {
                 act: &Activations,
                 out: &mut [f32],
             ) {
-                let n = act.rows();
-                let first = groups.start * GROUP;
-                for g in groups {
-                    let live = (w.rows - g * GROUP).min(GROUP);
-                    let mut t = 0;
-                    while t < n {
-                        let tn = (n - t).min(4);
-                        // SAFETY: the same contract, passed on; `t + tn <= n`.
-                        let acc = unsafe {
-                            match tn {
-                                1 => $tile::<1>(w, g, act, t),
-                                2 => $tile::<2>(w, g, act, t),
-                                3 => $tile::<3>(w, g, act, t),
-                                _ => $tile::<4>(w, g, act, t),
-                            }
-                        };
-                        for (j, rows) in acc.iter().enumerate().take(tn) {
-                            for (i, &v) in rows.iter().enumerate().take(live) {
-                                out[(g * GROUP + i - first) * n + t + j] = v;
-                            }
+                super::tiles(w, groups, act, out, |g, t, tn| {
+                    // SAFETY: the same contract, passed on; `t + tn <= act.rows()`.
+                    unsafe {
+                        match tn {
+                            1 => $tile::<1>(w, g, act, t),
+                            2 => $tile::<2>(w, g, act, t),
+                            3 => $tile::<3>(w, g, act, t),
+                            _ => $tile::<4>(w, g, act, t),
                         }
-                        t += 4;
                     }
-                }
+                });
             }
 
             /// Group `g` against activation rows `t0..t0 + TN`: `[row t][weight row i]`.
@@ -321,16 +369,7 @@ mod x86 {
                         let a = &codes[ab * QK..(ab + 1) * QK];
                         let mut dot = _mm256_setzero_si256();
                         for (q, &wq) in wr.iter().enumerate() {
-                            // Values 4q.. for Q8_0; for Q4, runs 0..4 are the low nibbles
-                            // (values 4q..) and runs 4..8 the high ones (values 16 + 4(q - 4)..).
-                            let at = if ty == GgmlType::Q8_0 || q < 4 { 4 * q } else { 16 + 4 * (q - 4) };
-                            let four = i32::from_le_bytes([
-                                a[at] as u8,
-                                a[at + 1] as u8,
-                                a[at + 2] as u8,
-                                a[at + 3] as u8,
-                            ]);
-                            let av = _mm256_set1_epi32(four);
+                            let av = _mm256_set1_epi32(super::four_codes(a, super::run_start(ty, q)));
                             dot = if ty == GgmlType::Q8_0 {
                                 // Signed codes: |w| against a with w's sign.
                                 $dot(dot, _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(av, wq))
@@ -358,6 +397,178 @@ mod x86 {
 
     kernel!(matmul_avx2, tile_avx2, "avx2,fma,f16c", dot_avx2);
     kernel!(matmul_vnni, tile_vnni, "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c", dot_vnni);
+}
+
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use std::arch::aarch64::*;
+    use std::arch::asm;
+    use std::ops::Range;
+
+    use super::{PackedWeights, block_bytes, header_bytes};
+    use crate::ggml::{Activations, GgmlType, QK};
+
+    /// Eight f16 values at `p` as two vectors of f32 (`fcvtl`, `fcvtl2`: base NEON; the
+    /// intrinsics' f16 vector type is not stable in Rust).
+    ///
+    /// # Safety
+    /// `p` must point at 16 readable bytes.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn halves(p: *const u8) -> [float32x4_t; 2] {
+        let (lo, hi): (float32x4_t, float32x4_t);
+        // SAFETY: 16 bytes at `p` (the caller's contract); the conversions read one register
+        // and write two others (`out`, so never the input's), touching no memory.
+        unsafe {
+            let h = vld1q_u16(p.cast());
+            asm!(
+                "fcvtl {lo:v}.4s, {h:v}.4h",
+                "fcvtl2 {hi:v}.4s, {h:v}.8h",
+                h = in(vreg) h,
+                lo = out(vreg) lo,
+                hi = out(vreg) hi,
+                options(pure, nomem, nostack)
+            );
+        }
+        [lo, hi]
+    }
+
+    /// Four rows' dots of four signed bytes each without the dot-product extension: widening
+    /// products (at most 128 · 127 in magnitude, inside i16), then pairwise sums.
+    #[inline]
+    #[target_feature(enable = "neon")]
+    fn dot_neon(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
+        let lo = vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(a)));
+        let hi = vpaddlq_s16(vmull_high_s8(w, a));
+        vaddq_s32(acc, vpaddq_s32(lo, hi))
+    }
+
+    /// [`dot_neon`] in one `sdot`.
+    #[inline]
+    #[target_feature(enable = "neon,dotprod")]
+    fn dot_sdot(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
+        // SAFETY: this function's target features include dotprod.
+        unsafe { crate::dotprod::sdot(acc, w, a) }
+    }
+
+    /// The kernel for one instruction set: as the x86 one, with each 32-byte run of a block
+    /// (four code bytes of each of eight rows) in two registers of four rows.
+    macro_rules! kernel {
+        ($matmul:ident, $tile:ident, $features:literal, $dot:ident) => {
+            /// [`super::scalar_matmul_packed`] with this module's tiles.
+            ///
+            /// # Safety
+            /// The CPU must have the function's target features; the arguments must pass
+            /// [`super::matmul_packed`]'s checks.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $matmul(
+                w: &PackedWeights,
+                groups: Range<usize>,
+                act: &Activations,
+                out: &mut [f32],
+            ) {
+                super::tiles(w, groups, act, out, |g, t, tn| {
+                    // SAFETY: the same contract, passed on; `t + tn <= act.rows()`.
+                    unsafe {
+                        match tn {
+                            1 => $tile::<1>(w, g, act, t),
+                            2 => $tile::<2>(w, g, act, t),
+                            3 => $tile::<3>(w, g, act, t),
+                            _ => $tile::<4>(w, g, act, t),
+                        }
+                    }
+                });
+            }
+
+            /// Group `g` against activation rows `t0..t0 + TN`: `[row t][weight row i]`.
+            ///
+            /// # Safety
+            /// As the kernel, `t0 + TN <= act.rows()`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $tile<const TN: usize>(
+                w: &PackedWeights,
+                g: usize,
+                act: &Activations,
+                t0: usize,
+            ) -> [[f32; 8]; 4] {
+                let ty = w.ty;
+                let blocks = w.k / QK;
+                let (bb, hb) = (block_bytes(ty), header_bytes(ty));
+                let padded = act.rows().next_multiple_of(4);
+                let (codes, scales, scaled_sums) = act.parts();
+                let low = vdupq_n_u8(0x0F);
+                let zero = vdupq_n_f32(0.0);
+                let mut acc = [[zero; 2]; TN];
+                let mut wr = [[vdupq_n_s8(0); 2]; 8];
+                for b in 0..blocks {
+                    let blk = &w.data[(g * blocks + b) * bb..(g * blocks + b + 1) * bb];
+                    // SAFETY: a packed block holds its scales (16 bytes), Q4_1's minimums (16),
+                    // then 128 (Q4) or 256 (Q8_0) code bytes.
+                    let (dw, c) = unsafe {
+                        let p = blk.as_ptr();
+                        let dw = halves(p);
+                        let c = match ty {
+                            GgmlType::Q4_0 => [vmulq_n_f32(dw[0], -8.0), vmulq_n_f32(dw[1], -8.0)],
+                            GgmlType::Q4_1 => halves(p.add(16)),
+                            GgmlType::Q8_0 => [zero; 2],
+                        };
+                        if ty == GgmlType::Q8_0 {
+                            for (q, r) in wr.iter_mut().enumerate() {
+                                *r = [
+                                    vld1q_s8(p.add(hb + 32 * q).cast()),
+                                    vld1q_s8(p.add(hb + 32 * q + 16).cast()),
+                                ];
+                            }
+                        } else {
+                            for q in 0..4 {
+                                for h in 0..2 {
+                                    let x = vld1q_u8(p.add(hb + 32 * q + 16 * h));
+                                    wr[q][h] = vreinterpretq_s8_u8(vandq_u8(x, low));
+                                    wr[q + 4][h] = vreinterpretq_s8_u8(vshrq_n_u8::<4>(x));
+                                }
+                            }
+                        }
+                        (dw, c)
+                    };
+                    for (j, acc) in acc.iter_mut().enumerate() {
+                        let ab = (t0 + j) * blocks + b;
+                        let a = &codes[ab * QK..(ab + 1) * QK];
+                        let (mut d0, mut d1) = (vdupq_n_s32(0), vdupq_n_s32(0));
+                        for (q, wq) in wr.iter().enumerate() {
+                            let av = vreinterpretq_s8_s32(vdupq_n_s32(super::four_codes(
+                                a,
+                                super::run_start(ty, q),
+                            )));
+                            d0 = $dot(d0, wq[0], av);
+                            d1 = $dot(d1, wq[1], av);
+                        }
+                        let at = b * padded + t0 + j;
+                        let da = scales[at];
+                        acc[0] = vfmaq_f32(acc[0], vcvtq_f32_s32(d0), vmulq_n_f32(dw[0], da));
+                        acc[1] = vfmaq_f32(acc[1], vcvtq_f32_s32(d1), vmulq_n_f32(dw[1], da));
+                        if ty != GgmlType::Q8_0 {
+                            let s = vdupq_n_f32(scaled_sums[at]);
+                            acc[0] = vfmaq_f32(acc[0], c[0], s);
+                            acc[1] = vfmaq_f32(acc[1], c[1], s);
+                        }
+                    }
+                }
+                let mut out = [[0f32; 8]; 4];
+                for (o, a) in out.iter_mut().zip(&acc) {
+                    // SAFETY: each row holds eight f32.
+                    unsafe {
+                        vst1q_f32(o.as_mut_ptr(), a[0]);
+                        vst1q_f32(o.as_mut_ptr().add(4), a[1]);
+                    }
+                }
+                out
+            }
+        };
+    }
+
+    kernel!(matmul_neon, tile_neon, "neon", dot_neon);
+    kernel!(matmul_dotprod, tile_dotprod, "neon,dotprod", dot_sdot);
 }
 
 #[cfg(test)]
@@ -435,6 +646,18 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn every_simd_backend_has_a_kernel_of_its_own() {
+        // Only `wide` on x86-64 (SSE2) runs the reference; aarch64's NEON is a kernel.
+        for backend in crate::dispatch::available() {
+            let simd =
+                backend != Backend::Scalar && (cfg!(target_arch = "aarch64") || backend != Backend::Wide);
+            assert_eq!(implementation(backend) != Backend::Scalar, simd, "{backend}");
+            let rounds = crate::ggml::quantize_implementation(backend) != Backend::Scalar;
+            assert_eq!(rounds, simd, "{backend}: activation rounding");
         }
     }
 
