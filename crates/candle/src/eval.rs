@@ -130,6 +130,9 @@ pub struct CandidateReport {
     pub kl_median: f64,
     /// 99th percentile KL.
     pub kl_p99: f64,
+    /// 99.9th percentile KL (the tail that breaks tool calls and retrieval; the largest value
+    /// when fewer than 1000 positions are scored).
+    pub kl_p999: f64,
     /// Largest KL.
     pub kl_max: f64,
     /// Share of positions where both put the same token first.
@@ -316,6 +319,7 @@ pub fn evaluate(
                 kl_mean: mean(kls.iter().copied()),
                 kl_median: quantile(&kls, 0.5),
                 kl_p99: quantile(&kls, 0.99),
+                kl_p999: quantile(&kls, 0.999),
                 kl_max: kls.last().copied().unwrap_or(f64::NAN),
                 same_top1: r.stats.iter().filter(|s| s.same_top).count() as f64 / r.stats.len().max(1) as f64,
                 bits_per_value: r.bytes_at_max.1 as f64 * 8.0 / (r.bytes_at_max.0 as f64 * per_token_values),
@@ -328,7 +332,7 @@ pub fn evaluate(
     // Figures are finite or the run is an error (the forward already stops on non-finite
     // logits; this holds the report itself to it).
     let bad = reports.iter().find(|c: &&CandidateReport| {
-        ![c.ppl, c.kl_mean, c.kl_p99, c.kl_max, c.same_top1].iter().all(|v| v.is_finite())
+        ![c.ppl, c.kl_mean, c.kl_p99, c.kl_p999, c.kl_max, c.same_top1].iter().all(|v| v.is_finite())
     });
     if let Some(c) = bad.filter(|_| !reference.stats.is_empty()) {
         return Err(Error::Eval(format!(
@@ -442,6 +446,7 @@ mod tests {
         let v: Vec<f64> = (1..=100).map(f64::from).collect();
         assert_eq!(quantile(&v, 0.5), 50.0);
         assert_eq!(quantile(&v, 0.99), 99.0);
+        assert_eq!(quantile(&v, 0.999), 100.0);
         assert_eq!(quantile(&v, 1.0), 100.0);
         assert!(quantile(&[], 0.5).is_nan());
     }

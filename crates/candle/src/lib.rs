@@ -10,6 +10,8 @@
 //!   [`KvqStore`] or the [`F32Cache`] reference.
 //! - [`eval`]: KL divergence, top-1 agreement and perplexity of a quantized cache against the
 //!   reference, in real decode or llama.cpp's perplexity protocol (the `kvq-eval` binary).
+//! - [`passkey`]: long-context retrieval, a number hidden in filler text at several depths
+//!   and lengths, answered with the reference cache and each candidate (`kvq-eval --passkey`).
 //! - [`GgufTokenizer`]: the GGUF's own BPE tokenizer.
 //! - [`tiny`]: a tiny random model with a real tokenizer and chat template, for tests and demos.
 //!
@@ -34,6 +36,7 @@ pub mod error;
 pub mod eval;
 pub mod gguf;
 pub mod model;
+pub mod passkey;
 pub mod store;
 pub mod tiny;
 pub mod tokenizer;

@@ -105,6 +105,55 @@ fn specs_and_configs_in_both_protocols() {
 }
 
 #[test]
+fn passkey_runs_every_cell_for_every_cache() {
+    let (dir, model, _) = setup("cli-passkey");
+    let out = eval()
+        .arg("--model")
+        .arg(&model)
+        .args(["--passkey", "--passkey-lengths", "400,800", "--passkey-depths", "0,0.5,1"])
+        .args(["--passkey-trials", "2", "--specs", "f32,int4", "--json"])
+        .output()
+        .unwrap();
+    let r = json(&out);
+    assert_eq!(r["caches"], serde_json::json!(["f32 (reference)", "f32", "int4"]));
+    let cells = r["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 6);
+    for (i, c) in cells.iter().enumerate() {
+        let (want, tokens) = ([400, 800][i / 3], c["tokens"].as_u64().unwrap());
+        // The length asked for, to within one filler sentence (long ones in the tiny vocabulary).
+        assert!(tokens <= want && 2 * tokens > want, "{c}");
+        assert_eq!(c["depth"].as_f64().unwrap(), [0.0, 0.5, 1.0][i % 3]);
+        let found = c["found"].as_array().unwrap();
+        assert!(found.iter().all(|f| f.as_u64().unwrap() <= 2), "{c}");
+        // kvq's cache holding everything in f32 answers as the reference does.
+        assert_eq!(found[0], found[1], "{c}");
+    }
+    // The table form, and the errors.
+    let out = eval()
+        .arg("--model")
+        .arg(&model)
+        .args(["--passkey", "--passkey-lengths", "400", "--passkey-depths", "0.5", "--passkey-trials", "1"])
+        .args(["--specs", "int8"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let cell = text.contains("0/1") || text.contains("1/1");
+    assert!(out.status.success() && text.contains("f32 (reference)") && cell, "{text}");
+    for (args, needle) in [
+        (vec!["--passkey-lengths", "30"], "at least"),
+        (vec!["--passkey-lengths", "5000"], "context"),
+        (vec!["--passkey-depths", "1.5"], "from 0 to 1"),
+        (vec!["--passkey-trials", "0"], "a trial"),
+    ] {
+        let out = eval().arg("--model").arg(&model).arg("--passkey").args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
 fn errors_are_one_line_and_exit_1() {
     let (dir, model, tokens) = setup("cli-errors");
     let run = |args: &[&str]| {

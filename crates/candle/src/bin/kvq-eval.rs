@@ -9,6 +9,7 @@
 //! cargo run --release -p kvq-candle --bin kvq-eval -- \
 //!     --tokens ../shared/data/kv-smollm2-135m-sample.safetensors --specs int8,int4-channel/int4-token
 //! cargo run --release -p kvq-candle --bin kvq-eval -- --text botchan.txt --ctx 512 --chunks 12
+//! cargo run --release -p kvq-candle --bin kvq-eval -- --passkey --specs int4-channel-p8/int4-token-p8
 //! ```
 //!
 //! Exit codes: 0 success, 1 runtime error (one line on stderr), 2 usage.
@@ -22,6 +23,7 @@ use kvq::attention::ScorePath;
 use kvq::cache::KvCacheConfig;
 use kvq::layout::TailDtype;
 use kvq_candle::eval::{Candidate, Protocol, Report, evaluate};
+use kvq_candle::passkey::PasskeyPlan;
 use kvq_candle::{GgufTokenizer, LlamaModel, Weights};
 
 /// Where `cargo xtask fetch-model smollm2-135m` puts the model.
@@ -41,7 +43,7 @@ struct Args {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Token ids: the `input_ids` tensor of a safetensors file (such as a `kvq analyze` dump).
-    #[arg(long, conflicts_with = "text", required_unless_present = "text")]
+    #[arg(long, conflicts_with = "text", required_unless_present_any = ["text", "passkey"])]
     tokens: Option<PathBuf>,
     /// A text file, tokenized with the GGUF's own tokenizer (BOS added when the model adds one).
     #[arg(long)]
@@ -98,6 +100,23 @@ struct Args {
     /// prefill (--prefill), or the first half of the first chunk (--ctx).
     #[arg(long)]
     calibration_tokens: Option<usize>,
+    /// Long-context retrieval instead of KL: a pass key hidden in filler text at several
+    /// depths and lengths, asked for at the end, the greedy answer checked, for the f32
+    /// reference cache and each cache (no --tokens or --text).
+    #[arg(long, conflicts_with_all = ["tokens", "text", "ctx"])]
+    passkey: bool,
+    /// Prompt lengths in tokens for --passkey (each plus its answer within the model's context).
+    #[arg(long, value_delimiter = ',', default_values_t = [2048usize, 4096, 8000])]
+    passkey_lengths: Vec<usize>,
+    /// Depths of the key for --passkey, fractions of the filler before it.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.1f64, 0.5, 0.9])]
+    passkey_depths: Vec<f64>,
+    /// Keys tried per length and depth for --passkey.
+    #[arg(long, default_value_t = 2)]
+    passkey_trials: usize,
+    /// Seed of the keys for --passkey.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -129,6 +148,9 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         other => return Err(format!("--weights {other:?}: use f32 or native").into()),
     };
     let model = LlamaModel::load_with(&model_path, weights)?;
+    if args.passkey {
+        return run_passkey(args, &model, &model_path);
+    }
     let mut tokens = match (&args.tokens, &args.text) {
         (Some(p), _) => read_input_ids(p)?,
         (None, Some(p)) => {
@@ -152,11 +174,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         Protocol::Chunks { ctx, .. } => ctx,
         Protocol::Decode { .. } => tokens.len(),
     };
-    let path = match args.path.as_str() {
-        "float" => ScorePath::Float,
-        "int8" => ScorePath::Int8,
-        other => return Err(format!("--path {other:?}: use float or int8").into()),
-    };
+    let path = score_path(&args.path)?;
     let calibration = args.calibration_tokens.unwrap_or(match protocol {
         Protocol::Chunks { ctx, .. } => ctx / 2,
         Protocol::Decode { prefill } => prefill,
@@ -183,6 +201,73 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         print_table(&report);
     }
     Ok(())
+}
+
+/// `--passkey`: the retrieval table (or JSON).
+fn run_passkey(args: &Args, model: &LlamaModel, model_path: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    let path = score_path(&args.path)?;
+    if let Some(d) = args.passkey_depths.iter().find(|d| !(0.0..=1.0).contains(*d)) {
+        return Err(format!("--passkey-depths {d}: give fractions from 0 to 1").into());
+    }
+    let plan = PasskeyPlan {
+        lengths: args.passkey_lengths.clone(),
+        depths: args.passkey_depths.clone(),
+        trials: args.passkey_trials,
+        seed: args.seed,
+    };
+    let longest = plan.lengths.iter().copied().max().unwrap_or(0) + kvq_candle::passkey::ANSWER_TOKENS;
+    let tokenizer = GgufTokenizer::load(model_path)?;
+    // Bits per key channel (`-qa`) are fitted on the first prompt's tokens.
+    let (calibration, _) = kvq_candle::passkey::prompt(
+        &tokenizer,
+        plan.lengths.iter().copied().min().unwrap_or(0),
+        0.5,
+        10_000,
+    )?;
+    let candidates = candidates(args, model, longest, path, &calibration)?;
+    eprintln!(
+        "kvq-eval: passkey, {} lengths x {} depths x {} keys, {} caches and the reference",
+        plan.lengths.len(),
+        plan.depths.len(),
+        plan.trials,
+        candidates.len()
+    );
+    let report = kvq_candle::passkey::run(model, &tokenizer, &candidates, &plan, progress())?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "pass keys answered right, of {} per cell (greedy, {} tokens at most)",
+        plan.trials,
+        kvq_candle::passkey::ANSWER_TOKENS
+    );
+    print!("{:<8} {:>6}", "tokens", "depth");
+    for name in &report.caches {
+        print!(" {name:>w$}", w = name.len().max(8));
+    }
+    println!();
+    for c in &report.cells {
+        print!("{:<8} {:>6.2}", c.tokens, c.depth);
+        for (name, f) in report.caches.iter().zip(&c.found) {
+            print!(" {:>w$}", format!("{f}/{}", c.trials), w = name.len().max(8));
+        }
+        println!();
+    }
+    print!("{:<15}", "all");
+    for (name, a) in report.caches.iter().zip(report.accuracy()) {
+        print!(" {:>w$}", format!("{:.0}%", 100.0 * a), w = name.len().max(8));
+    }
+    println!();
+    Ok(())
+}
+
+fn score_path(name: &str) -> Result<ScorePath, Box<dyn std::error::Error>> {
+    match name {
+        "float" => Ok(ScorePath::Float),
+        "int8" => Ok(ScorePath::Int8),
+        other => Err(format!("--path {other:?}: use float or int8").into()),
+    }
 }
 
 /// The caches to evaluate, each checked against the model and given enough blocks.
@@ -311,12 +396,24 @@ fn print_table(r: &Report) {
         r.ref_cache_bytes as f64 / 1024.0
     );
     println!(
-        "{:<32} {:>6} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9} {:>8} {:>7} {:>7} {:>6}",
-        "cache", "bits", "KiB", "PPL", "ratio", "mean KL", "median", "p99", "max", "top-1", "tok/s", "vs ref"
+        "{:<32} {:>6} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7} {:>7} {:>6}",
+        "cache",
+        "bits",
+        "KiB",
+        "PPL",
+        "ratio",
+        "mean KL",
+        "median",
+        "p99",
+        "p99.9",
+        "max",
+        "top-1",
+        "tok/s",
+        "vs ref"
     );
     for c in &r.candidates {
         println!(
-            "{:<32} {:>6.3} {:>9.1} {:>9.4} {:>7.4} {:>9.2e} {:>9.2e} {:>9.2e} {:>8.2e} {:>6.1}% {:>7.1} {:>5.2}x",
+            "{:<32} {:>6.3} {:>9.1} {:>9.4} {:>7.4} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>8.2e} {:>6.1}% {:>7.1} {:>5.2}x",
             c.name,
             c.bits_per_value,
             c.cache_bytes as f64 / 1024.0,
@@ -325,6 +422,7 @@ fn print_table(r: &Report) {
             c.kl_mean,
             c.kl_median,
             c.kl_p99,
+            c.kl_p999,
             c.kl_max,
             100.0 * c.same_top1,
             c.tokens_per_s,
