@@ -290,7 +290,7 @@ pub struct Options {
     pub cache: Option<CacheRun>,
     /// Which key channels rotate together under RoPE, for specs with bits per channel
     /// (`-qa`): both channels of a pair get the same width. The default, rotate-half, is the
-    /// layout of Hugging Face checkpoints and of dumps taken from them (the README's snippet);
+    /// layout of Hugging Face checkpoints and of dumps taken from them (the snippet in docs/guide.md);
     /// `None` treats every channel on its own.
     pub rope_pairing: Option<RopePairing>,
     /// The model's RoPE, for key specs quantized before it (`-prerope`): the keys are taken

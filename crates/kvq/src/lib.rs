@@ -46,3 +46,8 @@ pub const SAMPLE: &[u8] = include_bytes!("../data/sample.safetensors");
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 mod readme {}
+
+/// The user's guide's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/guide.md")]
+mod guide {}
