@@ -11,6 +11,7 @@ use crate::error::{CacheError, Result};
 /// sinks).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum TailDtype {
     /// 2 bytes per value (values are rounded to f16 on arrival).
     F16,

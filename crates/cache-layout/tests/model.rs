@@ -101,6 +101,7 @@ fn stored(dtype: TailDtype, x: &[f32], d: usize) -> Vec<f32> {
                 row.iter().map(move |&v| if scale > 0.0 { level(v) as f32 * scale } else { 0.0 })
             })
             .collect(),
+        other => panic!("this model does not know tails of {other:?}: write its rounding here"),
     }
 }
 

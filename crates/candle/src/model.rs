@@ -416,6 +416,7 @@ pub struct LlamaModel {
 
 /// How the weight matrices are multiplied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Weights {
     /// As stored: Q4_0, Q4_1 and Q8_0 through kvq's integer kernels, other quantized types
     /// through candle's quantized matmuls. Fast and small, but each activation row is rounded

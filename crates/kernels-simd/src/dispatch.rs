@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 
 /// An implementation of the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum Backend {
     /// Plain Rust, one element at a time: the reference every other backend is tested against.
     Scalar,

@@ -369,6 +369,7 @@ fn with_regions<'v, R>(
 
 /// How scores against quantized keys are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum ScorePath {
     /// Float kernels: equal to attention over the dequantized cache within f32 rounding.
     #[default]

@@ -126,6 +126,7 @@ pub struct EngineConfig {
 
 /// How much of a request's length its admission reserves in the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Admission {
     /// The prompt and a block of tokens more when the whole length does not fit, so that
     /// more requests run at once; a request whose next tokens find no block preempts the

@@ -31,6 +31,7 @@ use crate::prefix::Geometry;
 
 /// Why a store call failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The store cannot be reached now (connection refused, dropped, timed out).
     #[error("the prefix store is unreachable: {0}")]
