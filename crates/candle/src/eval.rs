@@ -57,7 +57,8 @@ fn log_softmax(logits: &[f32], out: &mut Vec<f64>) {
     out.extend(logits.iter().map(|&x| x as f64 - lse));
 }
 
-fn argmax(x: &[f32]) -> usize {
+/// The index of the largest value (the first of equals; 0 for an empty row).
+pub(crate) fn argmax(x: &[f32]) -> usize {
     let mut best = 0;
     for (i, &v) in x.iter().enumerate() {
         if v > x[best] {

@@ -44,6 +44,28 @@ impl Default for PasskeyPlan {
     }
 }
 
+impl PasskeyPlan {
+    /// Checks the plan before any work: a length, a depth and a trial at least, depths from 0
+    /// to 1, and each length with its answer within `context` (the model's; 0 when unknown).
+    ///
+    /// # Errors
+    /// [`Error::Eval`] naming what is wrong.
+    pub fn check(&self, context: usize) -> Result<()> {
+        if self.lengths.is_empty() || self.depths.is_empty() || self.trials == 0 {
+            return Err(Error::Eval("a passkey run needs a length, a depth and a trial".into()));
+        }
+        if let Some(d) = self.depths.iter().find(|d| !(0.0..=1.0).contains(*d)) {
+            return Err(Error::Eval(format!("a passkey depth of {d}: give fractions from 0 to 1")));
+        }
+        if let Some(&l) = self.lengths.iter().find(|&&l| context > 0 && l + ANSWER_TOKENS > context) {
+            return Err(Error::Eval(format!(
+                "a passkey prompt of {l} tokens and its answer do not fit the model's context of {context}"
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// One length and depth.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PasskeyCell {
@@ -135,7 +157,7 @@ fn answer(
     let stop = tok.end_of_generation();
     let mut out = Vec::new();
     for i in 0..ANSWER_TOKENS {
-        let next = argmax(&last);
+        let next = crate::eval::argmax(&last) as u32;
         if stop.contains(&next) {
             break;
         }
@@ -145,16 +167,6 @@ fn answer(
         }
     }
     tok.decode_text(&out)
-}
-
-fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// A five-digit key from a seeded xorshift.
@@ -179,15 +191,7 @@ pub fn run(
     plan: &PasskeyPlan,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<PasskeyReport> {
-    if plan.lengths.is_empty() || plan.depths.is_empty() || plan.trials == 0 {
-        return Err(Error::Eval("a passkey run needs a length, a depth and a trial".into()));
-    }
-    let ctx = model.config().context_length;
-    if let Some(&l) = plan.lengths.iter().find(|&&l| ctx > 0 && l + ANSWER_TOKENS > ctx) {
-        return Err(Error::Eval(format!(
-            "a passkey prompt of {l} tokens and its answer do not fit the model's context of {ctx}"
-        )));
-    }
+    plan.check(model.config().context_length)?;
     let mut stores: Vec<Box<dyn KvStore>> = vec![Box::new(model.f32_cache()?)];
     for c in candidates {
         model.config().check_cache(&c.config).map_err(|e| match e {

@@ -268,6 +268,38 @@ fn run_start(ty: GgmlType, q: usize) -> usize {
     if ty == GgmlType::Q8_0 || q < 4 { 4 * q } else { 16 + 4 * (q - 4) }
 }
 
+/// A kernel's entry for one instruction set: [`tiles`] over its tile function `$tile`, whose
+/// const parameter is the number of activation rows (1 to 4) a tile takes.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! tiled_matmul {
+    ($matmul:ident, $tile:ident, $features:literal) => {
+        /// [`super::scalar_matmul_packed`] with this module's tiles.
+        ///
+        /// # Safety
+        /// The CPU must have the function's target features; the arguments must pass
+        /// [`super::matmul_packed`]'s checks.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $matmul(
+            w: &PackedWeights,
+            groups: Range<usize>,
+            act: &Activations,
+            out: &mut [f32],
+        ) {
+            super::tiles(w, groups, act, out, |g, t, tn| {
+                // SAFETY: the same contract, passed on; `t + tn <= act.rows()`.
+                unsafe {
+                    match tn {
+                        1 => $tile::<1>(w, g, act, t),
+                        2 => $tile::<2>(w, g, act, t),
+                        3 => $tile::<3>(w, g, act, t),
+                        _ => $tile::<4>(w, g, act, t),
+                    }
+                }
+            });
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -295,30 +327,7 @@ mod x86 {
     /// each activation row's broadcast groups of four codes.
     macro_rules! kernel {
         ($matmul:ident, $tile:ident, $features:literal, $dot:ident) => {
-            /// [`super::scalar_matmul_packed`] with this module's tiles.
-            ///
-            /// # Safety
-            /// The CPU must have the function's target features; the arguments must pass
-            /// [`super::matmul_packed`]'s checks.
-            #[target_feature(enable = $features)]
-            pub(super) unsafe fn $matmul(
-                w: &PackedWeights,
-                groups: Range<usize>,
-                act: &Activations,
-                out: &mut [f32],
-            ) {
-                super::tiles(w, groups, act, out, |g, t, tn| {
-                    // SAFETY: the same contract, passed on; `t + tn <= act.rows()`.
-                    unsafe {
-                        match tn {
-                            1 => $tile::<1>(w, g, act, t),
-                            2 => $tile::<2>(w, g, act, t),
-                            3 => $tile::<3>(w, g, act, t),
-                            _ => $tile::<4>(w, g, act, t),
-                        }
-                    }
-                });
-            }
+            tiled_matmul!($matmul, $tile, $features);
 
             /// Group `g` against activation rows `t0..t0 + TN`: `[row t][weight row i]`.
             ///
@@ -455,30 +464,7 @@ mod arm {
     /// (four code bytes of each of eight rows) in two registers of four rows.
     macro_rules! kernel {
         ($matmul:ident, $tile:ident, $features:literal, $dot:ident) => {
-            /// [`super::scalar_matmul_packed`] with this module's tiles.
-            ///
-            /// # Safety
-            /// The CPU must have the function's target features; the arguments must pass
-            /// [`super::matmul_packed`]'s checks.
-            #[target_feature(enable = $features)]
-            pub(super) unsafe fn $matmul(
-                w: &PackedWeights,
-                groups: Range<usize>,
-                act: &Activations,
-                out: &mut [f32],
-            ) {
-                super::tiles(w, groups, act, out, |g, t, tn| {
-                    // SAFETY: the same contract, passed on; `t + tn <= act.rows()`.
-                    unsafe {
-                        match tn {
-                            1 => $tile::<1>(w, g, act, t),
-                            2 => $tile::<2>(w, g, act, t),
-                            3 => $tile::<3>(w, g, act, t),
-                            _ => $tile::<4>(w, g, act, t),
-                        }
-                    }
-                });
-            }
+            tiled_matmul!($matmul, $tile, $features);
 
             /// Group `g` against activation rows `t0..t0 + TN`: `[row t][weight row i]`.
             ///

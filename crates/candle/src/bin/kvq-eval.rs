@@ -206,15 +206,14 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
 /// `--passkey`: the retrieval table (or JSON).
 fn run_passkey(args: &Args, model: &LlamaModel, model_path: &Path) -> Result<(), Box<dyn std::error::Error>> {
     let path = score_path(&args.path)?;
-    if let Some(d) = args.passkey_depths.iter().find(|d| !(0.0..=1.0).contains(*d)) {
-        return Err(format!("--passkey-depths {d}: give fractions from 0 to 1").into());
-    }
     let plan = PasskeyPlan {
         lengths: args.passkey_lengths.clone(),
         depths: args.passkey_depths.clone(),
         trials: args.passkey_trials,
         seed: args.seed,
     };
+    // Before the caches are built (a `-qa` spec runs the model to fit its maps).
+    plan.check(model.config().context_length)?;
     let longest = plan.lengths.iter().copied().max().unwrap_or(0) + kvq_candle::passkey::ANSWER_TOKENS;
     let tokenizer = GgufTokenizer::load(model_path)?;
     // Bits per key channel (`-qa`) are fitted on the first prompt's tokens.
