@@ -31,6 +31,7 @@
 //! ```
 
 pub mod calibrate;
+pub mod cli;
 pub mod convert;
 pub mod error;
 pub mod eval;

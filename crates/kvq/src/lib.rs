@@ -29,6 +29,8 @@ pub mod analysis;
 pub mod attention;
 pub mod baseline;
 pub mod cache;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod element;
 pub mod plot;
 pub mod prelude;

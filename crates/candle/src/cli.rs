@@ -1,0 +1,502 @@
+//! `kvq-eval`: what a quantized KV cache does to a model's next-token predictions.
+//!
+//! Runs a GGUF Llama-family model over real tokens with the f32 reference cache and with each
+//! kvq cache asked for, in lockstep, and reports perplexity, KL(reference ‖ quantized) of the
+//! next-token distributions, top-1 agreement, the cache's bits per value from its own memory
+//! report, and tokens per second against the reference in the same run.
+//!
+//! ```text
+//! cargo run --release -p kvq-candle --bin kvq-eval -- \
+//!     --tokens ../shared/data/kv-smollm2-135m-sample.safetensors --specs int8,int4-channel/int4-token
+//! cargo run --release -p kvq-candle --bin kvq-eval -- --text botchan.txt --ctx 512 --chunks 12
+//! cargo run --release -p kvq-candle --bin kvq-eval -- --passkey --specs int4-channel-p8/int4-token-p8
+//! ```
+//!
+//! Exit codes: 0 success, 1 runtime error (one line on stderr), 2 usage.
+//!
+//! [`run`] is the command line as a function (the arguments, a writer for the table and one
+//! for notes and progress; a typed error instead of an exit), for tests and the fuzzers;
+//! [`main`] is the binary.
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use crate as kvq_candle;
+use clap::Parser;
+use kvq::analysis::KvSpec;
+use kvq::attention::ScorePath;
+use kvq::cache::KvCacheConfig;
+use kvq::layout::TailDtype;
+use kvq_candle::eval::{Candidate, Protocol, Report, evaluate};
+use kvq_candle::passkey::PasskeyPlan;
+use kvq_candle::{GgufTokenizer, LlamaModel, Weights};
+
+/// Where `cargo xtask fetch-model smollm2-135m` puts the model.
+const DEFAULT_MODEL: &str = "target/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The specs run when none are given: the KIVI-style default at 8, 4, 3 and 2 bits.
+const DEFAULT_SPECS: &str =
+    "int8-channel/int8-token,int4-channel/int4-token,int3-channel/int3-token,int2-channel/int2-token";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvq-eval",
+    about = "KL divergence, top-1 agreement and perplexity of quantized KV caches against an f32 cache, on a real model"
+)]
+struct Args {
+    /// The GGUF model (Llama-family). Default: the model `cargo xtask fetch-model smollm2-135m` fetches.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Token ids: the `input_ids` tensor of a safetensors file (such as a `kvq analyze` dump).
+    #[arg(long, conflicts_with = "text", required_unless_present_any = ["text", "passkey"])]
+    tokens: Option<PathBuf>,
+    /// A text file, tokenized with the GGUF's own tokenizer (BOS added when the model adds one).
+    #[arg(long)]
+    text: Option<PathBuf>,
+    /// Cache specs, comma-separated: `KSPEC/VSPEC`, one spec for both, or `f32` (kvq's cache
+    /// holding every token in full precision, to check its attention path). Each gets kvq's
+    /// cache defaults (blocks of 32, one residual block, 4 sink tokens, f16 tails) unless the
+    /// flags below change them.
+    #[arg(long, conflicts_with = "config")]
+    specs: Option<String>,
+    /// Cache config files (TOML or JSON, as `kvq recommend` writes them), comma-separated; run as they are.
+    #[arg(long, value_delimiter = ',')]
+    config: Vec<PathBuf>,
+    /// Prefill this many tokens, then decode one token at a time (real decode).
+    #[arg(long, default_value_t = 256)]
+    prefill: usize,
+    /// llama-perplexity's protocol: chunks of N tokens from an empty cache, scored over their second half.
+    #[arg(long, requires = "chunks")]
+    ctx: Option<usize>,
+    /// Number of chunks for --ctx.
+    #[arg(long, requires = "ctx")]
+    chunks: Option<usize>,
+    /// Use only the first N tokens.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Attention arithmetic: `float`, or `int8` (int8 queries and i16 value weights where the CPU has them).
+    #[arg(long, default_value = "float")]
+    path: String,
+    /// Tokens per block (for --specs).
+    #[arg(long, default_value_t = 32)]
+    block_size: usize,
+    /// Extra full-precision blocks for per-channel keys (for --specs).
+    #[arg(long, default_value_t = 1)]
+    residual_blocks: usize,
+    /// Leading tokens kept in full precision (for --specs).
+    #[arg(long, default_value_t = 4)]
+    sinks: usize,
+    /// Per-token and gN specs (values) keep the residual window too (for --specs; `-p8` ones
+    /// always do).
+    #[arg(long)]
+    row_window: bool,
+    /// Storage of the residual window and sinks (for --specs), `DTYPE` or `KDTYPE/VDTYPE`,
+    /// each `f16`, `f32` or `int8` (8 bits and a scale per row); `f16/int8` keeps the keys'
+    /// in f16, as the cache builder's default does.
+    #[arg(long, default_value = "f16", value_parser = kvq::cache::parse_tail_dtypes)]
+    tail_dtype: (TailDtype, Option<TailDtype>),
+    /// Weight matrices: `f32` (dequantized at load, so that the caches alone differ) or
+    /// `native` (candle's quantized matmuls, which round activations to 8 bits: a noise floor
+    /// of its own under every cache's figures).
+    #[arg(long, default_value = "f32")]
+    weights: String,
+    /// Tokens on which the bits per key channel of `-qa` specs are fitted (the keys and
+    /// queries of the first N tokens, run through the model with an f32 cache). Default: the
+    /// prefill (--prefill), or the first half of the first chunk (--ctx).
+    #[arg(long)]
+    calibration_tokens: Option<usize>,
+    /// Long-context retrieval instead of KL: a pass key hidden in filler text at several
+    /// depths and lengths, asked for at the end, the greedy answer checked, for the f32
+    /// reference cache and each cache (no --tokens or --text).
+    #[arg(long, conflicts_with_all = ["tokens", "text", "ctx"])]
+    passkey: bool,
+    /// Prompt lengths in tokens for --passkey (each plus its answer within the model's context).
+    #[arg(long, value_delimiter = ',', default_values_t = [2048usize, 4096, 8000])]
+    passkey_lengths: Vec<usize>,
+    /// Depths of the key for --passkey, fractions of the filler before it.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.1f64, 0.5, 0.9])]
+    passkey_depths: Vec<f64>,
+    /// Keys tried per length and depth for --passkey.
+    #[arg(long, default_value_t = 2)]
+    passkey_trials: usize,
+    /// Seed of the keys for --passkey.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Why a `kvq-eval` command line did not run to the end.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The arguments do not parse (exit code 2), or asked for help or the version (0): clap's
+    /// message, which [`main`] prints as clap would.
+    #[error("{0}")]
+    Usage(#[from] clap::Error),
+    /// The run failed: a missing or invalid model, text, token file or config, a spec that
+    /// does not fit the model, non-finite figures (exit code 1).
+    #[error("{0}")]
+    Failed(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl CliError {
+    /// The process exit code the binary gives for this error.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Usage(e) => e.exit_code().clamp(0, 255) as u8,
+            CliError::Failed(_) => 1,
+        }
+    }
+}
+
+/// Runs one `kvq-eval` command line (`args[0]` is the program name): the table or JSON goes to
+/// `stdout`, notes and progress lines to `stderr` (a progress bar instead when the process's
+/// stderr is a terminal).
+pub fn run<I, T>(args: I, stdout: &mut dyn Write, stderr: &mut dyn Write) -> Result<(), CliError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let args = Args::try_parse_from(args)?;
+    command(&args, stdout, stderr).map_err(|e| CliError::Failed(e.to_string().into()))
+}
+
+/// The `kvq-eval` binary: [`run`] on the process's arguments, stdout and stderr.
+pub fn main() -> ExitCode {
+    let (stdout, stderr) = (std::io::stdout(), std::io::stderr());
+    match run(std::env::args_os(), &mut stdout.lock(), &mut stderr.lock()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(CliError::Usage(e)) => {
+            let _ = e.print();
+            ExitCode::from(e.exit_code().clamp(0, 255) as u8)
+        }
+        Err(e) => {
+            eprintln!("kvq-eval: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+fn command(
+    args: &Args,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+    if !model_path.exists() {
+        return Err(format!(
+            "{}: no such model file; `cargo xtask fetch-model smollm2-135m` fetches SmolLM2-135M-Instruct into target/models/",
+            model_path.display()
+        )
+        .into());
+    }
+    let weights = match args.weights.as_str() {
+        "f32" => Weights::F32,
+        "native" => Weights::Native,
+        other => return Err(format!("--weights {other:?}: use f32 or native").into()),
+    };
+    let model = LlamaModel::load_with(&model_path, weights)?;
+    if args.passkey {
+        return run_passkey(args, &model, &model_path, stdout, stderr);
+    }
+    let mut tokens = match (&args.tokens, &args.text) {
+        (Some(p), _) => read_input_ids(p)?,
+        (None, Some(p)) => {
+            let bytes = kvq::quant::io::read_regular_file(p, MAX_TEXT_BYTES).map_err(|e| {
+                format!("{}: {e} (texts of at most {} MiB are read)", p.display(), MAX_TEXT_BYTES >> 20)
+            })?;
+            let text = String::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", p.display()))?;
+            // In pieces, and no further than --max-tokens: bounded memory whatever the text.
+            GgufTokenizer::load(&model_path)?.encode_prefix(&text, args.max_tokens)?
+        }
+        (None, None) => unreachable!("clap requires one"),
+    };
+    if let Some(n) = args.max_tokens {
+        tokens.truncate(n);
+    }
+    let protocol = match (args.ctx, args.chunks) {
+        (Some(ctx), Some(chunks)) => Protocol::Chunks { ctx, chunks },
+        _ => Protocol::Decode { prefill: args.prefill },
+    };
+    let longest = match protocol {
+        Protocol::Chunks { ctx, .. } => ctx,
+        Protocol::Decode { .. } => tokens.len(),
+    };
+    let path = score_path(&args.path)?;
+    let calibration = args.calibration_tokens.unwrap_or(match protocol {
+        Protocol::Chunks { ctx, .. } => ctx / 2,
+        Protocol::Decode { prefill } => prefill,
+    });
+    let calibration = &tokens[..calibration.min(tokens.len())];
+    let candidates = candidates(args, &model, longest, path, calibration, stderr)?;
+    let c = model.config();
+    writeln!(
+        stderr,
+        "kvq-eval: {} ({} layers, {} query / {} KV heads of {}, {}; multiplied as {}), {} tokens, {} threads",
+        model_path.display(),
+        c.layers,
+        c.heads,
+        c.kv_heads,
+        c.head_dim,
+        model.weight_types().iter().map(|(t, n)| format!("{n} {t}")).collect::<Vec<_>>().join(", "),
+        args.weights,
+        tokens.len(),
+        candle_core::utils::get_num_threads(),
+    )?;
+    let report = evaluate(&model, &tokens, protocol, &candidates, progress(stderr))?;
+    if args.json {
+        writeln!(stdout, "{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        print_table(&report, stdout)?;
+    }
+    Ok(())
+}
+
+/// `--passkey`: the retrieval table (or JSON).
+fn run_passkey(
+    args: &Args,
+    model: &LlamaModel,
+    model_path: &Path,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let path = score_path(&args.path)?;
+    let plan = PasskeyPlan {
+        lengths: args.passkey_lengths.clone(),
+        depths: args.passkey_depths.clone(),
+        trials: args.passkey_trials,
+        seed: args.seed,
+    };
+    // Before the caches are built (a `-qa` spec runs the model to fit its maps).
+    plan.check(model.config().context_length)?;
+    let longest = plan.lengths.iter().copied().max().unwrap_or(0) + kvq_candle::passkey::ANSWER_TOKENS;
+    let tokenizer = GgufTokenizer::load(model_path)?;
+    // Bits per key channel (`-qa`) are fitted on the first prompt's tokens.
+    let (calibration, _) = kvq_candle::passkey::prompt(
+        &tokenizer,
+        plan.lengths.iter().copied().min().unwrap_or(0),
+        0.5,
+        10_000,
+    )?;
+    let candidates = candidates(args, model, longest, path, &calibration, stderr)?;
+    writeln!(
+        stderr,
+        "kvq-eval: passkey, {} lengths x {} depths x {} keys, {} caches and the reference",
+        plan.lengths.len(),
+        plan.depths.len(),
+        plan.trials,
+        candidates.len()
+    )?;
+    let report = kvq_candle::passkey::run(model, &tokenizer, &candidates, &plan, progress(stderr))?;
+    if args.json {
+        writeln!(stdout, "{}", serde_json::to_string_pretty(&report)?)?;
+        return Ok(());
+    }
+    writeln!(
+        stdout,
+        "pass keys answered right, of {} per cell (greedy, {} tokens at most)",
+        plan.trials,
+        kvq_candle::passkey::ANSWER_TOKENS
+    )?;
+    write!(stdout, "{:<8} {:>6}", "tokens", "depth")?;
+    for name in &report.caches {
+        write!(stdout, " {name:>w$}", w = name.len().max(8))?;
+    }
+    writeln!(stdout)?;
+    for c in &report.cells {
+        write!(stdout, "{:<8} {:>6.2}", c.tokens, c.depth)?;
+        for (name, f) in report.caches.iter().zip(&c.found) {
+            write!(stdout, " {:>w$}", format!("{f}/{}", c.trials), w = name.len().max(8))?;
+        }
+        writeln!(stdout)?;
+    }
+    write!(stdout, "{:<15}", "all")?;
+    for (name, a) in report.caches.iter().zip(report.accuracy()) {
+        write!(stdout, " {:>w$}", format!("{:.0}%", 100.0 * a), w = name.len().max(8))?;
+    }
+    writeln!(stdout)?;
+    Ok(())
+}
+
+fn score_path(name: &str) -> Result<ScorePath, Box<dyn std::error::Error>> {
+    match name {
+        "float" => Ok(ScorePath::Float),
+        "int8" => Ok(ScorePath::Int8),
+        other => Err(format!("--path {other:?}: use float or int8").into()),
+    }
+}
+
+/// The caches to evaluate, each checked against the model and given enough blocks.
+fn candidates(
+    args: &Args,
+    model: &LlamaModel,
+    longest: usize,
+    path: ScorePath,
+    calibration: &[u32],
+    stderr: &mut dyn Write,
+) -> Result<Vec<Candidate>, Box<dyn std::error::Error>> {
+    let c = model.config();
+    let blocks_needed = |block_size: usize| longest.div_ceil(block_size.max(1)) * c.kv_heads + c.kv_heads;
+    let mut out = Vec::new();
+    if !args.config.is_empty() {
+        for p in &args.config {
+            let mut config = KvCacheConfig::load(p)?;
+            c.check_cache(&config).map_err(|e| format!("{}: {e}", p.display()))?;
+            let need = blocks_needed(config.block_size);
+            if config.blocks_per_layer < need {
+                writeln!(
+                    stderr,
+                    "kvq-eval: {}: {} blocks per layer hold fewer than {longest} tokens; using {need}",
+                    p.display(),
+                    config.blocks_per_layer
+                )?;
+                config.blocks_per_layer = need;
+            }
+            out.push(Candidate { name: p.display().to_string(), config, path });
+        }
+        return Ok(out);
+    }
+    for name in
+        args.specs.as_deref().unwrap_or(DEFAULT_SPECS).split(',').map(str::trim).filter(|s| !s.is_empty())
+    {
+        let builder = c.cache_builder().blocks_per_layer(blocks_needed(args.block_size));
+        let config = if name == "f32" {
+            builder.sink_tokens(longest).tail_dtype(TailDtype::F32).blocks_per_layer(c.kv_heads).build()?
+        } else {
+            let spec = KvSpec::parse(name).map_err(|e| format!("spec {name:?}: {e}"))?;
+            let maps = if spec.k.channel_bits() {
+                if calibration.is_empty() {
+                    return Err(
+                        format!("spec {name:?}: no calibration tokens to fit its bits per channel").into()
+                    );
+                }
+                writeln!(
+                    stderr,
+                    "kvq-eval: {name}: fitting bits per key channel on {} tokens",
+                    calibration.len()
+                )?;
+                // Fitted with the cache's grouping: a channel over one block.
+                kvq_candle::calibrate::channel_bits(model, calibration, &spec.for_block(args.block_size).k)
+                    .map_err(|e| format!("spec {name:?}: {e}"))?
+            } else {
+                Vec::new()
+            };
+            let mut builder = builder
+                .specs(spec.k, spec.v)
+                .block_size(args.block_size)
+                .residual_blocks(args.residual_blocks)
+                .sink_tokens(args.sinks)
+                .row_window(args.row_window)
+                .tail_dtypes(args.tail_dtype.0, args.tail_dtype.1);
+            for (layer, m) in maps.into_iter().enumerate() {
+                builder = builder.channel_bits(layer, m);
+            }
+            builder.build().map_err(|e| format!("spec {name:?}: {e}"))?
+        };
+        out.push(Candidate { name: name.to_string(), config, path });
+    }
+    if out.is_empty() {
+        return Err("--specs names no spec (give KSPEC/VSPEC, one spec for both, or f32)".into());
+    }
+    Ok(out)
+}
+
+/// The largest token file read (a regular file only: not `/dev/zero`, not a FIFO).
+const MAX_INPUT_BYTES: u64 = 1 << 30;
+/// The largest text read: held whole, with 4 bytes per token of its ids (tokenized in
+/// pieces of [`kvq_candle::tokenizer::PIECE_BYTES`], whose working memory is bounded).
+const MAX_TEXT_BYTES: u64 = 256 << 20;
+
+/// The `input_ids` of a safetensors file (a regular file only).
+fn read_input_ids(path: &Path) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
+    let bytes = kvq::quant::io::read_regular_file(path, MAX_INPUT_BYTES)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    kvq_candle::eval::input_ids(&bytes).map_err(|e| format!("{}: {e}", path.display()).into())
+}
+
+/// A progress bar on a terminal; elsewhere (a log, CI) one line per tenth of the work.
+fn progress(stderr: &mut dyn Write) -> impl FnMut(usize, usize) + '_ {
+    use std::io::IsTerminal;
+    let terminal = std::io::stderr().is_terminal();
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "evaluating [{bar:30}] {pos}/{len} steps ({elapsed}, {eta} left)",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    let start = std::time::Instant::now();
+    let mut tenth = 0;
+    move |done, all| {
+        if terminal {
+            bar.set_length(all as u64);
+            bar.set_position(done as u64);
+            if done == all {
+                bar.finish_and_clear();
+            }
+        } else if done * 10 >= (tenth + 1) * all {
+            tenth = done * 10 / all;
+            let _ = writeln!(
+                stderr,
+                "kvq-eval: {}% ({done}/{all} steps, {:.0} s)",
+                tenth * 10,
+                start.elapsed().as_secs_f64()
+            );
+        }
+    }
+}
+
+fn print_table(r: &Report, stdout: &mut dyn Write) -> std::io::Result<()> {
+    let what = match r.protocol {
+        Protocol::Decode { prefill } => format!("real decode after a prefill of {prefill} tokens"),
+        Protocol::Chunks { ctx, chunks } => format!("{chunks} chunks of {ctx} tokens, second halves scored"),
+    };
+    writeln!(
+        stdout,
+        "{what}: {} predictions; reference (f32 cache): PPL {:.4}, {:.1} KiB",
+        r.positions,
+        r.ppl_ref,
+        r.ref_cache_bytes as f64 / 1024.0
+    )?;
+    writeln!(
+        stdout,
+        "{:<32} {:>6} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7} {:>7} {:>6}",
+        "cache",
+        "bits",
+        "KiB",
+        "PPL",
+        "ratio",
+        "mean KL",
+        "median",
+        "p99",
+        "p99.9",
+        "max",
+        "top-1",
+        "tok/s",
+        "vs ref"
+    )?;
+    for c in &r.candidates {
+        writeln!(
+            stdout,
+            "{:<32} {:>6.3} {:>9.1} {:>9.4} {:>7.4} {:>9.2e} {:>9.2e} {:>9.2e} {:>9.2e} {:>8.2e} {:>6.1}% {:>7.1} {:>5.2}x",
+            c.name,
+            c.bits_per_value,
+            c.cache_bytes as f64 / 1024.0,
+            c.ppl,
+            c.ppl_ratio,
+            c.kl_mean,
+            c.kl_median,
+            c.kl_p99,
+            c.kl_p999,
+            c.kl_max,
+            100.0 * c.same_top1,
+            c.tokens_per_s,
+            c.tokens_per_s / c.ref_tokens_per_s,
+        )?;
+    }
+    Ok(())
+}
