@@ -22,6 +22,7 @@
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
+pub mod cli;
 pub mod gguf_fields;
 
 use kvq::analysis::{self, KvSpec, Options};
@@ -52,6 +53,9 @@ pub enum Target {
     Gguf,
     /// `kvq_candle::eval::input_ids` (the token files of `kvq-eval --tokens`).
     Tokens,
+    /// A command line of `kvq` or `kvq-eval` with the files it names, run in process
+    /// ([`cli`]).
+    Cli(cli::Command),
 }
 
 /// What a run of one input gave: `Ok` when it was accepted and used, `Err` with the reason
@@ -64,7 +68,7 @@ fn err(e: impl std::fmt::Display) -> String {
 
 impl Target {
     /// Every target.
-    pub const ALL: [Target; 9] = [
+    pub const ALL: [Target; 13] = [
         Target::Safetensors,
         Target::ConfigToml,
         Target::ConfigJson,
@@ -74,6 +78,10 @@ impl Target {
         Target::KvqSeq,
         Target::Gguf,
         Target::Tokens,
+        Target::Cli(cli::Command::Analyze),
+        Target::Cli(cli::Command::Recommend),
+        Target::Cli(cli::Command::Calibrate),
+        Target::Cli(cli::Command::Eval),
     ];
 
     /// The target's name on the command line.
@@ -88,6 +96,10 @@ impl Target {
             Target::KvqSeq => "kvq-seq",
             Target::Gguf => "gguf",
             Target::Tokens => "tokens",
+            Target::Cli(cli::Command::Analyze) => "cli-analyze",
+            Target::Cli(cli::Command::Recommend) => "cli-recommend",
+            Target::Cli(cli::Command::Calibrate) => "cli-calibrate",
+            Target::Cli(cli::Command::Eval) => "cli-eval",
         }
     }
 
@@ -107,6 +119,8 @@ impl Target {
         let crates = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("crates/").to_path_buf();
         let owner = match self {
             Target::Safetensors | Target::ConfigToml | Target::ConfigJson | Target::KvqSeq => "kvq",
+            Target::Cli(cli::Command::Eval) => "candle",
+            Target::Cli(_) => "kvq",
             Target::Calibration => "quant-core",
             Target::OffloadCache | Target::OffloadSeq => "cache-layout",
             Target::Gguf | Target::Tokens => "candle",
@@ -150,6 +164,7 @@ impl Target {
             Target::Tokens => {
                 vec![token_file(safetensors::Dtype::I64, 12), token_file(safetensors::Dtype::U32, 5)]
             }
+            Target::Cli(c) => c.seeds().iter().map(cli::Case::to_bytes).collect(),
         }
     }
 
@@ -178,6 +193,7 @@ impl Target {
             Target::KvqSeq => run_kvq_seq(input),
             Target::Gguf => run_gguf(input),
             Target::Tokens => kvq_candle::eval::input_ids(input).map(|_| ()),
+            Target::Cli(c) => cli::run_case(c, input),
         }
     }
 }
@@ -577,6 +593,8 @@ pub fn mutate(target: Target, rng: &mut Rng, input: &[u8], others: &[Vec<u8>]) -
         }
         // One header field, metadata value, tensor dim, type or offset given a new value.
         Target::Gguf if rng.below(2) == 0 => gguf_fields::mutate(rng, input),
+        // Arguments and files edited as such (the case's own byte edits included).
+        Target::Cli(c) => return cli::mutate_case(c, rng, input, others),
         _ => None,
     };
     if let Some(out) = structured {

@@ -106,6 +106,12 @@ fn main() {
     std::panic::set_hook(Box::new(|info| {
         eprintln!("kvq-fuzz: panic: {info}");
     }));
+    // The CLI targets move the process into a scratch directory: paths given relative to
+    // where it started are made absolute first.
+    let mut args = args;
+    let absolute = |p: &PathBuf| std::path::absolute(p).unwrap_or_else(|_| p.clone());
+    args.replay = args.replay.iter().map(absolute).collect();
+    args.out = absolute(&args.out);
     if !args.replay.is_empty() {
         let mut bad = 0;
         for p in &args.replay {
@@ -181,6 +187,9 @@ fn main() {
         }
     }
     let _ = std::fs::remove_file(args.out.join("current"));
+    if matches!(target, kvq_fuzz::Target::Cli(_)) {
+        let _ = std::fs::remove_dir_all(kvq_fuzz::cli::scratch_dir());
+    }
     let line = format!(
         "{}: {n} inputs, {accepted} accepted, {panics} panics, {} in corpus, {} signatures, {:.1} s",
         target.name(),
