@@ -178,9 +178,10 @@ struct Running {
 fn segments(model: &LlamaModel, tokens: &[u32], protocol: Protocol) -> Result<Vec<(Vec<u32>, usize, usize)>> {
     match protocol {
         Protocol::Decode { prefill } => {
-            if prefill == 0 || prefill >= tokens.len() {
+            // At least one token is decoded after the prefill: decode is what is timed.
+            if prefill == 0 || prefill.saturating_add(1) >= tokens.len() {
                 return Err(Error::Eval(format!(
-                    "prefill {prefill} of {} tokens: need 1 ≤ prefill < tokens",
+                    "prefill {prefill} of {} tokens: need 1 ≤ prefill < tokens − 1 (one token decoded at least)",
                     tokens.len()
                 )));
             }
@@ -305,7 +306,7 @@ pub fn evaluate(
     let per_token_values = (c.layers * c.kv_heads * c.head_dim * 2) as f64;
     let reference = &runs[0];
     let ppl_ref = mean(reference.stats.iter().map(|s| s.nll)).exp();
-    let ref_tps = reference.timed_tokens as f64 / reference.time.as_secs_f64();
+    let ref_tps = rate(reference.timed_tokens, reference.time);
     let reports: Vec<CandidateReport> = candidates
         .iter()
         .zip(&runs[1..])
@@ -325,23 +326,29 @@ pub fn evaluate(
                 same_top1: r.stats.iter().filter(|s| s.same_top).count() as f64 / r.stats.len().max(1) as f64,
                 bits_per_value: r.bytes_at_max.1 as f64 * 8.0 / (r.bytes_at_max.0 as f64 * per_token_values),
                 cache_bytes: r.bytes_at_max.1,
-                tokens_per_s: r.timed_tokens as f64 / r.time.as_secs_f64(),
+                tokens_per_s: rate(r.timed_tokens, r.time),
                 ref_tokens_per_s: ref_tps,
             }
         })
         .collect();
     // Figures are finite or the run is an error (the forward already stops on non-finite
     // logits; this holds the report itself to it).
+    if reference.stats.is_empty() {
+        return Err(Error::Eval("no position was scored".into()));
+    }
     let bad = reports.iter().find(|c: &&CandidateReport| {
-        ![c.ppl, c.kl_mean, c.kl_p99, c.kl_p999, c.kl_max, c.same_top1].iter().all(|v| v.is_finite())
+        ![c.ppl, c.kl_mean, c.kl_median, c.kl_p99, c.kl_p999, c.kl_max, c.same_top1, c.bits_per_value]
+            .iter()
+            .chain([c.tokens_per_s, c.ref_tokens_per_s].iter())
+            .all(|v| v.is_finite())
     });
-    if let Some(c) = bad.filter(|_| !reference.stats.is_empty()) {
+    if let Some(c) = bad {
         return Err(Error::Eval(format!(
-            "{}: non-finite figures (perplexity {}, mean KL {})",
-            c.name, c.ppl, c.kl_mean
+            "{}: non-finite figures (perplexity {}, mean KL {}, {} tokens/s)",
+            c.name, c.ppl, c.kl_mean, c.tokens_per_s
         )));
     }
-    if !ppl_ref.is_finite() && !reference.stats.is_empty() {
+    if !ppl_ref.is_finite() {
         return Err(Error::Eval(format!("the reference's perplexity is {ppl_ref}")));
     }
     Ok(Report {
@@ -351,6 +358,11 @@ pub fn evaluate(
         ref_cache_bytes: reference.bytes_at_max.1,
         candidates: reports,
     })
+}
+
+/// Tokens per second (a clock that read no time between two calls counts a nanosecond).
+fn rate(tokens: usize, time: Duration) -> f64 {
+    tokens as f64 / time.as_secs_f64().max(1e-9)
 }
 
 impl Running {

@@ -56,9 +56,26 @@ pub enum Kind {
     Toml,
     /// A cache config in JSON.
     Json,
+    /// `kvq_candle::tiny`'s model (byte-level tokenizer, chat template; 1.7 MB), written as
+    /// it is for each run: the case holds no bytes of it (a corpus of such cases would hold
+    /// gigabytes), and the `gguf` target mutates models.
+    ChatModel,
 }
 
-const KINDS: [Kind; 6] = [Kind::Dump, Kind::Gguf, Kind::Tokens, Kind::Text, Kind::Toml, Kind::Json];
+const KINDS: [Kind; 7] =
+    [Kind::Dump, Kind::Gguf, Kind::Tokens, Kind::Text, Kind::Toml, Kind::Json, Kind::ChatModel];
+
+/// Bytes a case holds at most: files past it are not added.
+const MAX_CASE: usize = 1 << 18;
+
+/// The bytes a file of a case stands for.
+fn contents(kind: Kind, bytes: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    static CHAT: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    match kind {
+        Kind::ChatModel => std::borrow::Cow::Borrowed(CHAT.get_or_init(crate::tiny_model_gguf)),
+        _ => std::borrow::Cow::Borrowed(bytes),
+    }
+}
 
 /// Files a case holds at most.
 pub const MAX_FILES: usize = 4;
@@ -381,7 +398,7 @@ impl Command {
                         ]),
                         // The tiny chat model's byte-level tokenizer reads any text.
                         files: vec![
-                            (Kind::Gguf, crate::tiny_model_gguf()),
+                            (Kind::ChatModel, Vec::new()),
                             (
                                 Kind::Text,
                                 "A cache of keys, values: 3 bits. \u{e9}t\u{e9}\n".as_bytes().to_vec(),
@@ -468,11 +485,12 @@ pub fn mutate_case(command: Command, rng: &mut Rng, input: &[u8], others: &[Vec<
                 Kind::Tokens => Some(Target::Tokens),
                 Kind::Toml => Some(Target::ConfigToml),
                 Kind::Json => Some(Target::ConfigJson),
-                Kind::Text => None,
+                Kind::Text | Kind::ChatModel => None,
             };
-            let mutated = match target {
-                Some(t) => mutate(t, rng, bytes, &[]),
-                None => edit(rng, bytes, &[], true),
+            let mutated = match (target, kind) {
+                (Some(t), _) => mutate(t, rng, bytes, &[]),
+                (None, Kind::ChatModel) => Vec::new(),
+                (None, _) => edit(rng, bytes, &[], true),
             };
             case.files[i].1 = mutated;
         }
@@ -483,7 +501,10 @@ pub fn mutate_case(command: Command, rng: &mut Rng, input: &[u8], others: &[Vec<
                 case.files.remove(i);
             } else if let Some(other) = others.get(pick(rng, others.len())) {
                 let other = Case::from_bytes(other);
-                if let Some(f) = other.files.get(pick(rng, other.files.len())) {
+                let held: usize = case.files.iter().map(|(_, b)| b.len()).sum();
+                if let Some(f) =
+                    other.files.get(pick(rng, other.files.len())).filter(|f| held + f.1.len() <= MAX_CASE)
+                {
                     case.files.push(f.clone());
                 }
             }
@@ -561,7 +582,7 @@ fn too_slow(command: Command, case: &Case) -> Option<&'static str> {
                 .and_then(|m| m.strip_prefix('@'))
                 .and_then(|i| i.parse::<usize>().ok())
                 .and_then(|i| case.files.get(i));
-            let large = model.is_some_and(|(_, bytes)| bytes.len() > 1 << 16);
+            let large = model.is_some_and(|(kind, bytes)| *kind == Kind::ChatModel || bytes.len() > 1 << 16);
             let few = value("--max-tokens")
                 .and_then(|n| n.parse::<usize>().ok())
                 .is_some_and(|n| n <= LARGE_MODEL_TOKENS);
@@ -643,8 +664,8 @@ fn kind_of(message: &str) -> String {
 
 fn run_in(command: Command, case: &Case, dir: &Path) -> Outcome {
     let paths: Vec<PathBuf> = (0..case.files.len()).map(|i| dir.join(format!("f{i}"))).collect();
-    for (path, (_, bytes)) in paths.iter().zip(&case.files) {
-        std::fs::write(path, bytes).map_err(|e| format!("fuzz file: {e}"))?;
+    for (path, (kind, bytes)) in paths.iter().zip(&case.files) {
+        std::fs::write(path, contents(*kind, bytes)).map_err(|e| format!("fuzz file: {e}"))?;
     }
     let fifo = fifo().map_or_else(|| dir.join("no-fifo"), Path::to_path_buf);
     let subst = |a: &str| -> String {
@@ -673,7 +694,8 @@ fn run_in(command: Command, case: &Case, dir: &Path) -> Outcome {
     };
     // A file changes only as the output of a run that succeeded, and never when the command
     // also reads it (an `--out` naming its own input is refused).
-    for (path, (_, bytes)) in paths.iter().zip(&case.files) {
+    for (path, (kind, bytes)) in paths.iter().zip(&case.files) {
+        let bytes = contents(*kind, bytes);
         let now = std::fs::read(path).unwrap_or_default();
         let p = path.to_string_lossy();
         let as_out = |i: usize| argv[i] == format!("--out={p}") || (argv[i] == *p && argv[i - 1] == "--out");
