@@ -170,8 +170,13 @@ pub fn mutate(rng: &mut Rng, input: &[u8]) -> Option<Vec<u8>> {
     };
     let mut out = input.to_vec();
     out[f.at..f.at + f.width].copy_from_slice(&new.to_le_bytes()[..f.width]);
+    MUTANTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Some(out)
 }
+
+/// Structure-aware mutants [`mutate`] has made in this process (the `kvq-fuzz gguf` summary
+/// line counts them).
+pub static MUTANTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 #[cfg(test)]
 mod tests {

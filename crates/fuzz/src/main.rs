@@ -9,8 +9,9 @@
 //! the process aborts (an allocation over the limit that was not fallible) or hangs (the
 //! watchdog ends it past the time limit), the driver (`cargo xtask fuzz`) still has the input.
 //! Panics are caught and their inputs saved as `DIR/panic-<crc>`. The last line sums the run:
-//! `TARGET: N inputs, A accepted, P panics, C in corpus, S s`; the exit code is 0 when no input
-//! panicked, 1 otherwise (3 for a hang, the abort's own for an abort).
+//! `TARGET: N inputs, A accepted, P panics, C in corpus, S s` (for `gguf`, `N inputs (M
+//! structure-aware)`); the exit code is 0 when no input panicked, 1 otherwise (3 for a hang,
+//! the abort's own for an abort).
 
 use std::io::Write;
 use std::os::unix::fs::FileExt;
@@ -190,8 +191,14 @@ fn main() {
     if matches!(target, kvq_fuzz::Target::Cli(_)) {
         let _ = std::fs::remove_dir_all(kvq_fuzz::cli::scratch_dir());
     }
+    let structured = match target {
+        kvq_fuzz::Target::Gguf => {
+            format!(" ({} structure-aware)", kvq_fuzz::gguf_fields::MUTANTS.load(Ordering::Relaxed))
+        }
+        _ => String::new(),
+    };
     let line = format!(
-        "{}: {n} inputs, {accepted} accepted, {panics} panics, {} in corpus, {} signatures, {:.1} s",
+        "{}: {n} inputs{structured}, {accepted} accepted, {panics} panics, {} in corpus, {} signatures, {:.1} s",
         target.name(),
         corpus.len(),
         seen.len(),
