@@ -242,8 +242,13 @@ impl<S> Plan<S> {
     }
 }
 
-/// Unpacks blocks of codes in channel regions to a code a byte: the plans of the layouts seen
-/// (a head's blocks share one, so the first is usually the one), the unpacked rows and the
+/// Plans an [`Unpacker`] keeps: more than the KV heads of the layers of a model, whose `-qa`
+/// key heads each have a layout of their own.
+pub(crate) const MAX_PLANS: usize = 256;
+
+/// Unpacks blocks of codes in channel regions to a code a byte: the plans of the last
+/// [`MAX_PLANS`] layouts seen (a head's blocks share one, so the first is usually the one),
+/// the unpacked rows and the
 /// copy of the last rows, grown to the largest block seen.
 pub(crate) struct Unpacker<S> {
     plans: Vec<Plan<S>>,
@@ -281,7 +286,12 @@ impl<S> Unpacker<S> {
         match self.plans.iter().position(|p| p.shapes.iter().copied().eq(shapes())) {
             Some(0) => {}
             Some(j) => self.plans.swap(0, j),
-            None => self.plans.insert(0, plan(&shapes().collect::<Vec<_>>())),
+            None => {
+                // Bounded: a process that meets ever new layouts (a fuzzer, many configs one
+                // after another) would otherwise keep every plan and scan them all per block.
+                self.plans.truncate(MAX_PLANS - 1);
+                self.plans.insert(0, plan(&shapes().collect::<Vec<_>>()));
+            }
         }
         let Self { plans, unpacked, bounce } = self;
         let p = &plans[0];
