@@ -184,7 +184,12 @@ fn main() {
             }
         }
         if n.is_multiple_of(100_000) {
-            eprintln!("kvq-fuzz: {}: {n} inputs, {:.0} s", target.name(), clock.elapsed().as_secs_f64());
+            eprintln!(
+                "kvq-fuzz: {}: {n} inputs, {:.0} s, {} MiB allocated",
+                target.name(),
+                clock.elapsed().as_secs_f64(),
+                ALLOC.allocated() >> 20
+            );
         }
     }
     let _ = std::fs::remove_file(args.out.join("current"));
