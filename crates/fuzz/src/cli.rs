@@ -652,7 +652,7 @@ pub fn run_case(command: Command, input: &[u8]) -> Outcome {
 /// What kind of refusal a message is: its first line after the last `": "` (what a path, a
 /// flag or a spec the case made up was refused for, without them) and its last line, so
 /// that made-up names do not each count as a new outcome.
-fn kind_of(message: &str) -> String {
+pub(crate) fn kind_of(message: &str) -> String {
     let mut lines = message.lines().filter(|l| !l.trim().is_empty());
     let first = lines.next().unwrap_or_default();
     let first = first.rsplit(": ").next().unwrap_or(first);

@@ -191,7 +191,9 @@ impl Target {
             Target::OffloadCache => run_offload_cache(input),
             Target::OffloadSeq => run_offload_seq(input),
             Target::KvqSeq => run_kvq_seq(input),
-            Target::Gguf => run_gguf(input),
+            // Refusals name tensors and keys from the file (escaped): kept whole, every
+            // made-up name would count as a new kind of outcome and churn the corpus.
+            Target::Gguf => run_gguf(input).map_err(|e| cli::kind_of(&e)),
             Target::Tokens => kvq_candle::eval::input_ids(input).map(|_| ()),
             Target::Cli(c) => cli::run_case(c, input),
         }
@@ -592,7 +594,13 @@ pub fn mutate(target: Target, rng: &mut Rng, input: &[u8], others: &[Vec<u8>]) -
             Some(mutate_offload_parts(rng, input, others))
         }
         // One header field, metadata value, tensor dim, type or offset given a new value.
-        Target::Gguf if rng.below(2) == 0 => gguf_fields::mutate(rng, input),
+        // (A base whose structure no longer parses lends none: another corpus entry does.)
+        Target::Gguf if rng.below(2) == 0 => gguf_fields::mutate(rng, input).or_else(|| {
+            (0..4).find_map(|_| {
+                let other = others.get(rng.below(others.len().max(1) as u64) as usize)?;
+                gguf_fields::mutate(rng, other)
+            })
+        }),
         // Arguments and files edited as such (the case's own byte edits included).
         Target::Cli(c) => return cli::mutate_case(c, rng, input, others),
         _ => None,

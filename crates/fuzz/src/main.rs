@@ -145,6 +145,7 @@ fn main() {
     let current = std::fs::File::create(args.out.join("current")).expect("current file");
     let target = args.target;
     let mut corpus: Vec<Vec<u8>> = target.seeds();
+    let seeds = corpus.len();
     corpus.extend(target.regressions().into_iter().map(|(_, b)| b));
     let mut seen = std::collections::HashSet::new();
     let mut rng = Rng::new(args.seed);
@@ -171,7 +172,8 @@ fn main() {
                     if corpus.len() < 1024 {
                         corpus.push(input);
                     } else {
-                        let i = rng.below(corpus.len() as u64) as usize;
+                        // The seeds stay: valid inputs are what structure-aware mutators need.
+                        let i = seeds + rng.below((corpus.len() - seeds) as u64) as usize;
                         corpus[i] = input;
                     }
                 }
