@@ -1314,6 +1314,10 @@ fn max_lanes(x: &[f32], init: f32) -> f32 {
     chunks.remainder().iter().chain(&lanes).fold(init, |m, &v| if v > m { v } else { m })
 }
 
+/// Scores one unit's query group may hold (256 MiB of f32): far past any model's query group
+/// times any block, short of what a crafted config could ask for.
+const MAX_UNIT_SCORES: usize = 1 << 26;
+
 /// Attends the g query rows `qs` (already scaled) over `units` into `st`; row `i` sees
 /// tokens `spans[i].0 .. spans[i].1` only (its sliding window and its causal end), the
 /// others get no weight.
@@ -1427,7 +1431,23 @@ fn attend<'a>(
         }
         kernel.prefetch_queued();
         let n = b - a;
-        s.resize(g * n, 0.0);
+        // A group's scores over a unit: grown fallibly, since a config may pair a large
+        // query group with large blocks (65,505 query heads on one KV head and blocks of
+        // 65,505 tokens asked for 17 GB, an abort the config-toml fuzz target found).
+        let want = g.checked_mul(n).filter(|&w| w <= MAX_UNIT_SCORES).ok_or_else(|| {
+            AttentionError::Shape(format!(
+                "{g} query rows × {n} tokens of scores: over the limit of {MAX_UNIT_SCORES} per unit"
+            ))
+        })?;
+        if want > s.len() {
+            s.try_reserve_exact(want - s.len()).map_err(|_| {
+                AttentionError::Shape(format!(
+                    "{g} query rows × {n} tokens of scores ({} MiB) cannot be allocated",
+                    (want * 4) >> 20
+                ))
+            })?;
+        }
+        s.resize(want, 0.0);
         match (k, rope) {
             (Run::Full { rows, offset }, _) => {
                 dense_run(backend, kernel, true, rows, offset, n, d, qs, g, s)?
