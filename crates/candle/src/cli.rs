@@ -129,28 +129,9 @@ struct Args {
     json: bool,
 }
 
-/// Why a `kvq-eval` command line did not run to the end.
-#[derive(Debug, thiserror::Error)]
-pub enum CliError {
-    /// The arguments do not parse (exit code 2), or asked for help or the version (0): clap's
-    /// message, which [`main`] prints as clap would.
-    #[error("{0}")]
-    Usage(#[from] clap::Error),
-    /// The run failed: a missing or invalid model, text, token file or config, a spec that
-    /// does not fit the model, non-finite figures (exit code 1).
-    #[error("{0}")]
-    Failed(Box<dyn std::error::Error + Send + Sync>),
-}
-
-impl CliError {
-    /// The process exit code the binary gives for this error.
-    pub fn exit_code(&self) -> u8 {
-        match self {
-            CliError::Usage(e) => e.exit_code().clamp(0, 255) as u8,
-            CliError::Failed(_) => 1,
-        }
-    }
-}
+/// Why a `kvq-eval` command line did not run to the end: the facade's CLI error (`Usage`,
+/// exit code 2 or clap's own; `Failed`, exit code 1).
+pub use kvq::cli::CliError;
 
 /// Runs one `kvq-eval` command line (`args[0]` is the program name): the table or JSON goes to
 /// `stdout`, notes and progress lines to `stderr` (a progress bar instead when the process's
@@ -167,17 +148,7 @@ where
 /// The `kvq-eval` binary: [`run`] on the process's arguments, stdout and stderr.
 pub fn main() -> ExitCode {
     let (stdout, stderr) = (std::io::stdout(), std::io::stderr());
-    match run(std::env::args_os(), &mut stdout.lock(), &mut stderr.lock()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(CliError::Usage(e)) => {
-            let _ = e.print();
-            ExitCode::from(e.exit_code().clamp(0, 255) as u8)
-        }
-        Err(e) => {
-            eprintln!("kvq-eval: {e}");
-            ExitCode::from(e.exit_code())
-        }
-    }
+    kvq::cli::exit(run(std::env::args_os(), &mut stdout.lock(), &mut stderr.lock()), "kvq-eval")
 }
 
 fn command(

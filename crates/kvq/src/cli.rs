@@ -61,14 +61,21 @@ where
 /// The `kvq` binary: [`run`] on the process's arguments, stdout and stderr.
 pub fn main() -> ExitCode {
     let (stdout, stderr) = (std::io::stdout(), std::io::stderr());
-    match run(std::env::args_os(), &mut stdout.lock(), &mut stderr.lock()) {
+    exit(run(std::env::args_os(), &mut stdout.lock(), &mut stderr.lock()), "kvq: error")
+}
+
+/// What a binary does with the end of a run: clap prints its own message (usage, help,
+/// version), a failure is one line on stderr after `prefix`; the exit code is the error's.
+/// Shared by `kvq` and `kvq-eval`.
+pub fn exit(result: Result<(), CliError>, prefix: &str) -> ExitCode {
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(CliError::Usage(e)) => {
             let _ = e.print();
             ExitCode::from(e.exit_code().clamp(0, 255) as u8)
         }
         Err(e) => {
-            eprintln!("kvq: error: {e}");
+            eprintln!("{prefix}: {e}");
             ExitCode::from(e.exit_code())
         }
     }
