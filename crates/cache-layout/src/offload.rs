@@ -41,6 +41,12 @@ struct ConfigWire {
     block_size: usize,
     k_spec: String,
     v_spec: String,
+    /// The levels of a fixed-codebook K spec, whose text (`codebookB-...`) names none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    k_levels: Option<Vec<f32>>,
+    /// The same for the V spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    v_levels: Option<Vec<f32>>,
     residual_blocks: usize,
     sink_tokens: usize,
     tail_dtype: TailDtype,
@@ -60,20 +66,31 @@ struct ConfigWire {
     row_window: bool,
 }
 
+/// A spec's text and, for a fixed codebook, its levels: checked to read back as the spec.
+fn spec_to_wire(s: &QuantSpec) -> Result<(String, Option<Vec<f32>>)> {
+    let (text, levels) = (s.to_string(), s.fixed_levels().map(<[f32]>::to_vec));
+    match QuantSpec::parse_with_levels(&text, levels.clone()) {
+        Ok(back) if &back == s => Ok((text, levels)),
+        _ => Err(CacheError::Offload(format!("spec {text} has no text form that reads back"))),
+    }
+}
+
+fn spec_from_wire(text: &str, levels: Option<Vec<f32>>) -> Result<QuantSpec> {
+    QuantSpec::parse_with_levels(text, levels).map_err(|e| CacheError::Offload(format!("spec {text:?}: {e}")))
+}
+
 fn to_wire(c: &CacheConfig) -> Result<ConfigWire> {
-    let spec = |s: &QuantSpec| -> Result<String> {
-        let text = s.to_string();
-        text.parse::<QuantSpec>().ok().filter(|p| p == s).map(|_| text.clone()).ok_or_else(|| {
-            CacheError::Offload(format!("spec {text} has no text form that reads back (fixed codebook)"))
-        })
-    };
+    let (k_spec, k_levels) = spec_to_wire(&c.k_spec)?;
+    let (v_spec, v_levels) = spec_to_wire(&c.v_spec)?;
     Ok(ConfigWire {
         layers: c.layers,
         kv_heads: c.kv_heads,
         head_dim: c.head_dim,
         block_size: c.block_size,
-        k_spec: spec(&c.k_spec)?,
-        v_spec: spec(&c.v_spec)?,
+        k_spec,
+        v_spec,
+        k_levels,
+        v_levels,
         residual_blocks: c.residual_blocks,
         sink_tokens: c.sink_tokens,
         tail_dtype: c.tail_dtype,
@@ -87,7 +104,6 @@ fn to_wire(c: &CacheConfig) -> Result<ConfigWire> {
 }
 
 fn from_wire(w: ConfigWire) -> Result<CacheConfig> {
-    let spec = |s: &str| s.parse::<QuantSpec>().map_err(|e| CacheError::Offload(format!("spec {s:?}: {e}")));
     let channel_bits = w
         .channel_bits
         .map(|maps| maps.into_iter().map(kvq_quant_core::ChannelBits::new).collect::<Result<Vec<_>, _>>())
@@ -98,8 +114,8 @@ fn from_wire(w: ConfigWire) -> Result<CacheConfig> {
         kv_heads: w.kv_heads,
         head_dim: w.head_dim,
         block_size: w.block_size,
-        k_spec: spec(&w.k_spec)?,
-        v_spec: spec(&w.v_spec)?,
+        k_spec: spec_from_wire(&w.k_spec, w.k_levels)?,
+        v_spec: spec_from_wire(&w.v_spec, w.v_levels)?,
         residual_blocks: w.residual_blocks,
         sink_tokens: w.sink_tokens,
         tail_dtype: w.tail_dtype,
@@ -383,7 +399,7 @@ impl PagedCache {
     /// The whole cache as bytes: config, pool, every sequence, statistics.
     ///
     /// # Errors
-    /// [`CacheError::Offload`] when a spec cannot be written (fixed codebooks);
+    /// [`CacheError::Offload`] when a spec cannot be written;
     /// [`CacheError::SequenceIds`] when the next sequence id is over [`MAX_SEQ_ID`], which no
     /// file could then hold.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
@@ -532,7 +548,7 @@ impl PagedCache {
     /// sequences keep decoding). The sequence stays in the cache; free it to reclaim its blocks.
     ///
     /// # Errors
-    /// [`CacheError::UnknownSequence`], [`CacheError::Offload`] (fixed codebooks).
+    /// [`CacheError::UnknownSequence`], [`CacheError::Offload`] (a spec that cannot be written).
     pub fn export_sequence(&self, seq: SeqId) -> Result<Vec<u8>> {
         let s = self.seqs.get(&seq).ok_or(CacheError::UnknownSequence(seq))?;
         let mut w = start(&self.config, KIND_SEQUENCE)?;
@@ -640,8 +656,7 @@ impl PagedCache {
     /// length. [`PagedCache::import_split`] puts them together again, bit for bit.
     ///
     /// # Errors
-    /// [`CacheError::UnknownSequence`], [`CacheError::Offload`] (fixed codebooks, or more
-    /// blocks than are final).
+    /// [`CacheError::UnknownSequence`], [`CacheError::Offload`] (more blocks than are final).
     pub fn export_split(&self, seq: SeqId, blocks: usize) -> Result<(Vec<u8>, Vec<Vec<u8>>)> {
         let n = blocks;
         let last = self.final_blocks(seq)?;

@@ -1,6 +1,7 @@
 //! A sequence split into shared blocks of tokens and a head, and put together again.
 
 use kvq_cache_layout::{CacheConfig, CacheError, PagedCache, SeqId};
+use kvq_quant_core::{Codebook, CodebookSource, Granularity, Kind, ParamDtype, QuantSpec};
 
 fn row(seed: usize, n: usize) -> Vec<f32> {
     (0..n).map(|i| (((i * 31 + seed * 17) % 23) as f32 * 0.25 - 2.5) * (1.0 + (seed % 5) as f32)).collect()
@@ -15,7 +16,32 @@ fn configs() -> Vec<CacheConfig> {
             .with_specs("int2-channel".parse().unwrap(), "int8-token".parse().unwrap())
             .with_residual_blocks(2)
             .with_sink_tokens(3),
+        // Fixed-codebook values: their spec text names no levels; the files carry them.
+        base.clone().with_specs("int4-channel".parse().unwrap(), fixed_codebook_values()),
     ]
+}
+
+fn fixed_codebook_values() -> QuantSpec {
+    let levels = vec![-1.0, -0.6, -0.31, -0.1, 0.05, 0.2, 0.55, 1.0];
+    let kind = Kind::Codebook(CodebookSource::Fixed(Codebook::new(levels).unwrap()));
+    QuantSpec::new(kind, 3, Granularity::PerToken, ParamDtype::F16).unwrap()
+}
+
+#[test]
+fn fixed_codebooks_are_offloaded_with_their_levels() {
+    let config = configs().pop().unwrap();
+    let mut c = PagedCache::new(config.clone()).unwrap();
+    let s = filled(&mut c, 23);
+    let back = PagedCache::from_bytes(&c.to_bytes().unwrap()).unwrap();
+    assert_eq!(back.config().v_spec, fixed_codebook_values());
+    assert_eq!(back.export_sequence(s).unwrap(), c.export_sequence(s).unwrap());
+    // Another codebook of the same width is another config: its sequences are refused.
+    let levels = vec![-1.0, -0.7, -0.31, -0.1, 0.05, 0.2, 0.55, 1.0];
+    let kind = Kind::Codebook(CodebookSource::Fixed(Codebook::new(levels).unwrap()));
+    let v = QuantSpec::new(kind, 3, Granularity::PerToken, ParamDtype::F16).unwrap();
+    let mut other = PagedCache::new(config.with_specs("int4-channel".parse().unwrap(), v)).unwrap();
+    let e = other.import_sequence(&c.export_sequence(s).unwrap()).unwrap_err();
+    assert!(matches!(e, CacheError::Offload(_)), "{e}");
 }
 
 /// A sequence of `len` tokens of the same data (token `t` is always `row(t)`).

@@ -307,7 +307,21 @@ fn seed_configs() -> Vec<KvCacheConfig> {
             .blocks_per_layer(8)
             .build()
             .expect("valid"),
+        KvCacheConfig::builder(1, 1, 1, 8)
+            .block_size(4)
+            .specs(spec("int4-channel"), fixed_codebook())
+            .blocks_per_layer(8)
+            .build()
+            .expect("valid"),
     ]
+}
+
+/// A 2-bit fixed codebook spec of values: files write its levels beside its text.
+fn fixed_codebook() -> QuantSpec {
+    use kvq::quant::{Codebook, CodebookSource, Granularity, Kind, ParamDtype};
+    let levels = Codebook::new(vec![-1.0, -0.3, 0.25, 1.0]).expect("valid");
+    QuantSpec::new(Kind::Codebook(CodebookSource::Fixed(levels)), 2, Granularity::PerToken, ParamDtype::F16)
+        .expect("valid")
 }
 
 fn seed_calibration() -> Calibration {
@@ -379,7 +393,9 @@ fn seed_caches() -> Vec<PagedCache> {
         .with_sink_tokens(1)
         .with_specs(spec("int4-channel-p8"), spec("int4-token-p8"))
         .with_value_tail_dtype(kvq::layout::TailDtype::Int8);
-    vec![a, filled(b, 6).0, filled(c, 7).0]
+    let d =
+        CacheConfig::new(1, 1, 8, 16).with_block_size(4).with_specs(spec("int4-channel"), fixed_codebook());
+    vec![a, filled(b, 6).0, filled(c, 7).0, filled(d, 9).0]
 }
 
 /// Appends to, forks, reads and re-writes a loaded cache; the re-written file must read back

@@ -500,6 +500,12 @@ struct WireLayer {
     /// Widths of the key channels, one list per KV head (`-qa` key specs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     k_channel_bits: Option<Vec<Vec<u8>>>,
+    /// The levels of a fixed-codebook key spec (`codebookB-...`, whose text names none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    k_levels: Option<Vec<f32>>,
+    /// The same for the value spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    v_levels: Option<Vec<f32>>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -550,6 +556,8 @@ impl From<&KvCacheConfig> for Wire {
                         .k_channel_bits
                         .as_ref()
                         .map(|m| m.iter().map(|b| b.widths().to_vec()).collect()),
+                    k_levels: l.k.fixed_levels().map(<[f32]>::to_vec),
+                    v_levels: l.v.fixed_levels().map(<[f32]>::to_vec),
                 })
                 .collect(),
             calibration: c.calibration.clone(),
@@ -570,7 +578,9 @@ impl TryFrom<Wire> for KvCacheConfig {
                 w.version
             )));
         }
-        let spec = |s: &str| s.parse::<QuantSpec>().map_err(|e| KvqError::Config(e.to_string()));
+        let spec = |s: &str, levels: &Option<Vec<f32>>| {
+            QuantSpec::parse_with_levels(s, levels.clone()).map_err(|e| KvqError::Config(e.to_string()))
+        };
         let layers = w
             .layers
             .iter()
@@ -583,7 +593,7 @@ impl TryFrom<Wire> for KvCacheConfig {
                     })
                     .transpose()
                     .map_err(|e| KvqError::Config(format!("channel bit map: {e}")))?;
-                Ok(LayerSpecs { k: spec(&l.k)?, v: spec(&l.v)?, k_channel_bits })
+                Ok(LayerSpecs { k: spec(&l.k, &l.k_levels)?, v: spec(&l.v, &l.v_levels)?, k_channel_bits })
             })
             .collect::<Result<_, KvqError>>()?;
         let c = KvCacheConfig {
@@ -804,7 +814,7 @@ impl QuantizedKvCache {
     /// with a checksum. The sequence stays in the cache; free it to reclaim its blocks.
     ///
     /// # Errors
-    /// [`KvqError::Cache`]: an unknown sequence, or a spec without a text form (fixed codebooks).
+    /// [`KvqError::Cache`]: an unknown sequence.
     pub fn export_sequence(&self, seq: SeqId) -> Result<Vec<u8>, KvqError> {
         let parts = self.layers.iter().map(|c| c.export_sequence(seq)).collect::<Result<Vec<_>, _>>()?;
         Ok(container(SEQ_MAGIC, &parts))

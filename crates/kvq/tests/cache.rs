@@ -46,6 +46,39 @@ fn config_round_trips_through_toml_and_json() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Fixed-codebook specs write their levels beside their text (`codebook3-token` names none):
+/// the config reads back equal, and the cache's sequences leave and come back as any other's.
+#[test]
+fn fixed_codebooks_round_trip_through_configs_and_sequence_files() {
+    use kvq::quant::{Codebook, CodebookSource, Granularity, Kind, ParamDtype};
+    let levels = vec![-1.0, -0.55, -0.3, -0.12, 0.04, 0.21, 0.5, 1.0];
+    let kind = Kind::Codebook(CodebookSource::Fixed(Codebook::new(levels).unwrap()));
+    let v = QuantSpec::new(kind, 3, Granularity::PerToken, ParamDtype::F16).unwrap();
+    let c = KvCacheConfig::builder(2, 1, 2, 32)
+        .block_size(8)
+        .specs("int4-channel".parse().unwrap(), v)
+        .blocks_per_layer(32)
+        .build()
+        .unwrap();
+    let toml = c.to_toml();
+    assert!(toml.contains("v = \"codebook3-token\"") && toml.contains("v_levels"), "{toml}");
+    assert_eq!(KvCacheConfig::from_toml(&toml).unwrap(), c);
+    assert_eq!(KvCacheConfig::from_json(&c.to_json()).unwrap(), c);
+    // Without its levels the spec is an error, not some other codebook.
+    let cut: String = toml.lines().filter(|l| !l.starts_with("v_levels")).map(|l| format!("{l}\n")).collect();
+    assert!(matches!(KvCacheConfig::from_toml(&cut), Err(KvqError::Config(_))), "{cut}");
+    let per = c.kv_heads * c.head_dim;
+    let mut cache = QuantizedKvCache::new(c.clone()).unwrap();
+    let seq = cache.create();
+    for t in 0..29 {
+        cache.append_all_layers(seq, &token(2 * per, t), &token(2 * per, t + 5)).unwrap();
+    }
+    let q = token(c.query_heads * c.head_dim, 2);
+    let mut other = QuantizedKvCache::new(KvCacheConfig::from_toml(&toml).unwrap()).unwrap();
+    let back = other.import_sequence(&cache.export_sequence(seq).unwrap()).unwrap();
+    assert_eq!(attend_layers(&other, back, 2, &q), attend_layers(&cache, seq, 2, &q));
+}
+
 #[test]
 fn bad_configs_are_errors() {
     let good = config().to_toml();
@@ -292,6 +325,17 @@ fn blocks_needed_predicts_what_appends_take() {
     assert_eq!(cache.blocks_needed(seq, 64).unwrap().len(), 3);
 }
 
+/// Attention of `q` over `seq` in each of the first `layers` layers.
+fn attend_layers(cache: &QuantizedKvCache, seq: SeqId, layers: usize, q: &[f32]) -> Vec<Vec<f32>> {
+    (0..layers)
+        .map(|l| {
+            let mut out = vec![0f32; q.len()];
+            cache.attention(seq, l, q, &mut out).unwrap();
+            out
+        })
+        .collect()
+}
+
 /// A sequence leaves through `export_sequence` and comes back, in the same or another cache of
 /// the same config, attending exactly as before; a damaged or foreign file changes nothing.
 #[test]
@@ -305,15 +349,7 @@ fn sequences_export_and_import_across_layers() {
     }
     let file = cache.export_sequence(seq).unwrap();
     let q = token(c.query_heads * c.head_dim, 1);
-    let attend = |cache: &QuantizedKvCache, s: SeqId| {
-        (0..3)
-            .map(|l| {
-                let mut out = vec![0f32; q.len()];
-                cache.attention(s, l, &q, &mut out).unwrap();
-                out
-            })
-            .collect::<Vec<_>>()
-    };
+    let attend = |cache: &QuantizedKvCache, s: SeqId| attend_layers(cache, s, 3, &q);
     let mut other = QuantizedKvCache::new(c.clone()).unwrap();
     let back = other.import_sequence(&file).unwrap();
     assert_eq!(attend(&other, back), attend(&cache, seq));

@@ -403,90 +403,124 @@ impl fmt::Display for QuantSpec {
     }
 }
 
+impl QuantSpec {
+    /// The levels of a fixed codebook (`codebookB-...`, whose text names the width, not the
+    /// levels); `None` for every other kind. Files that store a spec as text store these
+    /// beside it, and [`QuantSpec::parse_with_levels`] reads both back.
+    pub fn fixed_levels(&self) -> Option<&[f32]> {
+        match &self.kind {
+            Kind::Codebook(CodebookSource::Fixed(cb)) => Some(cb.levels()),
+            _ => None,
+        }
+    }
+
+    /// Reads a spec's text as [`FromStr`] does, where `levels` (from
+    /// [`QuantSpec::fixed_levels`]) gives the levels of a `codebookB` kind.
+    ///
+    /// # Errors
+    /// As [`FromStr`] and [`Codebook::new`], and [`QuantError::InvalidSpec`] when levels are
+    /// given for another kind or width, or missing for a fixed codebook.
+    pub fn parse_with_levels(s: &str, levels: Option<Vec<f32>>) -> Result<Self> {
+        parse_spec(s, levels.map(Codebook::new).transpose()?)
+    }
+}
+
 impl FromStr for QuantSpec {
     type Err = QuantError;
 
     fn from_str(s: &str) -> Result<Self> {
-        let bad = |why: &str| QuantError::InvalidSpec(format!("{s:?}: {why}"));
-        let mut parts = s.trim().split('-');
-        let head = parts.next().unwrap_or_default().to_ascii_lowercase();
-        let number = |text: &str| text.parse::<u8>().map_err(|_| bad("expected a bit width after the kind"));
-        let (kind, bits) = if let Some(b) = head.strip_prefix("int") {
-            (Kind::Affine, number(b)?)
-        } else if let Some(b) = head.strip_prefix("sym") {
-            (Kind::Symmetric, number(b)?)
-        } else if head == "fp8e4m3" {
-            (Kind::Fp8(Fp8Format::E4M3), 8)
-        } else if head == "fp8e5m2" {
-            (Kind::Fp8(Fp8Format::E5M2), 8)
-        } else if head == "nf4" {
-            (Kind::Codebook(CodebookSource::Nf4), 4)
-        } else if let Some(b) = head.strip_prefix("lloyd") {
-            (Kind::Codebook(CodebookSource::LloydMax), number(b)?)
-        } else {
-            return Err(bad("unknown kind (int, sym, fp8e4m3, fp8e5m2, nf4, lloyd)"));
-        };
-        let mut granularity = Granularity::PerToken;
-        let mut dtype = ParamDtype::F16;
-        let mut ranges = RangeRule::MinMax;
-        let mut rotated = false;
-        let mut channel_bits = false;
-        let mut pre_rope = false;
-        for part in parts {
-            let part = part.to_ascii_lowercase();
-            let size = |text: &str| text.parse::<usize>().map_err(|_| bad("expected a size"));
-            granularity = match part.as_str() {
-                "f32" => {
-                    dtype = ParamDtype::F32;
-                    continue;
-                }
-                "f16" => {
-                    dtype = ParamDtype::F16;
-                    continue;
-                }
-                "p8" => {
-                    dtype = ParamDtype::U8;
-                    continue;
-                }
-                "mse" => {
-                    ranges = RangeRule::Mse;
-                    continue;
-                }
-                "minmax" => {
-                    ranges = RangeRule::MinMax;
-                    continue;
-                }
-                "rot" => {
-                    rotated = true;
-                    continue;
-                }
-                "qa" => {
-                    channel_bits = true;
-                    continue;
-                }
-                "prerope" => {
-                    pre_rope = true;
-                    continue;
-                }
-                "tensor" => Granularity::PerTensor,
-                "head" => Granularity::PerHead,
-                "channel" => Granularity::PerChannel { token_group: None },
-                "token" => Granularity::PerToken,
-                p if p.starts_with("channel") => {
-                    Granularity::PerChannel { token_group: Some(size(&p[7..])?) }
-                }
-                p if p.starts_with('g') => Granularity::Group(size(&p[1..])?),
-                _ => {
-                    return Err(bad(
-                        "unknown granularity (tensor, head, channel[N], token, gN) or option (mse, rot, qa, prerope, f32, p8)",
-                    ));
-                }
-            };
-        }
-        QuantSpec::new(kind, bits, granularity, dtype)?
-            .with_ranges(ranges)
-            .with_rotation(rotated)
-            .with_channel_bits(channel_bits)
-            .map(|spec| spec.with_pre_rope(pre_rope))
+        parse_spec(s, None)
     }
+}
+
+/// [`FromStr`] of a spec, where `fixed` gives the levels of a `codebookB` kind.
+fn parse_spec(s: &str, fixed: Option<Codebook>) -> Result<QuantSpec> {
+    let bad = |why: &str| QuantError::InvalidSpec(format!("{s:?}: {why}"));
+    let mut parts = s.trim().split('-');
+    let head = parts.next().unwrap_or_default().to_ascii_lowercase();
+    let number = |text: &str| text.parse::<u8>().map_err(|_| bad("expected a bit width after the kind"));
+    let (kind, bits) = if let Some(b) = head.strip_prefix("int") {
+        (Kind::Affine, number(b)?)
+    } else if let Some(b) = head.strip_prefix("sym") {
+        (Kind::Symmetric, number(b)?)
+    } else if head == "fp8e4m3" {
+        (Kind::Fp8(Fp8Format::E4M3), 8)
+    } else if head == "fp8e5m2" {
+        (Kind::Fp8(Fp8Format::E5M2), 8)
+    } else if head == "nf4" {
+        (Kind::Codebook(CodebookSource::Nf4), 4)
+    } else if let Some(b) = head.strip_prefix("lloyd") {
+        (Kind::Codebook(CodebookSource::LloydMax), number(b)?)
+    } else if let (Some(b), Some(cb)) = (head.strip_prefix("codebook"), &fixed) {
+        let bits = number(b)?;
+        if bits != cb.bits() {
+            return Err(bad(&format!("a {bits}-bit codebook with {} levels", cb.levels().len())));
+        }
+        (Kind::Codebook(CodebookSource::Fixed(cb.clone())), bits)
+    } else {
+        return Err(bad("unknown kind (int, sym, fp8e4m3, fp8e5m2, nf4, lloyd)"));
+    };
+    if fixed.is_some() && !matches!(kind, Kind::Codebook(CodebookSource::Fixed(_))) {
+        return Err(bad("codebook levels given for a spec of another kind"));
+    }
+    let mut granularity = Granularity::PerToken;
+    let mut dtype = ParamDtype::F16;
+    let mut ranges = RangeRule::MinMax;
+    let mut rotated = false;
+    let mut channel_bits = false;
+    let mut pre_rope = false;
+    for part in parts {
+        let part = part.to_ascii_lowercase();
+        let size = |text: &str| text.parse::<usize>().map_err(|_| bad("expected a size"));
+        granularity = match part.as_str() {
+            "f32" => {
+                dtype = ParamDtype::F32;
+                continue;
+            }
+            "f16" => {
+                dtype = ParamDtype::F16;
+                continue;
+            }
+            "p8" => {
+                dtype = ParamDtype::U8;
+                continue;
+            }
+            "mse" => {
+                ranges = RangeRule::Mse;
+                continue;
+            }
+            "minmax" => {
+                ranges = RangeRule::MinMax;
+                continue;
+            }
+            "rot" => {
+                rotated = true;
+                continue;
+            }
+            "qa" => {
+                channel_bits = true;
+                continue;
+            }
+            "prerope" => {
+                pre_rope = true;
+                continue;
+            }
+            "tensor" => Granularity::PerTensor,
+            "head" => Granularity::PerHead,
+            "channel" => Granularity::PerChannel { token_group: None },
+            "token" => Granularity::PerToken,
+            p if p.starts_with("channel") => Granularity::PerChannel { token_group: Some(size(&p[7..])?) },
+            p if p.starts_with('g') => Granularity::Group(size(&p[1..])?),
+            _ => {
+                return Err(bad(
+                    "unknown granularity (tensor, head, channel[N], token, gN) or option (mse, rot, qa, prerope, f32, p8)",
+                ));
+            }
+        };
+    }
+    QuantSpec::new(kind, bits, granularity, dtype)?
+        .with_ranges(ranges)
+        .with_rotation(rotated)
+        .with_channel_bits(channel_bits)
+        .map(|spec| spec.with_pre_rope(pre_rope))
 }

@@ -91,6 +91,37 @@ fn malformed_specs() {
 }
 
 #[test]
+fn fixed_codebook_specs_read_back_only_with_their_levels() {
+    use kvq_quant_core::{Codebook, CodebookSource};
+    let cb = Codebook::new(vec![-1.0, -0.25, 0.3, 1.0]).unwrap();
+    let kind = Kind::Codebook(CodebookSource::Fixed(cb.clone()));
+    let spec = QuantSpec::new(kind, 2, Granularity::PerToken, ParamDtype::F16).unwrap();
+    let text = spec.to_string();
+    assert_eq!(text, "codebook2-token");
+    // The text alone names no levels.
+    assert!(text.parse::<QuantSpec>().is_err());
+    assert!(QuantSpec::parse_with_levels(&text, None).is_err());
+    let levels = spec.fixed_levels().map(<[f32]>::to_vec);
+    assert_eq!(levels.as_deref(), Some(cb.levels()));
+    assert_eq!(QuantSpec::parse_with_levels(&text, levels.clone()).unwrap(), spec);
+    // Levels of another width, for another kind, or not levels at all, are refused.
+    for (text, levels) in [
+        ("codebook3-token", levels.clone()),
+        ("int2-token", levels.clone()),
+        ("codebook2-token", Some(vec![0.5, 0.1, 0.2, 0.3])),
+        ("codebook2-token", Some(vec![f32::NAN, 0.1, 0.2, 0.3])),
+        ("codebook2-token", Some(vec![0.1; 300])),
+    ] {
+        assert!(
+            matches!(QuantSpec::parse_with_levels(text, levels), Err(QuantError::InvalidSpec(_))),
+            "{text}"
+        );
+    }
+    assert!(QuantSpec::parse_with_levels("codebook2-row", levels).is_err());
+    assert!("int4-token".parse::<QuantSpec>().unwrap().fixed_levels().is_none());
+}
+
+#[test]
 fn shape_mismatches() {
     assert!(matches!(Tensor::new(Shape::new(2, 2, 2), vec![0.0; 7]), Err(QuantError::ShapeMismatch { .. })));
     let x = tensor(Shape::new(2, 4, 8), |i| i as f32);

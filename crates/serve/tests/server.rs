@@ -125,10 +125,23 @@ fn concurrent_requests_give_the_text_each_gives_alone() {
 /// The bytes of a pool that holds `need · 3/2` blocks per layer, where `need` is what one
 /// request of `prompt` and `max_tokens` takes; and `need`.
 fn pool_for_one_and_a_half(prompt: &str, max_tokens: usize) -> (usize, usize) {
+    let probe = kvq_candle::LlamaModel::load(tiny_model()).unwrap();
+    pool_for_one_and_a_half_of(
+        probe.config().cache_builder().blocks_per_layer(1).build().unwrap(),
+        prompt,
+        max_tokens,
+    )
+}
+
+/// [`pool_for_one_and_a_half`] of the cache config `c`.
+fn pool_for_one_and_a_half_of(
+    c: kvq::cache::KvCacheConfig,
+    prompt: &str,
+    max_tokens: usize,
+) -> (usize, usize) {
     let tok = GgufTokenizer::load(tiny_model()).unwrap();
     let tokens = tok.encode(prompt).unwrap().len() + max_tokens;
-    let probe = kvq_candle::LlamaModel::load(tiny_model()).unwrap();
-    let c = probe.config().cache_builder().blocks_per_layer(1).build().unwrap();
+    let c = kvq::cache::KvCacheConfig { blocks_per_layer: 1, ..c };
     let need = c.blocks_for_tokens(tokens).unwrap()[0];
     let blocks = need + need / 2;
     assert!(need >= 4 && blocks < 2 * need, "{tokens} tokens take {need} blocks");
@@ -168,9 +181,17 @@ fn memory_pressure_preempts_and_changes_no_output() {
     // their prompts, and their outputs outgrow a pool for one and a half of them.
     let prompts: Vec<String> = (0..4).map(|i| format!("pressure {i}: ")).collect();
     let (pool_bytes, _) = pool_for_one_and_a_half(&prompts[0], 120);
-    let big = start(config());
+    let addr = same_text_under_pressure(&prompts, config(), pool_bytes);
+    settles(addr, "kvq_sequences_running", 0.0);
+}
+
+/// Runs `prompts` (120 tokens each) one at a time on a server of `base`, then all at once on
+/// one whose pool holds `pool_bytes`: the texts must be the same, and the second server must
+/// have preempted and resumed. Returns the second server.
+fn same_text_under_pressure(prompts: &[String], base: ServerConfig, pool_bytes: usize) -> SocketAddr {
+    let big = start(base.clone());
     let alone: Vec<String> = prompts.iter().map(|p| text(&completion(big, p, 120))).collect();
-    let addr = start(ServerConfig { pool_bytes, ..config() });
+    let addr = start(ServerConfig { pool_bytes, ..base });
     let together: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> =
             prompts.iter().map(|p| s.spawn(move || text(&completion(addr, p, 120)))).collect();
@@ -179,7 +200,36 @@ fn memory_pressure_preempts_and_changes_no_output() {
     assert_eq!(together, alone);
     assert!(metric(addr, "kvq_preemptions_total") >= 1.0);
     settles(addr, "kvq_sequences_preempted", 0.0);
-    settles(addr, "kvq_sequences_running", 0.0);
+    addr
+}
+
+/// The same with values in a fixed codebook, from a config file: its levels travel with the
+/// preempted sequences (they once could not be exported, and such requests failed).
+#[test]
+fn memory_pressure_preempts_fixed_codebook_caches_too() {
+    use kvq::quant::{Codebook, CodebookSource, Granularity, Kind, ParamDtype, QuantSpec};
+    let levels =
+        vec![-1.0, -0.7, -0.45, -0.25, -0.1, 0.02, 0.12, 0.25, 0.38, 0.5, 0.6, 0.7, 0.8, 0.88, 0.95, 1.0];
+    let kind = Kind::Codebook(CodebookSource::Fixed(Codebook::new(levels).unwrap()));
+    let v = QuantSpec::new(kind, 4, Granularity::PerToken, ParamDtype::F16).unwrap();
+    let probe = kvq_candle::LlamaModel::load(tiny_model()).unwrap();
+    let c = probe
+        .config()
+        .cache_builder()
+        .specs("int4-channel".parse().unwrap(), v)
+        .blocks_per_layer(1)
+        .build()
+        .unwrap();
+    let path = std::env::temp_dir().join(format!("kvq-serve-codebook-{}.toml", std::process::id()));
+    c.save(&path).unwrap();
+    let prompts: Vec<String> = (0..4).map(|i| format!("codebook {i}: ")).collect();
+    let (pool_bytes, _) = pool_for_one_and_a_half_of(c, &prompts[0], 120);
+    same_text_under_pressure(
+        &prompts,
+        ServerConfig { cache_config: Some(path.clone()), ..config() },
+        pool_bytes,
+    );
+    let _ = std::fs::remove_file(&path);
 }
 
 #[test]
