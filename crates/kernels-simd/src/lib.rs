@@ -71,6 +71,8 @@ pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
 pub mod block;
+#[cfg(target_arch = "x86_64")]
+mod dense_avx512;
 pub mod dispatch;
 #[cfg(target_arch = "aarch64")]
 pub mod dotprod;
@@ -102,7 +104,7 @@ pub mod softmax;
 
 pub use block::{KernelError, Levels, Params, QuantBlock};
 pub use dispatch::{Backend, DispatchError};
-pub use memory::advise_huge_pages;
+pub use memory::{advise_huge_pages, advise_huge_pages_of};
 pub use rowquant::{row_kernels, row_kernels_for};
 
 /// The buffers the kernels reuse from call to call (unpacked levels, folded and rounded
@@ -172,7 +174,8 @@ pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
 }
 
 /// The code that runs for the float kernels of `backend`: AVX-512 runs the AVX2 kernels (but
-/// for FP8 rows, see [`implementation_for`]) and
+/// for FP8 rows, see [`implementation_for`], and full-precision rows, see
+/// [`dense_implementation`]) and
 /// dotprod the `wide` (NEON) ones; both have integer score kernels of their own (see
 /// [`scores_int8_with`]). The AVX2 kernels fall back to `wide` for layouts they do
 /// not cover.
@@ -393,27 +396,56 @@ macro_rules! dense_kernel {
     };
 }
 
+/// Runs the AVX-512 dense kernel `$kind` (`dense_scores` or `dense_axpy`) for rows of
+/// `$half` (f16 or not) and returns from the caller when the backend is AVX-512 and the kernel
+/// takes the rows ([`dense_implementation`] says when).
+macro_rules! dense_avx512 {
+    ($backend:expr, $kind:ident, $half:literal, ($x:expr, $($arg:expr),*)) => {
+        #[cfg(target_arch = "x86_64")]
+        if $backend == Backend::Avx512 && dense_avx512::$kind::<$half>($x.as_ptr().cast(), $($arg),*) {
+            return;
+        }
+    };
+}
+
 impl DenseRow for f32 {
     fn scores(backend: Backend, x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+        dense_avx512!(backend, dense_scores, false, (x, rows, dim, q, n_q, out));
         dense_kernel!(backend, dense_scores, (x, rows, dim, q, n_q, out))
     }
     fn axpy(backend: Backend, x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+        dense_avx512!(backend, dense_axpy, false, (x, rows, dim, p, n_q, out));
         dense_kernel!(backend, dense_axpy, (x, rows, dim, p, n_q, out))
     }
 }
 
 impl DenseRow for half::f16 {
     fn scores(backend: Backend, x: &[Self], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+        dense_avx512!(backend, dense_scores, true, (x, rows, dim, q, n_q, out));
         dense_kernel!(backend, dense_scores_f16, (x, rows, dim, q, n_q, out))
     }
     fn axpy(backend: Backend, x: &[Self], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+        dense_avx512!(backend, dense_axpy, true, (x, rows, dim, p, n_q, out));
         dense_kernel!(backend, dense_axpy_f16, (x, rows, dim, p, n_q, out))
     }
 }
 
+/// The code that runs [`dense_scores_with`] and [`dense_axpy_with`] for rows of `dim` values
+/// on `backend`: AVX-512 kernels of their own where the backend is AVX-512 and `dim` a multiple
+/// of 16 (`dense_avx512`), else [`implementation`]'s.
+pub fn dense_implementation(backend: Backend, dim: usize) -> Backend {
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 && dense_avx512::supported(dim) {
+        return Backend::Avx512;
+    }
+    let _ = dim;
+    implementation(backend)
+}
+
 /// Scores of `n_q` query rows against `rows` full-precision rows `x` (`rows × dim`, f32 or
 /// f16: an unquantized cache, the cache's tails and sinks): `out[i · rows + r] = q_i · x_r`,
-/// with the FMA kernels on AVX2 backends (two rows against four query rows at a time), 16
+/// with the FMA kernels on AVX2 backends (two rows against four query rows at a time), AVX-512
+/// ones on [`Backend::Avx512`] for rows of a multiple of 16 ([`dense_implementation`]), 16
 /// `wide` lanes (SSE2/NEON) otherwise, the f64 reference on [`Backend::Scalar`].
 ///
 /// # Errors

@@ -1071,9 +1071,16 @@ fn dense_axpy_mags(start: &[f32], p: &[f32], x: &[f32], rows: usize, dim: usize,
 /// backend, every row length and count, with special values (zeros, huge and tiny rows).
 #[test]
 fn dense_kernels_match_the_reference() {
-    use kvq_kernels_simd::{dense_axpy_with, dense_scores_with};
+    use kvq_kernels_simd::{dense_axpy_with, dense_implementation, dense_scores_with};
     let mut rng = Rng::new(0xde45e);
     for backend in available() {
+        // AVX-512 runs kernels of its own for rows of a multiple of 16: these are tested here.
+        if backend == Backend::Avx512 {
+            assert_eq!(dense_implementation(backend, 64), Backend::Avx512);
+            assert_eq!(dense_implementation(backend, 72), Backend::Avx2);
+        } else {
+            assert_eq!(dense_implementation(backend, 64), kvq_kernels_simd::implementation(backend));
+        }
         for &dim in DIMS {
             for &rows in ROWS {
                 let magnitude = [1.0f32, 1e-30, 1e20, 0.0][rng.below(4) as usize];

@@ -676,10 +676,15 @@ fn bench(
     // V row once per KV head for its whole group of query heads, f16 widened with F16C, the
     // dots and sums on the same backend's FMA kernels.
     use kvq::baseline::{DenseDims, DenseKv, DenseScratch, dense_attention};
-    let (k16, v16): (Vec<half::f16>, Vec<half::f16>) = (
-        k.data().iter().map(|&x| half::f16::from_f32(x)).collect(),
-        v.data().iter().map(|&x| half::f16::from_f32(x)).collect(),
-    );
+    // On the pages the quantized caches get (2 MiB where the system gives them), so that the
+    // baselines' reads wait on no more page walks than the caches' do.
+    let huge = |x: &[f32]| {
+        let mut h = vec![half::f16::ZERO; x.len()];
+        kvq::kernels::advise_huge_pages_of(&h);
+        h.iter_mut().zip(x).for_each(|(h, &x)| *h = half::f16::from_f32(x));
+        h
+    };
+    let (k16, v16) = (huge(k.data()), huge(v.data()));
     let dims = DenseDims { q_heads, kv_heads, head_dim: d, tokens: context };
     let mut scratch = DenseScratch::default();
     let mut dense = |kv: &DenseKv<'_>| {
@@ -723,8 +728,9 @@ fn bench(
         "{:<46} {:>10} {:>12} {:>9} {:>8} {:>8} {:>8} {:>8}",
         "cache", "ms/step", "cache MiB", "GB/s", "vs f32", "vs f16", "x floor", "x paged"
     )?;
-    // The kernels that ran the baselines (AVX2: FMA, f16 widened with F16C; wide: SSE2/NEON).
-    let dense = kvq::kernels::implementation(backend);
+    // The kernels that ran the baselines (AVX-512 or AVX2: FMA, f16 widened with F16C; wide:
+    // SSE2/NEON).
+    let dense = kvq::kernels::dense_implementation(backend, d);
     for (name, t, bytes) in [
         (format!("f32 (GQA, {dense})"), base, f32_bytes),
         (format!("f16 (GQA, {dense})"), base16, f32_bytes / 2),
