@@ -1170,7 +1170,7 @@ fn serve_bench(args: &[String]) -> Result<(), String> {
     let max_clients = plan.clients.iter().copied().max().unwrap_or(1).max(1);
     // Every sequence may take the model's whole context (SmolLM2: 8192 tokens), on both servers.
     if plan.depths.iter().any(|&d| d > 0) {
-        plan.read_gbs = serve_bench::read_rate();
+        plan.read_gbs = serve_bench::read_rate(&kvq_bin)?;
         eprintln!("xtask: one thread reads {:.1} GB/s", plan.read_gbs);
     }
     let mut measured = serve_bench::Measured { rows: Vec::new(), floors: Vec::new() };

@@ -13,7 +13,7 @@
 //!   llama.cpp: 16, 8.5 and 4.5 bits);
 //! - for kvq's decode at each depth, the memory floor of a step: the model file's bytes and
 //!   the cache's bytes at that depth over the one-thread read rate, measured in the same run
-//!   ([`read_rate`]).
+//!   ([`read_rate`], measured by the release server build).
 //!
 //! The table goes to stdout and `target/serve-bench.md`.
 
@@ -45,19 +45,21 @@ pub struct Measured {
     pub floors: Vec<String>,
 }
 
-/// One thread's read rate from memory in GB/s: the best of three sums over 512 MiB of `u64`
-/// (written first, so that every page is there).
-pub fn read_rate() -> f64 {
-    let words = 512 << 17;
-    let buf: Vec<u64> = (0..words as u64).collect();
-    let mut best = f64::INFINITY;
-    for _ in 0..3 {
-        let t = Instant::now();
-        let sum = buf.iter().fold(0u64, |a, &x| a.wrapping_add(x));
-        std::hint::black_box(sum);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    (words * 8) as f64 / best / 1e9
+/// One thread's read rate from memory in GB/s, as the optimized server build measures it
+/// (`kvq-serve --read-rate`: `kvq::baseline::read_rate`, the loop `kvq bench` times). A loop
+/// here would run at xtask's own optimization level, slower than memory on some machines, and
+/// make every floor look farther than it is.
+pub fn read_rate(kvq_serve: &Path) -> Result<f64, String> {
+    let out = Command::new(kvq_serve)
+        .arg("--read-rate")
+        .output()
+        .map_err(|e| format!("{}: {e}", kvq_serve.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|r| out.status.success() && r.is_finite() && *r > 0.0)
+        .ok_or_else(|| format!("{} --read-rate printed {text:?}", kvq_serve.display()))
 }
 
 /// One server under test.

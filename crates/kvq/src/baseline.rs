@@ -183,6 +183,21 @@ pub fn stream_read(data: &[u64]) -> u64 {
     tail.iter().chain(&acc).fold(0u64, |s, &x| s.wrapping_add(x))
 }
 
+/// This machine's one-thread read rate from memory in bytes per second: [`stream_read`] over a
+/// fresh buffer of `bytes` (written first, so that every page is there), best of `tries`. Over
+/// a buffer far larger than the caches (`kvq bench` and `kvq-serve --read-rate` take 256 MiB)
+/// it is the DRAM rate a decode step's floor is set against.
+pub fn read_rate(bytes: usize, tries: usize) -> f64 {
+    let stream: Vec<u64> = vec![1; (bytes / 8).max(1)];
+    let mut best = f64::INFINITY;
+    for _ in 0..tries.max(1) {
+        let start = std::time::Instant::now();
+        std::hint::black_box(stream_read(std::hint::black_box(&stream)));
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    (stream.len() * 8) as f64 / best.max(1e-9)
+}
+
 /// Reads the quantized blocks of `layer` of `seq` once, in the order decode reads them (KV head
 /// by KV head, each block's keys then its values) with the next block's regions prefetched
 /// while one is read (decode asks for them too, spread over its kernels' row loops; with

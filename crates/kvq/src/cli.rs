@@ -697,15 +697,7 @@ fn bench(
     drop((k16, v16));
     // The floor of a step: its bytes at the one-thread DRAM read rate of this machine, in this
     // run (a buffer far larger than the caches, read once, best of 3).
-    let stream: Vec<u64> = vec![1; STREAM_BYTES / 8];
-    let mut read_s = f64::INFINITY;
-    for _ in 0..3 {
-        let start = Instant::now();
-        std::hint::black_box(kvq::baseline::stream_read(std::hint::black_box(&stream)));
-        read_s = read_s.min(start.elapsed().as_secs_f64());
-    }
-    drop(stream);
-    let rate = STREAM_BYTES as f64 / read_s;
+    let rate = kvq::baseline::read_rate(STREAM_BYTES, 3);
     let floor = |bytes: usize| bytes as f64 / rate;
     let f32_bytes = 2 * kv_heads * context * d * 4;
     writeln!(

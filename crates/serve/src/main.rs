@@ -85,10 +85,19 @@ struct Args {
     /// process computed is read from it instead of prefilled.
     #[arg(long, value_name = "URL", num_args = 0..=1, default_missing_value = "")]
     prefix_store: Option<String>,
+    /// Print this machine's one-thread read rate from memory (GB/s: 256 MiB read by
+    /// `kvq::baseline::stream_read`, best of 3, as `kvq bench` measures it) and exit. `cargo
+    /// xtask serve-bench` sets each decode step against it, measured by this optimized build.
+    #[arg(long)]
+    read_rate: bool,
 }
 
 fn main() -> ExitCode {
     let a = Args::parse();
+    if a.read_rate {
+        println!("{:.2}", kvq::baseline::read_rate(256 << 20, 3) / 1e9);
+        return ExitCode::SUCCESS;
+    }
     let config = ServerConfig {
         model: a.model,
         model_id: a.model_id,

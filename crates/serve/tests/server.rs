@@ -405,3 +405,15 @@ fn prefix_hits_are_exact_at_every_prompt_length() {
     }
     assert!(hits >= 39.0, "{hits} hits");
 }
+
+/// `kvq-serve --read-rate` prints a positive rate in GB/s and exits, without a model.
+#[test]
+fn the_read_rate_is_a_positive_number() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvq-serve"))
+        .args(["--read-rate", "--model", "/nonexistent.gguf"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rate: f64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    assert!(rate.is_finite() && rate > 0.0, "{rate}");
+}
