@@ -16,38 +16,32 @@
 /// are unchanged, and nothing happens for regions under 2 MiB, on other systems, or where THP
 /// is disabled. Returns whether the advice was given and accepted.
 pub fn advise_huge_pages(data: &[u8]) -> bool {
-    advise_region(data.as_ptr() as usize, data.len())
-}
-
-/// The advice of [`advise_huge_pages`] for the `len` bytes from address `at`, which the
-/// callers take from a live slice.
-fn advise_region(at: usize, len: usize) -> bool {
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let start = at.next_multiple_of(HUGE);
-        let end = (at + len) / HUGE * HUGE;
-        if end <= start {
-            return false;
-        }
-        // SAFETY: [start, end) lies inside the caller's slice, a live allocation of this
-        // process, and is page-aligned. MADV_HUGEPAGE changes how the kernel backs those pages,
-        // never their contents, so the shared borrow is not violated; a failure only returns an
-        // error code.
-        let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-        rc == 0
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = (at, len);
-        false
-    }
+    advise_huge_pages_of(data)
 }
 
 /// [`advise_huge_pages`] for a slice of any element type (its bytes, by address: nothing is
 /// read or written).
 pub fn advise_huge_pages_of<T>(data: &[T]) -> bool {
-    advise_region(data.as_ptr() as usize, std::mem::size_of_val(data))
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let at = data.as_ptr() as usize;
+        let start = at.next_multiple_of(HUGE);
+        let end = (at + std::mem::size_of_val(data)) / HUGE * HUGE;
+        if end <= start {
+            return false;
+        }
+        // SAFETY: [start, end) lies inside `data`, a live allocation of this process, and is
+        // page-aligned. MADV_HUGEPAGE changes how the kernel backs those pages, never their
+        // contents, so the shared borrow is not violated; a failure only returns an error code.
+        let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        rc == 0
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = data;
+        false
+    }
 }
 
 /// A copy of some bytes that ends where a page that cannot be read begins, so that a kernel

@@ -183,9 +183,13 @@ pub fn stream_read(data: &[u64]) -> u64 {
     tail.iter().chain(&acc).fold(0u64, |s, &x| s.wrapping_add(x))
 }
 
+/// The buffer [`read_rate`] reads in `kvq bench` and `kvq-serve --read-rate`: far larger than
+/// any L3.
+pub const STREAM_BYTES: usize = 256 << 20;
+
 /// This machine's one-thread read rate from memory in bytes per second: [`stream_read`] over a
 /// fresh buffer of `bytes` (written first, so that every page is there), best of `tries`. Over
-/// a buffer far larger than the caches (`kvq bench` and `kvq-serve --read-rate` take 256 MiB)
+/// a buffer far larger than the caches ([`STREAM_BYTES`])
 /// it is the DRAM rate a decode step's floor is set against.
 pub fn read_rate(bytes: usize, tries: usize) -> f64 {
     let stream: Vec<u64> = vec![1; (bytes / 8).max(1)];

@@ -616,9 +616,6 @@ fn check_output(out: &Path, inputs: &[&Path], force: bool) -> Result<(), String>
     kvq::quant::io::check_output(out, inputs, force).map_err(|e| format!("{}: {e}", out.display()))
 }
 
-/// The buffer `kvq bench` reads to measure the DRAM read rate: far larger than any L3.
-const STREAM_BYTES: usize = 256 << 20;
-
 /// The longest context `kvq bench` builds (K and V in f32 alone: 8 GiB at this length).
 const MAX_BENCH_CONTEXT: usize = 1 << 20;
 
@@ -649,7 +646,7 @@ fn bench(
         )
         .into());
     }
-    let need = 2 * kv_heads * context * d * (4 + 4) + STREAM_BYTES;
+    let need = 2 * kv_heads * context * d * (4 + 4) + kvq::baseline::STREAM_BYTES;
     let mut probe: Vec<u8> = Vec::new();
     probe
         .try_reserve_exact(need)
@@ -697,7 +694,7 @@ fn bench(
     drop((k16, v16));
     // The floor of a step: its bytes at the one-thread DRAM read rate of this machine, in this
     // run (a buffer far larger than the caches, read once, best of 3).
-    let rate = kvq::baseline::read_rate(STREAM_BYTES, 3);
+    let rate = kvq::baseline::read_rate(kvq::baseline::STREAM_BYTES, 3);
     let floor = |bytes: usize| bytes as f64 / rate;
     let f32_bytes = 2 * kv_heads * context * d * 4;
     writeln!(
@@ -709,7 +706,7 @@ fn bench(
         stdout,
         "one-thread DRAM read: {:.1} GB/s ({} MiB, best of 3); \"x floor\" is ms/step over the cache's bytes at that rate",
         rate / 1e9,
-        STREAM_BYTES >> 20
+        kvq::baseline::STREAM_BYTES >> 20
     )?;
     writeln!(
         stdout,

@@ -95,7 +95,7 @@ struct Args {
 fn main() -> ExitCode {
     let a = Args::parse();
     if a.read_rate {
-        println!("{:.2}", kvq::baseline::read_rate(256 << 20, 3) / 1e9);
+        println!("{:.2}", kvq::baseline::read_rate(kvq::baseline::STREAM_BYTES, 3) / 1e9);
         return ExitCode::SUCCESS;
     }
     let config = ServerConfig {
