@@ -10,7 +10,12 @@
 //!     --tokens ../shared/data/kv-smollm2-135m-sample.safetensors --specs int8,int4-channel/int4-token
 //! cargo run --release -p kvq-candle --bin kvq-eval -- --text botchan.txt --ctx 512 --chunks 12
 //! cargo run --release -p kvq-candle --bin kvq-eval -- --passkey --specs int4-channel-p8/int4-token-p8
+//! cargo run --release -p kvq-candle --bin kvq-eval -- --text botchan.txt --ctx 512 --chunks 4 \
+//!     --target-kl 0.01 --out searched.toml
 //! ```
+//!
+//! With `--target-kl`, `--target-p99` or `--budget-bits` it searches per-layer specs on the
+//! model instead ([`kvq_candle::recommend`]) and writes the config to `--out`.
 //!
 //! Exit codes: 0 success, 1 runtime error (one line on stderr), 2 usage.
 //!
@@ -124,6 +129,39 @@ struct Args {
     /// Seed of the keys for --passkey.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Drop the first N tokens (of --tokens or --text) before anything else: check a searched
+    /// config on the part of a text the search did not see.
+    #[arg(long, default_value_t = 0)]
+    skip_tokens: usize,
+    /// Search per-layer specs for the fewest bits whose mean KL on these tokens stays at or
+    /// under this bound (nats), and write the config to --out (nothing is written, and the
+    /// run fails, when no config it measured holds every bound).
+    #[arg(long, conflicts_with_all = ["specs", "config", "passkey"], requires = "out")]
+    target_kl: Option<f64>,
+    /// Search (as --target-kl) with a bound on the 99th-percentile KL, alone or with --target-kl.
+    #[arg(long, conflicts_with_all = ["specs", "config", "passkey"], requires = "out")]
+    target_p99: Option<f64>,
+    /// Search (as --target-kl) under an average of at most this many bits per value, as the
+    /// table reports them (window and sinks counted): alone, the smallest KL the search
+    /// predicts within it; with a KL bound, the fewest bits that hold it within it.
+    #[arg(long, conflicts_with_all = ["specs", "config", "passkey"], requires = "out")]
+    budget_bits: Option<f64>,
+    /// The spec pairs a searched layer may take, comma-separated (default: INT8, and `-p8`
+    /// pairs from INT4 to INT2 with rotated values).
+    #[arg(long)]
+    ladder: Option<String>,
+    /// The rung whose per-layer KL measures each layer's sensitivity (default: the cheapest).
+    #[arg(long)]
+    probe: Option<String>,
+    /// Configs chosen and measured at most in a search.
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=64))]
+    max_checks: u32,
+    /// Where a search writes its config (TOML, or JSON for a `.json` name).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Replace an output file that is not writable.
+    #[arg(long)]
+    force: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -181,10 +219,19 @@ fn command(
             })?;
             let text = String::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", p.display()))?;
             // In pieces, and no further than --max-tokens: bounded memory whatever the text.
-            GgufTokenizer::load(&model_path)?.encode_prefix(&text, args.max_tokens)?
+            GgufTokenizer::load(&model_path)?
+                .encode_prefix(&text, args.max_tokens.map(|n| n.saturating_add(args.skip_tokens)))?
         }
         (None, None) => unreachable!("clap requires one"),
     };
+    if args.skip_tokens > 0 {
+        if args.skip_tokens >= tokens.len() {
+            return Err(
+                format!("--skip-tokens {} of {} tokens leaves none", args.skip_tokens, tokens.len()).into()
+            );
+        }
+        tokens.drain(..args.skip_tokens);
+    }
     if let Some(n) = args.max_tokens {
         tokens.truncate(n);
     }
@@ -202,6 +249,10 @@ fn command(
         Protocol::Decode { prefill } => prefill,
     });
     let calibration = &tokens[..calibration.min(tokens.len())];
+    if args.target_kl.is_some() || args.target_p99.is_some() || args.budget_bits.is_some() {
+        let search = SearchArgs { model: &model, tokens: &tokens, protocol, longest, path, calibration };
+        return run_search(args, &search, stdout, stderr);
+    }
     let candidates = candidates(args, &model, longest, path, calibration, stderr)?;
     let c = model.config();
     writeln!(
@@ -300,6 +351,38 @@ fn score_path(name: &str) -> Result<ScorePath, Box<dyn std::error::Error>> {
     }
 }
 
+/// The builder of every `--specs` cache: the model's shape, blocks for `longest` tokens, and
+/// the block size, window, sinks and tails of the flags.
+fn base_builder(args: &Args, model: &LlamaModel, longest: usize) -> kvq::cache::KvCacheConfigBuilder {
+    let c = model.config();
+    let blocks = longest.div_ceil(args.block_size.max(1)) * c.kv_heads + c.kv_heads;
+    c.cache_builder()
+        .blocks_per_layer(blocks)
+        .block_size(args.block_size)
+        .residual_blocks(args.residual_blocks)
+        .sink_tokens(args.sinks)
+        .row_window(args.row_window)
+        .tail_dtypes(args.tail_dtype.0, args.tail_dtype.1)
+}
+
+/// The bits per key channel of a `-qa` spec for every layer, fitted on `calibration`.
+fn fit_channel_bits(
+    name: &str,
+    spec: &KvSpec,
+    args: &Args,
+    model: &LlamaModel,
+    calibration: &[u32],
+    stderr: &mut dyn Write,
+) -> Result<Vec<Vec<kvq::quant::ChannelBits>>, Box<dyn std::error::Error>> {
+    if calibration.is_empty() {
+        return Err(format!("spec {name:?}: no calibration tokens to fit its bits per channel").into());
+    }
+    writeln!(stderr, "kvq-eval: {name}: fitting bits per key channel on {} tokens", calibration.len())?;
+    // Fitted with the cache's grouping: a channel over one block.
+    Ok(kvq_candle::calibrate::channel_bits(model, calibration, &spec.for_block(args.block_size).k)
+        .map_err(|e| format!("spec {name:?}: {e}"))?)
+}
+
 /// The caches to evaluate, each checked against the model and given enough blocks.
 fn candidates(
     args: &Args,
@@ -310,13 +393,13 @@ fn candidates(
     stderr: &mut dyn Write,
 ) -> Result<Vec<Candidate>, Box<dyn std::error::Error>> {
     let c = model.config();
-    let blocks_needed = |block_size: usize| longest.div_ceil(block_size.max(1)) * c.kv_heads + c.kv_heads;
     let mut out = Vec::new();
     if !args.config.is_empty() {
+        let need = |block_size: usize| longest.div_ceil(block_size.max(1)) * c.kv_heads + c.kv_heads;
         for p in &args.config {
             let mut config = KvCacheConfig::load(p)?;
             c.check_cache(&config).map_err(|e| format!("{}: {e}", p.display()))?;
-            let need = blocks_needed(config.block_size);
+            let need = need(config.block_size);
             if config.blocks_per_layer < need {
                 writeln!(
                     stderr,
@@ -333,35 +416,20 @@ fn candidates(
     for name in
         args.specs.as_deref().unwrap_or(DEFAULT_SPECS).split(',').map(str::trim).filter(|s| !s.is_empty())
     {
-        let builder = c.cache_builder().blocks_per_layer(blocks_needed(args.block_size));
         let config = if name == "f32" {
-            builder.sink_tokens(longest).tail_dtype(TailDtype::F32).blocks_per_layer(c.kv_heads).build()?
+            c.cache_builder()
+                .sink_tokens(longest)
+                .tail_dtype(TailDtype::F32)
+                .blocks_per_layer(c.kv_heads)
+                .build()?
         } else {
             let spec = KvSpec::parse(name).map_err(|e| format!("spec {name:?}: {e}"))?;
             let maps = if spec.k.channel_bits() {
-                if calibration.is_empty() {
-                    return Err(
-                        format!("spec {name:?}: no calibration tokens to fit its bits per channel").into()
-                    );
-                }
-                writeln!(
-                    stderr,
-                    "kvq-eval: {name}: fitting bits per key channel on {} tokens",
-                    calibration.len()
-                )?;
-                // Fitted with the cache's grouping: a channel over one block.
-                kvq_candle::calibrate::channel_bits(model, calibration, &spec.for_block(args.block_size).k)
-                    .map_err(|e| format!("spec {name:?}: {e}"))?
+                fit_channel_bits(name, &spec, args, model, calibration, stderr)?
             } else {
                 Vec::new()
             };
-            let mut builder = builder
-                .specs(spec.k, spec.v)
-                .block_size(args.block_size)
-                .residual_blocks(args.residual_blocks)
-                .sink_tokens(args.sinks)
-                .row_window(args.row_window)
-                .tail_dtypes(args.tail_dtype.0, args.tail_dtype.1);
+            let mut builder = base_builder(args, model, longest).specs(spec.k, spec.v);
             for (layer, m) in maps.into_iter().enumerate() {
                 builder = builder.channel_bits(layer, m);
             }
@@ -373,6 +441,170 @@ fn candidates(
         return Err("--specs names no spec (give KSPEC/VSPEC, one spec for both, or f32)".into());
     }
     Ok(out)
+}
+
+/// What a search runs on.
+struct SearchArgs<'a> {
+    model: &'a LlamaModel,
+    tokens: &'a [u32],
+    protocol: Protocol,
+    longest: usize,
+    path: ScorePath,
+    calibration: &'a [u32],
+}
+
+/// `--target-kl`, `--target-p99`, `--budget-bits`: the search, its tables, and the config.
+fn run_search(
+    args: &Args,
+    s: &SearchArgs<'_>,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use kvq_candle::recommend::{SearchOptions, Stage, Target, default_ladder, search};
+    let out = args.out.as_deref().ok_or("a search needs --out, the config file to write")?;
+    let inputs: Vec<&Path> = args.tokens.iter().chain(&args.text).map(PathBuf::as_path).collect();
+    // Before any work: an output that may not be written is refused now.
+    kvq::quant::io::check_output(out, &inputs, args.force).map_err(|e| format!("{}: {e}", out.display()))?;
+    let parse = |name: &str| KvSpec::parse(name).map_err(|e| format!("spec {name:?}: {e}"));
+    let ladder = match &args.ladder {
+        Some(list) => list
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(parse)
+            .collect::<Result<Vec<_>, _>>()?,
+        None => default_ladder(),
+    };
+    let probe = args.probe.as_deref().map(parse).transpose()?;
+    let channel_bits = if ladder.iter().any(|r| r.k.channel_bits()) {
+        ladder
+            .iter()
+            .map(|r| {
+                r.k.channel_bits()
+                    .then(|| fit_channel_bits(&r.name(), r, args, s.model, s.calibration, stderr))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, _>>()?
+    } else {
+        Vec::new()
+    };
+    let target = Target { kl_mean: args.target_kl, kl_p99: args.target_p99, budget_bits: args.budget_bits };
+    let options = SearchOptions {
+        target,
+        ladder,
+        probe,
+        base: base_builder(args, s.model, s.longest).build()?,
+        path: s.path,
+        protocol: s.protocol,
+        max_checks: args.max_checks as usize,
+        channel_bits,
+    };
+    writeln!(
+        stderr,
+        "kvq-eval: searching {} rungs over {} layers on {} tokens: one pass with {} caches, then up to {} checks",
+        options.ladder.len(),
+        options.base.layers.len(),
+        s.tokens.len(),
+        options.ladder.len() + options.base.layers.len(),
+        options.max_checks
+    )?;
+    let mut p = labeled_progress(stderr);
+    let r = search(s.model, s.tokens, &options, |stage, d, t| match stage {
+        Stage::Measure => p("measuring rungs and layers", d, t),
+        Stage::Check(n) => p(&format!("check {}", n + 1), d, t),
+    })?;
+    drop(p);
+    // A config that misses its bounds is not written: a failed run changes no file.
+    if r.met {
+        kvq::quant::io::write_output(out, r.config.to_text_for(out).as_bytes(), &inputs, args.force)
+            .map_err(|e| format!("{}: {e}", out.display()))?;
+    }
+    if args.json {
+        writeln!(stdout, "{}", serde_json::to_string_pretty(&r)?)?;
+    } else {
+        print_search(&r, s.protocol, stdout)?;
+    }
+    let got = r.result();
+    if !r.met {
+        return Err(format!(
+            "no config the search measured meets the bounds (the closest: {:.3} bits, mean KL {:.3e}, p99 {:.3e}); \
+             {} was not written",
+            got.bits_per_value,
+            got.kl_mean,
+            got.kl_p99,
+            out.display(),
+        )
+        .into());
+    }
+    writeln!(
+        stderr,
+        "kvq-eval: wrote {} ({:.3} bits per value, mean KL {:.3e}, p99 {:.3e} on these tokens)",
+        out.display(),
+        got.bits_per_value,
+        got.kl_mean,
+        got.kl_p99
+    )?;
+    Ok(())
+}
+
+fn print_search(
+    r: &kvq_candle::recommend::Search,
+    protocol: Protocol,
+    stdout: &mut dyn Write,
+) -> std::io::Result<()> {
+    let what = match protocol {
+        Protocol::Decode { prefill } => format!("real decode after a prefill of {prefill} tokens"),
+        Protocol::Chunks { ctx, chunks } => format!("{chunks} chunks of {ctx} tokens"),
+    };
+    let bounds: Vec<String> = [
+        r.target.kl_mean.map(|v| format!("mean KL <= {v}")),
+        r.target.kl_p99.map(|v| format!("p99 KL <= {v}")),
+        r.target.budget_bits.map(|v| format!("bits <= {v}")),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    writeln!(stdout, "search on {what}; bounds: {}", bounds.join(", "))?;
+    let w = r.rungs.iter().map(|g| g.spec.len()).max().unwrap_or(4).max(6);
+    writeln!(
+        stdout,
+        "\nrungs, every layer on one:\n{:<w$} {:>7} {:>10} {:>10}",
+        "spec", "bits", "mean KL", "p99"
+    )?;
+    for g in &r.rungs {
+        writeln!(stdout, "{:<w$} {:>7.3} {:>10.3e} {:>10.3e}", g.spec, g.bits, g.kl_mean, g.kl_p99)?;
+    }
+    let chosen = r.layer_specs();
+    writeln!(
+        stdout,
+        "\nlayers, each alone at {} (the others at the richest rung), and the result:\n{:<6} {:>10} {:>7}  chosen",
+        r.probe, "layer", "KL added", "share"
+    )?;
+    for (l, ((k, share), spec)) in r.layer_kl.iter().zip(&r.sensitivity).zip(&chosen).enumerate() {
+        writeln!(stdout, "{l:<6} {k:>10.3e} {:>6.1}%  {spec}", 100.0 * share)?;
+    }
+    writeln!(
+        stdout,
+        "\nchecks:\n{:<3} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>7}  met",
+        "#", "aimed KL", "predicted", "bits", "mean KL", "p99", "top-1", "PPL x"
+    )?;
+    for (i, c) in r.checks.iter().enumerate() {
+        writeln!(
+            stdout,
+            "{:<3} {:>10.3e} {:>10.3e} {:>7.3} {:>10.3e} {:>10.3e} {:>6.1}% {:>7.4}  {}{}",
+            i + 1,
+            c.aimed_kl,
+            c.predicted_kl,
+            c.report.bits_per_value,
+            c.report.kl_mean,
+            c.report.kl_p99,
+            100.0 * c.report.same_top1,
+            c.report.ppl_ratio,
+            if c.met { "yes" } else { "no" },
+            if i == r.chosen { "  <- written" } else { "" }
+        )?;
+    }
+    Ok(())
 }
 
 /// The largest token file read (a regular file only: not `/dev/zero`, not a FIFO).
@@ -390,19 +622,33 @@ fn read_input_ids(path: &Path) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
 
 /// A progress bar on a terminal; elsewhere (a log, CI) one line per tenth of the work.
 fn progress(stderr: &mut dyn Write) -> impl FnMut(usize, usize) + '_ {
+    let mut p = labeled_progress(stderr);
+    move |done, all| p("evaluating", done, all)
+}
+
+/// [`progress`] for work in passes: each pass named, and counted from zero when its name
+/// changes.
+fn labeled_progress(stderr: &mut dyn Write) -> impl FnMut(&str, usize, usize) + '_ {
     use std::io::IsTerminal;
     let terminal = std::io::stderr().is_terminal();
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "evaluating [{bar:30}] {pos}/{len} steps ({elapsed}, {eta} left)",
-        )
-        .expect("valid template")
-        .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps ({elapsed}, {eta} left)")
+            .expect("valid template")
+            .progress_chars("=> "),
     );
-    let start = std::time::Instant::now();
-    let mut tenth = 0;
-    move |done, all| {
+    // A pass starts where the one before it ended (its first report comes after a step).
+    let (mut start, mut last) = (std::time::Instant::now(), std::time::Instant::now());
+    let (mut tenth, mut pass) = (0, String::new());
+    move |what, done, all| {
+        if what != pass {
+            pass = what.to_string();
+            tenth = 0;
+            start = last;
+            bar.reset();
+            bar.set_message(pass.clone());
+        }
+        last = std::time::Instant::now();
         if terminal {
             bar.set_length(all as u64);
             bar.set_position(done as u64);
@@ -413,7 +659,7 @@ fn progress(stderr: &mut dyn Write) -> impl FnMut(usize, usize) + '_ {
             tenth = done * 10 / all;
             let _ = writeln!(
                 stderr,
-                "kvq-eval: {}% ({done}/{all} steps, {:.0} s)",
+                "kvq-eval: {what}: {}% ({done}/{all} steps, {:.0} s)",
                 tenth * 10,
                 start.elapsed().as_secs_f64()
             );

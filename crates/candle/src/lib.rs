@@ -12,6 +12,8 @@
 //!   reference, in real decode or llama.cpp's perplexity protocol (the `kvq-eval` binary).
 //! - [`passkey`]: long-context retrieval, a number hidden in filler text at several depths
 //!   and lengths, answered with the reference cache and each candidate (`kvq-eval --passkey`).
+//! - [`recommend`]: per-layer cache specs searched on the model for the fewest bits whose KL
+//!   stays under a target (`kvq-eval --target-kl`).
 //! - [`GgufTokenizer`]: the GGUF's own BPE tokenizer.
 //! - [`tiny`]: a tiny random model with a real tokenizer and chat template, for tests and demos.
 //!
@@ -38,6 +40,7 @@ pub mod eval;
 pub mod gguf;
 pub mod model;
 pub mod passkey;
+pub mod recommend;
 pub mod store;
 pub mod tiny;
 pub mod tokenizer;

@@ -191,3 +191,74 @@ fn errors_are_one_line_and_exit_1() {
     assert_eq!(code, Some(2), "no tokens is a usage error");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_searched_config_holds_its_bound_when_run_again() {
+    let (dir, model, tokens) = setup("cli-search");
+    let (m, t) = (model.to_str().unwrap(), tokens.to_str().unwrap());
+    let out_path = dir.join("searched.toml");
+    let o = out_path.to_str().unwrap();
+    let common = ["--model", m, "--tokens", t, "--ctx", "64", "--chunks", "3", "--block-size", "16"];
+    let ladder = "int8-channel/int8-token,int4-channel/int4-token,int2-channel/int2-token";
+    // The uniform rungs, for a bound between the cheapest and the richest.
+    let rungs = json(&eval().args(common).args(["--specs", ladder, "--json"]).output().unwrap());
+    let kl = |c: &serde_json::Value| c["kl_mean"].as_f64().unwrap();
+    let (rich, cheap) = (kl(&rungs["candidates"][0]), kl(&rungs["candidates"][2]));
+    assert!(rich < cheap, "{rungs}");
+    let bound = (rich * cheap).sqrt();
+    let run = |extra: &[&str]| {
+        eval()
+            .args(common)
+            .args(["--ladder", ladder, "--out", o, "--force", "--json"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let r = json(&run(&["--target-kl", &bound.to_string()]));
+    assert_eq!(r["met"], true, "{r}");
+    let chosen = &r["checks"][r["chosen"].as_u64().unwrap() as usize]["report"];
+    assert!(kl(chosen) <= bound, "{r}");
+    assert_eq!(r["sensitivity"].as_array().unwrap().len(), LAYERS);
+    let share: f64 = r["sensitivity"].as_array().unwrap().iter().map(|s| s.as_f64().unwrap()).sum();
+    assert!((share - 1.0).abs() < 1e-9, "{r}");
+    // The written config, run as a config file on the same tokens, gives what the search
+    // measured: it is the config that was measured.
+    let again = json(&eval().args(common).args(["--config", o, "--json"]).output().unwrap());
+    let c = &again["candidates"][0];
+    assert_eq!(kl(c), kl(chosen), "{again}");
+    assert_eq!(c["bits_per_value"], chosen["bits_per_value"]);
+    // A budget alone (between the two cheaper rungs' bits, window and sinks counted): one
+    // check, within it, above the cheapest rung.
+    let bits = |i: usize| rungs["candidates"][i]["bits_per_value"].as_f64().unwrap();
+    let budget = (bits(1) + bits(2)) / 2.0;
+    let r = json(&run(&["--budget-bits", &budget.to_string()]));
+    assert_eq!(r["checks"].as_array().unwrap().len(), 1, "{r}");
+    let got = r["checks"][0]["report"]["bits_per_value"].as_f64().unwrap();
+    assert!(got <= budget + 1e-9 && got > bits(2), "{got} against {budget}: {r}");
+    // A bound no rung reaches: the run fails saying so, and the config file is left as it was.
+    let before = std::fs::read(&out_path).unwrap();
+    let out = run(&["--target-kl", "1e-15", "--max-checks", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.trim_end().lines().last().unwrap().contains("no config the search measured meets"), "{err}");
+    assert_eq!(std::fs::read(&out_path).unwrap(), before);
+    // Bad bounds and searches without an output are refused before any work.
+    for (args, code) in [
+        (vec!["--target-kl", "0.01"], Some(2)),
+        (vec!["--target-kl=-1", "--out", o], Some(1)),
+        (vec!["--budget-bits", "NaN", "--out", o], Some(1)),
+        (vec!["--target-kl", "0.01", "--out", o, "--specs", "int8"], Some(2)),
+        (vec!["--target-kl", "0.01", "--out", o, "--ladder", "int8"], Some(1)),
+        (vec!["--budget-bits", "1", "--out", o, "--force"], Some(1)),
+        (vec!["--specs", "int8", "--skip-tokens", "200"], Some(1)),
+        (vec!["--specs", "int8", "--skip-tokens", "9"], Some(1)),
+    ] {
+        let out = eval().args(common).args(&args).output().unwrap();
+        assert_eq!(out.status.code(), code, "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    // The other part of the tokens: 8 skipped leave 192, three chunks of 64 (9 leave two).
+    let held_out =
+        json(&eval().args(common).args(["--config", o, "--skip-tokens", "8", "--json"]).output().unwrap());
+    assert_eq!(held_out["positions"], 3 * 31);
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -188,7 +188,9 @@ enum Command {
         block_size: u32,
     },
     /// Choose per-layer K and V specs that minimize attention error under an average bit
-    /// budget (metadata counted), and write a cache config.
+    /// budget (metadata counted), and write a cache config. To bound what the cache does to
+    /// a model's predictions instead (a mean or p99 KL target), `kvq-eval --target-kl`
+    /// (package kvq-candle) searches the specs on the model itself.
     Recommend {
         /// The safetensors file (default: the embedded sample).
         file: Option<PathBuf>,
