@@ -345,15 +345,13 @@ impl CacheConfig {
         self.check_channel_bits()?;
         self.check_pre_rope()?;
         for (name, spec) in [("K", &self.k_spec), ("V", &self.v_spec)] {
+            // Rotated keys are stored rotated, tails and sinks too, and attention rotates each
+            // query row the same way once: the rotation is orthogonal, so scores are unchanged.
+            // (The spec grammar already keeps -rot from -qa, whose maps name channels as given.)
             if spec.rotated() {
-                if name == "K" {
-                    return bad(format!(
-                        "K spec {spec}: rotation applies to values (rotated keys would need every query rotated too; not supported)"
-                    ));
-                }
                 if !kvq_quant_core::rotation::rotatable(self.head_dim) {
                     return bad(format!(
-                        "V spec {spec}: rotation needs a power-of-two head_dim, got {}",
+                        "{name} spec {spec}: rotation needs a power-of-two head_dim, got {}",
                         self.head_dim
                     ));
                 }
@@ -361,7 +359,7 @@ impl CacheConfig {
                     && !matches!(spec.granularity(), Granularity::PerToken | Granularity::Group(_))
                 {
                     return bad(format!(
-                        "V spec {spec}: calibrated ranges are ranges of the rows as given; a rotated spec takes its ranges from the data"
+                        "{name} spec {spec}: calibrated ranges are ranges of the rows as given; a rotated spec takes its ranges from the data"
                     ));
                 }
             }

@@ -112,7 +112,7 @@ fn bad_configs_and_inputs() {
             .with_rope(rope.clone())
             .with_block_size(64),
         base.clone().with_specs(spec("int4-g3"), spec("int4-token")),
-        base.clone().with_specs(spec("int4-token-rot"), spec("int4-token")),
+        CacheConfig::new(1, 2, 12, 4).with_specs(spec("int4-token-rot"), spec("int4-token")),
         base.clone().with_specs(spec("int4-channel-prerope"), spec("int4-token")),
         base.clone().with_specs(spec("int4-channel"), spec("int4-token-prerope")),
         // A RoPE for plain keys, for per-token keys, or beside -qa or a calibration.

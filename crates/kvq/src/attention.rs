@@ -803,6 +803,11 @@ impl Task {
                     let at = (j * query_heads + h * g) * d;
                     self.q.extend(q[at..at + g * d].iter().map(|x| x.to_f32() * scale));
                 }
+                // Rotated keys (`-rot`) are stored rotated: so is the query, once per step
+                // (the rotation is orthogonal, so every score is the same).
+                if cache.config().k_spec.rotated() {
+                    kvq_quant_core::rotation::rotate_rows(&mut self.q, d);
+                }
             }
         }
         let rows = (to - from) * g;

@@ -105,6 +105,11 @@ fn random_caches_of_every_layout() {
         ("int2-channel-mse-p8", "int8-token"),
         ("int4-channel-p8", "int3-token-mse-rot-p8"), // values wait for their block's grid
         ("int8-token", "int4-g16-p8"),
+        // Rotated keys: stored rotated, the query rotated once per step.
+        ("int4-token-rot", "int4-token"),
+        ("sym4-g32-rot", "int4-token-mse-rot"),
+        ("int4-channel-rot", "int8-token"),
+        ("int3-token-mse-rot-p8", "int3-token-mse-rot-p8"),
     ];
     for (i, (k, v)) in specs.iter().enumerate() {
         for (kv_heads, group, d) in [(2usize, 3usize, 64usize), (1, 4, 32), (3, 1, 128)] {
