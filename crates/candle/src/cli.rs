@@ -146,8 +146,9 @@ struct Args {
     /// predicts within it; with a KL bound, the fewest bits that hold it within it.
     #[arg(long, conflicts_with_all = ["specs", "config", "passkey"], requires = "out")]
     budget_bits: Option<f64>,
-    /// The spec pairs a searched layer may take, comma-separated (default: INT8, and `-p8`
-    /// pairs from INT4 to INT2 with rotated values).
+    /// The spec pairs a searched layer may take, comma-separated (default: INT8, `-p8` pairs
+    /// from INT4 to INT2 with rotated values, and `-qa` keys at 3 and 2 bits, whose bits per
+    /// channel are fitted on --calibration-tokens).
     #[arg(long)]
     ladder: Option<String>,
     /// The rung whose per-layer KL measures each layer's sensitivity (default: the cheapest).

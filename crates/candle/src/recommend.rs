@@ -36,16 +36,21 @@ use crate::model::LlamaModel;
 /// The rungs searched by default, from the richest: `-p8` pairs (one-byte parameters, the
 /// values' window kept) with keys per channel and values per token, rotated and
 /// error-minimizing at 4 bits and below, keys a width above their values between whole
-/// widths, and INT8 on top for the layers that need it.
+/// widths, query-aware bits per key channel (`-qa`, whose maps [`SearchOptions::channel_bits`]
+/// must hold; `kvq-eval` fits them on its calibration tokens) at 3 and 2 bits, and INT8 on
+/// top for the layers that need it.
 pub fn default_ladder() -> Vec<KvSpec> {
     [
         "int8-channel/int8-token",
         "int4-channel-p8/int4-token-p8",
         "int4-channel-p8/int4-token-mse-rot-p8",
         "int4-channel-p8/int3-token-mse-rot-p8",
+        "int3-channel-qa/int3-token-mse-rot-p8",
         "int3-channel-p8/int3-token-mse-rot-p8",
         "int4-channel-p8/int2-token-mse-rot-p8",
+        "int3-channel-qa/int2-token-mse-rot-p8",
         "int3-channel-p8/int2-token-mse-rot-p8",
+        "int2-channel-qa/int2-token-mse-rot-p8",
         "int2-channel-p8/int2-token-mse-rot-p8",
     ]
     .iter()

@@ -227,6 +227,17 @@ fn a_searched_config_holds_its_bound_when_run_again() {
     let c = &again["candidates"][0];
     assert_eq!(kl(c), kl(chosen), "{again}");
     assert_eq!(c["bits_per_value"], chosen["bits_per_value"]);
+    // The default ladder (its -qa rungs fitted on the calibration tokens) holds it too.
+    let out = eval()
+        .args(common)
+        .args(["--target-kl", &bound.to_string(), "--out", o, "--force", "--json"])
+        .output();
+    let r = json(&out.unwrap());
+    assert_eq!(r["rungs"].as_array().unwrap().len(), kvq_candle::recommend::default_ladder().len());
+    assert!(
+        r["met"] == true && kl(&r["checks"][r["chosen"].as_u64().unwrap() as usize]["report"]) <= bound,
+        "{r}"
+    );
     // A budget alone (between the two cheaper rungs' bits, window and sinks counted): one
     // check, within it, above the cheapest rung.
     let bits = |i: usize| rungs["candidates"][i]["bits_per_value"].as_f64().unwrap();
