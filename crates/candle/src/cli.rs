@@ -500,12 +500,15 @@ fn run_search(
         max_checks: args.max_checks as usize,
         channel_bits,
     };
+    let used = match s.protocol {
+        Protocol::Chunks { ctx, chunks } => ctx.saturating_mul(chunks).min(s.tokens.len()),
+        Protocol::Decode { .. } => s.tokens.len(),
+    };
     writeln!(
         stderr,
-        "kvq-eval: searching {} rungs over {} layers on {} tokens: one pass with {} caches, then up to {} checks",
+        "kvq-eval: searching {} rungs over {} layers on {used} tokens: one pass with {} caches, then up to {} checks",
         options.ladder.len(),
         options.base.layers.len(),
-        s.tokens.len(),
         options.ladder.len() + options.base.layers.len(),
         options.max_checks
     )?;
@@ -602,7 +605,11 @@ fn print_search(
             100.0 * c.report.same_top1,
             c.report.ppl_ratio,
             if c.met { "yes" } else { "no" },
-            if i == r.chosen { "  <- written" } else { "" }
+            match (i == r.chosen, r.met) {
+                (true, true) => "  <- written",
+                (true, false) => "  <- the closest (not written)",
+                _ => "",
+            }
         )?;
     }
     Ok(())
