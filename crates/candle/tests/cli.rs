@@ -261,12 +261,40 @@ fn a_searched_config_holds_its_bound_when_run_again() {
         (vec!["--target-kl", "0.01", "--out", o, "--specs", "int8"], Some(2)),
         (vec!["--target-kl", "0.01", "--out", o, "--ladder", "int8"], Some(1)),
         (vec!["--budget-bits", "1", "--out", o, "--force"], Some(1)),
+        (
+            vec![
+                "--target-kl",
+                "0.01",
+                "--out",
+                o,
+                "--force",
+                "--ladder",
+                ladder,
+                "--probe",
+                "int8-channel/int8-token",
+            ],
+            Some(1),
+        ),
+        (
+            vec!["--target-kl", "0.01", "--out", o, "--force", "--ladder", ladder, "--probe", "int3-token"],
+            Some(1),
+        ),
         (vec!["--specs", "int8", "--skip-tokens", "200"], Some(1)),
         (vec!["--specs", "int8", "--skip-tokens", "9"], Some(1)),
     ] {
         let out = eval().args(common).args(&args).output().unwrap();
         assert_eq!(out.status.code(), code, "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
+    // Real decode instead of chunks: the same search, over a prefill and one token at a time.
+    let decode = ["--model", m, "--tokens", t, "--prefill", "48", "--max-tokens", "96", "--block-size", "16"];
+    let r = json(
+        &eval()
+            .args(decode)
+            .args(["--ladder", ladder, "--budget-bits", "9", "--out", o, "--force", "--json"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(r["checks"][0]["report"]["name"], "check 0", "{r}");
     // The other part of the tokens: 8 skipped leave 192, three chunks of 64 (9 leave two).
     let held_out =
         json(&eval().args(common).args(["--config", o, "--skip-tokens", "8", "--json"]).output().unwrap());
