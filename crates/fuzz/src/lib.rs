@@ -313,6 +313,13 @@ fn seed_configs() -> Vec<KvCacheConfig> {
             .blocks_per_layer(8)
             .build()
             .expect("valid"),
+        // Rotated keys (each query rotated too) and rotated values.
+        KvCacheConfig::builder(1, 1, 2, 16)
+            .block_size(4)
+            .specs(spec("int4-token-rot"), spec("int3-token-mse-rot-p8"))
+            .blocks_per_layer(8)
+            .build()
+            .expect("valid"),
     ]
 }
 
