@@ -195,8 +195,12 @@ enum Command {
         /// The safetensors file (default: the embedded sample).
         file: Option<PathBuf>,
         /// Average bits per cached value, K and V together.
-        #[arg(long)]
-        budget_bits: f64,
+        #[arg(long, required_unless_present = "target_kl")]
+        budget_bits: Option<f64>,
+        /// Not here: a bound on the model's KL is searched on the model by `kvq-eval
+        /// --target-kl` (package kvq-candle); this command says so instead of failing to parse.
+        #[arg(long, hide = true)]
+        target_kl: Option<f64>,
         /// Where to write the config (TOML, or JSON for a `.json` name).
         #[arg(long)]
         out: Option<PathBuf>,
@@ -361,6 +365,7 @@ fn command(
         Command::Recommend {
             file,
             budget_bits,
+            target_kl,
             out,
             model_layers,
             positions,
@@ -369,6 +374,12 @@ fn command(
             json,
             force,
         } => {
+            let Some(budget_bits) = budget_bits.filter(|_| target_kl.is_none()) else {
+                return Err("--target-kl bounds the model's KL, which only a run of the model measures: \
+                     `kvq-eval --text T --ctx 512 --chunks 4 --target-kl X --out cache.toml` (package \
+                     kvq-candle) searches per-layer specs for it; `kvq recommend` takes --budget-bits"
+                    .into());
+            };
             if !(budget_bits.is_finite() && budget_bits > 0.0) {
                 return Err(format!("--budget-bits {budget_bits} is not a positive finite number").into());
             }

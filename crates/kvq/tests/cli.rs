@@ -347,6 +347,16 @@ fn recommend_respects_the_budget_and_writes_a_loadable_config() {
     let too_small = kvq(&["recommend", "--budget-bits", "1"]);
     assert_eq!(too_small.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&too_small.stderr).contains("cheapest candidates need"));
+    // A KL bound is kvq-eval's: the error says where to go, with or without a budget.
+    for args in [
+        &["recommend", "--target-kl", "0.01"][..],
+        &["recommend", "--target-kl", "0.01", "--budget-bits", "4"],
+    ] {
+        let o = kvq(args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("kvq-eval --text T"), "{args:?}");
+    }
+    assert_eq!(kvq(&["recommend"]).status.code(), Some(2), "neither is a usage error");
 }
 
 #[test]
