@@ -352,13 +352,18 @@ fn score_path(name: &str) -> Result<ScorePath, Box<dyn std::error::Error>> {
     }
 }
 
+/// Blocks per layer that hold a sequence of `longest` tokens in blocks of `block_size`, and
+/// one more per KV head for the block being filled.
+fn blocks_for(longest: usize, block_size: usize, kv_heads: usize) -> usize {
+    longest.div_ceil(block_size.max(1)) * kv_heads + kv_heads
+}
+
 /// The builder of every `--specs` cache: the model's shape, blocks for `longest` tokens, and
 /// the block size, window, sinks and tails of the flags.
 fn base_builder(args: &Args, model: &LlamaModel, longest: usize) -> kvq::cache::KvCacheConfigBuilder {
     let c = model.config();
-    let blocks = longest.div_ceil(args.block_size.max(1)) * c.kv_heads + c.kv_heads;
     c.cache_builder()
-        .blocks_per_layer(blocks)
+        .blocks_per_layer(blocks_for(longest, args.block_size, c.kv_heads))
         .block_size(args.block_size)
         .residual_blocks(args.residual_blocks)
         .sink_tokens(args.sinks)
@@ -396,11 +401,10 @@ fn candidates(
     let c = model.config();
     let mut out = Vec::new();
     if !args.config.is_empty() {
-        let need = |block_size: usize| longest.div_ceil(block_size.max(1)) * c.kv_heads + c.kv_heads;
         for p in &args.config {
             let mut config = KvCacheConfig::load(p)?;
             c.check_cache(&config).map_err(|e| format!("{}: {e}", p.display()))?;
-            let need = need(config.block_size);
+            let need = blocks_for(longest, config.block_size, c.kv_heads);
             if config.blocks_per_layer < need {
                 writeln!(
                     stderr,

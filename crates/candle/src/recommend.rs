@@ -248,9 +248,9 @@ pub fn search(
     // Pass 1: every rung uniformly, and every layer alone at the probe over the richest rung.
     // The richest rung is known from the specs' own bits (window and sinks are the same for
     // every rung); the uniform runs measure the bits that count.
-    let nominal: Vec<f64> = (0..ladder.len())
-        .map(|r| config(&vec![r; layers]).map(|c| c.bits_per_value()))
-        .collect::<Result<_>>()?;
+    let uniform: Vec<KvCacheConfig> =
+        (0..ladder.len()).map(|r| config(&vec![r; layers])).collect::<Result<_>>()?;
+    let nominal: Vec<f64> = uniform.iter().map(KvCacheConfig::bits_per_value).collect();
     let richest = argmax_by(&nominal, |a, b| a.total_cmp(b));
     let probe_rung = match probe {
         Some(p) => ladder
@@ -266,8 +266,8 @@ pub fn search(
         )));
     }
     let mut candidates = Vec::with_capacity(ladder.len() + layers);
-    for (r, spec) in ladder.iter().enumerate() {
-        candidates.push(Candidate { name: spec.name(), config: config(&vec![r; layers])?, path: *path });
+    for (spec, config) in ladder.iter().zip(uniform) {
+        candidates.push(Candidate { name: spec.name(), config, path: *path });
     }
     for l in 0..layers {
         let mut rungs = vec![richest; layers];
@@ -298,8 +298,6 @@ pub fn search(
         }
     }
     // Pass 2: choose, measure, adjust.
-    let predict =
-        |picks: &[usize]| picks.iter().zip(&sensitivity).map(|(&r, s)| s * rungs[r].kl_mean).sum::<f64>();
     // Only a p99 bound: aim the mean at it scaled by the rungs' own mean/p99 ratio.
     let start = target.kl_mean.unwrap_or_else(|| {
         let k = target.kl_p99.unwrap_or(0.0);
@@ -329,7 +327,13 @@ pub fn search(
             .remove(0);
         let met = target.met_by(&r);
         let ratio = target.ratio(&r);
-        checks.push(Check { aimed_kl: aim, predicted_kl: predict(&picks), rungs: picks, report: r, met });
+        checks.push(Check {
+            aimed_kl: aim,
+            predicted_kl: predicted_kl(&rungs, &sensitivity, &picks),
+            rungs: picks,
+            report: r,
+            met,
+        });
         if !kl_bounded {
             break;
         }
@@ -393,16 +397,20 @@ fn argmax_by(x: &[f64], cmp: impl Fn(&f64, &f64) -> std::cmp::Ordering) -> usize
     best
 }
 
+/// The mean KL predicted for a choice of rungs: each layer's share of its rung's uniform KL.
+fn predicted_kl(rungs: &[Rung], sensitivity: &[f64], picks: &[usize]) -> f64 {
+    picks.iter().zip(sensitivity).map(|(&r, s)| s * rungs[r].kl_mean).sum()
+}
+
 /// The greedy multiple-choice knapsack: every layer on its cheapest rung, then the upgrade
 /// with the largest predicted KL reduction per extra bit, while the predicted KL is above
 /// `aim` and an upgrade fits the `budget` (mean bits over layers).
 fn choose(rungs: &[Rung], sensitivity: &[f64], aim: f64, budget: f64) -> Vec<usize> {
     let layers = sensitivity.len();
-    let cheapest = argmax_by(&rungs.iter().map(|r| -r.bits).collect::<Vec<_>>(), |a, b| a.total_cmp(b));
+    let cheapest = argmax_by(&rungs.iter().map(|r| r.bits).collect::<Vec<_>>(), |a, b| b.total_cmp(a));
     let mut picks = vec![cheapest; layers];
-    let kl = |picks: &[usize]| picks.iter().zip(sensitivity).map(|(&r, s)| s * rungs[r].kl_mean).sum::<f64>();
     let bits = |picks: &[usize]| picks.iter().map(|&r| rungs[r].bits).sum::<f64>() / layers as f64;
-    while kl(&picks) > aim {
+    while predicted_kl(rungs, sensitivity, &picks) > aim {
         let used = bits(&picks);
         let mut best: Option<(f64, usize, usize)> = None;
         for (l, &p) in picks.iter().enumerate() {
