@@ -894,6 +894,32 @@ impl Task {
     }
 }
 
+/// Which kernels decode runs on a sequence's quantized blocks ([`decode_kernel`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DecodeKernel {
+    /// One kernel takes a whole block of keys and values with the online-softmax step.
+    FusedBlock,
+    /// The scores kernel, the softmax step here, then the value kernel.
+    SeparateKernels,
+}
+
+impl DecodeKernel {
+    /// `"fused block"` or `"separate kernels"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeKernel::FusedBlock => "fused block",
+            DecodeKernel::SeparateKernels => "separate kernels",
+        }
+    }
+}
+
+impl std::fmt::Display for DecodeKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The kernels that decode's integer path ([`ScorePath::Int8`]) runs on the quantized blocks
 /// of `seq` on `backend` with `query_rows` query rows per KV head: [`decode_kernel`] on that
 /// path.
@@ -905,13 +931,13 @@ pub fn integer_decode_kernel(
     cache: &PagedCache,
     seq: SeqId,
     query_rows: usize,
-) -> Result<Option<&'static str>, AttentionError> {
+) -> Result<Option<DecodeKernel>, AttentionError> {
     decode_kernel(backend, ScorePath::Int8, cache, seq, query_rows)
 }
 
 /// The kernels that decode on `path` runs on the quantized blocks of `seq` on `backend` with
-/// `query_rows` query rows per KV head: `"fused block"` where one kernel takes a whole block
-/// of keys and values, `"separate kernels"` otherwise; judged from the first quantized unit of
+/// `query_rows` query rows per KV head: [`DecodeKernel::FusedBlock`] where one kernel takes a
+/// whole block of keys and values, [`DecodeKernel::SeparateKernels`] otherwise; judged from the first quantized unit of
 /// layer 0, KV head 0. `None` when that head holds no quantized block yet.
 ///
 /// The integer path's fused kernels (AVX-512 VNNI, AVX2 or aarch64 `sdot`) take KIVI-style
@@ -932,7 +958,7 @@ pub fn decode_kernel(
     cache: &PagedCache,
     seq: SeqId,
     query_rows: usize,
-) -> Result<Option<&'static str>, AttentionError> {
+) -> Result<Option<DecodeKernel>, AttentionError> {
     let d = cache.config().head_dim;
     let ks = cache.segment_iter(seq, 0, 0, Part::K)?;
     let vs = cache.segment_iter(seq, 0, 0, Part::V)?;
@@ -959,7 +985,7 @@ pub fn decode_kernel(
                         })
                     })?
                 };
-            return Ok(Some(if fused { "fused block" } else { "separate kernels" }));
+            return Ok(Some(if fused { DecodeKernel::FusedBlock } else { DecodeKernel::SeparateKernels }));
         }
     }
     Ok(None)

@@ -778,7 +778,7 @@ fn bench(
         // The rows name the code they time: a fused block kernel or the separate ones.
         let fused = |path| -> Result<bool, Box<dyn std::error::Error>> {
             Ok(kvq::attention::decode_kernel(backend, path, &cache, seq, q_heads / kv_heads)?
-                == Some("fused block"))
+                == Some(kvq::attention::DecodeKernel::FusedBlock))
         };
         let float_label = if fused(ScorePath::Float)? { " (fused)" } else { "" };
         let int_label = if fused(ScorePath::Int8)? { " (integer, fused)" } else { " (integer)" };

@@ -681,7 +681,7 @@ fn keys_stored_before_rope() {
 /// backends; nothing for a sequence without quantized blocks; an unknown sequence is an error.
 #[test]
 fn the_integer_kernel_is_named() {
-    use kvq::attention::{ScorePath, decode_kernel, integer_decode_kernel};
+    use kvq::attention::{DecodeKernel, ScorePath, decode_kernel, integer_decode_kernel};
     use kvq::kernels::Backend;
     let mut rng = Rng::new(12);
     let shape = Shape::new(2, 80, 128);
@@ -735,7 +735,7 @@ fn the_integer_kernel_is_named() {
             // takes what AVX2 takes.
             let has = ((fused || avx2) && backend == Backend::Avx512)
                 || (avx2 && matches!(backend, Backend::Avx2 | Backend::Dotprod));
-            let want = if has { "fused block" } else { "separate kernels" };
+            let want = if has { DecodeKernel::FusedBlock } else { DecodeKernel::SeparateKernels };
             assert_eq!(
                 integer_decode_kernel(backend, &cache, seq, 4).unwrap(),
                 Some(want),
@@ -744,7 +744,11 @@ fn the_integer_kernel_is_named() {
             assert_eq!(integer_decode_kernel(backend, &cache, empty, 4).unwrap(), None);
             // The float path fuses FP8 keys and values only.
             let fp8 = kspec.starts_with("fp8") && vspec.starts_with("fp8");
-            let want = if fp8 && backend == Backend::Avx512 { "fused block" } else { "separate kernels" };
+            let want = if fp8 && backend == Backend::Avx512 {
+                DecodeKernel::FusedBlock
+            } else {
+                DecodeKernel::SeparateKernels
+            };
             assert_eq!(
                 decode_kernel(backend, ScorePath::Float, &cache, seq, 4).unwrap(),
                 Some(want),
