@@ -34,6 +34,7 @@ use kvq::analysis::KvSpec;
 use kvq::attention::ScorePath;
 use kvq::cache::KvCacheConfig;
 use kvq::layout::TailDtype;
+use kvq::plot::{Point, Series};
 use kvq_candle::eval::{Candidate, Protocol, Report, evaluate};
 use kvq_candle::passkey::PasskeyPlan;
 use kvq_candle::{GgufTokenizer, LlamaModel, Weights};
@@ -55,7 +56,7 @@ struct Args {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Token ids: the `input_ids` tensor of a safetensors file (such as a `kvq analyze` dump).
-    #[arg(long, conflicts_with = "text", required_unless_present_any = ["text", "passkey"])]
+    #[arg(long, conflicts_with = "text", required_unless_present_any = ["text", "passkey", "plot_with"])]
     tokens: Option<PathBuf>,
     /// A text file, tokenized with the GGUF's own tokenizer (BOS added when the model adds one).
     #[arg(long)]
@@ -166,6 +167,16 @@ struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Write an SVG of mean KL against bits per value: this run's caches (series `kvq`) and the
+    /// reports of --plot-with, each series' Pareto front joined and labelled.
+    #[arg(long, conflicts_with_all = ["passkey", "target_kl", "target_p99", "budget_bits"])]
+    plot: Option<PathBuf>,
+    /// Saved reports to draw in --plot, comma-separated: `kvq-eval --json` output, or any JSON
+    /// object with `candidates` (each with `name`, `bits_per_value` and `kl_mean`) and an
+    /// optional `series` name (default `kvq`). Without --tokens or --text, only these are drawn
+    /// and no model is run.
+    #[arg(long, value_delimiter = ',', requires = "plot")]
+    plot_with: Vec<PathBuf>,
 }
 
 /// Why a `kvq-eval` command line did not run to the end: the facade's CLI error (`Usage`,
@@ -195,6 +206,17 @@ fn command(
     stdout: &mut dyn Write,
     stderr: &mut dyn Write,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    let mut plot_inputs: Vec<&Path> = args.plot_with.iter().map(PathBuf::as_path).collect();
+    plot_inputs.extend(args.tokens.iter().chain(&args.text).map(PathBuf::as_path));
+    if let Some(out) = &args.plot {
+        // Before any work: a figure that may not be written is refused now.
+        kvq::quant::io::check_output(out, &plot_inputs, args.force)
+            .map_err(|e| format!("{}: {e}", out.display()))?;
+    }
+    let mut saved = args.plot_with.iter().map(|p| read_saved_report(p)).collect::<Result<Vec<_>, _>>()?;
+    if args.tokens.is_none() && args.text.is_none() && !args.passkey {
+        return write_plot(args, saved, &plot_inputs, stderr);
+    }
     let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
     if !model_path.exists() {
         return Err(format!(
@@ -275,6 +297,96 @@ fn command(
     } else {
         print_table(&report, stdout)?;
     }
+    if args.plot.is_some() {
+        let points = report
+            .candidates
+            .iter()
+            .map(|c| Point { label: c.name.clone(), bits: c.bits_per_value, loss: c.kl_mean })
+            .collect();
+        saved.insert(0, Series { name: "kvq".into(), points });
+        write_plot(args, saved, &plot_inputs, stderr)?;
+    }
+    Ok(())
+}
+
+/// The largest saved report `--plot-with` reads.
+const MAX_REPORT_BYTES: u64 = 64 << 20;
+
+/// One `--plot-with` file as a series: its `series` name (default `kvq`) and, per candidate,
+/// its name, `bits_per_value` and `kl_mean`.
+fn read_saved_report(path: &Path) -> Result<Series, Box<dyn std::error::Error>> {
+    let fail = |why: String| format!("{}: {why}", path.display());
+    let bytes = kvq::quant::io::read_regular_file(path, MAX_REPORT_BYTES).map_err(|e| fail(e.to_string()))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| fail(format!("not a JSON report: {e}")))?;
+    let name = match json.get("series") {
+        None => "kvq".to_string(),
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(_) => return Err(fail("`series` is not a string".into()).into()),
+    };
+    let candidates = json
+        .get("candidates")
+        .and_then(|c| c.as_array())
+        .ok_or_else(|| fail("no `candidates` array (save `kvq-eval --json` output)".into()))?;
+    let points = candidates
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let number = |key: &str| {
+                c.get(key)
+                    .and_then(serde_json::Value::as_f64)
+                    .ok_or_else(|| fail(format!("candidate {i}: no number `{key}`")))
+            };
+            let label = c
+                .get("name")
+                .and_then(|n| n.as_str())
+                .ok_or_else(|| fail(format!("candidate {i}: no string `name`")))?;
+            Ok(Point { label: label.to_string(), bits: number("bits_per_value")?, loss: number("kl_mean")? })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(Series { name, points })
+}
+
+/// `--plot`: the series merged by name, in order of first appearance, drawn and written.
+fn write_plot(
+    args: &Args,
+    series: Vec<Series>,
+    inputs: &[&Path],
+    stderr: &mut dyn Write,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let Some(out) = &args.plot else { return Err("--plot-with needs --plot, the figure to write".into()) };
+    let mut merged: Vec<Series> = Vec::new();
+    for s in series {
+        match merged.iter_mut().find(|m| m.name == s.name) {
+            Some(m) => m.points.extend(s.points),
+            None => merged.push(s),
+        }
+    }
+    let left_out: usize = merged
+        .iter()
+        .flat_map(|s| &s.points)
+        .filter(|p| !(p.bits.is_finite() && p.bits > 0.0 && p.loss.is_finite() && p.loss > 0.0))
+        .count();
+    let svg = kvq::plot::bits_vs_loss(
+        "Mean KL of the next-token distribution against bits per cached value",
+        "mean KL (nats, log scale)",
+        &merged,
+    )?;
+    kvq::quant::io::write_output(out, svg.as_bytes(), inputs, args.force)
+        .map_err(|e| format!("{}: {e}", out.display()))?;
+    let points: usize = merged.iter().map(|s| s.points.len()).sum();
+    writeln!(
+        stderr,
+        "kvq-eval: wrote {} ({} series, {} points{})",
+        out.display(),
+        merged.len(),
+        points - left_out,
+        if left_out > 0 {
+            format!("; {left_out} with a zero or non-finite KL or bits left out")
+        } else {
+            String::new()
+        }
+    )?;
     Ok(())
 }
 

@@ -301,3 +301,72 @@ fn a_searched_config_holds_its_bound_when_run_again() {
     assert_eq!(held_out["positions"], 3 * 31);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn the_bits_against_kl_figure_draws_this_run_and_saved_reports() {
+    let (dir, model, tokens) = setup("cli-plot");
+    let figure = dir.join("kl.svg");
+    let out = eval()
+        .arg("--model")
+        .arg(&model)
+        .arg("--tokens")
+        .arg(&tokens)
+        .args(["--prefill", "64", "--max-tokens", "128", "--specs", "int8,int2-channel/int2-token", "--json"])
+        .arg("--plot")
+        .arg(&figure)
+        .output()
+        .unwrap();
+    let report = json(&out);
+    let svg = std::fs::read_to_string(&figure).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains(">kvq (line: its Pareto front)<"), "{svg}");
+    // INT8 costs more bits and loses less: both are on the front, so both are labelled.
+    assert!(svg.contains(">int8<") && svg.contains(">int2-channel/int2-token<"), "{svg}");
+
+    // Saved: this run's report, and another system's points in the same shape.
+    let saved = dir.join("kvq.json");
+    std::fs::write(&saved, serde_json::to_vec(&report).unwrap()).unwrap();
+    let other = dir.join("other.json");
+    std::fs::write(
+        &other,
+        r#"{"series": "llama.cpp", "candidates": [{"name": "q4_0", "bits_per_value": 4.5, "kl_mean": 0.05},
+            {"name": "f16", "bits_per_value": 16.0, "kl_mean": 0.0}]}"#,
+    )
+    .unwrap();
+    let figure2 = dir.join("saved.svg");
+    let out = eval()
+        .arg("--plot")
+        .arg(&figure2)
+        .arg("--plot-with")
+        .arg(format!("{},{}", saved.display(), other.display()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("2 series, 3 points; 1 with a zero"), "{stderr}");
+    let svg2 = std::fs::read_to_string(&figure2).unwrap();
+    assert!(
+        svg2.contains(">int8<") && svg2.contains(">q4_0<") && svg2.contains(">llama.cpp (line"),
+        "{svg2}"
+    );
+    assert!(!svg2.contains(">f16<"), "a zero KL has no place on a log scale");
+
+    // A report that is not one fails in one line and writes nothing.
+    let bad = dir.join("bad.json");
+    std::fs::write(&bad, r#"{"candidates": [{"name": "x", "bits_per_value": "four", "kl_mean": 0.1}]}"#)
+        .unwrap();
+    let figure3 = dir.join("bad.svg");
+    for input in [&bad, &dir.join("missing.json"), &model] {
+        let out = eval().arg("--plot").arg(&figure3).arg("--plot-with").arg(input).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(&input.display().to_string()), "{stderr}");
+        assert!(!figure3.exists());
+    }
+    // --plot-with alone is a usage error; --plot may not replace an input.
+    let out = eval().arg("--plot-with").arg(&saved).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let out = eval().arg("--plot").arg(&saved).arg("--plot-with").arg(&saved).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(&saved).unwrap(), serde_json::to_vec(&report).unwrap());
+}

@@ -157,6 +157,34 @@ impl Svg {
         );
     }
 
+    /// A line through pixel points.
+    fn polyline(&mut self, points: &[(f64, f64)], stroke: &str) {
+        let line: Vec<String> = points.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
+        let _ = writeln!(
+            self.body,
+            r#"<polyline points="{}" fill="none" stroke="{stroke}" stroke-width="2"/>"#,
+            line.join(" ")
+        );
+    }
+
+    /// A dot: a circle, or a square for `square`, half transparent unless `solid`.
+    fn dot(&mut self, x: f64, y: f64, fill: &str, square: bool, solid: bool) {
+        let opacity = if solid { 1.0 } else { 0.45 };
+        if square {
+            let _ = writeln!(
+                self.body,
+                r#"<rect x="{:.1}" y="{:.1}" width="7" height="7" fill="{fill}" fill-opacity="{opacity}"/>"#,
+                x - 3.5,
+                y - 3.5
+            );
+        } else {
+            let _ = writeln!(
+                self.body,
+                r#"<circle cx="{x:.1}" cy="{y:.1}" r="3.5" fill="{fill}" fill-opacity="{opacity}"/>"#
+            );
+        }
+    }
+
     fn finish(self) -> String {
         format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" \
@@ -377,24 +405,106 @@ pub fn bits_vs_error(report: &Report) -> Result<String, PlotError> {
     let mut entries = Vec::new();
     for (i, (name, pts)) in families.iter().enumerate() {
         let c = color(i, families.len());
-        let line: Vec<String> =
-            pts.iter().map(|&(b, e)| format!("{:.1},{:.1}", frame.px(b), frame.py(e))).collect();
-        let _ = writeln!(
-            svg.body,
-            r#"<polyline points="{}" fill="none" stroke="{c}" stroke-width="2"/>"#,
-            line.join(" ")
-        );
-        for &(b, e) in pts {
-            let _ = writeln!(
-                svg.body,
-                r#"<circle cx="{:.1}" cy="{:.1}" r="3.5" fill="{c}"/>"#,
-                frame.px(b),
-                frame.py(e)
-            );
+        let pixels: Vec<(f64, f64)> = pts.iter().map(|&(b, e)| (frame.px(b), frame.py(e))).collect();
+        svg.polyline(&pixels, &c);
+        for &(x, y) in &pixels {
+            svg.dot(x, y, &c, false, true);
         }
         entries.push((name.clone(), c));
     }
     legend(&mut svg, 620.0, 60.0, &entries);
+    Ok(svg.finish())
+}
+
+/// One configuration on a bits-against-loss chart.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Point {
+    /// What the point is (a cache spec, a config file, a llama.cpp cache type).
+    pub label: String,
+    /// Bits per cached value, everything counted.
+    pub bits: f64,
+    /// The loss (a mean KL divergence, an error): positive, drawn on a log scale.
+    pub loss: f64,
+}
+
+/// The configurations of one system (kvq's caches, llama.cpp's cache types) on a
+/// bits-against-loss chart.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Series {
+    /// The legend's name.
+    pub name: String,
+    /// Its points, in any order.
+    pub points: Vec<Point>,
+}
+
+/// The indices of `points` on their Pareto front: the points no other point beats on both bits
+/// and loss, by increasing bits. Ties keep the first point.
+pub fn pareto_front(points: &[Point]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..points.len()).collect();
+    order.sort_by(|&a, &b| {
+        points[a].bits.total_cmp(&points[b].bits).then(points[a].loss.total_cmp(&points[b].loss))
+    });
+    let mut best = f64::INFINITY;
+    order
+        .into_iter()
+        .filter(|&i| {
+            let keep = points[i].loss < best;
+            best = best.min(points[i].loss);
+            keep
+        })
+        .collect()
+}
+
+/// Bits per value against a loss (log scale), one colour per series: every point drawn, each
+/// series' Pareto front ([`pareto_front`]) joined by a line and labelled. Points whose bits or
+/// loss are not positive and finite cannot be drawn and are left out.
+///
+/// # Errors
+/// [`PlotError::Empty`] when no series has a point that can be drawn.
+pub fn bits_vs_loss(title: &str, loss_label: &str, series: &[Series]) -> Result<String, PlotError> {
+    let drawable = |p: &&Point| p.bits.is_finite() && p.bits > 0.0 && p.loss.is_finite() && p.loss > 0.0;
+    let series: Vec<(&str, Vec<Point>)> = series
+        .iter()
+        .map(|s| (s.name.as_str(), s.points.iter().filter(drawable).cloned().collect::<Vec<_>>()))
+        .filter(|(_, p)| !p.is_empty())
+        .collect();
+    if series.is_empty() {
+        return Err(PlotError::Empty("no point with positive, finite bits and loss"));
+    }
+    let all = || series.iter().flat_map(|(_, p)| p.iter());
+    let frame = Frame {
+        left: 80.0,
+        top: 50.0,
+        width: 620.0,
+        height: 400.0,
+        x: Scale::linear(0.0, all().map(|p| p.bits).fold(0.0, f64::max)),
+        y: Scale::log(all().map(|p| p.loss)),
+    };
+    let mut svg = Svg::new(1000.0, 510.0);
+    frame.draw_axes(
+        &mut svg,
+        title,
+        "bits per value (parameters, window and sinks counted)",
+        loss_label,
+        true,
+    );
+    let mut entries = Vec::new();
+    for (i, (name, points)) in series.iter().enumerate() {
+        let c = color(i, series.len());
+        let front = pareto_front(points);
+        let pixels: Vec<(f64, f64)> =
+            front.iter().map(|&j| (frame.px(points[j].bits), frame.py(points[j].loss))).collect();
+        svg.polyline(&pixels, &c);
+        for (j, p) in points.iter().enumerate() {
+            svg.dot(frame.px(p.bits), frame.py(p.loss), &c, i % 2 == 1, front.contains(&j));
+        }
+        for (&j, &(x, y)) in front.iter().zip(&pixels) {
+            let label: String = points[j].label.chars().take(48).collect();
+            svg.text(x + 6.0, y - 5.0, "start", 9.0, &label);
+        }
+        entries.push((format!("{name} (line: its Pareto front)"), c));
+    }
+    legend(&mut svg, frame.left + frame.width + 20.0, 60.0, &entries);
     Ok(svg.finish())
 }
 
@@ -489,6 +599,44 @@ pub fn write_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn point(label: &str, bits: f64, loss: f64) -> Point {
+        Point { label: label.into(), bits, loss }
+    }
+
+    #[test]
+    fn the_front_keeps_points_nothing_beats() {
+        let pts = [
+            point("a", 4.0, 0.01),
+            point("b", 3.0, 0.05),
+            point("c", 5.0, 0.02), // beaten by a
+            point("d", 8.0, 0.001),
+            point("e", 3.0, 0.04), // same bits as b, lower loss: b is beaten
+        ];
+        assert_eq!(pareto_front(&pts), [4, 0, 3]);
+        assert!(pareto_front(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_loss_chart_draws_every_drawable_point_and_labels_the_front() {
+        let kvq = Series {
+            name: "kvq".into(),
+            points: vec![point("int4", 5.4, 1.4e-3), point("int3", 4.5, 6.7e-3), point("worse", 6.0, 2e-3)],
+        };
+        let other = Series {
+            name: "llama.cpp".into(),
+            points: vec![point("q4_0", 4.5, 0.05), point("zero", 8.0, 0.0), point("nan", f64::NAN, 0.1)],
+        };
+        let svg = bits_vs_loss("title <&>", "mean KL", &[kvq, other]).unwrap();
+        assert_eq!(svg.matches("<circle").count(), 3);
+        assert_eq!(svg.matches("<rect x=").count(), 1 + 1 + 2, "frame, one square, two legend boxes");
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert!(svg.contains(">int4<") && svg.contains(">int3<") && svg.contains(">q4_0<"));
+        assert!(!svg.contains(">worse<") && !svg.contains(">zero<"), "only the front is labelled");
+        assert!(svg.contains("title &lt;&amp;&gt;"));
+        let empty = Series { name: "none".into(), points: vec![point("zero", 4.0, 0.0)] };
+        assert!(matches!(bits_vs_loss("t", "l", &[empty]), Err(PlotError::Empty(_))));
+    }
 
     #[test]
     fn families_drop_bit_widths() {
