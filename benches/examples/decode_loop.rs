@@ -112,8 +112,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (fastest, median) =
         (times.first().copied().unwrap_or(0.0), times.get(steps / 2).copied().unwrap_or(0.0));
     let window = if window { ", window" } else { "" };
-    let kernel =
-        kvq::attention::decode_kernel(backend, path, &cache, seq, q_heads / kv_heads)?.unwrap_or("no blocks");
+    let kernel = kvq::attention::decode_kernel(backend, path, &cache, seq, q_heads / kv_heads)?
+        .map_or("no blocks", |k| k.name());
     println!(
         "{ms:.3} ms/step, fastest {fastest:.3}, median {median:.3} ({k}/{v}{window}, {n} x {len} tokens, {threads} thread(s), {backend} {path:?}, {kernel})"
     );

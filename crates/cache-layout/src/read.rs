@@ -104,15 +104,15 @@ impl<'a> Iterator for Segments<'a> {
             } else if at <= self.blocks {
                 let b = at - 1;
                 let id = self.ls.blocks[b * cfg.kv_heads + self.head];
-                return Some(Segment::Quantized(BlockView {
-                    first_token: sinks + b * bs,
-                    tokens: (self.ls.done[self.i] - b * bs).min(bs),
-                    block: id,
-                    region: self.cache.region(id, self.part),
-                    layout: &self.cache.parts[self.i],
-                    statics: self.cache.static_params(self.part, self.layer, self.head),
-                    widths: if self.i == 0 { self.cache.key_segments(self.layer, self.head) } else { None },
-                }));
+                return Some(Segment::Quantized(BlockView::new(
+                    sinks + b * bs,
+                    (self.ls.done[self.i] - b * bs).min(bs),
+                    id,
+                    self.cache.region(id, self.part),
+                    &self.cache.parts[self.i],
+                    self.cache.static_params(self.part, self.layer, self.head),
+                    if self.i == 0 { self.cache.key_segments(self.layer, self.head) } else { None },
+                )));
             } else if self.has_tail() {
                 let tail = &self.ls.tails[self.i][self.head];
                 return Some(Segment::Full {
@@ -137,40 +137,116 @@ impl<'a> Iterator for Segments<'a> {
 impl ExactSizeIterator for Segments<'_> {}
 
 /// The K or V region of one block, ready for a kernel: packed rows and parameters, no copy.
+///
+/// This crate is the one owner of a block's bytes: a view is made only here, from a region
+/// of the [`PartLayout`]'s size and at most `block_size` valid rows (checked once, when it is
+/// made), and it hands readers the codes of its rows ([`BlockView::codes`], per token group of
+/// a channel-set block [`BlockView::set_codes`], per width region of `-qa` keys
+/// [`BlockView::width_views`]) and its parameters widened ([`BlockView::params_f32_with`]):
+/// nothing above it computes an offset.
 #[derive(Debug, Clone, Copy)]
 pub struct BlockView<'a> {
-    /// Position of the first token.
-    pub first_token: usize,
-    /// Valid rows (a block being filled has fewer than `block_size`).
-    pub tokens: usize,
-    /// The pool block.
-    pub block: BlockId,
-    /// The whole region: `block_size` packed rows, then the parameters.
-    pub region: &'a [u8],
-    /// How the region is laid out and decoded.
-    pub layout: &'a PartLayout,
-    /// Calibrated parameters (static parts only).
-    pub statics: &'a [GroupParams],
-    /// Keys with bits per channel (`-qa`): the head's width regions. The region is then not
-    /// one layout's but one per width ([`BlockView::width_views`]); rows hold the head's
-    /// channels in its permuted order.
-    pub widths: Option<&'a HeadSegments>,
+    first_token: usize,
+    tokens: usize,
+    block: BlockId,
+    /// `block_size` packed rows, then the parameters.
+    region: &'a [u8],
+    layout: &'a PartLayout,
+    statics: &'a [GroupParams],
+    widths: Option<&'a HeadSegments>,
 }
 
 impl<'a> BlockView<'a> {
+    /// A view of `region` laid out by `layout`, its first `tokens` rows valid.
+    fn new(
+        first_token: usize,
+        tokens: usize,
+        block: BlockId,
+        region: &'a [u8],
+        layout: &'a PartLayout,
+        statics: &'a [GroupParams],
+        widths: Option<&'a HeadSegments>,
+    ) -> Self {
+        assert!(
+            region.len() == layout.bytes() && tokens <= layout.block_size(),
+            "a block view of {} bytes and {tokens} rows for a layout of {} bytes and {} rows",
+            region.len(),
+            layout.bytes(),
+            layout.block_size()
+        );
+        Self { first_token, tokens, block, region, layout, statics, widths }
+    }
+
+    /// Position of the first token.
+    pub fn first_token(&self) -> usize {
+        self.first_token
+    }
+
+    /// Valid rows (a block being filled has fewer than `block_size`).
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// The pool block.
+    pub fn block(&self) -> BlockId {
+        self.block
+    }
+
+    /// How the region is laid out and decoded.
+    pub fn layout(&self) -> &'a PartLayout {
+        self.layout
+    }
+
+    /// Calibrated parameters (static parts only; empty otherwise).
+    pub fn statics(&self) -> &'a [GroupParams] {
+        self.statics
+    }
+
+    /// Keys with bits per channel (`-qa`): the head's width regions. The region is then not
+    /// one layout's but one per width ([`BlockView::width_views`]); rows hold the head's
+    /// channels in its permuted order.
+    pub fn widths(&self) -> Option<&'a HeadSegments> {
+        self.widths
+    }
+
+    /// The whole region as bytes (codes of every row slot, then the parameters): for a
+    /// prefetch or a read of the pool's memory, not for decoding.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.region
+    }
+
+    /// The packed codes of the valid rows, `tokens × row_bytes` bytes (of a block without
+    /// channel sets; see [`BlockView::set_codes`]).
+    pub fn codes(&self) -> &'a [u8] {
+        &self.region[..self.tokens * self.layout.row_bytes]
+    }
+
+    /// For a per-channel block with several channel sets, token group `j` (`block_size /
+    /// channel_sets` rows with a set of parameters of their own): its valid rows' codes and
+    /// how many rows that is; `None` for a group past the sets.
+    pub fn set_codes(&self, j: usize) -> Option<(&'a [u8], usize)> {
+        let sets = self.layout.channel_sets();
+        if j >= sets {
+            return None;
+        }
+        let (per, rb) = (self.layout.block_size() / sets, self.layout.row_bytes);
+        let rows = per.min(self.tokens.saturating_sub(j * per));
+        Some((&self.region[j * per * rb..(j * per + rows) * rb], rows))
+    }
+
+    /// The view of its first `tokens` rows (all of them when it has fewer).
+    pub fn first_rows(&self, tokens: usize) -> Self {
+        Self { tokens: tokens.min(self.tokens), ..*self }
+    }
+
     /// For keys with bits per channel, each width's region as a view of its own (a plain
     /// per-channel block of that width's channels) with the first stored channel it holds;
     /// `None` for every other block.
     pub fn width_views(&self) -> Option<impl Iterator<Item = (usize, BlockView<'a>)> + 'a> {
         let (region, widths, base) = (self.region, self.widths?, *self);
         Some(widths.segments.iter().map(move |s| {
-            let view = BlockView {
-                region: &region[s.byte_offset..s.byte_offset + s.layout.bytes()],
-                layout: &s.layout,
-                statics: &[],
-                widths: None,
-                ..base
-            };
+            let bytes = &region[s.byte_offset..s.byte_offset + s.layout.bytes()];
+            let view = BlockView::new(base.first_token, base.tokens, base.block, bytes, &s.layout, &[], None);
             (s.first_channel, view)
         }))
     }

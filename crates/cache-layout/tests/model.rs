@@ -356,7 +356,7 @@ impl World {
                             .iter()
                             .map(|s| match s {
                                 Segment::Full { tokens, .. } => *tokens,
-                                Segment::Quantized(b) => b.tokens,
+                                Segment::Quantized(b) => b.tokens(),
                             })
                             .sum();
                         assert_eq!(covered, want.len() / self.s.d);

@@ -214,9 +214,9 @@ fn with_parts<R>(
     bufs: &mut (Vec<f32>, Vec<f32>),
     f: impl FnOnce(&[QuantBlock<'_>]) -> Result<R, KernelError>,
 ) -> Result<R, KernelError> {
-    let layout = view.layout;
+    let layout = view.layout();
     let d = layout.head_dim();
-    let rows = view.tokens;
+    let rows = view.tokens();
     let has_offset = layout.spec().has_offset();
     // Parameters widened into buffers the caller keeps across blocks (no allocation per block).
     let (scale, offset) = bufs;
@@ -245,11 +245,11 @@ fn with_parts<R>(
             Place::Channel
         }
         Mode::Static { seg: 1 } => {
-            collect(d, &|c| view.statics[c]);
+            collect(d, &|c| view.statics()[c]);
             Place::Channel
         }
         Mode::Static { .. } => {
-            collect(rows, &|_| view.statics[0]);
+            collect(rows, &|_| view.statics()[0]);
             Place::Row
         }
     };
@@ -260,10 +260,10 @@ fn with_parts<R>(
         Place::Channel => Params::PerChannel { scale, offset },
         Place::Group(group) => Params::PerGroup { group, scale, offset },
     };
-    let (bits, rb) = (layout.spec().bits(), layout.row_bytes());
+    let bits = layout.spec().bits();
     let sets = layout.channel_sets();
     if sets == 1 {
-        let block = QuantBlock::new(&view.region[..rows * rb], rows, d, bits, reader.levels(), params)?;
+        let block = QuantBlock::new(view.codes(), rows, d, bits, reader.levels(), params)?;
         return f(std::slice::from_ref(&block));
     }
     // Token groups of `per` rows, each with its set of channel parameters (`d` scales, then
@@ -273,17 +273,10 @@ fn with_parts<R>(
     };
     let per = layout.block_size() / sets;
     let part = |j: usize| {
-        let rows = per.min(rows.saturating_sub(j * per));
+        let (codes, rows) = view.set_codes(j).expect("j < channel_sets");
         let set = j * d..(j + 1) * d;
         let params = Params::PerChannel { scale: &scale[set.clone()], offset: offset.map(|o| &o[set]) };
-        QuantBlock::new(
-            &view.region[j * per * rb..(j * per + rows) * rb],
-            rows,
-            d,
-            bits,
-            reader.levels(),
-            params,
-        )
+        QuantBlock::new(codes, rows, d, bits, reader.levels(), params)
     };
     let mut parts = [part(0)?; kvq_cache_layout::MAX_CHANNEL_SETS];
     let n = rows.div_ceil(per).clamp(1, sets);
@@ -321,8 +314,8 @@ fn with_regions<'v, R>(
     f: impl FnOnce(&[kvq_kernels_simd::KeyRegion<'_>]) -> Result<R, KernelError>,
 ) -> Result<Option<R>, KernelError> {
     let Some(views) = view.width_views() else { return Ok(None) };
-    let has_offset = view.layout.spec().has_offset();
-    let d = view.layout.head_dim();
+    let has_offset = view.layout().spec().has_offset();
+    let d = view.layout().head_dim();
     let (scale, offset) = all;
     // Every value is written below (the regions tile the row, checked as they come).
     scale.resize(d, 0.0);
@@ -333,8 +326,8 @@ fn with_regions<'v, R>(
     let mut regions: [Option<kvq_kernels_simd::KeyRegion<'_>>; MAX_REGIONS] = [None; MAX_REGIONS];
     let mut end = 0;
     for (slot, (first, v)) in regions.iter_mut().zip(views) {
-        let c = v.layout.head_dim();
-        if v.layout.channel_sets() != 1 || first != end || c > scales.len() || v.param_count() != c {
+        let c = v.layout().head_dim();
+        if v.layout().channel_sets() != 1 || first != end || c > scales.len() || v.param_count() != c {
             return Ok(None);
         }
         let (s, rest) = std::mem::take(&mut scales).split_at_mut(c);
@@ -343,15 +336,8 @@ fn with_regions<'v, R>(
         offsets = rest;
         v.params_f32_into(s, o, VectorWidening);
         let params = Params::PerChannel { scale: s, offset: has_offset.then_some(&*o) };
-        let rb = v.layout.row_bytes();
-        let keys = QuantBlock::new(
-            &v.region[..v.tokens * rb],
-            v.tokens,
-            c,
-            v.layout.spec().bits(),
-            reader.levels(),
-            params,
-        )?;
+        let keys =
+            QuantBlock::new(v.codes(), v.tokens(), c, v.layout().spec().bits(), reader.levels(), params)?;
         *slot = Some(kvq_kernels_simd::KeyRegion { first, keys });
         end += c;
     }
@@ -1094,8 +1080,7 @@ fn pre_rope_scores(
     d: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let n = view.tokens;
-    rs.turn_to(rope, view.first_token, bs);
+    rs.turn_to(rope, view.first_token(), bs);
     let (scale, offset) = params;
     view.params_f32_with(scale, offset, VectorWidening);
     let pairing = rope.pairing();
@@ -1128,8 +1113,8 @@ fn pre_rope_scores(
     // Each key row decoded from where it is packed, turned by its offset in the block, and
     // scored.
     let rows = kvq_kernels_simd::TurnRows {
-        codes: &view.region[..n * view.layout.row_bytes()],
-        bits: view.layout.spec().bits(),
+        codes: view.codes(),
+        bits: view.layout().spec().bits(),
         scale,
         offset,
         table: &rs.table,
@@ -1240,8 +1225,8 @@ impl Run<'_> {
     /// where a block is still being filled).
     fn cut(self, end: usize) -> Self {
         match self {
-            Run::Block(view) if view.first_token + view.tokens > end => {
-                Run::Block(BlockView { tokens: end.saturating_sub(view.first_token), ..view })
+            Run::Block(view) if view.first_token() + view.tokens() > end => {
+                Run::Block(view.first_rows(end.saturating_sub(view.first_token())))
             }
             r => r,
         }
@@ -1251,7 +1236,7 @@ impl Run<'_> {
 fn span(s: &Segment<'_>) -> (usize, usize) {
     match *s {
         Segment::Full { first_token, tokens, .. } => (first_token, first_token + tokens),
-        Segment::Quantized(b) => (b.first_token, b.first_token + b.tokens),
+        Segment::Quantized(b) => (b.first_token(), b.first_token() + b.tokens()),
     }
 }
 
@@ -1275,7 +1260,7 @@ impl<'a> Iterator for Units<'a> {
                 Run::Full { rows, offset: offset + (at - first_token) * d }
             }
             Segment::Quantized(view) => {
-                debug_assert!(at == view.first_token && end == view.first_token + view.tokens);
+                debug_assert!(at == view.first_token() && end == view.first_token() + view.tokens());
                 Run::Block(view)
             }
         };
@@ -1395,7 +1380,7 @@ fn attend<'a>(
         if let Some(next) = units.peek() {
             for run in [next.k, next.v] {
                 if let Run::Block(view) = run {
-                    kernel.prefetch_next(view.region);
+                    kernel.prefetch_next(view.bytes());
                 }
             }
         }
@@ -1505,14 +1490,14 @@ fn attend<'a>(
                             // Every block of the head has the same regions: their query columns,
                             // region after region, once per call.
                             for (first, v) in view.width_views().into_iter().flatten() {
-                                let c = v.layout.head_dim();
+                                let c = v.layout().head_dim();
                                 for row in qs.chunks_exact(d) {
                                     wq.extend_from_slice(&row[first..first + c]);
                                 }
                             }
                         }
                         for (first, v) in views {
-                            let c = v.layout.head_dim();
+                            let c = v.layout().head_dim();
                             let wq = &wq[g * first..g * (first + c)];
                             ws.resize(g * n, 0.0);
                             with_parts(&v, &readers[0], bufs, |parts| match (parts, path) {

@@ -226,7 +226,7 @@ pub fn paged_read(
     use kvq_quant_core::calibration::Part;
     fn region<'a>(s: Segment<'a>) -> Option<&'a [u8]> {
         match s {
-            Segment::Quantized(b) => Some(b.region),
+            Segment::Quantized(b) => Some(b.bytes()),
             Segment::Full { .. } => None,
         }
     }
@@ -355,7 +355,7 @@ mod tests {
             for part in [Part::K, Part::V] {
                 for s in cache.segment_iter(seq, 0, h, part).unwrap() {
                     if let Segment::Quantized(b) = s {
-                        let (r, whole) = (b.region, b.region.len() / 64 * 64);
+                        let (r, whole) = (b.bytes(), b.bytes().len() / 64 * 64);
                         for w in r[..whole].chunks_exact(8) {
                             want = want.wrapping_add(u64::from_le_bytes(w.try_into().unwrap()));
                         }
