@@ -172,6 +172,7 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
                     let n = check * (d / group);
                     Params::PerGroup { group, scale: &scale[..n], offset: offset.map(|o| &o[..n]) }
                 }
+                _ => unreachable!("the specs benched have per-row, per-channel or per-group parameters"),
             },
         )
         .unwrap();

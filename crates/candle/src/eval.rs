@@ -17,6 +17,7 @@ use crate::store::{KvStore, KvqStore};
 /// How the tokens are fed and which positions are scored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Protocol {
     /// One sequence: a prefill of `prefill` tokens, then one token per decode step; every
     /// prediction from the last prefill position on is scored.

@@ -196,6 +196,7 @@ impl Search {
 
 /// The search's stages, for progress.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Stage {
     /// Every rung on every layer, and every layer alone at the probe, in one pass.
     Measure,

@@ -5,6 +5,7 @@ use kvq_quant_core::pack::packed_len;
 
 /// How a code maps to a level before scaling.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub enum Levels<'a> {
     /// Affine: the level is the code.
     Affine,
@@ -34,6 +35,7 @@ impl<'a> Levels<'a> {
 
 /// Where the scales and offsets of a block apply.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub enum Params<'a> {
     /// One scale (and offset) per row: per-token quantization.
     PerRow {

@@ -33,6 +33,7 @@ use crate::attention::AttentionError;
 
 /// Contiguous K and V, each `[kv_heads, tokens, head_dim]`, row-major.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub enum DenseKv<'a> {
     /// f32 rows, read in place.
     F32 {

@@ -44,6 +44,7 @@ use crate::text::{Detokenizer, StopMatcher};
 
 /// Why a generation ended (OpenAI's `finish_reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum FinishReason {
     /// An end-of-generation token or a stop string.
     Stop,
@@ -63,6 +64,7 @@ impl FinishReason {
 
 /// What the engine tells a request's handler.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum Event {
     /// Text to send (never part of a character or of a stop string).
     Text(String),
