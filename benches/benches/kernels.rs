@@ -18,8 +18,7 @@ use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::f16;
 use kvq::attention::{
-    AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch, decode_attention_path,
-    decode_attention_with,
+    AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention, decode_attention_batch,
 };
 use kvq::baseline::{DenseDims, DenseKv, DenseScratch, dense_attention};
 use kvq_benches::{best_float, layer_cache};
@@ -342,7 +341,16 @@ fn decode_at(c: &mut Criterion, len: usize) {
             group.bench_function(format!("{k}/{v}/{backend}_1thread"), |b| {
                 b.iter(|| {
                     pool.install(|| {
-                        decode_attention_with(backend, &cache, seq, 0, &q, q_heads, &mut out).unwrap()
+                        decode_attention(
+                            &AttentionOptions::default().backend(backend),
+                            &cache,
+                            seq,
+                            0,
+                            &q,
+                            q_heads,
+                            &mut out,
+                        )
+                        .unwrap()
                     })
                 })
             });
@@ -352,14 +360,34 @@ fn decode_at(c: &mut Criterion, len: usize) {
         let best = best_float();
         group.bench_function(format!("{k}/{v}/{best}_2threads"), |b| {
             b.iter(|| {
-                pool2.install(|| decode_attention_with(best, &cache, seq, 0, &q, q_heads, &mut out).unwrap())
+                pool2.install(|| {
+                    decode_attention(
+                        &AttentionOptions::default().backend(best),
+                        &cache,
+                        seq,
+                        0,
+                        &q,
+                        q_heads,
+                        &mut out,
+                    )
+                    .unwrap()
+                })
             })
         });
         // The integer score path (int8 query), with each backend's integer kernel, and on two
         // threads with the best one.
         let int8 = |backend: Backend, pool: &rayon::ThreadPool, out: &mut [f32]| {
             pool.install(|| {
-                decode_attention_path(backend, ScorePath::Int8, &cache, seq, 0, &q, q_heads, out).unwrap()
+                decode_attention(
+                    &AttentionOptions::with_path(ScorePath::Int8).backend(backend),
+                    &cache,
+                    seq,
+                    0,
+                    &q,
+                    q_heads,
+                    out,
+                )
+                .unwrap()
             })
         };
         let int8_backends: Vec<Backend> =
@@ -419,7 +447,14 @@ fn decode_batch(c: &mut Criterion) {
                     b.iter(|| {
                         pool.install(|| {
                             decode_attention_batch(
-                                best, &options, &cache, 0, &batch, &q, q_heads, &mut out, &mut ws,
+                                &options.backend(best),
+                                &cache,
+                                0,
+                                &batch,
+                                &q,
+                                q_heads,
+                                &mut out,
+                                &mut ws,
                             )
                             .unwrap()
                         })

@@ -26,7 +26,7 @@ fn chunk(c: &mut Criterion) {
     group.sample_size(10);
     group.throughput(Throughput::Elements(CHUNK as u64));
     let backend = best_float();
-    let options = AttentionOptions::default();
+    let options = AttentionOptions::default().backend(backend);
     for (k, v) in [
         ("int8-token", "int8-token"),
         ("int4-channel", "int4-token"),
@@ -43,10 +43,8 @@ fn chunk(c: &mut Criterion) {
             group.bench_function(format!("{k}/{v}/{backend}_{threads}thread"), |b| {
                 b.iter(|| {
                     pool.install(|| {
-                        decode_attention_batch(
-                            backend, &options, &cache, 0, &batch, &q, q_heads, &mut out, &mut ws,
-                        )
-                        .unwrap()
+                        decode_attention_batch(&options, &cache, 0, &batch, &q, q_heads, &mut out, &mut ws)
+                            .unwrap()
                     })
                 })
             });

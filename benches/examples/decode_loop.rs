@@ -18,7 +18,7 @@
 //! query heads over its 8 KV heads: 8 for multi-head attention, 24 for GQA groups of 3.
 
 use kvq::attention::{
-    AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch, decode_attention_path,
+    AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention, decode_attention_batch,
 };
 use kvq_benches::{best_float, layer_cache_with};
 use kvq_kernels_simd::Backend;
@@ -99,9 +99,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for _ in 0..steps {
             let t = std::time::Instant::now();
             if seqs == 0 {
-                decode_attention_path(backend, path, &cache, seq, 0, &q, q_heads, &mut out)?;
+                decode_attention(
+                    &AttentionOptions::with_path(path).backend(backend),
+                    &cache,
+                    seq,
+                    0,
+                    &q,
+                    q_heads,
+                    &mut out,
+                )?;
             } else {
-                decode_attention_batch(backend, &options, &cache, 0, &all, &q, q_heads, &mut out, &mut ws)?;
+                decode_attention_batch(
+                    &options.backend(backend),
+                    &cache,
+                    0,
+                    &all,
+                    &q,
+                    q_heads,
+                    &mut out,
+                    &mut ws,
+                )?;
             }
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }

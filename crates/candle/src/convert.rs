@@ -9,7 +9,7 @@
 use std::borrow::Cow;
 
 use candle_core::{DType, Device, Storage, Tensor};
-use kvq::attention::ScorePath;
+use kvq::attention::{AttentionOptions, ScorePath};
 use kvq::cache::QuantizedKvCache;
 use kvq::layout::SeqId;
 
@@ -118,6 +118,6 @@ pub fn attention(
         }
     }
     let mut out = vec![0f32; heads * d];
-    with_f32(q, |qs| cache.attention_path(path, seq, layer, qs, &mut out))??;
+    with_f32(q, |qs| cache.attention(&AttentionOptions::with_path(path), seq, layer, qs, &mut out))??;
     Ok(Tensor::from_vec(out, q.shape(), &Device::Cpu)?)
 }

@@ -3,7 +3,7 @@
 
 use std::borrow::{Borrow, BorrowMut};
 
-use kvq::attention::ScorePath;
+use kvq::attention::{AttentionOptions, ScorePath};
 use kvq::cache::{KvCacheConfig, QuantizedKvCache};
 use kvq::layout::SeqId;
 
@@ -245,7 +245,7 @@ impl<C: BorrowMut<QuantizedKvCache>> KvStore for KvqSeq<C> {
     }
 
     fn attention(&self, layer: usize, q: &[f32], out: &mut [f32]) -> Result<()> {
-        Ok(self.cache().attention_path(self.path, self.seq, layer, q, out)?)
+        Ok(self.cache().attention(&AttentionOptions::with_path(self.path), self.seq, layer, q, out)?)
     }
 
     fn check_capacity(&self, tokens: usize) -> Result<()> {

@@ -277,8 +277,8 @@ fn use_config(c: &KvCacheConfig) -> Outcome {
     if tokens > 0 && c.query_heads * c.head_dim <= WORK {
         let q = token(c.query_heads * c.head_dim, 3);
         let mut out = vec![0f32; q.len()];
-        cache.attention(seq, 0, &q, &mut out).map_err(err)?;
-        cache.attention_path(ScorePath::Int8, seq, 0, &q, &mut out).map_err(err)?;
+        cache.attention(&AttentionOptions::default(), seq, 0, &q, &mut out).map_err(err)?;
+        cache.attention(&AttentionOptions::with_path(ScorePath::Int8), seq, 0, &q, &mut out).map_err(err)?;
     }
     let fork = cache.fork(seq).map_err(err)?;
     let _ = cache.truncate(fork, tokens / 2);
@@ -483,7 +483,7 @@ fn run_kvq_seq(input: &[u8]) -> Outcome {
     let q = token(c.query_heads * c.head_dim, 1);
     let mut out = vec![0f32; q.len()];
     for l in 0..c.layers.len() {
-        cache.attention(seq, l, &q, &mut out).map_err(err)?;
+        cache.attention(&AttentionOptions::default(), seq, l, &q, &mut out).map_err(err)?;
     }
     let again = cache.export_sequence(seq).expect("writes");
     cache.free(seq).map_err(err)?;

@@ -50,7 +50,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             cache.append(seq, l, &row(&layer.k), &row(&layer.v))?;
             let q = row(&layer.q);
             let mut out = vec![0f32; q.len()];
-            cache.attention(seq, l, &q, &mut out)?;
+            cache.attention(&AttentionOptions::default(), seq, l, &q, &mut out)?;
             // Full-precision reference: the same attention over the original tensors.
             let reference = kvq::quant::metrics::attention(
                 &layer.q.prefix(t + 1)?,

@@ -80,6 +80,13 @@ pub struct AttentionOptions {
     /// block (the cache a token sees must be the one it saw alone). Slower than together by
     /// the blocks each token decodes for itself; faster than one call per token.
     pub token_by_token: bool,
+    /// The tokens of a chunk that bring queries to [`decode_attention`] (the newest cached
+    /// ones); `None`: 1, a decode step. [`decode_attention_batch`] takes each sequence's own
+    /// count from its [`BatchSeq`] instead.
+    pub chunk: Option<usize>,
+    /// The kernels to run; `None`: the process's selected backend
+    /// ([`kvq_kernels_simd::dispatch::selected`]).
+    pub backend: Option<Backend>,
 }
 
 impl AttentionOptions {
@@ -109,6 +116,18 @@ impl AttentionOptions {
     /// Sets whether a chunk's tokens attend token by token ([`AttentionOptions::token_by_token`]).
     pub fn token_by_token(mut self, yes: bool) -> Self {
         self.token_by_token = yes;
+        self
+    }
+
+    /// Sets the chunk's token count ([`AttentionOptions::chunk`]).
+    pub fn chunk(mut self, tokens: usize) -> Self {
+        self.chunk = Some(tokens);
+        self
+    }
+
+    /// Sets the kernel backend ([`AttentionOptions::backend`]).
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = Some(backend);
         self
     }
 
@@ -384,68 +403,26 @@ pub enum ScorePath {
     Int8,
 }
 
-/// Attention of `q` (`query_heads × head_dim`, head-major) over `layer` of `seq`, into `out`
-/// (same shape), with the process's selected kernel backend.
+/// Attention of the newest tokens of `layer` of `seq`, into `out`: the one entry for a
+/// sequence. `q` and `out` hold `tokens × query_heads × head_dim` values, token-major and
+/// head-major within a token, where `tokens` is [`AttentionOptions::chunk`] (1 by default: a
+/// decode step). A chunk's tokens, appended already (the last `tokens` cached), each attend
+/// causally to the cache and to the chunk's earlier tokens: chunked prefill, and the
+/// verification step of speculative decoding. Each KV head's blocks are read once for the
+/// whole chunk. The kernels are those of [`AttentionOptions::backend`], else the process's
+/// selected backend.
+///
+/// A batch of one of [`decode_attention_batch`]: a one-token call reuses a workspace the
+/// calling thread keeps, so that after a thread's first step of a shape a step allocates
+/// nothing; a longer chunk gets a workspace of its own (allocated per call, so that a thread
+/// does not keep a prefill's buffers).
 ///
 /// # Errors
-/// [`AttentionError::Shape`] when the query heads are not a multiple of the KV heads or the
-/// slices have the wrong length; [`AttentionError::Backend`] for a bad `KVQ_FORCE_BACKEND`;
-/// cache and kernel errors.
+/// [`AttentionError::Shape`] when the query heads are not a multiple of the KV heads, the
+/// slices have the wrong length, or the chunk is 0 tokens or more than are cached;
+/// [`AttentionError::Options`] for an option out of range; [`AttentionError::Backend`] for a
+/// bad `KVQ_FORCE_BACKEND`; cache and kernel errors.
 pub fn decode_attention<T: Element>(
-    cache: &PagedCache,
-    seq: SeqId,
-    layer: usize,
-    q: &[T],
-    query_heads: usize,
-    out: &mut [T],
-) -> Result<(), AttentionError> {
-    let backend = kvq_kernels_simd::dispatch::selected()?;
-    decode_attention_with(backend, cache, seq, layer, q, query_heads, out)
-}
-
-/// [`decode_attention`] with an explicit kernel backend.
-///
-/// # Errors
-/// As [`decode_attention`].
-pub fn decode_attention_with<T: Element>(
-    backend: Backend,
-    cache: &PagedCache,
-    seq: SeqId,
-    layer: usize,
-    q: &[T],
-    query_heads: usize,
-    out: &mut [T],
-) -> Result<(), AttentionError> {
-    decode_attention_path(backend, ScorePath::Float, cache, seq, layer, q, query_heads, out)
-}
-
-/// [`decode_attention_with`] with a choice of score path.
-///
-/// # Errors
-/// As [`decode_attention`].
-#[allow(clippy::too_many_arguments)]
-pub fn decode_attention_path<T: Element>(
-    backend: Backend,
-    path: ScorePath,
-    cache: &PagedCache,
-    seq: SeqId,
-    layer: usize,
-    q: &[T],
-    query_heads: usize,
-    out: &mut [T],
-) -> Result<(), AttentionError> {
-    let options = AttentionOptions::with_path(path);
-    decode_attention_options(backend, &options, cache, seq, layer, q, query_heads, out)
-}
-
-/// [`decode_attention_with`] with [`AttentionOptions`]: score path, scale, sliding window and
-/// soft-capping.
-///
-/// # Errors
-/// As [`decode_attention`], and [`AttentionError::Options`] for an option out of range.
-#[allow(clippy::too_many_arguments)]
-pub fn decode_attention_options<T: Element>(
-    backend: Backend,
     options: &AttentionOptions,
     cache: &PagedCache,
     seq: SeqId,
@@ -454,37 +431,10 @@ pub fn decode_attention_options<T: Element>(
     query_heads: usize,
     out: &mut [T],
 ) -> Result<(), AttentionError> {
-    decode_attention_chunk(backend, options, cache, seq, layer, q, 1, query_heads, out)
-}
-
-/// Attention of a chunk of `tokens` new tokens, already appended to `layer` of `seq` (the
-/// last `tokens` cached tokens), each attending causally to the cache and to the chunk's
-/// earlier tokens: chunked prefill, and the verification step of speculative decoding. `q`
-/// and `out` are `tokens × query_heads × head_dim`, token-major. Each KV head's blocks are
-/// read once for the whole chunk. A batch of one of [`decode_attention_batch`]: a chunk of
-/// one token (decode) reuses a workspace the calling thread keeps, so that after a thread's
-/// first step of a shape a step allocates nothing, as with a workspace of the caller's own;
-/// a longer chunk gets a workspace of its own (allocated per call, so that a thread does not
-/// keep a prefill's buffers).
-///
-/// # Errors
-/// As [`decode_attention_options`], and [`AttentionError::Shape`] when `tokens` is 0 or more
-/// than the cached tokens.
-#[allow(clippy::too_many_arguments)]
-pub fn decode_attention_chunk<T: Element>(
-    backend: Backend,
-    options: &AttentionOptions,
-    cache: &PagedCache,
-    seq: SeqId,
-    layer: usize,
-    q: &[T],
-    tokens: usize,
-    query_heads: usize,
-    out: &mut [T],
-) -> Result<(), AttentionError> {
+    let tokens = options.chunk.unwrap_or(1);
     let batch = [BatchSeq { seq, tokens }];
     let mut run = |ws: &mut DecodeWorkspace| {
-        decode_attention_batch(backend, options, cache, layer, &batch, q, query_heads, out, ws)
+        decode_attention_batch(options, cache, layer, &batch, q, query_heads, out, ws)
     };
     if tokens != 1 {
         return run(&mut DecodeWorkspace::new());
@@ -498,7 +448,7 @@ pub fn decode_attention_chunk<T: Element>(
 }
 
 thread_local! {
-    /// The workspace of [`decode_attention_chunk`]'s one-token calls on this thread: one
+    /// The workspace of [`decode_attention`]'s one-token calls on this thread: one
     /// token's buffers per (KV head, part of a split context), tens of KiB for a
     /// Llama-shaped layer, kept for the thread's life.
     static THREAD_WORKSPACE: std::cell::RefCell<DecodeWorkspace> =
@@ -601,7 +551,6 @@ const SPLIT_TOKENS: usize = 1024;
 /// [`AttentionError::Options`]; cache and kernel errors.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_attention_batch<T: Element>(
-    backend: Backend,
     options: &AttentionOptions,
     cache: &PagedCache,
     layer: usize,
@@ -612,6 +561,10 @@ pub fn decode_attention_batch<T: Element>(
     ws: &mut DecodeWorkspace,
 ) -> Result<(), AttentionError> {
     options.check()?;
+    let backend = match options.backend {
+        Some(b) => b,
+        None => kvq_kernels_simd::dispatch::selected()?,
+    };
     let cfg = cache.config();
     let (heads, d) = (cfg.kv_heads, cfg.head_dim);
     let row = query_heads.checked_mul(d);

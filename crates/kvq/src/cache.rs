@@ -10,8 +10,7 @@ use kvq_cache_layout::{CacheConfig, CacheError, CacheMemory, PagedCache, SeqId, 
 use kvq_quant_core::{Calibration, ChannelBits, QuantSpec, Rope, RopePairing, Tensor};
 
 use crate::attention::{
-    AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch,
-    decode_attention_chunk, decode_attention_options,
+    AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, decode_attention, decode_attention_batch,
 };
 use crate::element::Element;
 
@@ -1029,73 +1028,38 @@ impl QuantizedKvCache {
         Ok(self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?.len(seq, 0)?)
     }
 
-    /// Decode attention of `q` (`query_heads × head_dim`) over `layer` of `seq`, into `out`.
-    /// The buffers of a step are kept per thread: after a thread's first step, steps no larger
-    /// allocate nothing (for many sequences at once, see
-    /// [`QuantizedKvCache::attention_batch`]).
+    /// Attention of the newest tokens of `seq` in `layer` (appended already), into `out`:
+    /// one decode token by default, the last [`AttentionOptions::chunk`] tokens of a prefill
+    /// chunk or of a speculative decoder's verification, each attending causally up to
+    /// itself. `q` and `out` are `tokens × query_heads × head_dim`, token-major. The options
+    /// choose the arithmetic ([`ScorePath::Int8`](crate::attention::ScorePath::Int8) takes the
+    /// integer kernels where the CPU has them, faster within the error bounds
+    /// [`ScorePath`](crate::attention::ScorePath) states), scale, sliding window and
+    /// logit soft-capping, for the model families that need them. The buffers of a decode
+    /// step are kept per thread: after a thread's first step, steps no larger allocate
+    /// nothing (for many sequences at once, see [`QuantizedKvCache::attention_batch`]).
+    ///
+    /// ```
+    /// use kvq::prelude::*;
+    ///
+    /// let config = KvCacheConfig::builder(1, 2, 4, 64).build()?;
+    /// let mut cache = QuantizedKvCache::new(config)?;
+    /// let seq = cache.create();
+    /// let kv = vec![0.25f32; 2 * 64];
+    /// cache.append(seq, 0, &kv, &kv)?;
+    /// let q = vec![0.5f32; 4 * 64];
+    /// let mut out = vec![0f32; q.len()];
+    /// cache.attention(&AttentionOptions::default(), seq, 0, &q, &mut out)?;
+    /// cache.attention(&AttentionOptions::with_path(ScorePath::Int8), seq, 0, &q, &mut out)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Errors
-    /// [`KvqError::Attention`], [`KvqError::Cache`].
+    /// [`KvqError::Attention`] (shapes, an option out of range, a chunk of 0 tokens or of more
+    /// than are cached), [`KvqError::Cache`] (an unknown sequence or layer),
+    /// [`KvqError::Backend`].
     pub fn attention<T: Element>(
         &self,
-        seq: SeqId,
-        layer: usize,
-        q: &[T],
-        out: &mut [T],
-    ) -> Result<(), KvqError> {
-        self.attention_path(ScorePath::Float, seq, layer, q, out)
-    }
-
-    /// [`QuantizedKvCache::attention`] with a choice of arithmetic: [`ScorePath::Int8`] takes
-    /// the integer kernels where the CPU has them (int8 queries for scores; 8-bit weights
-    /// for INT4 values and 16-bit ones for INT8 values on AVX-512 VNNI; 8-bit weights for
-    /// KIVI-style INT4 on AVX2 too, in its fused block kernel), faster within the error bounds
-    /// [`ScorePath`] states.
-    ///
-    /// # Errors
-    /// [`KvqError::Attention`], [`KvqError::Cache`].
-    pub fn attention_path<T: Element>(
-        &self,
-        path: ScorePath,
-        seq: SeqId,
-        layer: usize,
-        q: &[T],
-        out: &mut [T],
-    ) -> Result<(), KvqError> {
-        self.attention_with(&AttentionOptions::with_path(path), seq, layer, q, out)
-    }
-
-    /// Attention of the last `tokens` tokens of `seq` in `layer` (appended already), each
-    /// attending causally up to itself: a prefill chunk, or the tokens a speculative decoder
-    /// verifies. `q` and `out` are `tokens × query_heads × head_dim`, token-major.
-    ///
-    /// # Errors
-    /// As [`QuantizedKvCache::attention_with`], and [`KvqError::Attention`] for a chunk of 0
-    /// tokens or of more than are cached.
-    pub fn attention_chunk<T: Element>(
-        &self,
-        options: &AttentionOptions,
-        seq: SeqId,
-        layer: usize,
-        q: &[T],
-        tokens: usize,
-        out: &mut [T],
-    ) -> Result<(), KvqError> {
-        let n = self.layers.len();
-        let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
-        let backend = kvq_kernels_simd::dispatch::selected().map_err(AttentionError::Backend)?;
-        let qh = self.config.query_heads;
-        Ok(decode_attention_chunk(backend, options, cache, seq, 0, q, tokens, qh, out)?)
-    }
-
-    /// [`QuantizedKvCache::attention`] with [`AttentionOptions`]: score path, scale, sliding
-    /// window and logit soft-capping, for the model families that need them.
-    ///
-    /// # Errors
-    /// [`KvqError::Attention`] (an option out of range among them), [`KvqError::Cache`],
-    /// [`KvqError::Backend`].
-    pub fn attention_with<T: Element>(
-        &self,
         options: &AttentionOptions,
         seq: SeqId,
         layer: usize,
@@ -1104,8 +1068,7 @@ impl QuantizedKvCache {
     ) -> Result<(), KvqError> {
         let n = self.layers.len();
         let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
-        let backend = kvq_kernels_simd::dispatch::selected().map_err(AttentionError::Backend)?;
-        Ok(decode_attention_options(backend, options, cache, seq, 0, q, self.config.query_heads, out)?)
+        Ok(decode_attention(options, cache, seq, 0, q, self.config.query_heads, out)?)
     }
 
     /// Decode attention of a whole batch of sequences over `layer` in one call (continuous
@@ -1154,9 +1117,8 @@ impl QuantizedKvCache {
     ) -> Result<(), KvqError> {
         let n = self.layers.len();
         let cache = self.layers.get(layer).ok_or(CacheError::Layer { layer, layers: n })?;
-        let backend = kvq_kernels_simd::dispatch::selected().map_err(AttentionError::Backend)?;
         let qh = self.config.query_heads;
-        Ok(decode_attention_batch(backend, options, cache, 0, batch, q, qh, out, ws)?)
+        Ok(decode_attention_batch(options, cache, 0, batch, q, qh, out, ws)?)
     }
 
     /// Exact memory of every layer.

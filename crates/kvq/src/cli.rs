@@ -642,7 +642,7 @@ fn bench(
     (residual_blocks, sinks, block_size): (usize, usize, usize),
     stdout: &mut dyn Write,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    use kvq::attention::{ScorePath, decode_attention_path};
+    use kvq::attention::{AttentionOptions, ScorePath, decode_attention};
     use kvq::layout::{CacheConfig, PagedCache};
     use kvq::quant::synth::normal_tensor;
     use std::time::Instant;
@@ -796,8 +796,11 @@ fn bench(
         }
         for &(path, label) in paths {
             let t = time(&mut || {
-                pool.install(|| decode_attention_path(backend, path, &cache, seq, 0, &q, q_heads, &mut out))
-                    .expect("shapes checked above");
+                pool.install(|| {
+                    let options = AttentionOptions::with_path(path).backend(backend);
+                    decode_attention(&options, &cache, seq, 0, &q, q_heads, &mut out)
+                })
+                .expect("shapes checked above");
             });
             writeln!(
                 stdout,

@@ -16,7 +16,7 @@
 //! cache.append(seq, 0, &kv, &kv)?;
 //! let q = vec![f16::from_f32(0.5); 2 * 64];
 //! let mut out = vec![f16::ZERO; 2 * 64];
-//! cache.attention(seq, 0, &q, &mut out)?;
+//! cache.attention(&AttentionOptions::default(), seq, 0, &q, &mut out)?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 

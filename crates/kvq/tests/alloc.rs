@@ -13,8 +13,8 @@
 use cap::Cap;
 use half::f16;
 use kvq::attention::{
-    AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention_batch,
-    decode_attention_options,
+    AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention,
+    decode_attention_batch,
 };
 use kvq::kernels::Backend;
 use kvq::kernels::dispatch::available;
@@ -122,7 +122,14 @@ fn decode_steps_do_not_allocate() {
                     let (first, allocated) = pool.install(|| {
                         allocations(&mut || {
                             decode_attention_batch(
-                                backend, &options, &cache, 0, batch, &q, qh, &mut out, &mut ws,
+                                &options.backend(backend),
+                                &cache,
+                                0,
+                                batch,
+                                &q,
+                                qh,
+                                &mut out,
+                                &mut ws,
                             )
                         })
                     });
@@ -141,7 +148,14 @@ fn decode_steps_do_not_allocate() {
                     let (_, allocated) = pool.install(|| {
                         allocations(&mut || {
                             decode_attention_batch(
-                                backend, &options, &cache, 0, batch, &q, qh, &mut out, &mut ws,
+                                &options.backend(backend),
+                                &cache,
+                                0,
+                                batch,
+                                &q,
+                                qh,
+                                &mut out,
+                                &mut ws,
                             )
                         })
                     });
@@ -154,7 +168,7 @@ fn decode_steps_do_not_allocate() {
                     let mut out = vec![0f32; q.len()];
                     let (_, allocated) = pool.install(|| {
                         allocations(&mut || {
-                            decode_attention_options(backend, &options, &cache, s, 0, &q, qh, &mut out)
+                            decode_attention(&options.backend(backend), &cache, s, 0, &q, qh, &mut out)
                         })
                     });
                     assert_eq!(allocated, 0, "one sequence: K {k} V {v}, {backend}, {path:?}");

@@ -4,7 +4,7 @@
 
 #[path = "../../quant-core/tests/common/shared_data.rs"]
 mod shared_data;
-use kvq::attention::{ScorePath, decode_attention_path, decode_attention_with};
+use kvq::attention::{AttentionOptions, ScorePath, decode_attention};
 use kvq::kernels::dispatch::available;
 use kvq::layout::{CacheConfig, PagedCache, SeqId, TailDtype};
 use kvq::quant::calibration::Part;
@@ -55,7 +55,16 @@ fn check(cache: &PagedCache, seq: SeqId, layer: usize, q: &[f32], query_heads: u
     for (backend, path) in available().into_iter().flat_map(|b| [(b, ScorePath::Float), (b, ScorePath::Int8)])
     {
         let mut got = vec![0f32; q.len()];
-        decode_attention_path(backend, path, cache, seq, layer, q, query_heads, &mut got).unwrap();
+        decode_attention(
+            &AttentionOptions::with_path(path).backend(backend),
+            cache,
+            seq,
+            layer,
+            q,
+            query_heads,
+            &mut got,
+        )
+        .unwrap();
         let rel = rel_err(&got, &want);
         let tolerance = tolerance(path);
         assert!(rel < tolerance, "{what}, backend {backend}, {path:?}: relative error {rel}");
@@ -257,7 +266,16 @@ fn integer_paths_track_the_float_path_on_real_layers() {
                         let mut all = Vec::with_capacity(QUERIES * 3 * d);
                         for qrow in &qrows {
                             let mut out = vec![0f32; 3 * d];
-                            decode_attention_path(backend, path, &cache, seq, 0, qrow, 3, &mut out).unwrap();
+                            decode_attention(
+                                &AttentionOptions::with_path(path).backend(backend),
+                                &cache,
+                                seq,
+                                0,
+                                qrow,
+                                3,
+                                &mut out,
+                            )
+                            .unwrap();
                             all.extend_from_slice(&out);
                         }
                         all
@@ -281,19 +299,52 @@ fn bad_inputs_are_errors() {
     let seq = cache.create();
     let mut out = vec![0f32; 24];
     assert!(
-        decode_attention_with(kvq::kernels::Backend::Scalar, &cache, seq, 0, &[0.0; 24], 3, &mut out)
-            .is_err()
+        decode_attention(
+            &AttentionOptions::default().backend(kvq::kernels::Backend::Scalar),
+            &cache,
+            seq,
+            0,
+            &[0.0; 24],
+            3,
+            &mut out
+        )
+        .is_err()
     );
     assert!(
-        decode_attention_with(kvq::kernels::Backend::Scalar, &cache, seq, 0, &[0.0; 16], 2, &mut out)
-            .is_err()
+        decode_attention(
+            &AttentionOptions::default().backend(kvq::kernels::Backend::Scalar),
+            &cache,
+            seq,
+            0,
+            &[0.0; 16],
+            2,
+            &mut out
+        )
+        .is_err()
     );
     let mut out = vec![1f32; 16];
-    decode_attention_with(kvq::kernels::Backend::Scalar, &cache, seq, 0, &[0.0; 16], 2, &mut out).unwrap();
+    decode_attention(
+        &AttentionOptions::default().backend(kvq::kernels::Backend::Scalar),
+        &cache,
+        seq,
+        0,
+        &[0.0; 16],
+        2,
+        &mut out,
+    )
+    .unwrap();
     assert!(out.iter().all(|&x| x == 0.0), "an empty sequence attends to nothing");
     assert!(
-        decode_attention_with(kvq::kernels::Backend::Scalar, &cache, SeqId(9), 0, &[0.0; 16], 2, &mut out)
-            .is_err()
+        decode_attention(
+            &AttentionOptions::default().backend(kvq::kernels::Backend::Scalar),
+            &cache,
+            SeqId(9),
+            0,
+            &[0.0; 16],
+            2,
+            &mut out
+        )
+        .is_err()
     );
 }
 
@@ -361,7 +412,7 @@ fn reference_with(
 /// reference; and options out of range are errors.
 #[test]
 fn attention_options_match_the_reference() {
-    use kvq::attention::{AttentionError, AttentionOptions, decode_attention_options};
+    use kvq::attention::{AttentionError, AttentionOptions, decode_attention};
     let mut rng = Rng::new(5);
     let (kv_heads, g, d, len) = (2usize, 2usize, 32usize, 77usize);
     let config = CacheConfig::new(1, kv_heads, d, 64)
@@ -407,7 +458,7 @@ fn attention_options_match_the_reference() {
                 o.sliding_window = window;
                 o.softcap = cap;
                 let mut got = vec![0f32; q.len()];
-                decode_attention_options(backend, &o, &cache, seq, 0, &q, kv_heads * g, &mut got).unwrap();
+                decode_attention(&o.backend(backend), &cache, seq, 0, &q, kv_heads * g, &mut got).unwrap();
                 let rel = rel_err(&got, &want);
                 assert!(rel < tolerance(path), "{scale:?} {window:?} {cap:?} {backend} {path:?}: {rel}");
             }
@@ -421,7 +472,7 @@ fn attention_options_match_the_reference() {
         AttentionOptions::default().softcap(0.0),
         AttentionOptions::default().softcap(f32::INFINITY),
     ] {
-        let e = decode_attention_options(available()[0], &bad, &cache, seq, 0, &q, kv_heads * g, &mut out);
+        let e = decode_attention(&bad.backend(available()[0]), &cache, seq, 0, &q, kv_heads * g, &mut out);
         assert!(matches!(e, Err(AttentionError::Options(_))), "{bad:?}");
     }
 }
@@ -431,7 +482,7 @@ fn attention_options_match_the_reference() {
 /// cross block boundaries and the residual window; bad chunk sizes are errors.
 #[test]
 fn chunks_attend_causally() {
-    use kvq::attention::{AttentionOptions, decode_attention_chunk};
+    use kvq::attention::{AttentionOptions, decode_attention};
     let mut rng = Rng::new(9);
     let (kv_heads, g, d, len) = (2usize, 3usize, 32usize, 70usize);
     let config = CacheConfig::new(1, kv_heads, d, 64)
@@ -455,7 +506,8 @@ fn chunks_attend_causally() {
                     let mut o = AttentionOptions::with_path(path);
                     o.sliding_window = window;
                     let mut got = vec![0f32; q.len()];
-                    decode_attention_chunk(backend, &o, &cache, seq, 0, &q, tokens, qh, &mut got).unwrap();
+                    decode_attention(&o.backend(backend).chunk(tokens), &cache, seq, 0, &q, qh, &mut got)
+                        .unwrap();
                     for j in 0..tokens {
                         let row = &q[j * qh * d..(j + 1) * qh * d];
                         let end = len - tokens + j + 1;
@@ -483,11 +535,17 @@ fn chunks_attend_causally() {
     let o = AttentionOptions::default();
     let mut out = vec![0f32; 71 * qh * d];
     let q = vec![0.5f32; 71 * qh * d];
-    assert!(decode_attention_chunk(available()[0], &o, &cache, seq, 0, &q, 71, qh, &mut out).is_err());
     assert!(
-        decode_attention_chunk(available()[0], &o, &cache, seq, 0, &[] as &[f32], 0, qh, &mut []).is_err()
+        decode_attention(&o.backend(available()[0]).chunk(71), &cache, seq, 0, &q, qh, &mut out).is_err()
     );
-    assert!(decode_attention_chunk(available()[0], &o, &cache, seq, 0, &q[1..], 71, qh, &mut out).is_err());
+    assert!(
+        decode_attention(&o.backend(available()[0]).chunk(0), &cache, seq, 0, &[] as &[f32], qh, &mut [])
+            .is_err()
+    );
+    assert!(
+        decode_attention(&o.backend(available()[0]).chunk(71), &cache, seq, 0, &q[1..], qh, &mut out)
+            .is_err()
+    );
 }
 
 /// A batch of sequences of different lengths, some decoding one token and some a chunk, in
@@ -534,7 +592,7 @@ fn batches_of_mixed_sequences() {
         for backend in available() {
             let mut out = vec![f32::NAN; q.len()];
             pool.install(|| {
-                decode_attention_batch(backend, &o, &cache, 0, &batch, &q, qh, &mut out, &mut ws)
+                decode_attention_batch(&o.backend(backend), &cache, 0, &batch, &q, qh, &mut out, &mut ws)
             })
             .unwrap();
             let mut row = 0;
@@ -561,7 +619,8 @@ fn batches_of_mixed_sequences() {
     let q = vec![0.25f32; 3 * qh * d];
     let mut out = vec![7.0f32; q.len()];
     assert!(
-        decode_attention_batch(available()[0], &o, &cache, 0, &batch, &q, qh, &mut out, &mut ws).is_err()
+        decode_attention_batch(&o.backend(available()[0]), &cache, 0, &batch, &q, qh, &mut out, &mut ws)
+            .is_err()
     );
     assert!(out.iter().all(|&x| x == 7.0));
     let mut other = PagedCache::new(cache.config().clone()).unwrap();
@@ -569,8 +628,7 @@ fn batches_of_mixed_sequences() {
     let batch = [BatchSeq::decode(seqs[0]), BatchSeq::decode(stranger)];
     let mut out = vec![7.0f32; 2 * qh * d];
     let r = decode_attention_batch(
-        available()[0],
-        &o,
+        &o.backend(available()[0]),
         &cache,
         0,
         &batch,
@@ -583,12 +641,12 @@ fn batches_of_mixed_sequences() {
     // Wrong sizes.
     let batch = [BatchSeq::decode(seqs[0])];
     assert!(
-        decode_attention_batch(available()[0], &o, &cache, 0, &batch, &q, qh, &mut out, &mut ws).is_err()
+        decode_attention_batch(&o.backend(available()[0]), &cache, 0, &batch, &q, qh, &mut out, &mut ws)
+            .is_err()
     );
     assert!(
         decode_attention_batch(
-            available()[0],
-            &o,
+            &o.backend(available()[0]),
             &cache,
             0,
             &batch,
@@ -822,8 +880,7 @@ fn token_by_token_chunks_are_decode_steps_to_the_bit() {
                             let (q, out) =
                                 (&q[t * qh * d..(t + 1) * qh * d], &mut want[t * qh * d..(t + 1) * qh * d]);
                             decode_attention_batch(
-                                backend,
-                                &o,
+                                &o.backend(backend),
                                 &alone,
                                 0,
                                 &[BatchSeq::decode(a)],
@@ -848,8 +905,17 @@ fn token_by_token_chunks_are_decode_steps_to_the_bit() {
                                 let batch = [BatchSeq { seq: c, tokens: r[1] - r[0] }];
                                 let span = r[0] * qh * d..r[1] * qh * d;
                                 let (q, out) = (&q[span.clone()], &mut got[span]);
-                                decode_attention_batch(backend, o, &chunked, 0, &batch, q, qh, out, ws)
-                                    .unwrap();
+                                decode_attention_batch(
+                                    &(*o).backend(backend),
+                                    &chunked,
+                                    0,
+                                    &batch,
+                                    q,
+                                    qh,
+                                    out,
+                                    ws,
+                                )
+                                .unwrap();
                             }
                             got
                         };
@@ -922,7 +988,16 @@ fn outputs_do_not_depend_on_threads_or_the_batch() {
             alone.append(a, 0, k_at(t), v_at(t)).unwrap();
             let out = &mut want[i * qh * d..(i + 1) * qh * d];
             one.install(|| {
-                decode_attention_batch(best, &o, &alone, 0, &[BatchSeq::decode(a)], q_at(t), qh, out, &mut ws)
+                decode_attention_batch(
+                    &o.backend(best),
+                    &alone,
+                    0,
+                    &[BatchSeq::decode(a)],
+                    q_at(t),
+                    qh,
+                    out,
+                    &mut ws,
+                )
             })
             .unwrap();
         }
@@ -934,7 +1009,7 @@ fn outputs_do_not_depend_on_threads_or_the_batch() {
             both.extend_from_slice(q_at(5));
             let batch = [BatchSeq::decode(a), BatchSeq::decode(b)];
             pool.install(|| {
-                decode_attention_batch(best, &o, &alone, 0, &batch, &both, qh, &mut got, &mut ws)
+                decode_attention_batch(&o.backend(best), &alone, 0, &batch, &both, qh, &mut got, &mut ws)
             })
             .unwrap();
             let last = &want[(len - prefix - 1) * qh * d..];
@@ -955,7 +1030,16 @@ fn outputs_do_not_depend_on_threads_or_the_batch() {
                 let batch = [BatchSeq { seq: c, tokens: w[1] - w[0] }];
                 let qs = &q[w[0] * qh * d..w[1] * qh * d];
                 pool.install(|| {
-                    decode_attention_batch(best, &o, &chunked, 0, &batch, qs, qh, &mut got[span], &mut ws)
+                    decode_attention_batch(
+                        &o.backend(best),
+                        &chunked,
+                        0,
+                        &batch,
+                        qs,
+                        qh,
+                        &mut got[span],
+                        &mut ws,
+                    )
                 })
                 .unwrap();
             }

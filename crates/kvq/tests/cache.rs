@@ -125,7 +125,7 @@ fn a_multi_layer_cache_stays_consistent() {
     assert!((0..3).all(|l| cache.len(seq, l).unwrap() == 12));
     let q: Vec<f32> = (0..6 * 32).map(|i| (i % 5) as f32 * 0.2).collect();
     let mut out = vec![0f32; q.len()];
-    cache.attention(fork, 1, &q, &mut out).unwrap();
+    cache.attention(&AttentionOptions::default(), fork, 1, &q, &mut out).unwrap();
     assert!(out.iter().all(|x| x.is_finite()));
     let used = cache.used_bytes();
     cache.free(fork).unwrap();
@@ -214,7 +214,7 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
 /// the outputs stay within 1% of the float path's at every position asked.
 #[test]
 fn integer_attention_on_real_data_tracks_the_float_path() {
-    use kvq::attention::ScorePath;
+    use kvq::attention::{AttentionOptions, ScorePath};
     let (k, v, q) = sample_layer9();
     let (s, qs) = (k.shape(), q.shape());
     let config = KvCacheConfig::builder(1, s.heads, qs.heads, s.head_dim)
@@ -227,8 +227,8 @@ fn integer_attention_on_real_data_tracks_the_float_path() {
     let seq = cache.create();
     let query = append_tokens(&mut cache, seq, (&k, &v, &q), s.tokens);
     let (mut float, mut int) = (vec![0f32; query.len()], vec![0f32; query.len()]);
-    cache.attention_path(ScorePath::Float, seq, 0, &query, &mut float).unwrap();
-    cache.attention_path(ScorePath::Int8, seq, 0, &query, &mut int).unwrap();
+    cache.attention(&AttentionOptions::with_path(ScorePath::Float), seq, 0, &query, &mut float).unwrap();
+    cache.attention(&AttentionOptions::with_path(ScorePath::Int8), seq, 0, &query, &mut int).unwrap();
     let rel = rel(&int, &float);
     // Where the selected backend has integer kernels they ran, and rounding shows.
     use kvq::kernels::Backend;
@@ -244,7 +244,7 @@ fn integer_attention_on_real_data_tracks_the_float_path() {
 /// it, on real keys and values.
 #[test]
 fn key_groups_inside_larger_blocks_hold_the_same_keys() {
-    use kvq::attention::ScorePath;
+    use kvq::attention::{AttentionOptions, ScorePath};
     let (k, v, q) = sample_layer9();
     let (s, qs) = (k.shape(), q.shape());
     let (d, tokens) = (s.head_dim, s.tokens / 128 * 128);
@@ -262,7 +262,7 @@ fn key_groups_inside_larger_blocks_hold_the_same_keys() {
         let query = append_tokens(&mut cache, seq, (&k, &v, &q), tokens);
         let mut out = [vec![0f32; query.len()], vec![0f32; query.len()]];
         for (o, path) in out.iter_mut().zip([ScorePath::Float, ScorePath::Int8]) {
-            cache.attention_path(path, seq, 0, &query, o).unwrap();
+            cache.attention(&AttentionOptions::with_path(path), seq, 0, &query, o).unwrap();
         }
         let m = &cache.memory()[0].layers[0];
         ((m.code_bytes, m.param_bytes, m.tail_bytes), out)
@@ -330,7 +330,7 @@ fn attend_layers(cache: &QuantizedKvCache, seq: SeqId, layers: usize, q: &[f32])
     (0..layers)
         .map(|l| {
             let mut out = vec![0f32; q.len()];
-            cache.attention(seq, l, q, &mut out).unwrap();
+            cache.attention(&AttentionOptions::default(), seq, l, q, &mut out).unwrap();
             out
         })
         .collect()
@@ -422,12 +422,12 @@ fn half_precision_inputs_and_outputs_match_the_f32_path() {
         let options = AttentionOptions::default();
         for l in 0..2 {
             let (mut o_n, mut o_w) = (vec![T::ZERO; q.len()], vec![0f32; q.len()]);
-            narrow.attention_chunk(&options, a, l, &q, 3, &mut o_n).unwrap();
-            wide.attention_chunk(&options, b, l, &w(&q), 3, &mut o_w).unwrap();
+            narrow.attention(&options.chunk(3), a, l, &q, &mut o_n).unwrap();
+            wide.attention(&options.chunk(3), b, l, &w(&q), &mut o_w).unwrap();
             let expect: Vec<T> = n(&o_w);
             assert!(o_n.iter().zip(&expect).all(|(x, y)| x.to_f32() == y.to_f32()), "{label} layer {l}");
             let mut one = vec![T::ZERO; 6 * 32];
-            narrow.attention(a, l, &q[2 * 6 * 32..], &mut one).unwrap();
+            narrow.attention(&AttentionOptions::default(), a, l, &q[2 * 6 * 32..], &mut one).unwrap();
             assert!(one.iter().all(|x| x.to_f32().is_finite()), "{label}");
         }
     }
@@ -461,7 +461,7 @@ fn half_precision_edge_cases_are_typed_errors() {
     }
     let mut out = vec![f16::from_f32(7.0); 32];
     let q = vec![f16::from_f32(0.1); 32];
-    cache.attention(seq, 0, &q, &mut out).unwrap();
+    cache.attention(&AttentionOptions::default(), seq, 0, &q, &mut out).unwrap();
     let spec: QuantSpec = "int8-token-f32".parse().unwrap();
     let huge = KvCacheConfig::builder(1, 1, 1, 32)
         .specs(spec.clone(), spec)
@@ -476,7 +476,7 @@ fn half_precision_edge_cases_are_typed_errors() {
         huge.append(s, 0, &[0.1f32; 32], &[1e6f32; 32]).unwrap();
     }
     let before = out.clone();
-    let err = huge.attention(s, 0, &q, &mut out).unwrap_err();
+    let err = huge.attention(&AttentionOptions::default(), s, 0, &q, &mut out).unwrap_err();
     assert!(
         matches!(
             err,
@@ -486,7 +486,7 @@ fn half_precision_edge_cases_are_typed_errors() {
     );
     assert_eq!(out, before, "out is untouched on error");
     let mut wide = vec![0f32; 32];
-    huge.attention(s, 0, &[0.1f32; 32], &mut wide).unwrap();
+    huge.attention(&AttentionOptions::default(), s, 0, &[0.1f32; 32], &mut wide).unwrap();
     assert!(wide.iter().all(|&x| (x - 1e6).abs() < 1e3));
 }
 
@@ -579,8 +579,8 @@ fn layers_with_bits_per_key_channel() {
     }
     let q = token(2 * heads * d, 99);
     let (mut plain, mut fitted) = (vec![0f32; q.len()], vec![0f32; q.len()]);
-    cache.attention(seq, 0, &q, &mut plain).unwrap();
-    cache.attention(seq, 1, &q, &mut fitted).unwrap();
+    cache.attention(&AttentionOptions::default(), seq, 0, &q, &mut plain).unwrap();
+    cache.attention(&AttentionOptions::default(), seq, 1, &q, &mut fitted).unwrap();
     let rel = plain.iter().zip(&fitted).map(|(a, b)| (a - b).powi(2)).sum::<f32>().sqrt()
         / plain.iter().map(|a| a * a).sum::<f32>().sqrt();
     // Layer 0 holds INT4 keys, layer 1 the same keys at 3 bits on average: close, not equal.
@@ -626,7 +626,7 @@ fn layers_with_keys_before_rope() {
     let q = token(2 * heads * d, 99);
     let attend = |cache: &QuantizedKvCache, s: SeqId, l: usize| {
         let mut out = vec![0f32; q.len()];
-        cache.attention(s, l, &q, &mut out).unwrap();
+        cache.attention(&AttentionOptions::default(), s, l, &q, &mut out).unwrap();
         out
     };
     // The same keys, plain INT4 in layer 0 and before RoPE in layer 1: close, not equal.

@@ -58,7 +58,7 @@ fn used_safely(name: &str, c: &KvCacheConfig) {
     }
     let q = row(c.query_heads * c.head_dim, 3);
     let mut out = vec![0f32; q.len()];
-    match cache.attention(seq, 0, &q, &mut out) {
+    match cache.attention(&AttentionOptions::default(), seq, 0, &q, &mut out) {
         Ok(()) => assert!(out.iter().all(|x| x.is_finite()), "{name}: non-finite output"),
         Err(e) => assert!(matches!(e, KvqError::Attention(_)), "{name}: {e}"),
     }
