@@ -338,19 +338,11 @@ fn decode_at(c: &mut Criterion, len: usize) {
         group.throughput(Throughput::Bytes(mem.used_bytes() as u64));
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         for backend in [Backend::Wide, Backend::Avx2].into_iter().filter(|b| b.is_available()) {
+            let on_backend = AttentionOptions::default().backend(backend);
             group.bench_function(format!("{k}/{v}/{backend}_1thread"), |b| {
                 b.iter(|| {
                     pool.install(|| {
-                        decode_attention(
-                            &AttentionOptions::default().backend(backend),
-                            &cache,
-                            seq,
-                            0,
-                            &q,
-                            q_heads,
-                            &mut out,
-                        )
-                        .unwrap()
+                        decode_attention(&on_backend, &cache, seq, 0, &q, q_heads, &mut out).unwrap()
                     })
                 })
             });
@@ -358,20 +350,10 @@ fn decode_at(c: &mut Criterion, len: usize) {
         // Two threads (this machine's cores): KV heads spread over both.
         let pool2 = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let best = best_float();
+        let on_best = AttentionOptions::default().backend(best);
         group.bench_function(format!("{k}/{v}/{best}_2threads"), |b| {
             b.iter(|| {
-                pool2.install(|| {
-                    decode_attention(
-                        &AttentionOptions::default().backend(best),
-                        &cache,
-                        seq,
-                        0,
-                        &q,
-                        q_heads,
-                        &mut out,
-                    )
-                    .unwrap()
-                })
+                pool2.install(|| decode_attention(&on_best, &cache, seq, 0, &q, q_heads, &mut out).unwrap())
             })
         });
         // The integer score path (int8 query), with each backend's integer kernel, and on two

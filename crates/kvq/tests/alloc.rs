@@ -119,18 +119,10 @@ fn decode_steps_do_not_allocate() {
                     let q: Vec<f32> = (0..rows * qh * d).map(|_| rng.normal() as f32).collect();
                     let mut out = vec![0f32; q.len()];
                     let mut ws = DecodeWorkspace::new();
+                    let on = options.backend(backend);
                     let (first, allocated) = pool.install(|| {
                         allocations(&mut || {
-                            decode_attention_batch(
-                                &options.backend(backend),
-                                &cache,
-                                0,
-                                batch,
-                                &q,
-                                qh,
-                                &mut out,
-                                &mut ws,
-                            )
+                            decode_attention_batch(&on, &cache, 0, batch, &q, qh, &mut out, &mut ws)
                         })
                     });
                     // The counter sees the first step sizing the fresh workspace.
@@ -147,16 +139,7 @@ fn decode_steps_do_not_allocate() {
                     let mut out = vec![f16::ZERO; q.len()];
                     let (_, allocated) = pool.install(|| {
                         allocations(&mut || {
-                            decode_attention_batch(
-                                &options.backend(backend),
-                                &cache,
-                                0,
-                                batch,
-                                &q,
-                                qh,
-                                &mut out,
-                                &mut ws,
-                            )
+                            decode_attention_batch(&on, &cache, 0, batch, &q, qh, &mut out, &mut ws)
                         })
                     });
                     assert_eq!(allocated, 0, "f16: K {k} V {v}, {backend}, {path:?}");
