@@ -1,7 +1,8 @@
 //! `cargo xtask <command>`: project automation that needs nothing but cargo (and, for
 //! `cross`, Debian packages it installs itself).
 //!
-//! - `ci`: formatting, clippy with warnings denied, the tests, and the docs with warnings denied.
+//! - `ci`: formatting, clippy with warnings denied (also on `kvq` without its default `cli`
+//!   feature), the tests, and the docs with warnings denied.
 //! - `test --level baseline|v3|native|scalar|newcomer`: the test executables (not the doc
 //!   tests, which `ci` runs) built with the matching RUSTFLAGS (none; `-C target-cpu=x86-64-v3`;
 //!   `-C target-cpu=native`) or with the scalar kernels forced; prints `rustc --print cfg` and
@@ -261,6 +262,9 @@ fn ci() -> Result<(), String> {
 /// Clears every way rustflags could leak in from the caller's environment.
 fn clean_flags(cmd: &mut Command) -> &mut Command {
     for var in ["RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS", "CARGO_BUILD_RUSTFLAGS", "KVQ_FORCE_BACKEND"] {
+    // What an engine author gets from `kvq` with `default-features = false`: the cache and its
+    // attention, without the tools' modules, clap or indicatif.
+    run(cargo().args(["clippy", "-p", "kvq", "--lib", "--no-default-features", "--", "-D", "warnings"]))?;
         cmd.env_remove(var);
     }
     cmd

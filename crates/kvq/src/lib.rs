@@ -11,7 +11,9 @@
 //! - [`cache`]: [`cache::KvCacheConfig`] (TOML/JSON, validated) and [`cache::QuantizedKvCache`],
 //!   a model's cache with per-layer specs; [`prelude`] imports the common types.
 //! - [`element`]: [`element::Element`], the f32, f16 and bf16 inputs and outputs of the cache.
-//! - [`analysis`]: the `kvq analyze` report; [`plot`]: its SVG figures.
+//! - [`analysis`]: the `kvq analyze` report; [`plot`]: its SVG figures; [`recommend`]: per-layer
+//!   specs from dumped tensors. These three, like the `kvq` binary and [`cli`], come with the
+//!   `cli` feature (on by default); an engine that only needs the cache turns it off.
 //!
 //! ```
 //! use kvq::analysis::{analyze, layers_from_file, KvSpec, Options};
@@ -25,6 +27,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#[cfg(feature = "cli")]
 pub mod analysis;
 pub mod attention;
 pub mod baseline;
@@ -32,8 +35,10 @@ pub mod cache;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod element;
+#[cfg(feature = "cli")]
 pub mod plot;
 pub mod prelude;
+#[cfg(feature = "cli")]
 pub mod recommend;
 
 pub use kvq_cache_layout as layout;
