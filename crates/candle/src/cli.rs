@@ -177,6 +177,9 @@ struct Args {
     /// and no model is run.
     #[arg(long, value_delimiter = ',', requires = "plot")]
     plot_with: Vec<PathBuf>,
+    /// The title of --plot's figure.
+    #[arg(long, requires = "plot")]
+    plot_title: Option<String>,
 }
 
 /// Why a `kvq-eval` command line did not run to the end: the facade's CLI error (`Usage`,
@@ -367,11 +370,9 @@ fn write_plot(
         .flat_map(|s| &s.points)
         .filter(|p| !(p.bits.is_finite() && p.bits > 0.0 && p.loss.is_finite() && p.loss > 0.0))
         .count();
-    let svg = kvq::plot::bits_vs_loss(
-        "Mean KL of the next-token distribution against bits per cached value",
-        "mean KL (nats, log scale)",
-        &merged,
-    )?;
+    let title =
+        args.plot_title.as_deref().unwrap_or("Mean KL of the next-token distribution against bits per value");
+    let svg = kvq::plot::bits_vs_loss(title, "mean KL (nats, log scale)", &merged)?;
     kvq::quant::io::write_output(out, svg.as_bytes(), inputs, args.force)
         .map_err(|e| format!("{}: {e}", out.display()))?;
     let points: usize = merged.iter().map(|s| s.points.len()).sum();

@@ -338,6 +338,7 @@ fn the_bits_against_kl_figure_draws_this_run_and_saved_reports() {
         .arg(&figure2)
         .arg("--plot-with")
         .arg(format!("{},{}", saved.display(), other.display()))
+        .args(["--plot-title", "saved <runs>"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -349,6 +350,7 @@ fn the_bits_against_kl_figure_draws_this_run_and_saved_reports() {
         "{svg2}"
     );
     assert!(!svg2.contains(">f16<"), "a zero KL has no place on a log scale");
+    assert!(svg2.contains(">saved &lt;runs&gt;<"), "{svg2}");
 
     // A report that is not one fails in one line and writes nothing.
     let bad = dir.join("bad.json");

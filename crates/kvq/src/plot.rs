@@ -499,7 +499,7 @@ pub fn bits_vs_loss(title: &str, loss_label: &str, series: &[Series]) -> Result<
             svg.dot(frame.px(p.bits), frame.py(p.loss), &c, i % 2 == 1, front.contains(&j));
         }
         for (&j, &(x, y)) in front.iter().zip(&pixels) {
-            let label: String = points[j].label.chars().take(48).collect();
+            let label: String = points[j].label.chars().take(64).collect();
             svg.text(x + 6.0, y - 5.0, "start", 9.0, &label);
         }
         entries.push((format!("{name} (line: its Pareto front)"), c));
