@@ -203,6 +203,9 @@ impl Command {
                     "--probe",
                     "--max-checks",
                     "--out",
+                    "--plot",
+                    "--plot-with",
+                    "--plot-title",
                 ],
                 &["--row-window", "--passkey", "--json", "--force"],
             ),
@@ -442,11 +445,33 @@ impl Command {
                         ]),
                         files: vec![model.clone(), tokens],
                     },
+                    // A figure drawn from a saved report alone (the model is not run; the
+                    // harness runs no kvq-eval case without one and a token bound).
+                    Case {
+                        args: args(&[
+                            "--model",
+                            "@1",
+                            "--max-tokens",
+                            "8",
+                            "--plot",
+                            "@out",
+                            "--plot-with",
+                            "@0",
+                            "--plot-title",
+                            "t",
+                        ]),
+                        files: vec![(Kind::Text, REPORT.to_vec()), (Kind::ChatModel, Vec::new())],
+                    },
                 ]
             }
         }
     }
 }
+
+/// A saved `kvq-eval --json` report in the shape `--plot-with` reads.
+const REPORT: &[u8] =
+    br#"{"series": "s", "candidates": [{"name": "a", "bits_per_value": 4.5, "kl_mean": 0.05},
+    {"name": "b", "bits_per_value": 8.5, "kl_mean": 0.004}]}"#;
 
 /// A mutated copy of a case's bytes: an argument replaced, inserted, dropped, repeated,
 /// moved, joined to its value with `=` or edited as text; or one file mutated as its kind's
@@ -729,13 +754,18 @@ fn run_in(command: Command, case: &Case, dir: &Path) -> Outcome {
         Command::Eval => kvq_candle::cli::run(&argv, &mut stdout, &mut stderr).map_err(|e| e.to_string()),
         _ => kvq::cli::run(&argv, &mut stdout, &mut stderr).map_err(|e| e.to_string()),
     };
-    // A file changes only as the output of a run that succeeded, and never when the command
-    // also reads it (an `--out` naming its own input is refused).
+    // A file changes only as the output of a run that succeeded (`--out`, or kvq-eval's
+    // `--plot`), and never when the command also reads it (an output naming its own input is
+    // refused).
     for (path, (kind, bytes)) in paths.iter().zip(&case.files) {
         let bytes = contents(*kind, bytes);
         let now = std::fs::read(path).unwrap_or_default();
         let p = path.to_string_lossy();
-        let as_out = |i: usize| argv[i] == format!("--out={p}") || (argv[i] == *p && argv[i - 1] == "--out");
+        let as_out = |i: usize| {
+            ["--out", "--plot"]
+                .iter()
+                .any(|flag| argv[i] == format!("{flag}={p}") || (argv[i] == *p && argv[i - 1] == *flag))
+        };
         let named: Vec<usize> = (1..argv.len()).filter(|&i| argv[i].contains(p.as_ref())).collect();
         let output_only = !named.is_empty() && named.iter().all(|&i| as_out(i));
         assert!(
