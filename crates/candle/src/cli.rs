@@ -209,8 +209,8 @@ fn command(
     stdout: &mut dyn Write,
     stderr: &mut dyn Write,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let mut plot_inputs: Vec<&Path> = args.plot_with.iter().map(PathBuf::as_path).collect();
-    plot_inputs.extend(args.tokens.iter().chain(&args.text).map(PathBuf::as_path));
+    let default_model = PathBuf::from(DEFAULT_MODEL);
+    let plot_inputs = input_files(args, &default_model);
     if let Some(out) = &args.plot {
         // Before any work: a figure that may not be written is refused now.
         kvq::quant::io::check_output(out, &plot_inputs, args.force)
@@ -310,6 +310,22 @@ fn command(
         write_plot(args, saved, &plot_inputs, stderr)?;
     }
     Ok(())
+}
+
+/// Every file the command line names to read (the model, tokens or text, configs, saved
+/// reports): an output (`--out`, `--plot`) may name none of them.
+fn input_files<'a>(args: &'a Args, default_model: &'a Path) -> Vec<&'a Path> {
+    let model = args.model.as_deref().unwrap_or(default_model);
+    std::iter::once(model)
+        .chain(
+            args.tokens
+                .iter()
+                .chain(&args.text)
+                .chain(&args.config)
+                .chain(&args.plot_with)
+                .map(PathBuf::as_path),
+        )
+        .collect()
 }
 
 /// The largest saved report `--plot-with` reads.
@@ -580,7 +596,8 @@ fn run_search(
 ) -> Result<(), Box<dyn std::error::Error>> {
     use kvq_candle::recommend::{SearchOptions, Stage, Target, default_ladder, search};
     let out = args.out.as_deref().ok_or("a search needs --out, the config file to write")?;
-    let inputs: Vec<&Path> = args.tokens.iter().chain(&args.text).map(PathBuf::as_path).collect();
+    let default_model = PathBuf::from(DEFAULT_MODEL);
+    let inputs = input_files(args, &default_model);
     // Before any work: an output that may not be written is refused now.
     kvq::quant::io::check_output(out, &inputs, args.force).map_err(|e| format!("{}: {e}", out.display()))?;
     let parse = |name: &str| KvSpec::parse(name).map_err(|e| format!("spec {name:?}: {e}"));

@@ -365,6 +365,19 @@ fn the_bits_against_kl_figure_draws_this_run_and_saved_reports() {
         assert!(stderr.contains(&input.display().to_string()), "{stderr}");
         assert!(!figure3.exists());
     }
+    // Nor the model (the fuzzer found --plot overwriting --model's file).
+    let model_bytes = std::fs::read(&model).unwrap();
+    let out = eval()
+        .arg("--model")
+        .arg(&model)
+        .arg("--plot")
+        .arg(&model)
+        .arg("--plot-with")
+        .arg(&saved)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(&model).unwrap(), model_bytes);
     // --plot-with alone is a usage error; --plot may not replace an input.
     let out = eval().arg("--plot-with").arg(&saved).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
