@@ -17,7 +17,6 @@ use crate::config::CacheConfig;
 use crate::error::{CacheError, Result};
 use crate::part::{BlockParams, HeadSegments, Mode, PartLayout, TailBuf};
 use crate::pool::{BlockId, BlockPool};
-use crate::reserve::Reservation;
 
 /// Identifies a sequence of the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -54,6 +53,15 @@ pub struct CacheStats {
     pub clamped_values: u64,
     /// Blocks copied because a shared block was written (copy-on-write).
     pub copied_blocks: u64,
+}
+
+/// What one `(sequence, layer)` holds in reserve (see [`crate::reserve`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Reservation {
+    /// Tokens still covered.
+    pub tokens: usize,
+    /// Blocks held for them.
+    pub blocks: usize,
 }
 
 /// A paged, streaming, quantized KV cache.
@@ -102,13 +110,13 @@ pub const MAX_SEQ_ID: u64 = 1 << 62;
 /// The largest magnitude a value may have so that it survives storage in `part`: a tail or
 /// sink of f16 holds at most 65504, and parameters of f16 (f32) must not overflow when the
 /// value is quantized (the bounds under which no format's scale or offset can).
-pub(crate) fn value_limit(layout: &PartLayout, tail: crate::config::TailDtype, stored_as_tail: bool) -> f32 {
+pub(crate) fn value_limit(layout: &PartLayout, tail: crate::part::TailDtype, stored_as_tail: bool) -> f32 {
     let params: f32 = match layout.dtype {
         // One-byte parameters sit on a grid between f16 ends.
         ParamDtype::F16 | ParamDtype::U8 => 32752.0,
         ParamDtype::F32 => 1e37,
     };
-    if stored_as_tail && tail == crate::config::TailDtype::F16 { params.min(65504.0) } else { params }
+    if stored_as_tail && tail == crate::part::TailDtype::F16 { params.min(65504.0) } else { params }
 }
 
 fn part_index(part: Part) -> usize {

@@ -6,63 +6,8 @@ use kvq_quant_core::{
 };
 
 use crate::error::{CacheError, Result};
-
-/// Storage type of the tokens kept out of the quantized blocks (residual tails and attention
-/// sinks).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-#[non_exhaustive]
-pub enum TailDtype {
-    /// 2 bytes per value (values are rounded to f16 on arrival).
-    F16,
-    /// 4 bytes per value (exact).
-    F32,
-    /// 1 byte per value and an f32 scale per row (`head_dim + 4` bytes a row): each row
-    /// rounded symmetrically to 8 bits on arrival, `x̂ = round(x / s) · s` with
-    /// `s = max|x| / 127` (see [`crate::Int8Rows`]). Half an f16 window's bytes at head_dim 64
-    /// and more; a per-channel block is quantized from these rounded rows.
-    Int8,
-}
-
-impl TailDtype {
-    /// Bytes per value, not counting an [`TailDtype::Int8`] row's scale (see
-    /// [`TailDtype::row_bytes`]).
-    pub fn size(self) -> usize {
-        match self {
-            TailDtype::F16 => 2,
-            TailDtype::F32 => 4,
-            TailDtype::Int8 => 1,
-        }
-    }
-
-    /// Bytes one row of `dim` values takes, scale included (`None` on overflow).
-    pub fn row_bytes(self, dim: usize) -> Option<usize> {
-        let scale = if self == TailDtype::Int8 { 4 } else { 0 };
-        dim.checked_mul(self.size())?.checked_add(scale)
-    }
-
-    /// The name used in config files and on the command line (`f16`, `f32`, `int8`).
-    pub fn name(self) -> &'static str {
-        match self {
-            TailDtype::F16 => "f16",
-            TailDtype::F32 => "f32",
-            TailDtype::Int8 => "int8",
-        }
-    }
-}
-
-impl std::str::FromStr for TailDtype {
-    type Err = CacheError;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "f16" => Ok(TailDtype::F16),
-            "f32" => Ok(TailDtype::F32),
-            "int8" => Ok(TailDtype::Int8),
-            _ => Err(CacheError::Config(format!("tail dtype {s:?}: expected f16, f32 or int8"))),
-        }
-    }
-}
+/// The storage of the tails a config names; the type lives with the tails, in `part`.
+pub use crate::part::TailDtype;
 
 /// The most layers a cache can have.
 pub const MAX_LAYERS: usize = 1 << 16;

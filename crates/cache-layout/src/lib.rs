@@ -41,10 +41,10 @@ pub mod pool;
 pub mod read;
 pub mod reserve;
 
+pub use cache::Reservation;
 pub use cache::{CacheStats, PagedCache, SeqId};
 pub use config::{CacheConfig, TailDtype};
 pub use error::{CacheError, Result};
 pub use part::{INT8_ROWS_ZERO, Int8Rows, MAX_CHANNEL_SETS, Mode, PartLayout, TailBuf};
 pub use pool::{BlockId, BlockPool};
 pub use read::{BlockView, CacheMemory, LayerMemory, ParamWidening, Segment, Segments};
-pub use reserve::Reservation;

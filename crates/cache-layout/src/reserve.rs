@@ -34,18 +34,9 @@
 //! ```
 
 use crate::SeqId;
-use crate::cache::{LayerSeq, PagedCache, WritePlan};
+use crate::cache::{LayerSeq, PagedCache, Reservation, WritePlan};
 use crate::error::{CacheError, Result};
 use crate::pool::BlockId;
-
-/// What one `(sequence, layer)` holds in reserve.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Reservation {
-    /// Tokens still covered.
-    pub tokens: usize,
-    /// Blocks held for them.
-    pub blocks: usize,
-}
 
 impl PagedCache {
     /// Blocks held by every reservation.

@@ -8,51 +8,8 @@ use crate::codebook::Codebook;
 use crate::error::Result;
 use crate::format::{CodebookSource, Kind, ParamDtype, QuantSpec, RangeRule};
 use crate::fp8::Fp8Format;
-use crate::params::{Round, round_param};
-use crate::rowkernels::{Linear, RowKernels};
-
-/// Adding 1.5 · 2^23 to an f32 in `[0, 2^22)` rounds it to an integer (ties to even) held in
-/// the low mantissa bits: the sum's low byte *is* the rounded value. This converts to codes
-/// with plain SSE2/NEON arithmetic, no libm call and no saturating float-to-int cast, so the
-/// encoding loops vectorize.
-const ROUND_MAGIC: f32 = 12_582_912.0;
-
-/// `round(v)` as a byte, for `v` already clamped to `[0, 255]`.
-#[inline(always)]
-fn round_to_code(v: f32) -> u8 {
-    ((v + ROUND_MAGIC).to_bits() & 0xff) as u8
-}
-
-/// Clamps to `[lo, hi]` with plain comparisons, which compile to max/min instructions. A NaN
-/// (only `±Inf · 0` can make one from finite inputs) becomes `lo`, as x86's `maxps(v, lo)` does
-/// in the vector path, so a lane's code never depends on its position in the row.
-#[inline(always)]
-pub(crate) fn clamp(v: f32, lo: f32, hi: f32) -> f32 {
-    let v = if v > lo { v } else { lo };
-    if v < hi { v } else { hi }
-}
-
-/// `code = round(clamp((x − offset) · inv, lo, hi) + add)` for every element: 16 at a time
-/// with `wide` (SSE2/NEON), the rest one by one with exactly the same operations, so every
-/// element gets the same code whatever its position. The portable kernel of
-/// [`RowKernels`](crate::rowkernels::RowKernels).
-pub(crate) fn encode_linear(x: &[f32], l: &Linear, out: &mut [u8]) {
-    use wide::{f32x8, i16x8, u8x16};
-    let n = x.len().min(out.len());
-    let full = n / 16 * 16;
-    let lanes = LinearLanes::new(l);
-    let lane = |v: &[f32]| {
-        let v = f32x8::from(<[f32; 8]>::try_from(v).expect("8 lanes"));
-        // Rounded to an integral float in [0, 255], so truncation is exact.
-        i16x8::from_i32x8_saturate(lanes.code(v).fast_trunc_int())
-    };
-    for (xs, os) in x[..full].chunks_exact(16).zip(out[..full].chunks_exact_mut(16)) {
-        os.copy_from_slice(&u8x16::narrow_i16x8(lane(&xs[..8]), lane(&xs[8..])).to_array());
-    }
-    for (o, &v) in out[full..n].iter_mut().zip(&x[full..n]) {
-        *o = round_to_code(clamp((v - l.offset) * l.inv, l.lo, l.hi) + l.add);
-    }
-}
+use crate::params::{GroupParams, Round, round_param};
+use crate::rowkernels::{Linear, LinearLanes, ROUND_MAGIC, RowKernels, clamp, round_to_code};
 
 /// Shrink factors of the range the error-minimizing search starts from (1 is min/max). Spread
 /// evenly down to half the range, the point beyond which clipping a Gaussian-like group at 2
@@ -76,7 +33,7 @@ struct FitSums {
 }
 
 /// [`Codec::fit_error`] for the linear kinds in one pass: each value's code is computed as
-/// [`encode_linear`] computes it (`L(code)` is the code less the zero point) and decoded as
+/// [`encode_linear`](crate::rowkernels::encode_linear) computes it (`L(code)` is the code less the zero point) and decoded as
 /// [`Codec::decode`] does, eight lanes at a time with `wide` (the tail one by one with the same
 /// operations), the sums of each chunk of [`FIT_CHUNK`] values added up in f64.
 fn fit_error_linear(xs: &[f32], l: &Linear, p: GroupParams) -> (f64, FitSums) {
@@ -122,50 +79,11 @@ fn fit_error_linear(xs: &[f32], l: &Linear, p: GroupParams) -> (f64, FitSums) {
     (err, sums)
 }
 
-/// [`Linear`] in eight lanes.
-struct LinearLanes {
-    offset: wide::f32x8,
-    inv: wide::f32x8,
-    lo: wide::f32x8,
-    hi: wide::f32x8,
-    add: wide::f32x8,
-}
-
-impl LinearLanes {
-    fn new(l: &Linear) -> Self {
-        use wide::f32x8;
-        Self {
-            offset: f32x8::splat(l.offset),
-            inv: f32x8::splat(l.inv),
-            lo: f32x8::splat(l.lo),
-            hi: f32x8::splat(l.hi),
-            add: f32x8::splat(l.add),
-        }
-    }
-
-    /// The codes of `v` as integral floats: `round(clamp((v − offset) · inv, lo, hi) + add)`.
-    #[inline(always)]
-    fn code(&self, v: wide::f32x8) -> wide::f32x8 {
-        let magic = wide::f32x8::splat(ROUND_MAGIC);
-        let t = ((v - self.offset) * self.inv).fast_max(self.lo).fast_min(self.hi) + self.add;
-        (t + magic) - magic
-    }
-}
-
 /// `1 / scale`; a zero (or subnormal) scale means a constant group: every value maps to the
 /// code of the offset, and the reciprocal is kept finite so that 0 · inv is never NaN.
 #[inline(always)]
 fn inverse(scale: f32) -> f32 {
     if scale > f32::MIN_POSITIVE { 1.0 / scale } else { 0.0 }
-}
-
-/// The parameters of one group: `x̂ = decode(code) · scale + offset`.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct GroupParams {
-    /// Step (affine, symmetric) or multiplier (FP8, codebook).
-    pub scale: f32,
-    /// Affine minimum; 0 for the other kinds.
-    pub offset: f32,
 }
 
 /// Per-channel parameters with their reciprocals computed once, for encoding many rows.

@@ -47,16 +47,16 @@ pub mod tensor;
 pub use calibration::{Calibration, Part};
 pub use channel_bits::{ChannelBits, ChannelBitsTensor, quantize_channel_bits};
 pub use codebook::Codebook;
-pub use codec::{ChannelParams, Codec, GroupParams};
+pub use codec::{ChannelParams, Codec};
 pub use error::{QuantError, Result};
 pub use format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec, RangeRule};
 pub use fp8::Fp8Format;
 pub use memory::MemoryReport;
-pub use params::{GRID_BYTES, ParamGrid, ParamVec, ROW_SET_TOKENS};
+pub use params::{GRID_BYTES, GroupParams, ParamGrid, ParamVec, ROW_SET_TOKENS};
 pub use quantize::{
     GroupLayout, QuantizedTensor, encode_row_with, quantize, quantize_row, quantize_row_with,
-    quantize_with_ranges, row_params_with, row_stats,
+    quantize_with_ranges, row_params_with,
 };
 pub use rope::{Rope, RopePairing};
-pub use rowkernels::{Linear, RowKernels};
+pub use rowkernels::{Linear, RowKernels, row_stats};
 pub use tensor::{Shape, Tensor};

@@ -3,9 +3,17 @@
 
 use half::f16;
 
-use crate::codec::GroupParams;
 use crate::error::{QuantError, Result};
 use crate::format::ParamDtype;
+
+/// The parameters of one group: `x̂ = decode(code) · scale + offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct GroupParams {
+    /// Step (affine, symmetric) or multiplier (FP8, codebook).
+    pub scale: f32,
+    /// Affine minimum; 0 for the other kinds.
+    pub offset: f32,
+}
 
 /// Bytes a set of one-byte parameters ([`ParamDtype::U8`]) adds: its grid's two f16 ends.
 pub const GRID_BYTES: usize = 4;

@@ -8,13 +8,13 @@
 //! channel (`segment = 1`) shared by the tokens of a block.
 
 use crate::codebook::Codebook;
-use crate::codec::{ChannelParams, Codec, GroupParams};
+use crate::codec::{ChannelParams, Codec};
 use crate::error::{QuantError, Result};
 use crate::format::{CodebookSource, Granularity, Kind, ParamDtype, QuantSpec, RangeRule};
 use crate::memory::MemoryReport;
 use crate::pack::{pack_into, packed_len_unchecked, unpack_into};
-use crate::params::{ParamGrid, ParamVec, ROW_SET_TOKENS};
-use crate::rowkernels::RowKernels;
+use crate::params::{GroupParams, ParamGrid, ParamVec, ROW_SET_TOKENS};
+use crate::rowkernels::{RowKernels, row_stats};
 use crate::tensor::{Shape, Tensor, check_finite};
 
 /// At most this many normalized values feed a Lloyd-Max fit.
@@ -458,41 +458,6 @@ fn group_members(tensor: &Tensor, layout: &GroupLayout) -> (Vec<usize>, Vec<f32>
         }
     }
     (starts, members)
-}
-
-/// Minimum, maximum and whether every value is finite, eight lanes at a time (`wide`, so
-/// SSE2 or NEON with no target flags). Infinities show in the extremes; NaN is tracked by an
-/// unordered self-compare, because min/max instructions drop it. An empty slice gives
-/// `(+∞, −∞, true)`.
-#[inline]
-pub fn row_stats(xs: &[f32]) -> (f32, f32, bool) {
-    use wide::f32x8;
-    let mut lo = f32x8::splat(f32::INFINITY);
-    let mut hi = f32x8::splat(f32::NEG_INFINITY);
-    let mut nan = f32x8::splat(0.0);
-    let mut chunks = xs.chunks_exact(8);
-    for c in &mut chunks {
-        let v = f32x8::from(<[f32; 8]>::try_from(c).expect("8 lanes"));
-        lo = lo.fast_min(v);
-        hi = hi.fast_max(v);
-        nan |= v.is_nan();
-    }
-    let (mut min, mut max) = (f32::INFINITY, f32::NEG_INFINITY);
-    let mut any_nan = nan.any();
-    for (&l, &h) in lo.to_array().iter().zip(&hi.to_array()) {
-        min = min.min(l);
-        max = max.max(h);
-    }
-    for &v in chunks.remainder() {
-        any_nan |= v.is_nan();
-        min = min.min(v);
-        max = max.max(v);
-    }
-    let finite = !any_nan && min.is_finite() && max.is_finite() || xs.is_empty();
-    // `min`/`max` instructions pick either zero of a ±0 tie depending on operand order;
-    // adding +0 turns −0 into +0 (and changes nothing else), so the result does not depend on
-    // how a backend orders its reduction.
-    (min + 0.0, max + 0.0, finite)
 }
 
 fn all_finite(xs: &[f32]) -> bool {
