@@ -75,7 +75,7 @@ impl RowKernels {
     };
 
     /// Kernels from three functions, which must keep the module's contract:
-    /// - `stats(x)` returns `(min, max, finite)` as [`row_stats`](crate::row_stats) does (a
+    /// - `stats(x)` returns `(min, max, finite)` as [`row_stats`] does (a
     ///   zero minimum or maximum as `+0.0`);
     /// - `encode(x, l, out)` writes `min(x.len(), out.len())` codes as [`Linear`] defines;
     /// - `pack(codes, bits, out)` is called with `bits` in `1..=8` and `out` exactly
