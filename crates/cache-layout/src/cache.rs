@@ -3,7 +3,7 @@
 //! Each sequence has, per layer, a block table (logical block `b` of KV head `h` is
 //! `blocks[b · heads + h]`), full-precision attention sinks, and for per-channel parts a
 //! full-precision tail (KIVI's residual window). A block holds `block_size` tokens of one
-//! layer and one KV head: its K region, then its V region (see [`crate::part`]).
+//! layer and one KV head: its K region, then its V region (see [`crate::part_layout`]).
 //!
 //! Every mutating call validates its input and reserves the blocks it needs before it
 //! changes anything, so a failed call leaves every sequence and the pool as they were.
@@ -15,7 +15,7 @@ use kvq_quant_core::{GroupParams, ParamDtype, Tensor};
 
 use crate::config::CacheConfig;
 use crate::error::{CacheError, Result};
-use crate::part::{BlockParams, HeadSegments, Mode, PartLayout, TailBuf};
+use crate::part_layout::{BlockParams, HeadSegments, Mode, PartLayout, TailBuf};
 use crate::pool::{BlockId, BlockPool};
 
 /// Identifies a sequence of the cache.
@@ -107,16 +107,20 @@ const PARTS: [Part; 2] = [Part::K, Part::V];
 /// `u64::MAX` (2^62 more sequences would have to be created to reach it), so they never wrap.
 pub const MAX_SEQ_ID: u64 = 1 << 62;
 
-/// The largest magnitude a value may have so that it survives storage in `part`: a tail or
+/// The largest magnitude a value may have so that it survives storage in `part_layout`: a tail or
 /// sink of f16 holds at most 65504, and parameters of f16 (f32) must not overflow when the
 /// value is quantized (the bounds under which no format's scale or offset can).
-pub(crate) fn value_limit(layout: &PartLayout, tail: crate::part::TailDtype, stored_as_tail: bool) -> f32 {
+pub(crate) fn value_limit(
+    layout: &PartLayout,
+    tail: crate::part_layout::TailDtype,
+    stored_as_tail: bool,
+) -> f32 {
     let params: f32 = match layout.dtype {
         // One-byte parameters sit on a grid between f16 ends.
         ParamDtype::F16 | ParamDtype::U8 => 32752.0,
         ParamDtype::F32 => 1e37,
     };
-    if stored_as_tail && tail == crate::part::TailDtype::F16 { params.min(65504.0) } else { params }
+    if stored_as_tail && tail == crate::part_layout::TailDtype::F16 { params.min(65504.0) } else { params }
 }
 
 fn part_index(part: Part) -> usize {

@@ -6,8 +6,8 @@ use kvq_quant_core::{
 };
 
 use crate::error::{CacheError, Result};
-/// The storage of the tails a config names; the type lives with the tails, in `part`.
-pub use crate::part::TailDtype;
+/// The storage of the tails a config names; the type lives with the tails, in `part_layout`.
+pub use crate::part_layout::TailDtype;
 
 /// The most layers a cache can have.
 pub const MAX_LAYERS: usize = 1 << 16;
@@ -331,12 +331,12 @@ impl CacheConfig {
                 Granularity::PerChannel { token_group: Some(n) }
                     if (n == 0
                         || !self.block_size.is_multiple_of(n)
-                        || self.block_size / n > crate::part::MAX_CHANNEL_SETS)
+                        || self.block_size / n > crate::part_layout::MAX_CHANNEL_SETS)
                         && self.calibration.is_none() =>
                 {
                     return bad(format!(
                         "{name} spec {spec}: per-channel groups stream a block at a time, in token groups that divide it (at most {} a block); use `channel`, `channel{}` or a divisor of {}",
-                        crate::part::MAX_CHANNEL_SETS,
+                        crate::part_layout::MAX_CHANNEL_SETS,
                         self.block_size,
                         self.block_size
                     ));
@@ -361,9 +361,15 @@ impl CacheConfig {
         }
         let calibrated = self.calibration.is_some();
         let block_bytes =
-            crate::part::PartLayout::new(&self.k_spec, self.head_dim, self.block_size, calibrated)?.bytes()
-                + crate::part::PartLayout::new(&self.v_spec, self.head_dim, self.block_size, calibrated)?
-                    .bytes();
+            crate::part_layout::PartLayout::new(&self.k_spec, self.head_dim, self.block_size, calibrated)?
+                .bytes()
+                + crate::part_layout::PartLayout::new(
+                    &self.v_spec,
+                    self.head_dim,
+                    self.block_size,
+                    calibrated,
+                )?
+                .bytes();
         crate::pool::arena_bytes(self.capacity_blocks, block_bytes)?;
         if let Some(c) = &self.calibration
             && (c.layers() != self.layers || c.heads() != self.kv_heads || c.head_dim() != self.head_dim)

@@ -19,7 +19,7 @@ use kvq_quant_core::{Calibration, QuantSpec};
 use crate::cache::{CacheStats, LayerSeq, MAX_SEQ_ID, PagedCache, SeqId, Sequence, value_limit};
 use crate::config::{CacheConfig, TailDtype};
 use crate::error::{CacheError, Result};
-use crate::part::TailBuf;
+use crate::part_layout::TailBuf;
 use crate::pool::{BlockId, BlockPool, arena_bytes, zeroed};
 
 const MAGIC: &[u8; 8] = b"KVQCACHE";

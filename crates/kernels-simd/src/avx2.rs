@@ -32,10 +32,10 @@ use std::ops::Range;
 use kvq_quant_core::ParamGrid;
 use kvq_quant_core::fp8::Fp8Format;
 
-use crate::ahead::Ahead;
 use crate::block::{Levels, Params, QuantBlock};
 use crate::int8;
-use crate::portable;
+use crate::prefetch::Ahead;
+use crate::wide_backend;
 
 fn supported(b: &QuantBlock<'_>) -> bool {
     (fast(b) || generic(b)) && cpu_ok()
@@ -767,7 +767,7 @@ unsafe fn codes8(p: *const u8) -> __m256 {
 /// docs/formats.md "Codes: bit planes"), each times `2^shift` of its plane, so that a code's
 /// planes are dotted apart and add up to the code. Rows of `planes · d` floats, into `w.q`;
 /// the code of each field is computed once per `(d, bits)` and kept in `w`.
-fn arrange_query(q: &[f32], n_q: usize, d: usize, bits: u8, w: &mut portable::Arranged) {
+fn arrange_query(q: &[f32], n_q: usize, d: usize, bits: u8, w: &mut wide_backend::Arranged) {
     let planes = kvq_quant_core::pack::planes(bits);
     let len = planes.len() * d;
     let at = match w.codes.iter().position(|(shape, _)| *shape == (d, bits)) {
@@ -997,7 +997,7 @@ macro_rules! by_layout {
     };
 }
 
-/// [`portable::fold_channels`] 8 lanes at a time: `qw = q · scale` row by row, and each row's
+/// [`wide_backend::fold_channels`] 8 lanes at a time: `qw = q · scale` row by row, and each row's
 /// `Σ q · offset` (0 without offsets) in `cst`.
 ///
 /// # Safety
@@ -1055,7 +1055,7 @@ unsafe fn scores_group(
     q: &[f32],
     n_q: usize,
     out: &mut [f32],
-    w: &mut portable::Scratch,
+    w: &mut wide_backend::Scratch,
 ) {
     let (d, rows) = (b.dim, b.rows);
     assert!(out.len() >= n_q * rows, "callers checked the output's length");
@@ -1114,7 +1114,7 @@ unsafe fn scores_group(
                 match offset {
                     Some(off) => {
                         // In 8 lanes: a serial sum would cost more than the block's dots.
-                        let qsum = portable::sum_lanes(qi);
+                        let qsum = wide_backend::sum_lanes(qi);
                         for ((x, &s), &f) in o.iter_mut().zip(scale).zip(off) {
                             *x = s * *x + f * qsum;
                         }
@@ -1179,7 +1179,7 @@ unsafe fn axpy_group_with(
                     }
                 }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
-                    let bias: f32 = offset.map_or(0.0, |o| portable::dot_lanes(pi, o));
+                    let bias: f32 = offset.map_or(0.0, |o| wide_backend::dot_lanes(pi, o));
                     for (o, &x) in
                         out[(i0 + i) * d..(i0 + i + 1) * d].iter_mut().zip(&sums[i * d..(i + 1) * d])
                     {
@@ -1198,7 +1198,7 @@ unsafe fn axpy_group_with(
                     }
                 }
                 for (i, pi) in pg.chunks_exact(rows).enumerate() {
-                    let psum: f32 = portable::sum_lanes(pi);
+                    let psum: f32 = wide_backend::sum_lanes(pi);
                     let o = &mut out[(i0 + i) * d..(i0 + i + 1) * d];
                     for (c, (o, &x)) in o.iter_mut().zip(&sums[i * d..(i + 1) * d]).enumerate() {
                         *o += x * (scale[c] * unit) + offset.map_or(0.0, |f| f[c]) * psum;
@@ -1228,7 +1228,7 @@ pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
 /// [`scores`] with the caller's scratch.
 pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &mut crate::Scratch) {
     if !supported(b) {
-        return portable::scores_in(b, q, n_q, out, &mut w.wide);
+        return wide_backend::scores_in(b, q, n_q, out, &mut w.wide);
     }
     // SAFETY: `supported(b)` checked the CPU (AVX2, FMA, F16C) and the layout.
     unsafe { scores_group(b, q, n_q, out, &mut w.wide) }
@@ -1242,7 +1242,7 @@ pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
 /// [`axpy`] with the caller's scratch.
 pub(crate) fn axpy_in(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32], w: &mut crate::Scratch) {
     if !supported(b) {
-        return portable::axpy_in(b, p, n_q, out, &mut w.wide);
+        return wide_backend::axpy_in(b, p, n_q, out, &mut w.wide);
     }
     // The kernel walks a block column by column, reading every row once per 16 channels: right
     // for a cache block (its rows stay in L1), a re-read of memory for a block of millions of
@@ -1816,7 +1816,7 @@ pub(crate) fn dense_scores(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: u
         // SAFETY: cpu_dense() checked AVX2, FMA and F16C; lib.rs checked the lengths.
         unsafe { dense_scores_fma(x, rows, dim, q, n_q, out) }
     } else {
-        portable::dense_scores(x, rows, dim, q, n_q, out)
+        wide_backend::dense_scores(x, rows, dim, q, n_q, out)
     }
 }
 
@@ -1826,7 +1826,7 @@ pub(crate) fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usi
         // SAFETY: as above.
         unsafe { dense_axpy_fma(x, rows, dim, p, n_q, out) }
     } else {
-        portable::dense_axpy(x, rows, dim, p, n_q, out)
+        wide_backend::dense_axpy(x, rows, dim, p, n_q, out)
     }
 }
 
@@ -1845,7 +1845,7 @@ pub(crate) fn dense_scores_f16(
         // rows · dim f16).
         unsafe { dense_scores_tiles::<true>(x.as_ptr().cast(), rows, dim, q, n_q, out) }
     } else {
-        portable::dense_scores_f16(x, rows, dim, q, n_q, out)
+        wide_backend::dense_scores_f16(x, rows, dim, q, n_q, out)
     }
 }
 
@@ -1863,7 +1863,7 @@ pub(crate) fn dense_axpy_f16(
         // SAFETY: as above, with dim % 16.
         unsafe { dense_axpy_tiles::<true>(x.as_ptr().cast(), rows, dim, p, n_q, out) }
     } else {
-        portable::dense_axpy_f16(x, rows, dim, p, n_q, out)
+        wide_backend::dense_axpy_f16(x, rows, dim, p, n_q, out)
     }
 }
 
@@ -2111,7 +2111,7 @@ pub(crate) unsafe fn round_queries_by<const NQ: usize>(
     }
 }
 
-/// [`crate::portable::dot_lanes`] in AVX2: the same 8 lanes (multiply, then add: not fused),
+/// [`crate::wide_backend::dot_lanes`] in AVX2: the same 8 lanes (multiply, then add: not fused),
 /// the same order of the final sum, so the same bits.
 ///
 /// # Safety
@@ -2133,7 +2133,7 @@ pub(crate) unsafe fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
-/// [`crate::portable::sum_lanes`] in AVX2, bit for bit as [`dot_lanes`].
+/// [`crate::wide_backend::sum_lanes`] in AVX2, bit for bit as [`dot_lanes`].
 ///
 /// # Safety
 /// The CPU must support AVX2.

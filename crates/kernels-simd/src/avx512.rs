@@ -27,11 +27,11 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use crate::ahead::Ahead;
 use crate::avx2::{by_block_avx2, store_dots};
 use crate::block::{Levels, Params, QuantBlock};
+use crate::prefetch::Ahead;
 use crate::regions::Keys;
-use crate::{int8, intv};
+use crate::{int_values, int8};
 
 fn cpu_ok() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
@@ -450,13 +450,13 @@ pub fn axpy_int_supported(b: &QuantBlock<'_>) -> bool {
 
 struct VnniAxpy;
 
-impl intv::IntAxpyKernel for VnniAxpy {
+impl int_values::IntAxpyKernel for VnniAxpy {
     fn sums(b: &QuantBlock<'_>, rows: Range<usize>, w: &[i16], n: usize, acc: &mut [i32]) {
         // SAFETY: `axpy_int_supported(b)` (checked by `axpy_int`, the only caller) covers the
         // CPU, the bit width and the row length; the driver passes n weight rows of
         // rows.len() and n · dim sums.
         let m = rows.len();
-        // Weights of 4-bit blocks are rounded into −255..=255 (`intv::weight_limit`); when none
+        // Weights of 4-bit blocks are rounded into −255..=255 (`int_values::weight_limit`); when none
         // is negative (probabilities times scales) they fit unsigned bytes.
         let bytes = b.bits == 4 && w[..n * m].iter().fold(true, |ok, &x| ok & (x as u16 <= 255));
         // SAFETY: as above; `bytes` checked every weight.
@@ -541,7 +541,7 @@ unsafe fn vsums_bytes<const NQ: usize, const GW: bool>(
 ) {
     let (d, len) = (b.dim, rows.len());
     let mask = _mm512_set1_epi8(0x0f);
-    let centre = _mm512_set1_epi8(intv::center(4) as i8);
+    let centre = _mm512_set1_epi8(int_values::center(4) as i8);
     if GW {
         assert!(rows.start == 0 && wx.len() >= 16 * (d / 128 * NQ * QUADS) && len <= FUSED_ROWS);
     } else {
@@ -625,7 +625,7 @@ unsafe fn vsums<const BITS: u8, const NQ: usize>(
 ) {
     let (d, m) = (b.dim, rows.len());
     let mask = _mm512_set1_epi8(0x0f);
-    let z = _mm512_set1_epi16(i16::from(intv::center(BITS)));
+    let z = _mm512_set1_epi16(i16::from(int_values::center(BITS)));
     // The weight pairs of an odd last row (paired with itself under a zero weight).
     let mut last = [0i32; NQ];
     if m % 2 == 1 {
@@ -719,7 +719,7 @@ fn interleave4(p: [__m512i; 4]) -> [__m512i; 4] {
 
 /// Value accumulation with the weights rounded to integers: `vpdpbusd` with byte weights for
 /// INT4 codes, `vpdpwssd` with i16 weights for INT8 codes and for INT4 blocks with a negative
-/// weight (see the `intv` module for the algebra and the error bound: each output within
+/// weight (see the `int_values` module for the algebra and the error bound: each output within
 /// `sw / 2 · Σ_r |level − centre|`, `sw` the largest `|p · scale|` of the block over 255 or
 /// 32767). Equal, bit for bit, to
 /// [`crate::scalar::axpy_int`]. Returns `false`, computing nothing, when
@@ -734,7 +734,7 @@ pub(crate) fn axpy_int_in(
     p: &[f32],
     n_q: usize,
     out: &mut [f32],
-    scratch: &mut intv::Scratch,
+    scratch: &mut int_values::Scratch,
 ) -> bool {
     if !axpy_int_supported(b) {
         return false;
@@ -744,20 +744,20 @@ pub(crate) fn axpy_int_in(
     true
 }
 
-/// [`intv::axpy_by_block`] compiled with AVX2, as [`by_block_avx2`] (no float operation is
+/// [`int_values::axpy_by_block`] compiled with AVX2, as [`by_block_avx2`] (no float operation is
 /// reordered or fused, so the outputs equal the baseline build's).
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy_block_avx2<K: intv::IntAxpyKernel>(
+unsafe fn axpy_block_avx2<K: int_values::IntAxpyKernel>(
     b: &QuantBlock<'_>,
     p: &[f32],
     n_q: usize,
     out: &mut [f32],
-    scratch: &mut intv::Scratch,
+    scratch: &mut int_values::Scratch,
 ) {
-    intv::axpy_by_block::<K>(b, p, n_q, out, scratch)
+    int_values::axpy_by_block::<K>(b, p, n_q, out, scratch)
 }
 
 use crate::FUSED_ROWS;
@@ -1522,7 +1522,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     //    weights `p · scale`, rounded to bytes (scale max / 255), zero past the block's rows
     //    up to the stride. `p` holds row i's values at i · (FUSED_ROWS + 16).
     let stride = n.next_multiple_of(8);
-    let z = f32::from(intv::center(v.bits));
+    let z = f32::from(int_values::center(v.bits));
     let mut top = [f32::NEG_INFINITY; int8::GROUP];
     for (i, mx) in mx.iter_mut().enumerate().take(NQ) {
         if late_max {
@@ -1854,7 +1854,7 @@ unsafe fn vsums_codes<const NQ: usize>(
             && vb.len() >= n.next_multiple_of(4) * d,
         "the rows, the weights, the sums and the unpacked codes"
     );
-    let centre = _mm512_set1_epi8(intv::center(v.bits) as i8);
+    let centre = _mm512_set1_epi8(int_values::center(v.bits) as i8);
     for c in 0..d / 64 {
         let mut sums = [[_mm512_setzero_si512(); 4]; NQ];
         let mut j = 0;
@@ -2315,8 +2315,8 @@ struct Grouped<'a> {
 /// picks for most layers), after the scores (`p`, query row `i` at `i · (FUSED_ROWS + 16)`),
 /// their maxima `top` and the rescaling `factor` of the running state: the exponentials and
 /// their sums, then per query row and group the weights `p · scale` rounded to bytes with
-/// their own scale (the per-row algebra of the `intv` module, one group of channels at a time,
-/// as `intv::axpy_grouped_reference`), and the sums through `vpdpbusd` as for values per row,
+/// their own scale (the per-row algebra of the `int_values` module, one group of channels at a time,
+/// as `int_values::axpy_grouped_reference`), and the sums through `vpdpbusd` as for values per row,
 /// each 16-byte lane of an operand (32 channels, inside one group) carrying its group's
 /// weights.
 ///
@@ -2349,7 +2349,7 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
             && acc.len() >= NQ * D
     );
     let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
-    let z = _mm512_set1_ps(f32::from(intv::center(4)));
+    let z = _mm512_set1_ps(f32::from(int_values::center(4)));
     // The parameters by group, rows along (one vector load per 16 rows). (Indexed, the bounds
     // checks took most of this loop's time.)
     assert!(vs.len() >= n * per && vo.is_none_or(|o| o.len() >= n * per));
@@ -2558,7 +2558,7 @@ unsafe fn four_groups(
     let rows16 = n.next_multiple_of(16);
     assert!(n <= FUSED_ROWS && vs.len() >= 4 * n && vo.is_none_or(|o| o.len() >= 4 * n));
     assert!(e.len() >= rows16 && w.len() >= 4 * rows16 && quads.len() >= QUADS * QUAD_GROUPS);
-    let z = _mm512_set1_ps(f32::from(intv::center(4)));
+    let z = _mm512_set1_ps(f32::from(int_values::center(4)));
     let (mut mx, mut add) = (_mm512_setzero_ps(), _mm512_setzero_ps());
     // Lane k of sub-chunk s: row 4s + k / 4 of the 16 rows, group k % 4.
     let spread: [__m512i; 4] = std::array::from_fn(|s| {
@@ -2727,7 +2727,7 @@ unsafe fn vsums_bytes64<const NQ: usize, const GW: bool>(
     ahead: &mut Ahead,
 ) {
     let mask = _mm512_set1_epi8(0x0f);
-    let centre = _mm512_set1_epi8(intv::center(4) as i8);
+    let centre = _mm512_set1_epi8(int_values::center(4) as i8);
     assert!(v.dim == 64 && n >= 1 && n <= v.rows && n <= FUSED_ROWS);
     if GW {
         assert!(wx.len() >= 16 * NQ * QUADS);

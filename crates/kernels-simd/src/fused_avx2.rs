@@ -7,7 +7,7 @@
 //!
 //! The scores are the integer scores kernel's ([`crate::avx2::scores_int8`]: the same query
 //! rounding, dots and epilogue, so the same bits); the values go through the integer value
-//! path's algebra (the `intv` module's) with byte weights: `vpmaddubsw` multiplies the weights of
+//! path's algebra (the `int_values` module's) with byte weights: `vpmaddubsw` multiplies the weights of
 //! two rows (`0..=255`) by their centred codes (`−8..=7`) interleaved byte by byte, sixteen
 //! channels per instruction, and i16 sums of up to sixteen rows (at most `16 · 255 · 8 =
 //! 32640`) are widened to i32. The softmax and the weights' rounding are those of the AVX-512
@@ -27,10 +27,10 @@
 
 use std::arch::x86_64::*;
 
-use crate::ahead::Ahead;
 use crate::avx2;
 use crate::block::{Params, QuantBlock};
 use crate::int8::{self, grown};
+use crate::prefetch::Ahead;
 use crate::regions::{GroupKeys, Keys};
 use crate::softmax::x86::exp8;
 use crate::{KeyRegion, MAX_GROUPS, Online};
@@ -406,7 +406,9 @@ unsafe fn attend<const NQ: usize>(
         // Narrow values (per row), unpacked to a code a byte before the groups.
         // SAFETY: `codes` holds n + 1 rows of d codes below 2^bits (the last zero); `wb` NQ
         // rows of `stride >= n + 1` rounded to even bytes, zero from n; `acc` NQ · d values.
-        unsafe { byte_value_sums::<NQ>(codes, n, d, crate::intv::center(v.bits), wb, stride, acc, ahead) };
+        unsafe {
+            byte_value_sums::<NQ>(codes, n, d, crate::int_values::center(v.bits), wb, stride, acc, ahead)
+        };
     }
     for i in 0..NQ {
         let f = _mm256_set1_ps(factor[i]);
@@ -489,7 +491,7 @@ unsafe fn row_weights<const NQ: usize>(
     assert!(
         vs.len() >= n && vo.is_none_or(|o| o.len() >= n) && p.len() >= NQ * stride && wb.len() >= NQ * stride
     );
-    let z = _mm256_set1_ps(f32::from(crate::intv::center(bits)));
+    let z = _mm256_set1_ps(f32::from(crate::int_values::center(bits)));
     let zero = _mm256_setzero_ps();
     let (mut add, mut wmx, mut any) = ([zero; int8::GROUP], [zero; int8::GROUP], [zero; int8::GROUP]);
     let mut sum = [zero; int8::GROUP];
@@ -588,7 +590,7 @@ unsafe fn group_weights<const NQ: usize>(
             };
         }
     }
-    let z = _mm256_set1_ps(f32::from(crate::intv::center(4)));
+    let z = _mm256_set1_ps(f32::from(crate::int_values::center(4)));
     let zero = _mm256_setzero_ps();
     for g in 0..per {
         let (mut add, mut wmx, mut any) = ([zero; int8::GROUP], [zero; int8::GROUP], [zero; int8::GROUP]);

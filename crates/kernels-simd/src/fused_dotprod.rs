@@ -269,7 +269,7 @@ unsafe fn attend<const NQ: usize>(
     //    centre add.
     let wb = grown(wb, NQ * per * n);
     let pw = grown(pw, n);
-    let z = f32::from(crate::intv::center(v.bits));
+    let z = f32::from(crate::int_values::center(v.bits));
     let mut factor = [1f32; GROUP];
     let (mut sw, mut vadd) = ([[0f32; MAX_GROUPS]; GROUP], [[0f32; MAX_GROUPS]; GROUP]);
     let mut wsum = [[0i32; MAX_GROUPS]; GROUP];
@@ -317,7 +317,7 @@ unsafe fn attend<const NQ: usize>(
         // `acc` NQ · d values.
         unsafe { byte_value_sums::<NQ>(codes, n, d, wb, acc) };
     }
-    let centre = i32::from(crate::intv::center(v.bits));
+    let centre = i32::from(crate::int_values::center(v.bits));
     for i in (0..NQ).filter(|&i| live[i]) {
         let f = factor[i];
         for g in 0..per {

@@ -19,7 +19,7 @@
 use std::ops::Range;
 
 use crate::block::{Levels, Params, QuantBlock};
-use crate::portable::{dot_lanes, sum_lanes};
+use crate::wide_backend::{dot_lanes, sum_lanes};
 
 /// Rows handed to an architecture kernel per call: the dots of one call stay in L1 when a
 /// block is large (a bench block of millions of rows), and a cache block is one call.
@@ -69,7 +69,7 @@ pub(crate) fn quantize_query(q: &[f32], out: &mut Vec<i8>) -> f32 {
 /// `max|x| / limit`, returned, and `x / scale` rounded (ties to even) into `−limit..=limit`,
 /// appended to `out` through `cast`; all zeros (scale 0) when `x` is. For limits up to 2^22.
 ///
-/// Decode runs this once per block and row (queries here, weights in [`crate::intv`]), so it
+/// Decode runs this once per block and row (queries here, weights in [`crate::int_values`]), so it
 /// is written to vectorize on baseline SSE2: the maximum in 8 independent lanes, and rounding
 /// by adding and subtracting 1.5 · 2^23 rather than through a libm `round` call per value.
 #[inline(always)]

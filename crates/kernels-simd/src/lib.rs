@@ -3,7 +3,7 @@
 //! Kernels that read a quantized KV cache block without materializing it in f32: dequantize,
 //! scores (`s[t] = q · k̂[t]`, for several query rows at once, as a GQA group needs) and axpy
 //! (`o += Σ_t p[t] · v̂[t]`). Every kernel has a scalar reference in [`scalar`]; the `wide`
-//! backend in [`portable`] is tested against it on random blocks of many shapes.
+//! backend in [`wide_backend`] is tested against it on random blocks of many shapes.
 //!
 //! This crate is the only one of the workspace allowed `unsafe` (the `std::arch` paths);
 //! every `unsafe` block carries a `// SAFETY:` comment. **Status:** the scalar and `wide`
@@ -65,7 +65,6 @@ macro_rules! by_4_or_8_and_group {
     };
 }
 
-mod ahead;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -85,11 +84,11 @@ pub mod fused_dotprod;
 pub mod ggml;
 pub mod ggml_packed;
 mod int8;
-mod intv;
+mod int_values;
 pub mod memory;
 #[cfg(target_arch = "aarch64")]
 mod neon;
-pub mod portable;
+mod prefetch;
 #[cfg(all(test, target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64")))]
 mod region_tests;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
@@ -101,6 +100,7 @@ mod regions_neon;
 pub mod rowquant;
 pub mod scalar;
 pub mod softmax;
+pub mod wide_backend;
 
 pub use block::{KernelError, Levels, Params, QuantBlock};
 pub use dispatch::{Backend, DispatchError};
@@ -114,11 +114,11 @@ pub use rowquant::{row_kernels, row_kernels_for};
 /// query group seen, and stay.
 #[derive(Default)]
 pub struct Scratch {
-    pub(crate) wide: portable::Scratch,
+    pub(crate) wide: wide_backend::Scratch,
     #[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
     pub(crate) int8: int8::Scratch,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    pub(crate) intv: intv::Scratch,
+    pub(crate) intv: int_values::Scratch,
     #[cfg(target_arch = "x86_64")]
     pub(crate) fused: avx512::FusedScratch,
     #[cfg(target_arch = "x86_64")]
@@ -132,7 +132,7 @@ pub struct Scratch {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) weights: Vec<f32>,
     /// What the next fused call brings into cache while it computes ([`Scratch::prefetch_next`]).
-    pub(crate) ahead: ahead::Ahead,
+    pub(crate) ahead: prefetch::Ahead,
 }
 
 impl Scratch {
@@ -241,7 +241,7 @@ pub fn dequantize_with(backend: Backend, b: &QuantBlock<'_>, out: &mut [f32]) ->
     check(out.len() == b.rows * b.dim, || format!("{} outputs for {} × {}", out.len(), b.rows, b.dim))?;
     match implementation(backend) {
         Backend::Scalar => scalar::dequantize(b, out),
-        _ => portable::dequantize(b, out),
+        _ => wide_backend::dequantize(b, out),
     }
     Ok(())
 }
@@ -296,7 +296,7 @@ fn scores_fast(
         }
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => avx2::scores_in(b, q, n_q, out, w),
-        _ => portable::scores_in(b, q, n_q, out, &mut w.wide),
+        _ => wide_backend::scores_in(b, q, n_q, out, &mut w.wide),
     }
 }
 
@@ -308,7 +308,7 @@ fn axpy_fast(backend: Backend, w: &mut Scratch, b: &QuantBlock<'_>, p: &[f32], n
         }
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 => avx2::axpy_in(b, p, n_q, out, w),
-        _ => portable::axpy_in(b, p, n_q, out, &mut w.wide),
+        _ => wide_backend::axpy_in(b, p, n_q, out, &mut w.wide),
     }
 }
 
@@ -391,7 +391,7 @@ macro_rules! dense_kernel {
             Backend::Scalar => scalar::$kind($($arg),*),
             #[cfg(target_arch = "x86_64")]
             Backend::Avx2 => avx2::$kind($($arg),*),
-            _ => portable::$kind($($arg),*),
+            _ => wide_backend::$kind($($arg),*),
         }
     };
 }
@@ -957,7 +957,7 @@ pub fn attend_int_parts_in(
 #[cfg(target_arch = "x86_64")]
 fn streaming(
     scratch: &mut Scratch,
-    slot: impl Fn(&mut Scratch) -> &mut ahead::Ahead,
+    slot: impl Fn(&mut Scratch) -> &mut prefetch::Ahead,
     kernel: impl FnOnce(&mut Scratch) -> bool,
 ) -> bool {
     *slot(scratch) = std::mem::take(&mut scratch.ahead);
@@ -1397,7 +1397,7 @@ pub fn decode_turn_with(backend: Backend, t: &TurnRows<'_>, out: &mut [f32]) -> 
     }
     match backend {
         Backend::Scalar => scalar::decode_turn(t, out),
-        _ => portable::decode_turn(t, out),
+        _ => wide_backend::decode_turn(t, out),
     }
     Ok(())
 }
@@ -1450,7 +1450,7 @@ pub fn scores_turn_in(
     }
     let rows = &mut scratch.w;
     rows.resize(n * t.dim, 0.0);
-    portable::decode_turn_in(t, rows, &mut scratch.wide.codes);
+    wide_backend::decode_turn_in(t, rows, &mut scratch.wide.codes);
     dense_scores_with(backend, &rows[..], n, t.dim, q, n_q, out)
 }
 

@@ -85,8 +85,8 @@ pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> b
     if !matches!(b.levels, crate::block::Levels::Affine) || !integer_params(b) {
         return false;
     }
-    let mut scratch = crate::intv::Scratch::default();
-    crate::intv::axpy_by_block::<crate::intv::Reference>(b, p, n_q, out, &mut scratch);
+    let mut scratch = crate::int_values::Scratch::default();
+    crate::int_values::axpy_by_block::<crate::int_values::Reference>(b, p, n_q, out, &mut scratch);
     true
 }
 
@@ -200,7 +200,7 @@ fn softmax_values(mut s: Vec<f32>, v: &QuantBlock<'_>, n_q: usize, state: crate:
     let crate::Online { m, l, o } = state;
     softmax_step(&mut s, v.rows, v.dim, m, l, o);
     if matches!(v.params, Params::PerGroup { .. }) {
-        crate::intv::axpy_grouped_reference(v, &s, n_q, o);
+        crate::int_values::axpy_grouped_reference(v, &s, n_q, o);
         return true;
     }
     axpy_int(v, &s, n_q, o)

@@ -24,7 +24,7 @@ use std::ops::Range;
 
 use crate::block::{Params, QuantBlock};
 use crate::int8::GROUP;
-use crate::portable::{dot_lanes, sum_lanes};
+use crate::wide_backend::{dot_lanes, sum_lanes};
 
 /// The largest rounded weight for `bits`-wide codes: 255 up to 4 bits, 32767 above.
 pub(crate) fn weight_limit(bits: u8) -> i16 {

@@ -8,7 +8,7 @@ use kvq_quant_core::calibration::Part;
 
 use crate::cache::{LayerSeq, PagedCache, SeqId};
 use crate::error::Result;
-use crate::part::{HeadSegments, Mode, PartLayout, TailBuf};
+use crate::part_layout::{HeadSegments, Mode, PartLayout, TailBuf};
 use crate::pool::BlockId;
 
 /// A run of consecutive tokens of one (sequence, layer, KV head), for K or V.
@@ -290,9 +290,9 @@ impl<'a> BlockView<'a> {
     pub fn param_count(&self) -> usize {
         let l = self.layout;
         match l.mode() {
-            crate::part::Mode::Row { seg } => self.tokens * (l.head_dim() / seg),
-            crate::part::Mode::Channel => l.groups,
-            crate::part::Mode::Static { .. } => 0,
+            crate::part_layout::Mode::Row { seg } => self.tokens * (l.head_dim() / seg),
+            crate::part_layout::Mode::Channel => l.groups,
+            crate::part_layout::Mode::Static { .. } => 0,
         }
     }
 
