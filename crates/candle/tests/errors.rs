@@ -198,7 +198,7 @@ fn conversions_refuse_bad_tensors_and_read_every_float_dtype() {
         convert::append(&mut cache, seq, 0, &k.to_dtype(dt).unwrap(), &k.to_dtype(dt).unwrap()).unwrap();
     }
     assert_eq!(cache.len(seq, 0).unwrap(), 12);
-    let keys = cache.layer(0).unwrap().dequantize(seq, 0, 0, kvq::quant::Part::K).unwrap();
+    let keys = cache.layer(0).unwrap().dequantize(seq, 0, kvq::quant::Part::K).unwrap();
     // Head 0's rows: tokens 0..3 from each append, exact for f32 (f32 sinks).
     for t in 0..3 {
         assert_eq!(&keys[t * 8..(t + 1) * 8], &data[t * 16..t * 16 + 8]);

@@ -710,7 +710,7 @@ fn through_cache(
         let mut len = 0;
         for &seq in &seqs {
             for h in 0..s.heads {
-                let rows = paged.dequantize(seq, 0, h, part).map_err(|e| cache_err(e.into()))?;
+                let rows = paged.dequantize(seq, h, part).map_err(cache_err)?;
                 len = rows.len() / s.head_dim.max(1);
                 data.extend_from_slice(&rows);
             }

@@ -14,6 +14,54 @@ use crate::attention::{
 };
 use crate::element::Element;
 
+/// One layer of a [`QuantizedKvCache`] ([`QuantizedKvCache::layer`]): its memory and its
+/// contents, read without a layer index, with errors that name the model's layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerCache<'a> {
+    paged: &'a PagedCache,
+    layer: usize,
+}
+
+impl<'a> LayerCache<'a> {
+    /// The model's layer this is.
+    pub fn index(&self) -> usize {
+        self.layer
+    }
+
+    /// Tokens of `seq` stored.
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`] for an unknown sequence.
+    pub fn len(&self, seq: SeqId) -> Result<usize, KvqError> {
+        Ok(self.paged.len(seq, 0).map_err(|e| e.in_layer(self.layer))?)
+    }
+
+    /// Exact memory of the layer (codes, parameters, window, sinks; shared blocks once).
+    pub fn memory(&self) -> CacheMemory {
+        self.paged.memory()
+    }
+
+    /// What the layer holds for KV head `head` of `seq`, dequantized (`tokens × head_dim`,
+    /// the reference decode: window and sinks as stored, blocks through the codec).
+    ///
+    /// # Errors
+    /// [`KvqError::Cache`] for an unknown sequence or head.
+    pub fn dequantize(
+        &self,
+        seq: SeqId,
+        head: usize,
+        part: kvq_quant_core::calibration::Part,
+    ) -> Result<Vec<f32>, KvqError> {
+        Ok(self.paged.dequantize(seq, 0, head, part).map_err(|e| e.in_layer(self.layer))?)
+    }
+
+    /// The single-layer paged cache underneath, for the lower-level calls (`segments`,
+    /// `save`, decode attention over it): its only layer has index 0.
+    pub fn paged(&self) -> &'a PagedCache {
+        self.paged
+    }
+}
+
 /// The version of the config format this build writes and reads.
 pub const CONFIG_VERSION: u32 = 1;
 /// The magic of [`QuantizedKvCache::export_sequence`]'s files.
@@ -680,9 +728,9 @@ impl QuantizedKvCache {
         &self.config
     }
 
-    /// The cache of one layer.
-    pub fn layer(&self, layer: usize) -> Option<&PagedCache> {
-        self.layers.get(layer)
+    /// The cache of one layer of the model, `None` past the last.
+    pub fn layer(&self, layer: usize) -> Option<LayerCache<'_>> {
+        self.layers.get(layer).map(|paged| LayerCache { paged, layer })
     }
 
     fn layer_mut(&mut self, layer: usize) -> Result<&mut PagedCache, KvqError> {

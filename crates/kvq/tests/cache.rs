@@ -298,13 +298,13 @@ fn append_all_layers_is_all_or_nothing() {
         assert_eq!(one.layer(l), each.layer(l), "layer {l}");
     }
     assert_eq!(one.blocks_needed(s1, 1).unwrap(), each.blocks_needed(s2, 1).unwrap());
-    let before: Vec<_> = (0..3).map(|l| one.layer(l).unwrap().clone()).collect();
+    let before: Vec<_> = (0..3).map(|l| one.layer(l).unwrap().paged().clone()).collect();
     let mut k = token(3 * per, 99);
     k[3 * per - 1] = f32::NAN;
     assert!(one.append_all_layers(s1, &k, &token(3 * per, 5)).is_err());
     assert!(one.append_all_layers(s1, &k[1..], &k[1..]).is_err());
     for (l, layer) in before.iter().enumerate() {
-        assert_eq!(one.layer(l).unwrap(), layer, "layer {l} changed");
+        assert_eq!(one.layer(l).unwrap().paged(), layer, "layer {l} changed");
     }
 }
 
@@ -357,7 +357,7 @@ fn sequences_export_and_import_across_layers() {
     let again = cache.import_sequence(&file).unwrap();
     assert_eq!(attend(&cache, again), attend(&other, back));
 
-    let before: Vec<_> = (0..3).map(|l| other.layer(l).unwrap().clone()).collect();
+    let before: Vec<_> = (0..3).map(|l| other.layer(l).unwrap().paged().clone()).collect();
     let mut damaged = file.clone();
     let i = damaged.len() / 2;
     damaged[i] ^= 4;
@@ -380,7 +380,7 @@ fn sequences_export_and_import_across_layers() {
     assert!(matches!(e, KvqError::Cache(kvq::layout::CacheError::PoolExhausted { .. })), "{e}");
     assert_eq!(tiny.free_blocks(), free);
     for (l, layer) in before.iter().enumerate() {
-        assert_eq!(other.layer(l).unwrap(), layer);
+        assert_eq!(other.layer(l).unwrap().paged(), layer);
     }
 }
 
@@ -640,7 +640,7 @@ fn layers_with_keys_before_rope() {
     let back = other.import_sequence(&file).unwrap();
     assert_eq!(attend(&other, back, 1), before);
     let path = std::env::temp_dir().join(format!("kvq-prerope-{}.kvq", std::process::id()));
-    let layer = cache.layer(1).unwrap();
+    let layer = cache.layer(1).unwrap().paged();
     layer.save(&path).unwrap();
     let loaded = kvq::layout::PagedCache::load(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
@@ -802,4 +802,31 @@ fn split_sequences_share_their_blocks_and_import_exactly() {
     assert!(other.import_split(&cache.export_sequence(short).unwrap(), &given).is_err());
     assert_eq!(other.free_blocks(), free);
     assert_eq!(other.export_sequence(back).unwrap(), before);
+}
+
+/// A layer of the cache reads without a layer index: its index is the model's, its contents
+/// are those of the single-layer paged cache underneath, and past the last layer there is none.
+#[test]
+fn a_layer_reads_as_the_models_layer() {
+    let c = config();
+    let per = c.kv_heads * c.head_dim;
+    let mut cache = QuantizedKvCache::new(c.clone()).unwrap();
+    let seq = cache.create();
+    for t in 0..40 {
+        cache.append_all_layers(seq, &token(3 * per, t), &token(3 * per, t + 3)).unwrap();
+    }
+    assert!(cache.layer(3).is_none());
+    for l in 0..3 {
+        let layer = cache.layer(l).unwrap();
+        assert_eq!(layer.index(), l);
+        assert_eq!(layer.len(seq).unwrap(), 40);
+        assert_eq!(layer.memory(), layer.paged().memory());
+        for part in [Part::K, Part::V] {
+            let rows = layer.dequantize(seq, 1, part).unwrap();
+            assert_eq!(rows, layer.paged().dequantize(seq, 0, 1, part).unwrap());
+            assert_eq!(rows.len(), 40 * c.head_dim);
+        }
+        assert!(layer.len(SeqId(77)).is_err());
+        assert!(layer.dequantize(seq, c.kv_heads, Part::K).is_err());
+    }
 }
