@@ -209,6 +209,26 @@ fn command(
     stdout: &mut dyn Write,
     stderr: &mut dyn Write,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    // Flag values checked before anything runs, whatever the mode: none is ignored unread.
+    let weights = match args.weights.as_str() {
+        "f32" => Weights::F32,
+        "native" => Weights::Native,
+        other => return Err(format!("--weights {other:?}: use f32 or native").into()),
+    };
+    score_path(&args.path)?;
+    let search = args.target_kl.is_some() || args.target_p99.is_some() || args.budget_bits.is_some();
+    if !search && (args.ladder.is_some() || args.probe.is_some() || args.out.is_some()) {
+        return Err(
+            "--ladder, --probe and --out belong to a search (--target-kl, --target-p99 or --budget-bits)"
+                .into(),
+        );
+    }
+    let plot_only = args.tokens.is_none() && args.text.is_none() && !args.passkey;
+    if plot_only && (args.specs.is_some() || !args.config.is_empty()) {
+        return Err("--specs and --config name caches to run on --tokens or --text (or --passkey); \
+                    with --plot-with alone nothing runs"
+            .into());
+    }
     let default_model = PathBuf::from(DEFAULT_MODEL);
     let plot_inputs = input_files(args, &default_model);
     if let Some(out) = &args.plot {
@@ -217,7 +237,7 @@ fn command(
             .map_err(|e| format!("{}: {e}", out.display()))?;
     }
     let mut saved = args.plot_with.iter().map(|p| read_saved_report(p)).collect::<Result<Vec<_>, _>>()?;
-    if args.tokens.is_none() && args.text.is_none() && !args.passkey {
+    if plot_only {
         return write_plot(args, saved, &plot_inputs, stderr);
     }
     let model_path = args.model.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
@@ -228,11 +248,6 @@ fn command(
         )
         .into());
     }
-    let weights = match args.weights.as_str() {
-        "f32" => Weights::F32,
-        "native" => Weights::Native,
-        other => return Err(format!("--weights {other:?}: use f32 or native").into()),
-    };
     let model = LlamaModel::load_with(&model_path, weights)?;
     if args.passkey {
         return run_passkey(args, &model, &model_path, stdout, stderr);

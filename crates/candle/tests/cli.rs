@@ -378,6 +378,14 @@ fn the_bits_against_kl_figure_draws_this_run_and_saved_reports() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(std::fs::read(&model).unwrap(), model_bytes);
+    // Flags that name caches to run, or values nobody reads, are refused, not ignored.
+    for extra in [&["--specs", "int8"][..], &["--path", "fast"], &["--weights", "q4"], &["--ladder", "int8"]]
+    {
+        let out =
+            eval().arg("--plot").arg(&figure3).arg("--plot-with").arg(&saved).args(extra).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(!figure3.exists());
+    }
     // --plot-with alone is a usage error; --plot may not replace an input.
     let out = eval().arg("--plot-with").arg(&saved).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
