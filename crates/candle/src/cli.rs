@@ -174,7 +174,7 @@ struct Args {
     /// Saved reports to draw in --plot, comma-separated: `kvq-eval --json` output, or any JSON
     /// object with `candidates` (each with `name`, `bits_per_value` and `kl_mean`) and an
     /// optional `series` name (default `kvq`). Without --tokens or --text, only these are drawn
-    /// and no model is run.
+    /// and no model is run (--model, --specs and --config are then refused).
     #[arg(long, value_delimiter = ',', requires = "plot")]
     plot_with: Vec<PathBuf>,
     /// The title of --plot's figure.
@@ -224,8 +224,8 @@ fn command(
         );
     }
     let plot_only = args.tokens.is_none() && args.text.is_none() && !args.passkey;
-    if plot_only && (args.specs.is_some() || !args.config.is_empty()) {
-        return Err("--specs and --config name caches to run on --tokens or --text (or --passkey); \
+    if plot_only && (args.model.is_some() || args.specs.is_some() || !args.config.is_empty()) {
+        return Err("--model, --specs and --config name what runs on --tokens or --text (or --passkey); \
                     with --plot-with alone nothing runs"
             .into());
     }

@@ -370,17 +370,25 @@ fn the_bits_against_kl_figure_draws_this_run_and_saved_reports() {
     let out = eval()
         .arg("--model")
         .arg(&model)
+        .arg("--tokens")
+        .arg(&tokens)
+        .args(["--prefill", "64", "--max-tokens", "128", "--specs", "int8"])
         .arg("--plot")
         .arg(&model)
-        .arg("--plot-with")
-        .arg(&saved)
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&model.display().to_string()));
     assert_eq!(std::fs::read(&model).unwrap(), model_bytes);
     // Flags that name caches to run, or values nobody reads, are refused, not ignored.
-    for extra in [&["--specs", "int8"][..], &["--path", "fast"], &["--weights", "q4"], &["--ladder", "int8"]]
-    {
+    let m = model.to_str().unwrap();
+    for extra in [
+        &["--specs", "int8"][..],
+        &["--path", "fast"],
+        &["--weights", "q4"],
+        &["--ladder", "int8"],
+        &["--model", m],
+    ] {
         let out =
             eval().arg("--plot").arg(&figure3).arg("--plot-with").arg(&saved).args(extra).output().unwrap();
         assert_eq!(out.status.code(), Some(1), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
