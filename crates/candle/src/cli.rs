@@ -215,7 +215,7 @@ fn command(
         "native" => Weights::Native,
         other => return Err(format!("--weights {other:?}: use f32 or native").into()),
     };
-    score_path(&args.path)?;
+    let path = score_path(&args.path)?;
     let search = args.target_kl.is_some() || args.target_p99.is_some() || args.budget_bits.is_some();
     if !search && (args.ladder.is_some() || args.probe.is_some() || args.out.is_some()) {
         return Err(
@@ -250,7 +250,7 @@ fn command(
     }
     let model = LlamaModel::load_with(&model_path, weights)?;
     if args.passkey {
-        return run_passkey(args, &model, &model_path, stdout, stderr);
+        return run_passkey(args, path, &model, &model_path, stdout, stderr);
     }
     let mut tokens = match (&args.tokens, &args.text) {
         (Some(p), _) => read_input_ids(p)?,
@@ -284,13 +284,12 @@ fn command(
         Protocol::Chunks { ctx, .. } => ctx,
         Protocol::Decode { .. } => tokens.len(),
     };
-    let path = score_path(&args.path)?;
     let calibration = args.calibration_tokens.unwrap_or(match protocol {
         Protocol::Chunks { ctx, .. } => ctx / 2,
         Protocol::Decode { prefill } => prefill,
     });
     let calibration = &tokens[..calibration.min(tokens.len())];
-    if args.target_kl.is_some() || args.target_p99.is_some() || args.budget_bits.is_some() {
+    if search {
         let search = SearchArgs { model: &model, tokens: &tokens, protocol, longest, path, calibration };
         return run_search(args, &search, stdout, stderr);
     }
@@ -396,11 +395,7 @@ fn write_plot(
             None => merged.push(s),
         }
     }
-    let left_out: usize = merged
-        .iter()
-        .flat_map(|s| &s.points)
-        .filter(|p| !(p.bits.is_finite() && p.bits > 0.0 && p.loss.is_finite() && p.loss > 0.0))
-        .count();
+    let left_out: usize = merged.iter().flat_map(|s| &s.points).filter(|p| !p.drawable()).count();
     let title =
         args.plot_title.as_deref().unwrap_or("Mean KL of the next-token distribution against bits per value");
     let svg = kvq::plot::bits_vs_loss(title, "mean KL (nats, log scale)", &merged)?;
@@ -425,12 +420,12 @@ fn write_plot(
 /// `--passkey`: the retrieval table (or JSON).
 fn run_passkey(
     args: &Args,
+    path: ScorePath,
     model: &LlamaModel,
     model_path: &Path,
     stdout: &mut dyn Write,
     stderr: &mut dyn Write,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let path = score_path(&args.path)?;
     let plan = PasskeyPlan {
         lengths: args.passkey_lengths.clone(),
         depths: args.passkey_depths.clone(),

@@ -427,6 +427,14 @@ pub struct Point {
     pub loss: f64,
 }
 
+impl Point {
+    /// Whether the point can be drawn: bits and loss positive and finite (a log scale has no
+    /// place for a zero loss).
+    pub fn drawable(&self) -> bool {
+        self.bits.is_finite() && self.bits > 0.0 && self.loss.is_finite() && self.loss > 0.0
+    }
+}
+
 /// The configurations of one system (kvq's caches, llama.cpp's cache types) on a
 /// bits-against-loss chart.
 #[derive(Debug, Clone, PartialEq)]
@@ -456,16 +464,15 @@ pub fn pareto_front(points: &[Point]) -> Vec<usize> {
 }
 
 /// Bits per value against a loss (log scale), one colour per series: every point drawn, each
-/// series' Pareto front ([`pareto_front`]) joined by a line and labelled. Points whose bits or
-/// loss are not positive and finite cannot be drawn and are left out.
+/// series' Pareto front ([`pareto_front`]) joined by a line and labelled. Points that are not
+/// [`Point::drawable`] are left out.
 ///
 /// # Errors
 /// [`PlotError::Empty`] when no series has a point that can be drawn.
 pub fn bits_vs_loss(title: &str, loss_label: &str, series: &[Series]) -> Result<String, PlotError> {
-    let drawable = |p: &&Point| p.bits.is_finite() && p.bits > 0.0 && p.loss.is_finite() && p.loss > 0.0;
     let series: Vec<(&str, Vec<Point>)> = series
         .iter()
-        .map(|s| (s.name.as_str(), s.points.iter().filter(drawable).cloned().collect::<Vec<_>>()))
+        .map(|s| (s.name.as_str(), s.points.iter().filter(|p| p.drawable()).cloned().collect::<Vec<_>>()))
         .filter(|(_, p)| !p.is_empty())
         .collect();
     if series.is_empty() {
