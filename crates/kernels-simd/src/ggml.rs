@@ -19,7 +19,11 @@ use crate::dispatch::Backend;
 /// Values per block.
 pub const QK: usize = 32;
 
-/// The GGML block types these kernels multiply.
+/// The GGML block types these kernels multiply: blocks of 32 values, and the K-quants'
+/// super-blocks of 256 (eight blocks of 32, or sixteen of 16 for Q6_K, whose scales are
+/// themselves quantized). [`matmul_t`] multiplies the blocks of 32 as stored;
+/// [`crate::ggml_packed::PackedWeights`] repacks every type, the K-quants into blocks of 32
+/// with f32 scales.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum GgmlType {
@@ -29,23 +33,50 @@ pub enum GgmlType {
     Q4_1,
     /// f16 scale, 32 signed 8-bit codes: `d * q`.
     Q8_0,
+    /// Super-blocks of 256: f16 `d` and `dmin`, eight 6-bit scales and minimums, 4-bit codes:
+    /// `d * sc_j * q - dmin * m_j` in block `j` of 32.
+    Q4K,
+    /// As [`GgmlType::Q4K`] with a fifth bit per code (codes 0..32).
+    Q5K,
+    /// Super-blocks of 256: f16 `d`, sixteen signed 8-bit scales, 6-bit codes:
+    /// `d * sc_j * (q - 32)` in block `j` of 16.
+    Q6K,
 }
 
 impl GgmlType {
-    /// Bytes of one block of 32 values.
+    /// Values per block: 32, or 256 for the K-quants' super-blocks.
+    pub fn block_values(self) -> usize {
+        match self {
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => QK,
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes of one block of [`GgmlType::block_values`] values.
     pub fn block_bytes(self) -> usize {
         match self {
             GgmlType::Q4_0 => 18,
             GgmlType::Q4_1 => 20,
             GgmlType::Q8_0 => 34,
+            GgmlType::Q4K => 144,
+            GgmlType::Q5K => 176,
+            GgmlType::Q6K => 210,
         }
     }
 
-    /// Bytes of a row of `k` values (`k` a multiple of 32).
+    /// Bytes of a row of `k` values (`k` a multiple of [`GgmlType::block_values`]).
     pub fn row_bytes(self, k: usize) -> usize {
-        k / QK * self.block_bytes()
+        k / self.block_values() * self.block_bytes()
+    }
+
+    /// Whether this is a K-quant (super-blocks of 256, multiplied only repacked).
+    pub fn is_k_quant(self) -> bool {
+        self.block_values() == QK_K
     }
 }
+
+/// Values per K-quant super-block.
+pub const QK_K: usize = 256;
 
 /// Activation rows rounded to 8 bits per block of 32 (a scale `max|x| / 127` per block), with
 /// each block's sum of codes.
@@ -89,6 +120,12 @@ impl Activations {
     pub(crate) fn block_dot(&self, ty: GgmlType, t: usize, b: usize, w: &[u8]) -> (i32, i32, f32) {
         let ab = t * (self.k / QK) + b;
         (block_dot(ty, w, &self.codes[ab * QK..(ab + 1) * QK]), self.sums[ab], self.scales[ab])
+    }
+
+    /// Block `b` of row `t`: its codes and its scale.
+    pub(crate) fn block_codes(&self, t: usize, b: usize) -> (&[i8], f32) {
+        let ab = t * (self.k / QK) + b;
+        (&self.codes[ab * QK..(ab + 1) * QK], self.scales[ab])
     }
 
     /// Rounds the rows of `x` (`x.len() / k` rows of `k` values), on this process's backend
@@ -214,6 +251,11 @@ pub fn matmul_t(
     act: &Activations,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    if ty.is_k_quant() {
+        return Err(KernelError::Shape(format!(
+            "{ty:?} rows are multiplied repacked (ggml_packed::PackedWeights), not as stored"
+        )));
+    }
     let row_bytes = ty.row_bytes(act.k);
     if act.k == 0 || row_bytes == 0 || !weights.len().is_multiple_of(row_bytes) {
         return Err(KernelError::Shape(format!(
@@ -276,8 +318,8 @@ fn block_dot(ty: GgmlType, w: &[u8], a: &[i8]) -> i32 {
 pub(crate) fn block_value(ty: GgmlType, dot: i32, sum: i32, dw: f32, mw: f32, da: f32) -> f32 {
     match ty {
         GgmlType::Q4_0 => dw * da * (dot - 8 * sum) as f32,
-        GgmlType::Q4_1 => dw * da * dot as f32 + mw * da * sum as f32,
-        GgmlType::Q8_0 => dw * da * dot as f32,
+        GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K => dw * da * dot as f32 + mw * da * sum as f32,
+        GgmlType::Q8_0 | GgmlType::Q6K => dw * da * dot as f32,
     }
 }
 
@@ -395,7 +437,9 @@ mod x86 {
                 let w = unsafe { _mm256_loadu_si256(block.as_ptr().add(2).cast()) };
                 (_mm256_sign_epi8(w, w), w, dw, 0.0)
             }
-            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            // The K-quants never come here (`matmul_t` refuses them); their blocks are longer
+            // than the 20 bytes this arm reads.
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
                 let at = if ty == GgmlType::Q4_1 { 4 } else { 2 };
                 // SAFETY: a Q4 block is 16 code bytes after 2 (Q4_0) or 4 (Q4_1) bytes.
                 let bytes = unsafe { _mm_loadu_si128(block.as_ptr().add(at).cast()) };
@@ -592,16 +636,21 @@ mod arm {
 pub(crate) mod tests {
     use super::*;
 
-    /// Random weight rows of `ty` in GGML's layout, from a fixed generator (also the packed
-    /// layout's tests' input).
-    pub(crate) fn weights(ty: GgmlType, rows: usize, k: usize, seed: u64, extreme: bool) -> Vec<u8> {
+    /// A fixed xorshift generator, so that the tests' inputs are the same on every machine.
+    pub(crate) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
         let mut s = seed | 1;
-        let mut next = move || {
+        move || {
             s ^= s << 13;
             s ^= s >> 7;
             s ^= s << 17;
             s
-        };
+        }
+    }
+
+    /// Random weight rows of `ty` in GGML's layout, from a fixed generator (also the packed
+    /// layout's tests' input).
+    pub(crate) fn weights(ty: GgmlType, rows: usize, k: usize, seed: u64, extreme: bool) -> Vec<u8> {
+        let mut next = xorshift(seed);
         let mut out = Vec::new();
         for _ in 0..rows * k / QK {
             let d = f16::from_f32((next() % 1000) as f32 / 50_000.0 + 1e-4);
@@ -623,14 +672,12 @@ pub(crate) mod tests {
         out
     }
 
-    fn activations(n: usize, k: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
+    /// Random activation rows (also the packed layout's tests' input).
+    pub(crate) fn activations(n: usize, k: usize, seed: u64) -> Vec<f32> {
+        let mut next = xorshift(seed);
         (0..n * k)
             .map(|i| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let v = (s % 20_001) as f32 / 10_000.0 - 1.0;
+                let v = (next() % 20_001) as f32 / 10_000.0 - 1.0;
                 // A few outliers, and all-zero blocks, as real activations have.
                 if i % 97 == 0 {
                     v * 40.0
@@ -661,6 +708,7 @@ pub(crate) mod tests {
                         GgmlType::Q4_0 => d * (f64::from(c) - 8.0),
                         GgmlType::Q4_1 => d * f64::from(c) + m,
                         GgmlType::Q8_0 => d * f64::from(c as i8),
+                        _ => unreachable!("blocks of 32 only"),
                     }
                 })
                 .collect();

@@ -2,19 +2,28 @@
 //! 8-lane integer dot (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`) advances eight rows' sums at
 //! once against a broadcast group of four activation codes, with no sum across lanes.
 //!
-//! [`PackedWeights::new`] takes rows as a GGUF stores them (Q4_0, Q4_1, Q8_0) and lays out, for
-//! each group of eight rows and each block: the eight f16 scales, the eight f16 minimums
-//! (Q4_1), then the codes in 32-byte runs, run `q` holding bytes `4q..4q + 4` of every row's
-//! codes, row after row. For Q4 the low nibbles of run `q` are values `4q..4q + 4` of the
-//! eight rows and the high nibbles values `16 + 4q..`; for Q8_0 run `q` is values `4q..4q + 4`.
-//! The bytes per block are the GGUF's, so the weights take no more memory; rows past the last
-//! (to fill a group) are zeros.
+//! [`PackedWeights::new`] takes rows as a GGUF stores them and lays out, for each group of
+//! eight rows and each block of 32: the parameters, then the codes in 32-byte runs, run `q`
+//! holding bytes `4q..4q + 4` of every row's codes, row after row. For 4-bit codes the low
+//! nibbles of run `q` are values `4q..4q + 4` of the eight rows and the high nibbles values
+//! `16 + 4q..`; for byte codes run `q` is values `4q..4q + 4`. The parameters:
+//! - Q4_0, Q4_1, Q8_0: the eight f16 scales, then (Q4_1) the eight f16 minimums; the bytes per
+//!   block are the GGUF's, so the weights take no more memory.
+//! - The K-quants, each super-block of 256 read exactly as eight blocks of 32
+//!   (`crate::k_quants`): eight f32 scales, then eight f32 offsets (Q4_K, Q5_K: `-dmin * m`)
+//!   or the scales of values 16..32 (Q6_K, whose scales cover 16 values). Q4_K keeps 4-bit
+//!   codes (6 bits per weight against the GGUF's 4.5); Q5_K's 5-bit and Q6_K's 6-bit codes
+//!   take a byte each (10 bits per weight against 5.5 and 6.56), so that every type runs the
+//!   same 8-bit dot products.
 //!
-//! [`matmul_packed`] computes what [`crate::ggml::matmul_t`] computes (the same integer sums,
-//! the float accumulation in another order): the scalar reference unpacks a group's rows and
-//! runs the same arithmetic as `ggml::scalar_matmul_t`; the AVX2 and AVX-512 VNNI kernels, and
-//! on aarch64 the NEON kernels (`sdot` with the dot-product extension, widening products
-//! without), take eight weight rows by up to four activation rows per tile.
+//! Rows past the last (to fill a group) are zeros.
+//!
+//! [`matmul_packed`] computes what [`crate::ggml::matmul_t`] computes for the types it takes
+//! (the same integer sums, the float accumulation in another order): the scalar reference
+//! unpacks a group's rows and runs the same arithmetic as `ggml::scalar_matmul_t`; the AVX2
+//! and AVX-512 VNNI kernels, and on aarch64 the NEON kernels (`sdot` with the dot-product
+//! extension, widening products without), take eight weight rows by up to four activation rows
+//! per tile.
 
 use std::ops::Range;
 
@@ -23,6 +32,7 @@ use half::f16;
 use crate::block::KernelError;
 use crate::dispatch::Backend;
 use crate::ggml::{Activations, GgmlType, QK};
+use crate::k_quants::{self, Block32};
 
 /// Rows interleaved per group.
 pub const GROUP: usize = 8;
@@ -36,34 +46,72 @@ pub struct PackedWeights {
     data: Vec<u8>,
 }
 
-/// Bytes of one block of a group: the scales (and minimums), then the codes.
+/// Whether a block's parameters are f32 (the K-quants) rather than f16.
+#[inline(always)]
+fn f32_params(ty: GgmlType) -> bool {
+    ty.is_k_quant()
+}
+
+/// Whether codes take a byte each (Q8_0, Q5_K, Q6_K) rather than a nibble.
+#[inline(always)]
+fn byte_codes(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q5K | GgmlType::Q6K)
+}
+
+/// Whether codes are signed bytes (Q8_0, Q6_K); the others are unsigned.
+#[inline(always)]
+fn signed_codes(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q6K)
+}
+
+/// Whether a block has two scales, for values 0..16 and 16..32 (Q6_K).
+#[inline(always)]
+fn two_scales(ty: GgmlType) -> bool {
+    ty == GgmlType::Q6K
+}
+
+/// Bytes of one block of a group: the parameters, then the codes.
 fn block_bytes(ty: GgmlType) -> usize {
-    match ty {
-        GgmlType::Q4_0 => 16 + 128,
-        GgmlType::Q4_1 => 32 + 128,
-        GgmlType::Q8_0 => 16 + 256,
-    }
+    header_bytes(ty) + GROUP * code_bytes(ty)
 }
 
 /// Where the codes of a block begin.
 fn header_bytes(ty: GgmlType) -> usize {
-    if ty == GgmlType::Q4_1 { 32 } else { 16 }
+    match ty {
+        GgmlType::Q4_1 => 32,
+        _ if f32_params(ty) => 64,
+        _ => 16,
+    }
 }
 
-/// Bytes of one row's codes in a GGML block.
+/// Bytes of one row's codes in a block of 32.
 fn code_bytes(ty: GgmlType) -> usize {
-    if ty == GgmlType::Q8_0 { QK } else { QK / 2 }
+    if byte_codes(ty) { QK } else { QK / 2 }
+}
+
+/// Writes one row's codes of a block (`cb` bytes as a GGUF block of 32 holds them) into the
+/// block's runs, as row `i` of its group.
+fn put_codes(dst: &mut [u8], hb: usize, i: usize, codes: &[u8]) {
+    for (q, four) in codes.chunks_exact(4).enumerate() {
+        let at = hb + q * 4 * GROUP + 4 * i;
+        dst[at..at + 4].copy_from_slice(four);
+    }
 }
 
 impl PackedWeights {
     /// Repacks `rows` rows of `k` values of type `ty`, as a GGUF stores them.
     ///
     /// # Errors
-    /// [`KernelError::Shape`] when `k` is not a positive multiple of 32 or `weights` is not
-    /// `rows` such rows.
+    /// [`KernelError::Shape`] when `k` is not a positive multiple of the type's block
+    /// ([`GgmlType::block_values`]: 32, or 256 for the K-quants) or `weights` is not `rows`
+    /// such rows, or a scale or minimum is not finite (it would make every product with its
+    /// row NaN).
     pub fn new(ty: GgmlType, weights: &[u8], rows: usize, k: usize) -> Result<Self, KernelError> {
         let row_bytes = ty.row_bytes(k);
-        if k == 0 || !k.is_multiple_of(QK) || rows.checked_mul(row_bytes) != Some(weights.len()) {
+        if k == 0
+            || !k.is_multiple_of(ty.block_values())
+            || rows.checked_mul(row_bytes) != Some(weights.len())
+        {
             return Err(KernelError::Shape(format!(
                 "{} bytes for {rows} rows of {k} values of {ty:?}",
                 weights.len()
@@ -72,18 +120,50 @@ impl PackedWeights {
         let (blocks, groups) = (k / QK, rows.div_ceil(GROUP));
         let (bb, hb, cb) = (block_bytes(ty), header_bytes(ty), code_bytes(ty));
         let mut data = vec![0u8; groups * blocks * bb];
+        let mut sub = [Block32::default(); k_quants::BLOCKS];
+        let mut nibbles = [0u8; QK / 2];
         for (r, row) in weights.chunks_exact(row_bytes).enumerate() {
             let (g, i) = (r / GROUP, r % GROUP);
             for (b, src) in row.chunks_exact(ty.block_bytes()).enumerate() {
-                let dst = &mut data[(g * blocks + b) * bb..(g * blocks + b + 1) * bb];
-                dst[2 * i..2 * i + 2].copy_from_slice(&src[..2]);
-                if ty == GgmlType::Q4_1 {
-                    dst[16 + 2 * i..16 + 2 * i + 2].copy_from_slice(&src[2..4]);
+                if !ty.is_k_quant() {
+                    let params = if ty == GgmlType::Q4_1 { 2 } else { 1 };
+                    if src[..2 * params]
+                        .chunks_exact(2)
+                        .any(|h| !f16::from_le_bytes([h[0], h[1]]).is_finite())
+                    {
+                        return Err(KernelError::Shape(format!(
+                            "row {r}, values {}..: a {ty:?} scale is not finite",
+                            b * QK
+                        )));
+                    }
+                    let dst = &mut data[(g * blocks + b) * bb..(g * blocks + b + 1) * bb];
+                    dst[2 * i..2 * i + 2].copy_from_slice(&src[..2]);
+                    if ty == GgmlType::Q4_1 {
+                        dst[16 + 2 * i..16 + 2 * i + 2].copy_from_slice(&src[2..4]);
+                    }
+                    put_codes(dst, hb, i, &src[ty.block_bytes() - cb..]);
+                    continue;
                 }
-                let codes = &src[ty.block_bytes() - cb..];
-                for q in 0..cb / 4 {
-                    let at = hb + q * 4 * GROUP + 4 * i;
-                    dst[at..at + 4].copy_from_slice(&codes[4 * q..4 * q + 4]);
+                k_quants::decode(ty, src, &mut sub);
+                for (j, block) in sub.iter().enumerate() {
+                    if !block.params.iter().all(|p| p.is_finite()) {
+                        return Err(KernelError::Shape(format!(
+                            "row {r}, values {}..: a {ty:?} scale is not finite",
+                            (b * k_quants::BLOCKS + j) * QK
+                        )));
+                    }
+                    let at = (g * blocks + b * k_quants::BLOCKS + j) * bb;
+                    let dst = &mut data[at..at + bb];
+                    dst[4 * i..4 * i + 4].copy_from_slice(&block.params[0].to_le_bytes());
+                    dst[32 + 4 * i..32 + 4 * i + 4].copy_from_slice(&block.params[1].to_le_bytes());
+                    if byte_codes(ty) {
+                        put_codes(dst, hb, i, &block.codes);
+                    } else {
+                        for (l, n) in nibbles.iter_mut().enumerate() {
+                            *n = block.codes[l] | (block.codes[l + QK / 2] << 4);
+                        }
+                        put_codes(dst, hb, i, &nibbles);
+                    }
                 }
             }
         }
@@ -115,24 +195,27 @@ impl PackedWeights {
         self.data.len()
     }
 
-    /// Row `i` of group `g` as GGML codes, a byte each in value order (Q4: 0..16; Q8_0: the
-    /// signed byte), with its scales and minimums: the inverse of the packing.
+    /// Row `i` of group `g` as codes, a byte each in value order (4-bit: 0..16; Q5_K: 0..32;
+    /// Q8_0 and Q6_K: the signed byte), with each block's parameters (`d`: the scale; `m`: the
+    /// minimum or offset, or Q6_K's second scale; 0 for Q4_0 and Q8_0): the inverse of the
+    /// packing.
     fn unpack_row(&self, g: usize, i: usize, codes: &mut [u8], d: &mut [f32], m: &mut [f32]) {
         let (ty, blocks) = (self.ty, self.k / QK);
         let (bb, hb, cb) = (block_bytes(ty), header_bytes(ty), code_bytes(ty));
         for b in 0..blocks {
             let src = &self.data[(g * blocks + b) * bb..(g * blocks + b + 1) * bb];
-            d[b] = f16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f32();
-            m[b] = if ty == GgmlType::Q4_1 {
-                f16::from_le_bytes([src[16 + 2 * i], src[16 + 2 * i + 1]]).to_f32()
-            } else {
-                0.0
+            let f32_at = |at: usize| f32::from_le_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]]);
+            let f16_at = |at: usize| f16::from_le_bytes([src[at], src[at + 1]]).to_f32();
+            (d[b], m[b]) = match ty {
+                _ if f32_params(ty) => (f32_at(4 * i), f32_at(32 + 4 * i)),
+                GgmlType::Q4_1 => (f16_at(2 * i), f16_at(16 + 2 * i)),
+                _ => (f16_at(2 * i), 0.0),
             };
             let out = &mut codes[b * QK..(b + 1) * QK];
             for q in 0..cb / 4 {
                 for j in 0..4 {
                     let byte = src[hb + q * 4 * GROUP + 4 * i + j];
-                    if ty == GgmlType::Q8_0 {
+                    if byte_codes(ty) {
                         out[4 * q + j] = byte;
                     } else {
                         out[4 * q + j] = byte & 0x0F;
@@ -203,7 +286,7 @@ pub fn matmul_packed(
 }
 
 /// The reference: each row of the groups unpacked, then `ggml::scalar_matmul_t`'s arithmetic,
-/// block after block in order.
+/// block after block in order (for Q6_K, each half block's dot scaled by its own scale).
 pub fn scalar_matmul_packed(w: &PackedWeights, groups: Range<usize>, act: &Activations, out: &mut [f32]) {
     let (k, n) = (w.k, act.rows());
     let blocks = k / QK;
@@ -215,8 +298,22 @@ pub fn scalar_matmul_packed(w: &PackedWeights, groups: Range<usize>, act: &Activ
         for t in 0..n {
             let mut acc = 0f32;
             for b in 0..blocks {
-                let (dot, sum, da) = act.block_dot(w.ty, t, b, &codes[b * QK..(b + 1) * QK]);
-                acc += crate::ggml::block_value(w.ty, dot, sum, d[b], m[b], da);
+                let block = &codes[b * QK..(b + 1) * QK];
+                if two_scales(w.ty) {
+                    let (a, da) = act.block_codes(t, b);
+                    let dot = |h: usize| -> i32 {
+                        let r = h * QK / 2..(h + 1) * QK / 2;
+                        block[r.clone()]
+                            .iter()
+                            .zip(&a[r])
+                            .map(|(&w, &a)| i32::from(w as i8) * i32::from(a))
+                            .sum()
+                    };
+                    acc += d[b] * da * dot(0) as f32 + m[b] * da * dot(1) as f32;
+                } else {
+                    let (dot, sum, da) = act.block_dot(w.ty, t, b, block);
+                    acc += crate::ggml::block_value(w.ty, dot, sum, d[b], m[b], da);
+                }
             }
             out[(r - first) * n + t] = acc;
         }
@@ -259,17 +356,18 @@ fn four_codes(a: &[i8], at: usize) -> i32 {
     i32::from_le_bytes([a[at] as u8, a[at + 1] as u8, a[at + 2] as u8, a[at + 3] as u8])
 }
 
-/// Where run `q` of a block's codes meets the activation's values: values `4q..` for Q8_0; for
-/// Q4, runs 0..4 are the low nibbles (values `4q..`) and runs 4..8 the high ones (values
-/// `16 + 4(q − 4)..`).
+/// Where run `q` of a block's codes meets the activation's values: values `4q..` for byte
+/// codes; for 4-bit codes, runs 0..4 are the low nibbles (values `4q..`) and runs 4..8 the high
+/// ones (values `16 + 4(q − 4)..`).
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[inline(always)]
 fn run_start(ty: GgmlType, q: usize) -> usize {
-    if ty == GgmlType::Q8_0 || q < 4 { 4 * q } else { 16 + 4 * (q - 4) }
+    if byte_codes(ty) || q < 4 { 4 * q } else { 16 + 4 * (q - 4) }
 }
 
 /// A kernel's entry for one instruction set: [`tiles`] over its tile function `$tile`, whose
-/// const parameter is the number of activation rows (1 to 4) a tile takes.
+/// const parameters are the number of activation rows (1 to 4) a tile takes and whether a
+/// block has two scales (Q6_K; a parameter so that the other types' loops carry no test).
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 macro_rules! tiled_matmul {
     ($matmul:ident, $tile:ident, $features:literal) => {
@@ -288,11 +386,15 @@ macro_rules! tiled_matmul {
             super::tiles(w, groups, act, out, |g, t, tn| {
                 // SAFETY: the same contract, passed on; `t + tn <= act.rows()`.
                 unsafe {
-                    match tn {
-                        1 => $tile::<1>(w, g, act, t),
-                        2 => $tile::<2>(w, g, act, t),
-                        3 => $tile::<3>(w, g, act, t),
-                        _ => $tile::<4>(w, g, act, t),
+                    match (tn, super::two_scales(w.ty)) {
+                        (1, false) => $tile::<1, false>(w, g, act, t),
+                        (2, false) => $tile::<2, false>(w, g, act, t),
+                        (3, false) => $tile::<3, false>(w, g, act, t),
+                        (_, false) => $tile::<4, false>(w, g, act, t),
+                        (1, true) => $tile::<1, true>(w, g, act, t),
+                        (2, true) => $tile::<2, true>(w, g, act, t),
+                        (3, true) => $tile::<3, true>(w, g, act, t),
+                        (_, true) => $tile::<4, true>(w, g, act, t),
                     }
                 }
             });
@@ -305,7 +407,7 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{PackedWeights, block_bytes, header_bytes};
+    use super::{PackedWeights, block_bytes, byte_codes, f32_params, header_bytes, signed_codes};
     use crate::ggml::{Activations, GgmlType, QK};
 
     /// Eight rows' dots of Q4 codes: `vpmaddubsw` + `vpmaddwd` (15 · 127 · 2 cannot saturate).
@@ -332,10 +434,11 @@ mod x86 {
             /// Group `g` against activation rows `t0..t0 + TN`: `[row t][weight row i]`.
             ///
             /// # Safety
-            /// As the kernel, `t0` a multiple of 4, `t0 + TN <= act.rows()`.
+            /// As the kernel, `t0` a multiple of 4, `t0 + TN <= act.rows()`, `TWO` the
+            /// type's [`super::two_scales`].
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn $tile<const TN: usize>(
+            unsafe fn $tile<const TN: usize, const TWO: bool>(
                 w: &PackedWeights,
                 g: usize,
                 act: &Activations,
@@ -344,6 +447,8 @@ mod x86 {
                 let ty = w.ty;
                 let blocks = w.k / QK;
                 let (bb, hb) = (block_bytes(ty), header_bytes(ty));
+                let (bytes, signed, halves) = (byte_codes(ty), signed_codes(ty), TWO);
+                let offset = !signed;
                 let padded = act.rows().next_multiple_of(4);
                 let (codes, scales, scaled_sums) = act.parts();
                 let low = _mm256_set1_epi8(0x0F);
@@ -351,45 +456,59 @@ mod x86 {
                 let mut wr = [_mm256_setzero_si256(); 8];
                 for b in 0..blocks {
                     let blk = &w.data[(g * blocks + b) * bb..(g * blocks + b + 1) * bb];
-                    // SAFETY: a packed block holds its scales (16 bytes), Q4_1's minimums (16),
-                    // then 128 (Q4) or 256 (Q8_0) code bytes.
-                    let (dw, c) = unsafe {
-                        let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast()));
-                        let c = match ty {
-                            GgmlType::Q4_0 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
-                            GgmlType::Q4_1 => _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
-                            GgmlType::Q8_0 => _mm256_setzero_ps(),
+                    // SAFETY: a packed block holds its parameters (`hb` bytes: eight f16 scales,
+                    // Q4_1's eight f16 minimums, or two runs of eight f32), then 128 (4-bit) or
+                    // 256 (byte) code bytes.
+                    let (dw, c, dw2) = unsafe {
+                        let p = blk.as_ptr();
+                        let (dw, c, dw2) = if f32_params(ty) {
+                            let (first, second) =
+                                (_mm256_loadu_ps(p.cast()), _mm256_loadu_ps(p.add(32).cast()));
+                            if halves { (first, _mm256_setzero_ps(), second) } else { (first, second, first) }
+                        } else {
+                            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+                            let c = match ty {
+                                GgmlType::Q4_0 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
+                                GgmlType::Q4_1 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
+                                _ => _mm256_setzero_ps(),
+                            };
+                            (dw, c, dw)
                         };
-                        if ty == GgmlType::Q8_0 {
+                        if bytes {
                             for (q, r) in wr.iter_mut().enumerate() {
-                                *r = _mm256_loadu_si256(blk.as_ptr().add(hb + 32 * q).cast());
+                                *r = _mm256_loadu_si256(p.add(hb + 32 * q).cast());
                             }
                         } else {
                             for q in 0..4 {
-                                let x = _mm256_loadu_si256(blk.as_ptr().add(hb + 32 * q).cast());
+                                let x = _mm256_loadu_si256(p.add(hb + 32 * q).cast());
                                 wr[q] = _mm256_and_si256(x, low);
                                 wr[q + 4] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
                             }
                         }
-                        (dw, c)
+                        (dw, c, dw2)
                     };
                     for (j, acc) in acc.iter_mut().enumerate() {
                         let ab = (t0 + j) * blocks + b;
                         let a = &codes[ab * QK..(ab + 1) * QK];
+                        let at = b * padded + t0 + j;
+                        let da = _mm256_set1_ps(scales[at]);
                         let mut dot = _mm256_setzero_si256();
                         for (q, &wq) in wr.iter().enumerate() {
                             let av = _mm256_set1_epi32(super::four_codes(a, super::run_start(ty, q)));
-                            dot = if ty == GgmlType::Q8_0 {
+                            dot = if signed {
                                 // Signed codes: |w| against a with w's sign.
                                 $dot(dot, _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(av, wq))
                             } else {
                                 $dot(dot, wq, av)
                             };
+                            if halves && q == 3 {
+                                // Q6_K: values 0..16 have a scale of their own.
+                                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), *acc);
+                                dot = _mm256_setzero_si256();
+                            }
                         }
-                        let at = b * padded + t0 + j;
-                        let da = _mm256_set1_ps(scales[at]);
-                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), *acc);
-                        if ty != GgmlType::Q8_0 {
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw2, da), *acc);
+                        if offset {
                             *acc = _mm256_fmadd_ps(c, _mm256_set1_ps(scaled_sums[at]), *acc);
                         }
                     }
@@ -414,7 +533,7 @@ mod arm {
     use std::arch::asm;
     use std::ops::Range;
 
-    use super::{PackedWeights, block_bytes, header_bytes};
+    use super::{PackedWeights, block_bytes, byte_codes, f32_params, header_bytes, signed_codes};
     use crate::ggml::{Activations, GgmlType, QK};
 
     /// Eight f16 values at `p` as two vectors of f32 (`fcvtl`, `fcvtl2`: base NEON; the
@@ -469,10 +588,10 @@ mod arm {
             /// Group `g` against activation rows `t0..t0 + TN`: `[row t][weight row i]`.
             ///
             /// # Safety
-            /// As the kernel, `t0 + TN <= act.rows()`.
+            /// As the kernel, `t0 + TN <= act.rows()`, `TWO` the type's [`super::two_scales`].
             #[inline]
             #[target_feature(enable = $features)]
-            unsafe fn $tile<const TN: usize>(
+            unsafe fn $tile<const TN: usize, const TWO: bool>(
                 w: &PackedWeights,
                 g: usize,
                 act: &Activations,
@@ -481,6 +600,7 @@ mod arm {
                 let ty = w.ty;
                 let blocks = w.k / QK;
                 let (bb, hb) = (block_bytes(ty), header_bytes(ty));
+                let (bytes, two, offset) = (byte_codes(ty), TWO, !signed_codes(ty));
                 let padded = act.rows().next_multiple_of(4);
                 let (codes, scales, scaled_sums) = act.parts();
                 let low = vdupq_n_u8(0x0F);
@@ -489,17 +609,26 @@ mod arm {
                 let mut wr = [[vdupq_n_s8(0); 2]; 8];
                 for b in 0..blocks {
                     let blk = &w.data[(g * blocks + b) * bb..(g * blocks + b + 1) * bb];
-                    // SAFETY: a packed block holds its scales (16 bytes), Q4_1's minimums (16),
-                    // then 128 (Q4) or 256 (Q8_0) code bytes.
-                    let (dw, c) = unsafe {
+                    // SAFETY: a packed block holds its parameters (`hb` bytes: eight f16 scales,
+                    // Q4_1's eight f16 minimums, or two runs of eight f32), then 128 (4-bit) or
+                    // 256 (byte) code bytes.
+                    let (dw, c, dw2) = unsafe {
                         let p = blk.as_ptr();
-                        let dw = halves(p);
-                        let c = match ty {
-                            GgmlType::Q4_0 => [vmulq_n_f32(dw[0], -8.0), vmulq_n_f32(dw[1], -8.0)],
-                            GgmlType::Q4_1 => halves(p.add(16)),
-                            GgmlType::Q8_0 => [zero; 2],
+                        let (dw, c, dw2) = if f32_params(ty) {
+                            let f =
+                                |at: usize| [vld1q_f32(p.add(at).cast()), vld1q_f32(p.add(at + 16).cast())];
+                            let (first, second) = (f(0), f(32));
+                            if two { (first, [zero; 2], second) } else { (first, second, first) }
+                        } else {
+                            let dw = halves(p);
+                            let c = match ty {
+                                GgmlType::Q4_0 => [vmulq_n_f32(dw[0], -8.0), vmulq_n_f32(dw[1], -8.0)],
+                                GgmlType::Q4_1 => halves(p.add(16)),
+                                _ => [zero; 2],
+                            };
+                            (dw, c, dw)
                         };
-                        if ty == GgmlType::Q8_0 {
+                        if bytes {
                             for (q, r) in wr.iter_mut().enumerate() {
                                 *r = [
                                     vld1q_s8(p.add(hb + 32 * q).cast()),
@@ -515,11 +644,13 @@ mod arm {
                                 }
                             }
                         }
-                        (dw, c)
+                        (dw, c, dw2)
                     };
                     for (j, acc) in acc.iter_mut().enumerate() {
                         let ab = (t0 + j) * blocks + b;
                         let a = &codes[ab * QK..(ab + 1) * QK];
+                        let at = b * padded + t0 + j;
+                        let da = scales[at];
                         let (mut d0, mut d1) = (vdupq_n_s32(0), vdupq_n_s32(0));
                         for (q, wq) in wr.iter().enumerate() {
                             let av = vreinterpretq_s8_s32(vdupq_n_s32(super::four_codes(
@@ -528,12 +659,16 @@ mod arm {
                             )));
                             d0 = $dot(d0, wq[0], av);
                             d1 = $dot(d1, wq[1], av);
+                            if two && q == 3 {
+                                // Q6_K: values 0..16 have a scale of their own.
+                                acc[0] = vfmaq_f32(acc[0], vcvtq_f32_s32(d0), vmulq_n_f32(dw[0], da));
+                                acc[1] = vfmaq_f32(acc[1], vcvtq_f32_s32(d1), vmulq_n_f32(dw[1], da));
+                                (d0, d1) = (vdupq_n_s32(0), vdupq_n_s32(0));
+                            }
                         }
-                        let at = b * padded + t0 + j;
-                        let da = scales[at];
-                        acc[0] = vfmaq_f32(acc[0], vcvtq_f32_s32(d0), vmulq_n_f32(dw[0], da));
-                        acc[1] = vfmaq_f32(acc[1], vcvtq_f32_s32(d1), vmulq_n_f32(dw[1], da));
-                        if ty != GgmlType::Q8_0 {
+                        acc[0] = vfmaq_f32(acc[0], vcvtq_f32_s32(d0), vmulq_n_f32(dw2[0], da));
+                        acc[1] = vfmaq_f32(acc[1], vcvtq_f32_s32(d1), vmulq_n_f32(dw2[1], da));
+                        if offset {
                             let s = vdupq_n_f32(scaled_sums[at]);
                             acc[0] = vfmaq_f32(acc[0], c[0], s);
                             acc[1] = vfmaq_f32(acc[1], c[1], s);
@@ -560,21 +695,8 @@ mod arm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ggml::tests::weights;
+    use crate::ggml::tests::{activations, weights};
     use crate::ggml::{matmul_t, scalar_matmul_t};
-
-    fn activations(n: usize, k: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n * k)
-            .map(|i| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let v = (s % 20_001) as f32 / 10_000.0 - 1.0;
-                if i % 97 == 0 { v * 40.0 } else { v }
-            })
-            .collect()
-    }
 
     #[test]
     fn packing_keeps_every_row_and_the_reference_equals_the_unpacked_one() {
@@ -633,6 +755,92 @@ mod tests {
                 }
             }
         }
+    }
+
+    const K_QUANTS: [GgmlType; 3] = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+
+    /// `rows` rows of `k` values of a K-quant, and the same weights dequantized by ggml's loops.
+    fn k_rows(ty: GgmlType, rows: usize, k: usize, seed: u64, extreme: bool) -> (Vec<u8>, Vec<f64>) {
+        let raw = crate::k_quants::tests::superblocks(ty, rows * k / 256, seed, extreme);
+        let values = raw
+            .chunks_exact(ty.block_bytes())
+            .flat_map(|sb| crate::k_quants::tests::dequantize(ty, sb))
+            .collect();
+        (raw, values)
+    }
+
+    #[test]
+    fn k_quants_repack_exactly_and_the_reference_is_their_product() {
+        for ty in K_QUANTS {
+            for (rows, k, n) in [(1, 256, 1), (8, 512, 3), (13, 256, 5), (17, 1536, 4)] {
+                for extreme in [false, true] {
+                    let (raw, values) = k_rows(ty, rows, k, (rows * 31 + k + n) as u64, extreme);
+                    let w = PackedWeights::new(ty, &raw, rows, k).unwrap();
+                    let per_weight = if ty == GgmlType::Q4K { 6 } else { 10 };
+                    assert_eq!(w.bytes(), rows.div_ceil(GROUP) * GROUP * k * per_weight / 8, "{ty:?}");
+                    let x = activations(n, k, 5 + n as u64);
+                    let mut act = Activations::new();
+                    act.quantize(&x, k).unwrap();
+                    let mut got = vec![f32::NAN; rows * n];
+                    scalar_matmul_packed(&w, 0..w.groups(), &act, &mut got);
+                    // Against the product of ggml's dequantized weights with the rounded
+                    // activations, exact in f64: only f32's rounding apart.
+                    let mut exact = vec![0f64; rows * n];
+                    for (r, row) in values.chunks_exact(k).enumerate() {
+                        for t in 0..n {
+                            exact[r * n + t] = (0..k)
+                                .map(|i| {
+                                    let (a, da) = act.block_codes(t, i / QK);
+                                    row[i] * f64::from(a[i % QK]) * f64::from(da)
+                                })
+                                .sum();
+                        }
+                    }
+                    let norm = exact.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-12);
+                    let err =
+                        got.iter().zip(&exact).map(|(&a, b)| (f64::from(a) - b).powi(2)).sum::<f64>().sqrt();
+                    assert!(err / norm < 1e-5, "{ty:?} {rows}x{k} n {n} extreme {extreme}: {}", err / norm);
+                    for backend in crate::dispatch::available() {
+                        let groups = w.groups();
+                        let scale = got.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+                        for range in [0..groups, groups / 2..groups] {
+                            let (first, end) = (range.start * GROUP, (range.end * GROUP).min(rows));
+                            let mut simd = vec![f32::NAN; (end - first) * n];
+                            matmul_packed(backend, &w, range.clone(), &act, &mut simd).unwrap();
+                            for (i, (&g, &e)) in simd.iter().zip(&got[first * n..end * n]).enumerate() {
+                                assert!(
+                                    (g - e).abs() <= 1e-5 * scale,
+                                    "{ty:?} {backend} {rows}x{k} n {n} groups {range:?} [{i}]: {g} vs {e}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn k_quants_need_whole_super_blocks_and_finite_scales() {
+        let (raw, _) = k_rows(GgmlType::Q4K, 1, 256, 3, false);
+        assert!(PackedWeights::new(GgmlType::Q4K, &raw, 1, 256).is_ok());
+        assert!(PackedWeights::new(GgmlType::Q4K, &raw[..144], 2, 128).is_err());
+        assert!(PackedWeights::new(GgmlType::Q4K, &raw[..143], 1, 256).is_err());
+        for (ty, at) in [(GgmlType::Q4K, 0), (GgmlType::Q5K, 2), (GgmlType::Q6K, 208)] {
+            let (mut raw, _) = k_rows(ty, 2, 256, 4, false);
+            let bad = ty.block_bytes() + at;
+            raw[bad..bad + 2].copy_from_slice(&f16::INFINITY.to_le_bytes());
+            let e = PackedWeights::new(ty, &raw, 2, 256).unwrap_err();
+            assert!(e.to_string().contains("row 1") && e.to_string().contains("not finite"), "{e}");
+        }
+        let mut q8 = weights(GgmlType::Q8_0, 1, 64, 1, false);
+        q8[34..36].copy_from_slice(&f16::NAN.to_le_bytes());
+        let e = PackedWeights::new(GgmlType::Q8_0, &q8, 1, 64).unwrap_err();
+        assert!(e.to_string().contains("values 32.."), "{e}");
+        // The unpacked product takes blocks of 32 only.
+        let mut act = Activations::new();
+        act.quantize(&[1.0; 256], 256).unwrap();
+        assert!(crate::ggml::matmul_t(Backend::Scalar, GgmlType::Q4K, &raw, &act, &mut [0.0; 1]).is_err());
     }
 
     #[test]

@@ -85,6 +85,7 @@ pub mod ggml;
 pub mod ggml_packed;
 mod int8;
 mod int_values;
+mod k_quants;
 pub mod memory;
 #[cfg(target_arch = "aarch64")]
 mod neon;
