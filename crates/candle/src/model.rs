@@ -317,11 +317,11 @@ impl Rope {
 /// A weight matrix `[rows, k]` and who multiplies it.
 #[derive(Debug)]
 enum Linear {
-    /// candle's matmul: f32 (dequantized) weights, f16, bf16, Q5_0, Q5_1, Q2_K and Q3_K.
+    /// candle's matmul: f32 (dequantized) weights, f16, bf16, Q2_K and Q3_K.
     Candle(QMatMul),
-    /// Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks, repacked eight rows at a time at load
-    /// ([`kvq::kernels::ggml_packed`]: the same bytes for the blocks of 32, blocks of 32 with
-    /// f32 scales for the K-quants) and multiplied by kvq's kernels (runtime-dispatched SIMD;
+    /// Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks, repacked eight rows at a time
+    /// at load ([`kvq::kernels::ggml_packed`]: the same bytes for Q4_0, Q4_1 and Q8_0, a byte
+    /// per 5-bit code, blocks of 32 with f32 scales for the K-quants) and multiplied by kvq's kernels (runtime-dispatched SIMD;
     /// candle has no fast path for Q4_1, and builds its others only with target features a
     /// default build lacks).
     Ggml { packed: PackedWeights, backend: Backend },
@@ -419,8 +419,8 @@ pub struct LlamaModel {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Weights {
-    /// As stored: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K through kvq's integer kernels, other
-    /// quantized types through candle's quantized matmuls. Fast and small, but each activation row is rounded
+    /// As stored: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K through kvq's integer
+    /// kernels, Q2_K and Q3_K through candle's quantized matmuls. Fast and small, but each activation row is rounded
     /// to 8 bits per block of 32 before the integer dot products (as in ggml), so a
     /// one-ulp change upstream (another cache's attention output) can flip a rounding: two runs
     /// that differ only in their KV cache then differ by noise that has nothing to do with it.
@@ -475,6 +475,8 @@ impl<R: Read + Seek> Loader<'_, R> {
             GgmlDType::Q4_0 => Some(GgmlType::Q4_0),
             GgmlDType::Q4_1 => Some(GgmlType::Q4_1),
             GgmlDType::Q8_0 => Some(GgmlType::Q8_0),
+            GgmlDType::Q5_0 => Some(GgmlType::Q5_0),
+            GgmlDType::Q5_1 => Some(GgmlType::Q5_1),
             GgmlDType::Q4K => Some(GgmlType::Q4K),
             GgmlDType::Q5K => Some(GgmlType::Q5K),
             GgmlDType::Q6K => Some(GgmlType::Q6K),

@@ -11,10 +11,12 @@ use kvq::kernels::ggml::{Activations, GgmlType};
 use kvq::kernels::ggml_packed::{PackedWeights, matmul_packed};
 use kvq_candle::tiny::Rng;
 
-const TYPES: [(GgmlDType, GgmlType); 6] = [
+const TYPES: [(GgmlDType, GgmlType); 8] = [
     (GgmlDType::Q4_0, GgmlType::Q4_0),
     (GgmlDType::Q4_1, GgmlType::Q4_1),
     (GgmlDType::Q8_0, GgmlType::Q8_0),
+    (GgmlDType::Q5_0, GgmlType::Q5_0),
+    (GgmlDType::Q5_1, GgmlType::Q5_1),
     (GgmlDType::Q4K, GgmlType::Q4K),
     (GgmlDType::Q5K, GgmlType::Q5K),
     (GgmlDType::Q6K, GgmlType::Q6K),

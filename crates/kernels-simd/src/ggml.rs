@@ -33,6 +33,10 @@ pub enum GgmlType {
     Q4_1,
     /// f16 scale, 32 signed 8-bit codes: `d * q`.
     Q8_0,
+    /// f16 scale, 32 5-bit codes (the fifth bits in a 32-bit word): `d * (q - 16)`.
+    Q5_0,
+    /// f16 scale and f16 minimum, 32 5-bit codes: `d * q + m`.
+    Q5_1,
     /// Super-blocks of 256: f16 `d` and `dmin`, eight 6-bit scales and minimums, 4-bit codes:
     /// `d * sc_j * q - dmin * m_j` in block `j` of 32.
     Q4K,
@@ -47,7 +51,7 @@ impl GgmlType {
     /// Values per block: 32, or 256 for the K-quants' super-blocks.
     pub fn block_values(self) -> usize {
         match self {
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => QK,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q5_1 => QK,
             GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
         }
     }
@@ -58,6 +62,8 @@ impl GgmlType {
             GgmlType::Q4_0 => 18,
             GgmlType::Q4_1 => 20,
             GgmlType::Q8_0 => 34,
+            GgmlType::Q5_0 => 22,
+            GgmlType::Q5_1 => 24,
             GgmlType::Q4K => 144,
             GgmlType::Q5K => 176,
             GgmlType::Q6K => 210,
@@ -69,9 +75,15 @@ impl GgmlType {
         k / self.block_values() * self.block_bytes()
     }
 
-    /// Whether this is a K-quant (super-blocks of 256, multiplied only repacked).
+    /// Whether this is a K-quant (super-blocks of 256).
     pub fn is_k_quant(self) -> bool {
         self.block_values() == QK_K
+    }
+
+    /// Whether [`matmul_t`] multiplies rows of this type as stored (Q4_0, Q4_1, Q8_0); every
+    /// type is multiplied repacked ([`crate::ggml_packed`]).
+    pub fn multiplied_as_stored(self) -> bool {
+        matches!(self, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
     }
 }
 
@@ -251,7 +263,7 @@ pub fn matmul_t(
     act: &Activations,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    if ty.is_k_quant() {
+    if !ty.multiplied_as_stored() {
         return Err(KernelError::Shape(format!(
             "{ty:?} rows are multiplied repacked (ggml_packed::PackedWeights), not as stored"
         )));
@@ -308,7 +320,9 @@ fn unpack_row(ty: GgmlType, row: &[u8], codes: &mut [u8], d: &mut [f32], m: &mut
 /// activation codes.
 fn block_dot(ty: GgmlType, w: &[u8], a: &[i8]) -> i32 {
     match ty {
-        GgmlType::Q8_0 => w.iter().zip(a).map(|(&w, &a)| i32::from(w as i8) * i32::from(a)).sum(),
+        GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q6K => {
+            w.iter().zip(a).map(|(&w, &a)| i32::from(w as i8) * i32::from(a)).sum()
+        }
         _ => w.iter().zip(a).map(|(&w, &a)| i32::from(w) * i32::from(a)).sum(),
     }
 }
@@ -318,8 +332,10 @@ fn block_dot(ty: GgmlType, w: &[u8], a: &[i8]) -> i32 {
 pub(crate) fn block_value(ty: GgmlType, dot: i32, sum: i32, dw: f32, mw: f32, da: f32) -> f32 {
     match ty {
         GgmlType::Q4_0 => dw * da * (dot - 8 * sum) as f32,
-        GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K => dw * da * dot as f32 + mw * da * sum as f32,
-        GgmlType::Q8_0 | GgmlType::Q6K => dw * da * dot as f32,
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => {
+            dw * da * dot as f32 + mw * da * sum as f32
+        }
+        GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q6K => dw * da * dot as f32,
     }
 }
 
@@ -437,9 +453,9 @@ mod x86 {
                 let w = unsafe { _mm256_loadu_si256(block.as_ptr().add(2).cast()) };
                 (_mm256_sign_epi8(w, w), w, dw, 0.0)
             }
-            // The K-quants never come here (`matmul_t` refuses them); their blocks are longer
-            // than the 20 bytes this arm reads.
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
+            // The other types never come here (`matmul_t` refuses them); their blocks are at
+            // least the 20 bytes this arm reads.
+            _ => {
                 let at = if ty == GgmlType::Q4_1 { 4 } else { 2 };
                 // SAFETY: a Q4 block is 16 code bytes after 2 (Q4_0) or 4 (Q4_1) bytes.
                 let bytes = unsafe { _mm_loadu_si128(block.as_ptr().add(at).cast()) };
@@ -655,10 +671,12 @@ pub(crate) mod tests {
         for _ in 0..rows * k / QK {
             let d = f16::from_f32((next() % 1000) as f32 / 50_000.0 + 1e-4);
             out.extend_from_slice(&d.to_le_bytes());
-            if ty == GgmlType::Q4_1 {
+            let minimum = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+            if minimum {
                 out.extend_from_slice(&f16::from_f32(-((next() % 100) as f32) / 1000.0).to_le_bytes());
             }
-            let n = if ty == GgmlType::Q8_0 { QK } else { QK / 2 };
+            // The codes (and the 5-bit types' word of fifth bits).
+            let n = ty.block_bytes() - if minimum { 4 } else { 2 };
             for i in 0..n {
                 let byte = if extreme {
                     // The codes that could saturate or overflow: -128/127 and 0xFF nibbles.
@@ -688,6 +706,26 @@ pub(crate) mod tests {
                 }
             })
             .collect()
+    }
+
+    /// A Q5_0 or Q5_1 block dequantized as ggml's `dequantize_row_q5_0`/`_q5_1` do, in f64.
+    pub(crate) fn dequantize_q5(ty: GgmlType, block: &[u8]) -> Vec<f64> {
+        let h = |at: usize| f64::from(f16::from_le_bytes([block[at], block[at + 1]]).to_f32());
+        let (d, m, at) = if ty == GgmlType::Q5_1 { (h(0), h(2), 4) } else { (h(0), 0.0, 2) };
+        let qh = u32::from_le_bytes([block[at], block[at + 1], block[at + 2], block[at + 3]]);
+        let qs = &block[at + 4..];
+        let mut y = vec![0f64; QK];
+        for j in 0..QK / 2 {
+            let xh0 = (((qh >> j) << 4) & 0x10) as u8;
+            let xh1 = ((qh >> (j + 12)) & 0x10) as u8;
+            let (x0, x1) = (f64::from((qs[j] & 0x0F) | xh0), f64::from((qs[j] >> 4) | xh1));
+            (y[j], y[j + QK / 2]) = if ty == GgmlType::Q5_1 {
+                (x0 * d + m, x1 * d + m)
+            } else {
+                ((x0 - 16.0) * d, (x1 - 16.0) * d)
+            };
+        }
+        y
     }
 
     /// The dequantize-then-multiply product in f64: what the integer path approximates.

@@ -9,6 +9,8 @@
 //! `16 + 4q..`; for byte codes run `q` is values `4q..4q + 4`. The parameters:
 //! - Q4_0, Q4_1, Q8_0: the eight f16 scales, then (Q4_1) the eight f16 minimums; the bytes per
 //!   block are the GGUF's, so the weights take no more memory.
+//! - Q5_0, Q5_1: the same parameters, and the 5-bit codes a byte each (Q5_0's centred, `q -
+//!   16`, signed): 8.5 and 9 bits per weight against the GGUF's 5.5 and 6.
 //! - The K-quants, each super-block of 256 read exactly as eight blocks of 32
 //!   (`crate::k_quants`): eight f32 scales, then eight f32 offsets (Q4_K, Q5_K: `-dmin * m`)
 //!   or the scales of values 16..32 (Q6_K, whose scales cover 16 values). Q4_K keeps 4-bit
@@ -52,16 +54,37 @@ fn f32_params(ty: GgmlType) -> bool {
     ty.is_k_quant()
 }
 
-/// Whether codes take a byte each (Q8_0, Q5_K, Q6_K) rather than a nibble.
+/// Whether codes take a byte each (Q8_0, the 5-bit types, Q6_K) rather than a nibble.
 #[inline(always)]
 fn byte_codes(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q8_0 | GgmlType::Q5K | GgmlType::Q6K)
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q5K | GgmlType::Q6K)
 }
 
-/// Whether codes are signed bytes (Q8_0, Q6_K); the others are unsigned.
+/// Whether codes are signed bytes (Q8_0, Q5_0's `q - 16`, Q6_K's `q - 32`); the others are
+/// unsigned.
 #[inline(always)]
 fn signed_codes(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q8_0 | GgmlType::Q6K)
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q6K)
+}
+
+/// Whether a block of 32 has an f16 minimum beside its f16 scale (Q4_1, Q5_1).
+#[inline(always)]
+fn f16_minimum(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1)
+}
+
+/// A Q5_0 or Q5_1 block's codes in value order, a byte each (Q5_0's centred: `q - 16`): the
+/// low four bits from the nibbles (values `j` and `16 + j` in byte `j`), the fifth from bit `i`
+/// of the little-endian word before them.
+fn five_bit_codes(ty: GgmlType, block: &[u8], out: &mut [u8; QK]) {
+    let at = if ty == GgmlType::Q5_1 { 4 } else { 2 };
+    let high = u32::from_le_bytes([block[at], block[at + 1], block[at + 2], block[at + 3]]);
+    let nibbles = &block[at + 4..at + 4 + QK / 2];
+    for (i, c) in out.iter_mut().enumerate() {
+        let low = if i < QK / 2 { nibbles[i] & 0x0F } else { nibbles[i - QK / 2] >> 4 };
+        let q = low | ((((high >> i) & 1) as u8) << 4);
+        *c = if ty == GgmlType::Q5_0 { (q as i8 - 16) as u8 } else { q };
+    }
 }
 
 /// Whether a block has two scales, for values 0..16 and 16..32 (Q6_K).
@@ -78,7 +101,7 @@ fn block_bytes(ty: GgmlType) -> usize {
 /// Where the codes of a block begin.
 fn header_bytes(ty: GgmlType) -> usize {
     match ty {
-        GgmlType::Q4_1 => 32,
+        _ if f16_minimum(ty) => 32,
         _ if f32_params(ty) => 64,
         _ => 16,
     }
@@ -126,7 +149,7 @@ impl PackedWeights {
             let (g, i) = (r / GROUP, r % GROUP);
             for (b, src) in row.chunks_exact(ty.block_bytes()).enumerate() {
                 if !ty.is_k_quant() {
-                    let params = if ty == GgmlType::Q4_1 { 2 } else { 1 };
+                    let params = if f16_minimum(ty) { 2 } else { 1 };
                     if src[..2 * params]
                         .chunks_exact(2)
                         .any(|h| !f16::from_le_bytes([h[0], h[1]]).is_finite())
@@ -138,10 +161,16 @@ impl PackedWeights {
                     }
                     let dst = &mut data[(g * blocks + b) * bb..(g * blocks + b + 1) * bb];
                     dst[2 * i..2 * i + 2].copy_from_slice(&src[..2]);
-                    if ty == GgmlType::Q4_1 {
+                    if f16_minimum(ty) {
                         dst[16 + 2 * i..16 + 2 * i + 2].copy_from_slice(&src[2..4]);
                     }
-                    put_codes(dst, hb, i, &src[ty.block_bytes() - cb..]);
+                    if matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1) {
+                        let mut codes = [0u8; QK];
+                        five_bit_codes(ty, src, &mut codes);
+                        put_codes(dst, hb, i, &codes);
+                    } else {
+                        put_codes(dst, hb, i, &src[ty.block_bytes() - cb..]);
+                    }
                     continue;
                 }
                 k_quants::decode(ty, src, &mut sub);
@@ -195,10 +224,10 @@ impl PackedWeights {
         self.data.len()
     }
 
-    /// Row `i` of group `g` as codes, a byte each in value order (4-bit: 0..16; Q5_K: 0..32;
-    /// Q8_0 and Q6_K: the signed byte), with each block's parameters (`d`: the scale; `m`: the
-    /// minimum or offset, or Q6_K's second scale; 0 for Q4_0 and Q8_0): the inverse of the
-    /// packing.
+    /// Row `i` of group `g` as codes, a byte each in value order (4-bit: 0..16; Q5_1 and Q5_K:
+    /// 0..32; Q8_0, Q5_0 and Q6_K: the signed byte), with each block's parameters (`d`: the
+    /// scale; `m`: the minimum or offset, or Q6_K's second scale; 0 for Q4_0, Q8_0 and Q5_0):
+    /// the inverse of the packing.
     fn unpack_row(&self, g: usize, i: usize, codes: &mut [u8], d: &mut [f32], m: &mut [f32]) {
         let (ty, blocks) = (self.ty, self.k / QK);
         let (bb, hb, cb) = (block_bytes(ty), header_bytes(ty), code_bytes(ty));
@@ -208,7 +237,7 @@ impl PackedWeights {
             let f16_at = |at: usize| f16::from_le_bytes([src[at], src[at + 1]]).to_f32();
             (d[b], m[b]) = match ty {
                 _ if f32_params(ty) => (f32_at(4 * i), f32_at(32 + 4 * i)),
-                GgmlType::Q4_1 => (f16_at(2 * i), f16_at(16 + 2 * i)),
+                _ if f16_minimum(ty) => (f16_at(2 * i), f16_at(16 + 2 * i)),
                 _ => (f16_at(2 * i), 0.0),
             };
             let out = &mut codes[b * QK..(b + 1) * QK];
@@ -469,7 +498,9 @@ mod x86 {
                             let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
                             let c = match ty {
                                 GgmlType::Q4_0 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
-                                GgmlType::Q4_1 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
+                                GgmlType::Q4_1 | GgmlType::Q5_1 => {
+                                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast()))
+                                }
                                 _ => _mm256_setzero_ps(),
                             };
                             (dw, c, dw)
@@ -623,7 +654,7 @@ mod arm {
                             let dw = halves(p);
                             let c = match ty {
                                 GgmlType::Q4_0 => [vmulq_n_f32(dw[0], -8.0), vmulq_n_f32(dw[1], -8.0)],
-                                GgmlType::Q4_1 => halves(p.add(16)),
+                                GgmlType::Q4_1 | GgmlType::Q5_1 => halves(p.add(16)),
                                 _ => [zero; 2],
                             };
                             (dw, c, dw)
@@ -757,27 +788,46 @@ mod tests {
         }
     }
 
-    const K_QUANTS: [GgmlType; 3] = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+    /// The types multiplied only repacked: the 5-bit blocks of 32 and the K-quants.
+    const REPACKED_ONLY: [GgmlType; 5] =
+        [GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
 
-    /// `rows` rows of `k` values of a K-quant, and the same weights dequantized by ggml's loops.
-    fn k_rows(ty: GgmlType, rows: usize, k: usize, seed: u64, extreme: bool) -> (Vec<u8>, Vec<f64>) {
-        let raw = crate::k_quants::tests::superblocks(ty, rows * k / 256, seed, extreme);
+    /// `rows` rows of `k` values of such a type, and the same weights dequantized by ggml's
+    /// loops (written separately from the packing).
+    fn rows_and_values(ty: GgmlType, rows: usize, k: usize, seed: u64, extreme: bool) -> (Vec<u8>, Vec<f64>) {
+        let raw = if ty.is_k_quant() {
+            crate::k_quants::tests::superblocks(ty, rows * k / 256, seed, extreme)
+        } else {
+            weights(ty, rows, k, seed, extreme)
+        };
         let values = raw
             .chunks_exact(ty.block_bytes())
-            .flat_map(|sb| crate::k_quants::tests::dequantize(ty, sb))
+            .flat_map(|b| {
+                if ty.is_k_quant() {
+                    crate::k_quants::tests::dequantize(ty, b)
+                } else {
+                    crate::ggml::tests::dequantize_q5(ty, b)
+                }
+            })
             .collect();
         (raw, values)
     }
 
     #[test]
-    fn k_quants_repack_exactly_and_the_reference_is_their_product() {
-        for ty in K_QUANTS {
+    fn repacked_only_types_keep_their_values_and_the_reference_is_their_product() {
+        for ty in REPACKED_ONLY {
             for (rows, k, n) in [(1, 256, 1), (8, 512, 3), (13, 256, 5), (17, 1536, 4)] {
                 for extreme in [false, true] {
-                    let (raw, values) = k_rows(ty, rows, k, (rows * 31 + k + n) as u64, extreme);
+                    let (raw, values) = rows_and_values(ty, rows, k, (rows * 31 + k + n) as u64, extreme);
                     let w = PackedWeights::new(ty, &raw, rows, k).unwrap();
-                    let per_weight = if ty == GgmlType::Q4K { 6 } else { 10 };
-                    assert_eq!(w.bytes(), rows.div_ceil(GROUP) * GROUP * k * per_weight / 8, "{ty:?}");
+                    // Bits per weight, times 2.
+                    let per_weight = match ty {
+                        GgmlType::Q4K => 12,
+                        GgmlType::Q5_0 => 17,
+                        GgmlType::Q5_1 => 18,
+                        _ => 20,
+                    };
+                    assert_eq!(w.bytes(), rows.div_ceil(GROUP) * GROUP * k * per_weight / 16, "{ty:?}");
                     let x = activations(n, k, 5 + n as u64);
                     let mut act = Activations::new();
                     act.quantize(&x, k).unwrap();
@@ -822,12 +872,12 @@ mod tests {
 
     #[test]
     fn k_quants_need_whole_super_blocks_and_finite_scales() {
-        let (raw, _) = k_rows(GgmlType::Q4K, 1, 256, 3, false);
+        let (raw, _) = rows_and_values(GgmlType::Q4K, 1, 256, 3, false);
         assert!(PackedWeights::new(GgmlType::Q4K, &raw, 1, 256).is_ok());
         assert!(PackedWeights::new(GgmlType::Q4K, &raw[..144], 2, 128).is_err());
         assert!(PackedWeights::new(GgmlType::Q4K, &raw[..143], 1, 256).is_err());
         for (ty, at) in [(GgmlType::Q4K, 0), (GgmlType::Q5K, 2), (GgmlType::Q6K, 208)] {
-            let (mut raw, _) = k_rows(ty, 2, 256, 4, false);
+            let (mut raw, _) = rows_and_values(ty, 2, 256, 4, false);
             let bad = ty.block_bytes() + at;
             raw[bad..bad + 2].copy_from_slice(&f16::INFINITY.to_le_bytes());
             let e = PackedWeights::new(ty, &raw, 2, 256).unwrap_err();

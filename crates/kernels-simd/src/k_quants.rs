@@ -84,9 +84,7 @@ pub(crate) fn decode(ty: GgmlType, sb: &[u8], out: &mut [Block32; BLOCKS]) {
                 }
             }
         }
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
-            unreachable!("{ty:?} is not a K-quant")
-        }
+        _ => unreachable!("{ty:?} is not a K-quant"),
     }
 }
 
