@@ -191,106 +191,118 @@ enum Command {
     /// budget (metadata counted), and write a cache config. To bound what the cache does to
     /// a model's predictions instead (a mean or p99 KL target), `kvq-eval --target-kl`
     /// (package kvq-candle) searches the specs on the model itself.
-    Recommend {
-        /// The safetensors file (default: the embedded sample).
-        file: Option<PathBuf>,
-        /// Average bits per cached value, K and V together.
-        #[arg(long, required_unless_present = "target_kl")]
-        budget_bits: Option<f64>,
-        /// Not here: a bound on the model's KL is searched on the model by `kvq-eval
-        /// --target-kl` (package kvq-candle); this command says so instead of failing to parse.
-        #[arg(long, hide = true)]
-        target_kl: Option<f64>,
-        /// Where to write the config (TOML, or JSON for a `.json` name).
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// Layers of the model the written config is for (default: one past the highest
-        /// dumped layer). Dumped layer `layer<L>` sets layer L; the others take the specs of
-        /// the nearest dumped layer.
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65_536))]
-        model_layers: Option<u32>,
-        /// Query positions at which attention is compared.
-        #[arg(long, default_value_t = Options::default().positions)]
-        positions: usize,
-        /// Which key channels rotate together under RoPE (`half`, `interleaved`, `none`), for
-        /// the candidates with bits per key channel (`-qa`), as in `analyze`.
-        #[arg(long, default_value = "half", value_parser = parse_pairing)]
-        rope_pairing: Pairing,
-        /// Measure through the cache (and write its window and sinks into the config).
-        #[command(flatten)]
-        cache: CacheArgs,
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-        /// Replace an output file that is not writable.
-        #[arg(long)]
-        force: bool,
-    },
+    Recommend(RecommendArgs),
     /// Gather static K/V ranges (per layer, head and channel) from one or more files into a
     /// calibration file that per-tensor and per-head cache specs use.
-    Calibrate {
-        /// Safetensors files with layer<L>.k and layer<L>.v tensors (the same layers and heads).
-        #[arg(required = true)]
-        files: Vec<PathBuf>,
-        /// Where to write the calibration (JSON).
-        #[arg(long)]
-        out: PathBuf,
-        /// Clip each channel's range to this percentile (e.g. 99.9) instead of min/max.
-        #[arg(long)]
-        percentile: Option<f64>,
-        /// Replace an output file that is not writable.
-        #[arg(long)]
-        force: bool,
-    },
+    Calibrate(CalibrateArgs),
     /// Print the build, the CPU's kernel backends and the one selected.
     Info,
     /// Compare quantization specs on a model's keys, values and attention.
     ///
     /// Reads tensors named layer<L>.q, layer<L>.k and layer<L>.v ([heads, tokens, head_dim],
     /// f32/f16/bf16) from a safetensors file; without a file, the embedded sample.
-    Analyze {
-        /// The safetensors file (default: the embedded SmolLM2-135M sample).
-        file: Option<PathBuf>,
-        /// Run the synthetic benchmark instead: standard normal [1, 32, 512, 128], fixed seed.
-        #[arg(long, conflicts_with = "file")]
-        synthetic: bool,
-        /// Specs to compare, comma-separated (`SPEC` or `KSPEC/VSPEC`); default: the built-in list.
-        #[arg(long, value_delimiter = ',')]
-        specs: Vec<String>,
-        /// Query positions at which attention is compared.
-        #[arg(long, default_value_t = Options::default().positions)]
-        positions: usize,
-        /// Also report every KV head on its own (K/V MSE and the attention error of the query
-        /// heads that read it).
-        #[arg(long)]
-        per_head: bool,
-        /// Tokens per cache block: per-channel specs without a size (`int4-channel`) group a
-        /// channel over this many tokens, as the cache does.
-        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
-        block_size: u32,
-        /// Which key channels rotate together under RoPE (`half`: i and i + d/2, Hugging Face
-        /// checkpoints; `interleaved`: 2i and 2i + 1, GGUF weights; `none`), for key specs with
-        /// bits per channel (`-qa`): both channels of a pair get the same width.
-        #[arg(long, default_value = "half", value_parser = parse_pairing)]
-        rope_pairing: Pairing,
-        /// RoPE base of the model, for key specs quantized before RoPE (`-prerope`):
-        /// frequencies `theta^(-2i/head_dim)`. Default: the file's `rope.inv_freq` tensor, else
-        /// its `rope_theta` metadata (the embedded sample has it).
-        #[arg(long)]
-        rope_theta: Option<f64>,
-        #[command(flatten)]
-        cache: CacheArgs,
-        /// Write SVG figures into this directory: error-histograms.svg (per bit width, K and
-        /// V, per layer), bits-vs-error.svg (one line per scheme family) and layer-errors.svg.
-        #[arg(long, value_name = "DIR")]
-        plot: Option<PathBuf>,
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-        /// Replace figures that are not writable.
-        #[arg(long)]
-        force: bool,
-    },
+    Analyze(AnalyzeArgs),
+}
+
+/// The arguments of `kvq recommend`.
+#[derive(clap::Args)]
+struct RecommendArgs {
+    /// The safetensors file (default: the embedded sample).
+    file: Option<PathBuf>,
+    /// Average bits per cached value, K and V together.
+    #[arg(long, required_unless_present = "target_kl")]
+    budget_bits: Option<f64>,
+    /// Not here: a bound on the model's KL is searched on the model by `kvq-eval
+    /// --target-kl` (package kvq-candle); this command says so instead of failing to parse.
+    #[arg(long, hide = true)]
+    target_kl: Option<f64>,
+    /// Where to write the config (TOML, or JSON for a `.json` name).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Layers of the model the written config is for (default: one past the highest
+    /// dumped layer). Dumped layer `layer<L>` sets layer L; the others take the specs of
+    /// the nearest dumped layer.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    model_layers: Option<u32>,
+    /// Query positions at which attention is compared.
+    #[arg(long, default_value_t = Options::default().positions)]
+    positions: usize,
+    /// Which key channels rotate together under RoPE (`half`, `interleaved`, `none`), for
+    /// the candidates with bits per key channel (`-qa`), as in `analyze`.
+    #[arg(long, default_value = "half", value_parser = parse_pairing)]
+    rope_pairing: Pairing,
+    /// Measure through the cache (and write its window and sinks into the config).
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Replace an output file that is not writable.
+    #[arg(long)]
+    force: bool,
+}
+
+/// The arguments of `kvq calibrate`.
+#[derive(clap::Args)]
+struct CalibrateArgs {
+    /// Safetensors files with layer<L>.k and layer<L>.v tensors (the same layers and heads).
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    /// Where to write the calibration (JSON).
+    #[arg(long)]
+    out: PathBuf,
+    /// Clip each channel's range to this percentile (e.g. 99.9) instead of min/max.
+    #[arg(long)]
+    percentile: Option<f64>,
+    /// Replace an output file that is not writable.
+    #[arg(long)]
+    force: bool,
+}
+
+/// The arguments of `kvq analyze`.
+#[derive(clap::Args)]
+struct AnalyzeArgs {
+    /// The safetensors file (default: the embedded SmolLM2-135M sample).
+    file: Option<PathBuf>,
+    /// Run the synthetic benchmark instead: standard normal [1, 32, 512, 128], fixed seed.
+    #[arg(long, conflicts_with = "file")]
+    synthetic: bool,
+    /// Specs to compare, comma-separated (`SPEC` or `KSPEC/VSPEC`); default: the built-in list.
+    #[arg(long, value_delimiter = ',')]
+    specs: Vec<String>,
+    /// Query positions at which attention is compared.
+    #[arg(long, default_value_t = Options::default().positions)]
+    positions: usize,
+    /// Also report every KV head on its own (K/V MSE and the attention error of the query
+    /// heads that read it).
+    #[arg(long)]
+    per_head: bool,
+    /// Tokens per cache block: per-channel specs without a size (`int4-channel`) group a
+    /// channel over this many tokens, as the cache does.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    block_size: u32,
+    /// Which key channels rotate together under RoPE (`half`: i and i + d/2, Hugging Face
+    /// checkpoints; `interleaved`: 2i and 2i + 1, GGUF weights; `none`), for key specs with
+    /// bits per channel (`-qa`): both channels of a pair get the same width.
+    #[arg(long, default_value = "half", value_parser = parse_pairing)]
+    rope_pairing: Pairing,
+    /// RoPE base of the model, for key specs quantized before RoPE (`-prerope`):
+    /// frequencies `theta^(-2i/head_dim)`. Default: the file's `rope.inv_freq` tensor, else
+    /// its `rope_theta` metadata (the embedded sample has it).
+    #[arg(long)]
+    rope_theta: Option<f64>,
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// Write SVG figures into this directory: error-histograms.svg (per bit width, K and
+    /// V, per layer), bits-vs-error.svg (one line per scheme family) and layer-errors.svg.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Replace figures that are not writable.
+    #[arg(long)]
+    force: bool,
 }
 
 /// Running the data through the cache instead of quantizing offline (`analyze`, `recommend`).
@@ -362,179 +374,8 @@ fn command(
             (residual_blocks as usize, sinks as usize, block_size as usize),
             stdout,
         ),
-        Command::Recommend {
-            file,
-            budget_bits,
-            target_kl,
-            out,
-            model_layers,
-            positions,
-            rope_pairing,
-            cache,
-            json,
-            force,
-        } => {
-            let Some(budget_bits) = budget_bits.filter(|_| target_kl.is_none()) else {
-                return Err("--target-kl bounds the model's KL, which only a run of the model measures: \
-                     `kvq-eval --text T --ctx 512 --chunks 4 --target-kl X --out cache.toml` (package \
-                     kvq-candle) searches per-layer specs for it; `kvq recommend` takes --budget-bits"
-                    .into());
-            };
-            if !(budget_bits.is_finite() && budget_bits > 0.0) {
-                return Err(format!("--budget-bits {budget_bits} is not a positive finite number").into());
-            }
-            // Before any work: an output that may not be written is refused now.
-            let inputs: Vec<&Path> = file.iter().map(PathBuf::as_path).collect();
-            if let Some(out) = &out {
-                check_output(out, &inputs, force)?;
-            }
-            let tf = open_input(file.as_deref())?;
-            let layers = analysis::layers_from_file(&tf)?;
-            let options = Options {
-                positions,
-                block_size: kvq::recommend::BLOCK_SIZE,
-                cache: cache.run(),
-                rope_pairing: rope_pairing.0,
-                ..Options::default()
-            };
-            let (candidates, skipped) =
-                analysis::applicable_with(&layers, kvq::recommend::default_candidates(), &options);
-            for (spec, why) in skipped {
-                writeln!(stderr, "kvq: skipping candidate {}: {why}", spec.name())?;
-            }
-            if candidates.is_empty() {
-                return Err("no candidate spec applies to these layers (see the lines above)".into());
-            }
-            // The budget is the written config's: each dumped layer weighs as many model
-            // layers as take its specs.
-            let weights = kvq::recommend::layer_weights(&layers, model_layers.map(|n| n as usize))?;
-            let (rec, specs) = kvq::recommend::recommend_weighted(
-                &layers,
-                &candidates,
-                budget_bits,
-                &weights,
-                &options,
-                |done, all| {
-                    let _ = writeln!(stderr, "kvq: measured {done}/{all} layers");
-                },
-            )?;
-            if json {
-                writeln!(stdout, "{}", serde_json::to_string_pretty(&rec)?)?;
-            } else {
-                writeln!(
-                    stdout,
-                    "budget {:.3} bits per value; chosen average {:.3}",
-                    rec.budget_bits, rec.average_bits
-                )?;
-                let w = rec.layers.iter().map(|c| c.spec.len()).max().unwrap_or(0).max(4);
-                writeln!(stdout, "{:<10} {:<w$} {:>7} {:>10}", "layer", "spec", "bits", "attn err")?;
-                for c in &rec.layers {
-                    writeln!(
-                        stdout,
-                        "{:<10} {:<w$} {:>7.3} {:>10.3e}",
-                        c.layer, c.spec, c.bits, c.attn_rel_err
-                    )?;
-                }
-            }
-            if let Some(out) = out {
-                let run = options.cache.unwrap_or_default();
-                let (config, source) = kvq::recommend::config_with(
-                    &layers,
-                    &specs,
-                    model_layers.map(|n| n as usize),
-                    run,
-                    options.rope_pairing,
-                )?;
-                kvq::quant::io::write_output(&out, config.to_text_for(&out).as_bytes(), &inputs, force)
-                    .map_err(|e| format!("{}: {e}", out.display()))?;
-                let filled = source.iter().enumerate().filter(|&(m, &from)| m != from).count();
-                // Model layers that take a dumped layer's `-qa` spec without its maps (the
-                // dumped layer `from` is model layer `from` of the config).
-                let unfitted = source
-                    .iter()
-                    .enumerate()
-                    .filter(|&(m, &from)| m != from && config.layers[from].k.channel_bits())
-                    .count();
-                let unfitted = if unfitted > 0 {
-                    format!(
-                        " ({unfitted} of them without -qa: bits per key channel are fitted to a dumped layer only)"
-                    )
-                } else {
-                    String::new()
-                };
-                let counted = if options.cache.is_some() {
-                    format!("the bits above count them at the dump's {} tokens", layers[0].k.shape().tokens)
-                } else {
-                    "the bits above count codes and parameters, not those (measure with --cache)".to_string()
-                };
-                writeln!(
-                    stderr,
-                    "kvq: wrote {} ({} layers; {filled} not in the dump take the specs of the nearest dumped layer{unfitted}; \
-                     residual window of {} block(s) of {} and {} sink tokens in {}: {counted})",
-                    out.display(),
-                    config.layers.len(),
-                    config.residual_blocks,
-                    config.block_size,
-                    config.sink_tokens,
-                    kvq::cache::tail_dtypes_text(config.tail_dtype, config.value_tail_dtype),
-                )?;
-            }
-            Ok(())
-        }
-        Command::Calibrate { files, out, percentile, force } => {
-            let inputs: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
-            check_output(&out, &inputs, force)?;
-            let mut per_layer: Vec<(Vec<Tensor>, Vec<Tensor>)> = Vec::new();
-            for path in &files {
-                let tf = TensorFile::open(path)?;
-                let layers = analysis::layers_from_file(&tf)?;
-                // A calibration holds layers 0..n of the model in order: a dump of some layers
-                // only (0, 9 and 29, say) would give model layer 1 the ranges of layer 9.
-                if let Some((i, l)) =
-                    layers.iter().enumerate().find(|(i, l)| kvq::recommend::model_layer(&l.name) != Some(*i))
-                {
-                    return Err(format!(
-                        "{}: holds {} where layer{i} should be; a calibration needs every layer of the model from layer0 on",
-                        path.display(),
-                        l.name
-                    )
-                    .into());
-                }
-                if per_layer.is_empty() {
-                    per_layer = layers.iter().map(|_| (Vec::new(), Vec::new())).collect();
-                }
-                if layers.len() != per_layer.len() {
-                    return Err(format!(
-                        "{}: {} layers, the first file has {}",
-                        path.display(),
-                        layers.len(),
-                        per_layer.len()
-                    )
-                    .into());
-                }
-                for (acc, layer) in per_layer.iter_mut().zip(layers) {
-                    acc.0.push(layer.k);
-                    acc.1.push(layer.v);
-                }
-            }
-            let join = |parts: &[Tensor]| concat_tokens(parts);
-            let k = per_layer.iter().map(|(k, _)| join(k)).collect::<Result<Vec<_>, _>>()?;
-            let v = per_layer.iter().map(|(_, v)| join(v)).collect::<Result<Vec<_>, _>>()?;
-            let cal = Calibration::from_tensors(&k, &v, percentile)?;
-            let json = serde_json::to_string_pretty(&cal)?;
-            kvq::quant::io::write_output(&out, json.as_bytes(), &inputs, force)
-                .map_err(|e| format!("{}: {e}", out.display()))?;
-            writeln!(
-                stderr,
-                "kvq: wrote {} ({} layers, {} KV heads × {} channels, from {} file(s))",
-                out.display(),
-                cal.layers(),
-                cal.heads(),
-                cal.head_dim(),
-                files.len()
-            )?;
-            Ok(())
-        }
+        Command::Recommend(args) => recommend(args, stdout, stderr),
+        Command::Calibrate(args) => calibrate(args, stderr),
         Command::Info => {
             use kvq::kernels::dispatch;
             writeln!(stdout, "kvq {}", env!("CARGO_PKG_VERSION"))?;
@@ -545,83 +386,270 @@ fn command(
             writeln!(stdout, "selected backend: {}", dispatch::selected()?)?;
             Ok(())
         }
-        Command::Analyze {
-            file,
-            synthetic,
-            specs,
-            positions,
-            per_head,
-            block_size,
-            rope_pairing,
-            rope_theta,
-            cache,
-            plot,
-            json,
-            force,
-        } => {
-            let inputs: Vec<&Path> = file.iter().map(PathBuf::as_path).collect();
-            if let Some(dir) = &plot {
-                kvq::plot::check_targets(dir, &inputs, force)?;
-            }
-            let (source, layers, inv_freq, file_theta) = if synthetic {
-                let synthetic = vec![analysis::synthetic_layer()];
-                ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), synthetic, None, None)
-            } else {
-                let tf = open_input(file.as_deref())?;
-                let inv_freq =
-                    if tf.contains("rope.inv_freq") { Some(tf.read_vector("rope.inv_freq")?) } else { None };
-                let theta = tf.metadata().get("rope_theta").and_then(|t| t.parse::<f64>().ok());
-                (tf.label().to_string(), analysis::layers_from_file(&tf)?, inv_freq, theta)
-            };
-            // The model's RoPE, for `-prerope` key specs: --rope-theta, else the file's
-            // frequencies, else its base.
-            let d = layers[0].k.shape().head_dim;
-            let rope = match (rope_pairing.0, rope_theta, inv_freq, file_theta) {
-                (None, ..) => None,
-                (Some(p), Some(theta), ..) => Some(kvq::quant::Rope::from_theta(theta, d, p)?),
-                (Some(p), None, Some(f), _) => Some(kvq::quant::Rope::new(&f, p)?),
-                (Some(p), None, None, Some(theta)) => Some(kvq::quant::Rope::from_theta(theta, d, p)?),
-                (Some(_), None, None, None) => None,
-            };
-            let options = Options {
-                positions,
-                per_head,
-                histogram_bins: if plot.is_some() { 80 } else { 0 },
-                block_size: block_size as usize,
-                cache: cache.run(),
-                rope_pairing: rope_pairing.0,
-                rope,
-            };
-            let specs = if specs.is_empty() {
-                // The built-in list applies to any model: what cannot apply is skipped, said so.
-                let (kept, skipped) = analysis::applicable_with(&layers, analysis::default_specs(), &options);
-                for (spec, why) in skipped {
-                    writeln!(stderr, "kvq: skipping built-in spec {}: {why}", spec.name())?;
-                }
-                if kept.is_empty() {
-                    return Err("no built-in spec applies to these layers (see the lines above)".into());
-                }
-                kept
-            } else {
-                specs
-                    .iter()
-                    .map(|s| KvSpec::parse(s).map_err(|e| format!("--specs {s:?}: {e}")))
-                    .collect::<Result<_, _>>()?
-            };
-            let report = analysis::analyze(&source, &layers, &specs, &options, progress("analyzing"))?;
-            if json {
-                writeln!(stdout, "{}", serde_json::to_string_pretty(&report)?)?;
-            } else {
-                write!(stdout, "{}", report.to_table())?;
-            }
-            if let Some(dir) = plot {
-                for path in kvq::plot::write_all(&report, &dir, &inputs, force)? {
-                    writeln!(stderr, "kvq: wrote {}", path.display())?;
-                }
-            }
-            Ok(())
+        Command::Analyze(args) => analyze(args, stdout, stderr),
+    }
+}
+
+/// `kvq recommend`: per-layer specs under a bit budget, and the config.
+fn recommend(
+    args: RecommendArgs,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let RecommendArgs {
+        file,
+        budget_bits,
+        target_kl,
+        out,
+        model_layers,
+        positions,
+        rope_pairing,
+        cache,
+        json,
+        force,
+    } = args;
+    let Some(budget_bits) = budget_bits.filter(|_| target_kl.is_none()) else {
+        return Err("--target-kl bounds the model's KL, which only a run of the model measures: \
+             `kvq-eval --text T --ctx 512 --chunks 4 --target-kl X --out cache.toml` (package \
+             kvq-candle) searches per-layer specs for it; `kvq recommend` takes --budget-bits"
+            .into());
+    };
+    if !(budget_bits.is_finite() && budget_bits > 0.0) {
+        return Err(format!("--budget-bits {budget_bits} is not a positive finite number").into());
+    }
+    // Before any work: an output that may not be written is refused now.
+    let inputs: Vec<&Path> = file.iter().map(PathBuf::as_path).collect();
+    if let Some(out) = &out {
+        check_output(out, &inputs, force)?;
+    }
+    let tf = open_input(file.as_deref())?;
+    let layers = analysis::layers_from_file(&tf)?;
+    let options = Options {
+        positions,
+        block_size: kvq::recommend::BLOCK_SIZE,
+        cache: cache.run(),
+        rope_pairing: rope_pairing.0,
+        ..Options::default()
+    };
+    let (candidates, skipped) =
+        analysis::applicable_with(&layers, kvq::recommend::default_candidates(), &options);
+    for (spec, why) in skipped {
+        writeln!(stderr, "kvq: skipping candidate {}: {why}", spec.name())?;
+    }
+    if candidates.is_empty() {
+        return Err("no candidate spec applies to these layers (see the lines above)".into());
+    }
+    // The budget is the written config's: each dumped layer weighs as many model
+    // layers as take its specs.
+    let weights = kvq::recommend::layer_weights(&layers, model_layers.map(|n| n as usize))?;
+    let (rec, specs) = kvq::recommend::recommend_weighted(
+        &layers,
+        &candidates,
+        budget_bits,
+        &weights,
+        &options,
+        |done, all| {
+            let _ = writeln!(stderr, "kvq: measured {done}/{all} layers");
+        },
+    )?;
+    if json {
+        writeln!(stdout, "{}", serde_json::to_string_pretty(&rec)?)?;
+    } else {
+        writeln!(
+            stdout,
+            "budget {:.3} bits per value; chosen average {:.3}",
+            rec.budget_bits, rec.average_bits
+        )?;
+        let w = rec.layers.iter().map(|c| c.spec.len()).max().unwrap_or(0).max(4);
+        writeln!(stdout, "{:<10} {:<w$} {:>7} {:>10}", "layer", "spec", "bits", "attn err")?;
+        for c in &rec.layers {
+            writeln!(stdout, "{:<10} {:<w$} {:>7.3} {:>10.3e}", c.layer, c.spec, c.bits, c.attn_rel_err)?;
         }
     }
+    if let Some(out) = out {
+        let run = options.cache.unwrap_or_default();
+        let (config, source) = kvq::recommend::config_with(
+            &layers,
+            &specs,
+            model_layers.map(|n| n as usize),
+            run,
+            options.rope_pairing,
+        )?;
+        kvq::quant::io::write_output(&out, config.to_text_for(&out).as_bytes(), &inputs, force)
+            .map_err(|e| format!("{}: {e}", out.display()))?;
+        let filled = source.iter().enumerate().filter(|&(m, &from)| m != from).count();
+        // Model layers that take a dumped layer's `-qa` spec without its maps (the
+        // dumped layer `from` is model layer `from` of the config).
+        let unfitted = source
+            .iter()
+            .enumerate()
+            .filter(|&(m, &from)| m != from && config.layers[from].k.channel_bits())
+            .count();
+        let unfitted = if unfitted > 0 {
+            format!(
+                " ({unfitted} of them without -qa: bits per key channel are fitted to a dumped layer only)"
+            )
+        } else {
+            String::new()
+        };
+        let counted = if options.cache.is_some() {
+            format!("the bits above count them at the dump's {} tokens", layers[0].k.shape().tokens)
+        } else {
+            "the bits above count codes and parameters, not those (measure with --cache)".to_string()
+        };
+        writeln!(
+            stderr,
+            "kvq: wrote {} ({} layers; {filled} not in the dump take the specs of the nearest dumped layer{unfitted}; \
+             residual window of {} block(s) of {} and {} sink tokens in {}: {counted})",
+            out.display(),
+            config.layers.len(),
+            config.residual_blocks,
+            config.block_size,
+            config.sink_tokens,
+            kvq::cache::tail_dtypes_text(config.tail_dtype, config.value_tail_dtype),
+        )?;
+    }
+    Ok(())
+}
+
+/// `kvq calibrate`: static ranges from dumps into a calibration file.
+fn calibrate(args: CalibrateArgs, stderr: &mut dyn Write) -> Result<(), Box<dyn std::error::Error>> {
+    let CalibrateArgs { files, out, percentile, force } = args;
+    let inputs: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+    check_output(&out, &inputs, force)?;
+    let mut per_layer: Vec<(Vec<Tensor>, Vec<Tensor>)> = Vec::new();
+    for path in &files {
+        let tf = TensorFile::open(path)?;
+        let layers = analysis::layers_from_file(&tf)?;
+        // A calibration holds layers 0..n of the model in order: a dump of some layers
+        // only (0, 9 and 29, say) would give model layer 1 the ranges of layer 9.
+        if let Some((i, l)) =
+            layers.iter().enumerate().find(|(i, l)| kvq::recommend::model_layer(&l.name) != Some(*i))
+        {
+            return Err(format!(
+                "{}: holds {} where layer{i} should be; a calibration needs every layer of the model from layer0 on",
+                path.display(),
+                l.name
+            )
+            .into());
+        }
+        if per_layer.is_empty() {
+            per_layer = layers.iter().map(|_| (Vec::new(), Vec::new())).collect();
+        }
+        if layers.len() != per_layer.len() {
+            return Err(format!(
+                "{}: {} layers, the first file has {}",
+                path.display(),
+                layers.len(),
+                per_layer.len()
+            )
+            .into());
+        }
+        for (acc, layer) in per_layer.iter_mut().zip(layers) {
+            acc.0.push(layer.k);
+            acc.1.push(layer.v);
+        }
+    }
+    let join = |parts: &[Tensor]| concat_tokens(parts);
+    let k = per_layer.iter().map(|(k, _)| join(k)).collect::<Result<Vec<_>, _>>()?;
+    let v = per_layer.iter().map(|(_, v)| join(v)).collect::<Result<Vec<_>, _>>()?;
+    let cal = Calibration::from_tensors(&k, &v, percentile)?;
+    let json = serde_json::to_string_pretty(&cal)?;
+    kvq::quant::io::write_output(&out, json.as_bytes(), &inputs, force)
+        .map_err(|e| format!("{}: {e}", out.display()))?;
+    writeln!(
+        stderr,
+        "kvq: wrote {} ({} layers, {} KV heads × {} channels, from {} file(s))",
+        out.display(),
+        cal.layers(),
+        cal.heads(),
+        cal.head_dim(),
+        files.len()
+    )?;
+    Ok(())
+}
+
+/// `kvq analyze`: specs compared on a file's (or a synthetic) keys, values and attention.
+fn analyze(
+    args: AnalyzeArgs,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let AnalyzeArgs {
+        file,
+        synthetic,
+        specs,
+        positions,
+        per_head,
+        block_size,
+        rope_pairing,
+        rope_theta,
+        cache,
+        plot,
+        json,
+        force,
+    } = args;
+    let inputs: Vec<&Path> = file.iter().map(PathBuf::as_path).collect();
+    if let Some(dir) = &plot {
+        kvq::plot::check_targets(dir, &inputs, force)?;
+    }
+    let (source, layers, inv_freq, file_theta) = if synthetic {
+        let synthetic = vec![analysis::synthetic_layer()];
+        ("synthetic N(0,1) [1, 32, 512, 128]".to_string(), synthetic, None, None)
+    } else {
+        let tf = open_input(file.as_deref())?;
+        let inv_freq =
+            if tf.contains("rope.inv_freq") { Some(tf.read_vector("rope.inv_freq")?) } else { None };
+        let theta = tf.metadata().get("rope_theta").and_then(|t| t.parse::<f64>().ok());
+        (tf.label().to_string(), analysis::layers_from_file(&tf)?, inv_freq, theta)
+    };
+    // The model's RoPE, for `-prerope` key specs: --rope-theta, else the file's
+    // frequencies, else its base.
+    let d = layers[0].k.shape().head_dim;
+    let rope = match (rope_pairing.0, rope_theta, inv_freq, file_theta) {
+        (None, ..) => None,
+        (Some(p), Some(theta), ..) => Some(kvq::quant::Rope::from_theta(theta, d, p)?),
+        (Some(p), None, Some(f), _) => Some(kvq::quant::Rope::new(&f, p)?),
+        (Some(p), None, None, Some(theta)) => Some(kvq::quant::Rope::from_theta(theta, d, p)?),
+        (Some(_), None, None, None) => None,
+    };
+    let options = Options {
+        positions,
+        per_head,
+        histogram_bins: if plot.is_some() { 80 } else { 0 },
+        block_size: block_size as usize,
+        cache: cache.run(),
+        rope_pairing: rope_pairing.0,
+        rope,
+    };
+    let specs = if specs.is_empty() {
+        // The built-in list applies to any model: what cannot apply is skipped, said so.
+        let (kept, skipped) = analysis::applicable_with(&layers, analysis::default_specs(), &options);
+        for (spec, why) in skipped {
+            writeln!(stderr, "kvq: skipping built-in spec {}: {why}", spec.name())?;
+        }
+        if kept.is_empty() {
+            return Err("no built-in spec applies to these layers (see the lines above)".into());
+        }
+        kept
+    } else {
+        specs
+            .iter()
+            .map(|s| KvSpec::parse(s).map_err(|e| format!("--specs {s:?}: {e}")))
+            .collect::<Result<_, _>>()?
+    };
+    let report = analysis::analyze(&source, &layers, &specs, &options, progress("analyzing"))?;
+    if json {
+        writeln!(stdout, "{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        write!(stdout, "{}", report.to_table())?;
+    }
+    if let Some(dir) = plot {
+        for path in kvq::plot::write_all(&report, &dir, &inputs, force)? {
+            writeln!(stderr, "kvq: wrote {}", path.display())?;
+        }
+    }
+    Ok(())
 }
 
 /// [`kvq::quant::io::check_output`], its error naming the path.
