@@ -321,9 +321,9 @@ enum Linear {
     Candle(QMatMul),
     /// Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks, repacked eight rows at a time
     /// at load ([`kvq::kernels::ggml_packed`]: the same bytes for Q4_0, Q4_1 and Q8_0, a byte
-    /// per 5-bit code, blocks of 32 with f32 scales for the K-quants) and multiplied by kvq's kernels (runtime-dispatched SIMD;
-    /// candle has no fast path for Q4_1, and builds its others only with target features a
-    /// default build lacks).
+    /// per 5-bit code, blocks of 32 with f32 scales for the K-quants) and multiplied by kvq's
+    /// kernels (runtime-dispatched SIMD; candle has no fast path for Q4_1, and builds its
+    /// others only with target features a default build lacks).
     Ggml { packed: PackedWeights, backend: Backend },
 }
 
@@ -420,10 +420,11 @@ pub struct LlamaModel {
 #[non_exhaustive]
 pub enum Weights {
     /// As stored: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K through kvq's integer
-    /// kernels, Q2_K and Q3_K through candle's quantized matmuls. Fast and small, but each activation row is rounded
-    /// to 8 bits per block of 32 before the integer dot products (as in ggml), so a
-    /// one-ulp change upstream (another cache's attention output) can flip a rounding: two runs
-    /// that differ only in their KV cache then differ by noise that has nothing to do with it.
+    /// kernels, Q2_K and Q3_K through candle's quantized matmuls. Fast and small, but each
+    /// activation row is rounded to 8 bits per block of 32 before the integer dot products (as
+    /// in ggml), so a one-ulp change upstream (another cache's attention output) can flip a
+    /// rounding: two runs that differ only in their KV cache then differ by noise that has
+    /// nothing to do with it.
     #[default]
     Native,
     /// Every matrix dequantized to f32 at load (4 bytes per weight): the model's function is

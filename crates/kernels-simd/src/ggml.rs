@@ -316,9 +316,9 @@ fn unpack_row(ty: GgmlType, row: &[u8], codes: &mut [u8], d: &mut [f32], m: &mut
     }
 }
 
-/// The integer dot product of one block: weight codes as [`unpack_row`] leaves them, against
-/// activation codes.
-fn block_dot(ty: GgmlType, w: &[u8], a: &[i8]) -> i32 {
+/// The integer dot product of one block (or part of one): weight codes as [`unpack_row`]
+/// leaves them, against activation codes.
+pub(crate) fn block_dot(ty: GgmlType, w: &[u8], a: &[i8]) -> i32 {
     match ty {
         GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q6K => {
             w.iter().zip(a).map(|(&w, &a)| i32::from(w as i8) * i32::from(a)).sum()

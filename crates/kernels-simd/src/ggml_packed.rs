@@ -330,13 +330,9 @@ pub fn scalar_matmul_packed(w: &PackedWeights, groups: Range<usize>, act: &Activ
                 let block = &codes[b * QK..(b + 1) * QK];
                 if two_scales(w.ty) {
                     let (a, da) = act.block_codes(t, b);
-                    let dot = |h: usize| -> i32 {
-                        let r = h * QK / 2..(h + 1) * QK / 2;
-                        block[r.clone()]
-                            .iter()
-                            .zip(&a[r])
-                            .map(|(&w, &a)| i32::from(w as i8) * i32::from(a))
-                            .sum()
+                    let half = QK / 2;
+                    let dot = |h: usize| {
+                        crate::ggml::block_dot(w.ty, &block[h * half..], &a[h * half..(h + 1) * half])
                     };
                     acc += d[b] * da * dot(0) as f32 + m[b] * da * dot(1) as f32;
                 } else {
