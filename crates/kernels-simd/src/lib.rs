@@ -101,6 +101,7 @@ mod regions_neon;
 pub mod rowquant;
 pub mod scalar;
 pub mod softmax;
+pub mod unit;
 pub mod wide_backend;
 
 pub use block::{KernelError, Levels, Params, QuantBlock};
@@ -628,10 +629,11 @@ pub struct Online<'a> {
     pub o: &'a mut [f32],
 }
 
-/// A shorter-lived [`Online`] over the same rows (to try one kernel, then another).
-#[cfg(target_arch = "x86_64")]
-fn reborrow<'s>(state: &'s mut Online<'_>) -> Online<'s> {
-    Online { m: &mut *state.m, l: &mut *state.l, o: &mut *state.o }
+impl Online<'_> {
+    /// A shorter-lived state over the same rows (to try one kernel, then another).
+    pub fn reborrow(&mut self) -> Online<'_> {
+        Online { m: &mut *self.m, l: &mut *self.l, o: &mut *self.o }
+    }
 }
 
 /// A block of keys `k` and the block of values `v` of the same tokens attended by `n_q` query
@@ -930,7 +932,7 @@ pub fn attend_int_parts_in(
                 && streaming(
                     scratch,
                     |s| &mut s.fused.ahead,
-                    |s| avx512::attend_int_in(parts, v, q, n_q, reborrow(&mut state), &mut s.fused),
+                    |s| avx512::attend_int_in(parts, v, q, n_q, state.reborrow(), &mut s.fused),
                 )
             {
                 return Ok(true);
@@ -1173,7 +1175,7 @@ pub fn attend_int_regions_in(
                 && streaming(
                     scratch,
                     |s| &mut s.fused.ahead,
-                    |s| avx512::attend_int_regions_in(regions, v, q, n_q, reborrow(&mut state), &mut s.fused),
+                    |s| avx512::attend_int_regions_in(regions, v, q, n_q, state.reborrow(), &mut s.fused),
                 )
             {
                 return Ok(true);

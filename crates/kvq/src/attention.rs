@@ -11,8 +11,7 @@
 
 use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, ParamWidening, Segment, SeqId, TailBuf};
 use kvq_kernels_simd::{
-    Backend, KernelError, Levels, Params, QuantBlock, axpy_in, axpy_int_in, dense_axpy_with,
-    dense_scores_with, scores_in, scores_int8_in,
+    Backend, KernelError, Levels, Params, QuantBlock, axpy_in, dense_axpy_with, dense_scores_with, scores_in,
 };
 use kvq_quant_core::calibration::Part;
 use kvq_quant_core::codebook::NF4_LEVELS;
@@ -305,19 +304,6 @@ fn with_parts<R>(
     f(&parts[..n])
 }
 
-/// What a fused call did with a block: ran (`Some(true)`), declined this block
-/// (`Some(false)`: a negative value scale), or has no code for its layout (`None`). The kernel
-/// checks the layout itself; only a refusal asks which it was (`has_code`).
-fn outcome(ran: bool, has_code: impl FnOnce() -> bool) -> Option<bool> {
-    if ran {
-        Some(true)
-    } else if has_code() {
-        Some(false)
-    } else {
-        None
-    }
-}
-
 /// Most width regions of a `-qa` key block (one per width, 1 to 8 bits).
 const MAX_REGIONS: usize = 8;
 
@@ -401,6 +387,16 @@ pub enum ScorePath {
     /// `max|w| / (2 · W_max) · Σ|levels − centre|` (`W_max` 255 or 32767).
     /// Faster; the float path equals attention over the dequantized cache within f32 rounding.
     Int8,
+}
+
+impl ScorePath {
+    /// The kernels' name for this arithmetic.
+    fn arithmetic(self) -> kvq_kernels_simd::unit::Arithmetic {
+        match self {
+            ScorePath::Float => kvq_kernels_simd::unit::Arithmetic::Float,
+            ScorePath::Int8 => kvq_kernels_simd::unit::Arithmetic::Int8,
+        }
+    }
 }
 
 /// Attention of the newest tokens of `layer` of `seq`, into `out`: the one entry for a
@@ -521,12 +517,13 @@ struct Task {
     bufs: (Vec<f32>, Vec<f32>),
     /// The value block's parameters where a fused kernel holds both blocks at once.
     vbufs: (Vec<f32>, Vec<f32>),
+    /// Scores of units scored here (full-precision rows, keys stored before RoPE).
     s: Vec<f32>,
-    widths: (Vec<f32>, Vec<f32>),
-    /// Keys with bits per channel on a fused kernel: every region's parameters, side by side.
+    /// Keys with bits per channel: every region's parameters, side by side.
     regions: (Vec<f32>, Vec<f32>),
     rope: RopeScratch,
     kernel: kvq_kernels_simd::Scratch,
+    attender: kvq_kernels_simd::unit::Attender,
 }
 
 /// Each head's context is attended in parts of this many positions (a unit goes to the part
@@ -760,10 +757,10 @@ impl Task {
             bufs: &mut self.bufs,
             vbufs: &mut self.vbufs,
             s: &mut self.s,
-            widths: &mut self.widths,
             regions: &mut self.regions,
             rope: &mut self.rope,
             kernel: &mut self.kernel,
+            attender: &mut self.attender,
         };
         // This task's units of those that end after `first` and start before `end`, as a
         // decode step at `end` sees them: a unit that runs past `end` (the full-precision
@@ -902,28 +899,17 @@ pub fn decode_kernel(
     let ks = cache.segment_iter(seq, 0, 0, Part::K)?;
     let vs = cache.segment_iter(seq, 0, 0, Part::V)?;
     let readers = [PartReader::new(cache, Part::K), PartReader::new(cache, Part::V)];
-    let (mut kb, mut vb) = Default::default();
-    let int = path == ScorePath::Int8;
+    let (mut kb, mut vb, mut all) = Default::default();
+    let attender = kvq_kernels_simd::unit::Attender::new(backend, path.arithmetic());
     for u in Units::starting_at(ks, vs, d, 0) {
         if let (Run::Block(kv), Run::Block(vv)) = (u.k, u.v) {
+            // Keys stored before RoPE are scored block by block with their turn.
             let fused = cache.config().rope.is_none()
-                && if kv.width_views().is_some() {
-                    let mut all = Default::default();
-                    int && with_regions(&kv, &readers[0], &mut all, |rs| {
-                        with_parts(&vv, &readers[1], &mut vb, |vs| {
-                            Ok(matches!(vs, [v] if kvq_kernels_simd::attend_int_fused_regions(backend, rs, v, query_rows)))
-                        })
-                    })?
-                    .unwrap_or(false)
-                } else {
-                    with_parts(&kv, &readers[0], &mut kb, |ks| {
-                        with_parts(&vv, &readers[1], &mut vb, |vs| {
-                            let [v] = vs else { return Ok(false) };
-                            Ok(int && kvq_kernels_simd::attend_int_fused_parts(backend, ks, v, query_rows)
-                                || matches!(ks, [k] if kvq_kernels_simd::attend_float_fused(backend, k, v, query_rows)))
-                        })
-                    })?
-                };
+                && with_keys(&kv, &readers, &mut kb, &mut all, |keys| {
+                    with_parts(&vv, &readers[1], &mut vb, |vs| {
+                        Ok(attender.plan(keys, vs, query_rows).is_fused())
+                    })
+                })?;
             return Ok(Some(if fused { DecodeKernel::FusedBlock } else { DecodeKernel::SeparateKernels }));
         }
     }
@@ -935,12 +921,11 @@ struct Scratch<'w> {
     bufs: &'w mut (Vec<f32>, Vec<f32>),
     vbufs: &'w mut (Vec<f32>, Vec<f32>),
     s: &'w mut Vec<f32>,
-    /// Keys with bits per channel: one width's query columns, and its scores.
-    widths: &'w mut (Vec<f32>, Vec<f32>),
-    /// Keys with bits per channel on a fused kernel: every region's parameters, side by side.
+    /// Keys with bits per channel: every region's parameters, side by side.
     regions: &'w mut (Vec<f32>, Vec<f32>),
     rope: &'w mut RopeScratch,
     kernel: &'w mut kvq_kernels_simd::Scratch,
+    attender: &'w mut kvq_kernels_simd::unit::Attender,
 }
 
 /// What scoring keys stored before RoPE (`-prerope`) keeps across blocks.
@@ -1270,26 +1255,12 @@ impl Partial {
     }
 }
 
-/// The largest of `init` and `x`, NaNs in `x` ignored (as `f32::max` does), in 8 lanes that
-/// the compiler vectorizes (a fold over `f32::max` stays scalar: its NaN rule blocks it).
-fn max_lanes(x: &[f32], init: f32) -> f32 {
-    let mut lanes = [init; 8];
-    let mut chunks = x.chunks_exact(8);
-    for c in &mut chunks {
-        for (m, &v) in lanes.iter_mut().zip(c) {
-            *m = if v > *m { v } else { *m };
-        }
-    }
-    chunks.remainder().iter().chain(&lanes).fold(init, |m, &v| if v > m { v } else { m })
-}
-
-/// Scores one unit's query group may hold (256 MiB of f32): far past any model's query group
-/// times any block, short of what a crafted config could ask for.
-const MAX_UNIT_SCORES: usize = 1 << 26;
-
 /// Attends the g query rows `qs` (already scaled) over `units` into `st`; row `i` sees
 /// tokens `spans[i].0 .. spans[i].1` only (its sliding window and its causal end), the
-/// others get no weight.
+/// others get no weight. A unit of quantized keys and values (not turned by RoPE) goes to the
+/// kernels' [`Attender`](kvq_kernels_simd::unit::Attender), which owns the order of fused and
+/// separate kernels; the others (full-precision rows, keys stored before RoPE) are scored
+/// here and finished by the kernels' softmax step and value sum.
 #[allow(clippy::too_many_arguments)]
 fn attend<'a>(
     backend: Backend,
@@ -1306,23 +1277,12 @@ fn attend<'a>(
 ) -> Result<(), AttentionError> {
     let latest_start = spans.iter().map(|s| s.0).max().unwrap_or(0);
     let earliest_end = spans.iter().map(|s| s.1).min().unwrap_or(usize::MAX);
-    let path = options.path;
-    let Scratch { bufs, vbufs, s, widths, regions, rope: rs, kernel } = w;
-    // Units whose keys and values a fused kernel can take whole (no RoPE turn, no
-    // soft-capping, every row seeing the whole unit) try it first: on the integer path the
-    // integer ones, then on either path the float one (FP8 rows). A head's blocks share one
-    // layout: once no kernel has code for it (format, head_dim, backend), the call stops
-    // trying, so that the later blocks' parameters are not widened twice.
-    let mut fused = rope.is_none() && options.softcap.is_none();
-    // The integer fused kernels, tried first on the integer path until they have no code for
-    // the layout (FP8 rows then go straight to the float one, block after block).
-    let mut int_fused = path == ScorePath::Int8;
+    let Scratch { bufs, vbufs, s, regions, rope: rs, kernel, attender } = w;
+    attender.begin(backend, options.path.arithmetic());
     // The offset table of keys stored before RoPE: checked once per call, not per block.
     if let Some((rope, bs)) = rope {
         rs.prepare(rope, bs);
     }
-    // The width regions' query columns are gathered at the first block (`-qa` keys only).
-    widths.0.clear();
     let mut units = units.peekable();
     while let Some(Unit { start: a, end: b, k, v }) = units.next() {
         // Start loading the next unit's blocks while this one computes: block regions are
@@ -1337,86 +1297,21 @@ fn attend<'a>(
                 }
             }
         }
-        if fused
-            && a >= latest_start
-            && b <= earliest_end
-            && let (Run::Block(kv), Run::Block(vv)) = (&k, &v)
-        {
-            let state = kvq_kernels_simd::Online { m: &mut st.m, l: &mut st.l, o: &mut st.o };
-            // None: no fused code for this layout; Some(false): this block declined.
-            let done = if kv.width_views().is_some() {
-                if path != ScorePath::Int8 {
-                    // The float path has no fused kernel for keys with bits per channel.
-                    None
-                } else {
-                    // Keys with bits per channel: their regions against the (permuted) query.
-                    with_regions(kv, &readers[0], regions, |rs| {
-                        with_parts(vv, &readers[1], vbufs, |vs| {
-                            let [vb] = vs else { return Ok(None) };
-                            let ran = kvq_kernels_simd::attend_int_regions_in(
-                                backend, kernel, rs, vb, qs, g, state,
-                            )?;
-                            Ok(outcome(ran, || {
-                                kvq_kernels_simd::attend_int_fused_regions(backend, rs, vb, g)
-                            }))
-                        })
-                    })?
-                    .flatten()
-                }
-            } else {
-                with_parts(kv, &readers[0], bufs, |ks| {
-                    with_parts(vv, &readers[1], vbufs, |vs| {
-                        // Values in parts (per channel) have no fused kernel.
-                        let [vb] = vs else { return Ok(None) };
-                        if int_fused {
-                            let state = kvq_kernels_simd::Online {
-                                m: &mut *state.m,
-                                l: &mut *state.l,
-                                o: &mut *state.o,
-                            };
-                            let ran =
-                                kvq_kernels_simd::attend_int_parts_in(backend, kernel, ks, vb, qs, g, state)?;
-                            if let Some(done) =
-                                outcome(ran, || kvq_kernels_simd::attend_int_fused_parts(backend, ks, vb, g))
-                            {
-                                return Ok(Some(done));
-                            }
-                            int_fused = false;
-                        }
-                        // FP8 keys and values: the float kernel (on the integer path too, which
-                        // has no integer form of their levels).
-                        let [kb] = ks else { return Ok(None) };
-                        kernel.prefetch_queued();
-                        let ran = kvq_kernels_simd::attend_float_with(backend, kb, vb, qs, g, state)?;
-                        Ok(outcome(ran, || kvq_kernels_simd::attend_float_fused(backend, kb, vb, g)))
-                    })
-                })?
-            };
-            match done {
-                Some(true) => continue,
-                Some(false) => {}
-                None => fused = false,
-            }
+        // Most units lie inside every row's span.
+        let mask = (a < latest_start || b > earliest_end).then_some((a, spans));
+        let unit_options = kvq_kernels_simd::unit::UnitOptions { softcap: options.softcap, mask };
+        let state = kvq_kernels_simd::Online { m: &mut st.m, l: &mut st.l, o: &mut st.o };
+        if let (Run::Block(kv), Run::Block(vv), None) = (&k, &v, rope) {
+            with_keys(kv, readers, bufs, regions, |keys| {
+                with_parts(vv, &readers[1], vbufs, |vs| {
+                    attender.attend(kernel, keys, vs, qs, g, state, &unit_options).map(|_| ())
+                })
+            })?;
+            continue;
         }
         kernel.prefetch_queued();
         let n = b - a;
-        // A group's scores over a unit: grown fallibly, since a config may pair a large
-        // query group with large blocks (65,505 query heads on one KV head and blocks of
-        // 65,505 tokens asked for 17 GB, an abort the config-toml fuzz target found).
-        let want = g.checked_mul(n).filter(|&w| w <= MAX_UNIT_SCORES).ok_or_else(|| {
-            AttentionError::Shape(format!(
-                "{g} query rows × {n} tokens of scores: over the limit of {MAX_UNIT_SCORES} per unit"
-            ))
-        })?;
-        if want > s.len() {
-            s.try_reserve_exact(want - s.len()).map_err(|_| {
-                AttentionError::Shape(format!(
-                    "{g} query rows × {n} tokens of scores ({} MiB) cannot be allocated",
-                    (want * 4) >> 20
-                ))
-            })?;
-        }
-        s.resize(want, 0.0);
+        kvq_kernels_simd::unit::size_scores(s, g, n)?;
         match (k, rope) {
             (Run::Full { rows, offset }, _) => {
                 dense_run(backend, kernel, true, rows, offset, n, d, qs, g, s)?
@@ -1425,154 +1320,40 @@ fn attend<'a>(
             (Run::Block(view), Some(rope)) => {
                 pre_rope_scores(backend, rope, &view, bufs, (rs, kernel), qs, g, d, s)?
             }
-            (Run::Block(view), None) => match view.width_views() {
-                // Keys with bits per channel: each width's region is a per-channel block of
-                // its own, scored with its columns of the (permuted) query and summed.
-                Some(views) => {
-                    // On the integer path one kernel scores all the regions where the backend
-                    // has it; otherwise each region is scored by a kernel call of its own.
-                    let whole = path == ScorePath::Int8
-                        && with_regions(&view, &readers[0], regions, |rs| {
-                            kvq_kernels_simd::scores_int8_regions_in(backend, kernel, rs, qs, g, s)
-                        })?
-                        .unwrap_or(false);
-                    if !whole {
-                        s.fill(0.0);
-                        let (wq, ws) = widths;
-                        if wq.is_empty() {
-                            // Every block of the head has the same regions: their query columns,
-                            // region after region, once per call.
-                            for (first, v) in view.width_views().into_iter().flatten() {
-                                let c = v.layout().head_dim();
-                                for row in qs.chunks_exact(d) {
-                                    wq.extend_from_slice(&row[first..first + c]);
-                                }
-                            }
-                        }
-                        for (first, v) in views {
-                            let c = v.layout().head_dim();
-                            let wq = &wq[g * first..g * (first + c)];
-                            ws.resize(g * n, 0.0);
-                            with_parts(&v, &readers[0], bufs, |parts| match (parts, path) {
-                                ([blk], ScorePath::Float) => scores_in(backend, kernel, blk, wq, g, ws),
-                                ([blk], ScorePath::Int8) => {
-                                    scores_int8_in(backend, kernel, blk, wq, g, ws).map(|_| ())
-                                }
-                                // The cache refuses -qa keys with groups inside a block.
-                                _ => Err(KernelError::Shape("a -qa width region in token groups".into())),
-                            })?;
-                            s.iter_mut().zip(ws.iter()).for_each(|(x, y)| *x += y);
-                        }
-                    }
-                }
-                None => {
-                    let ws = &mut widths.1;
-                    with_parts(&view, &readers[0], bufs, |parts| {
-                        let mut score = |blk: &QuantBlock<'_>, out: &mut [f32]| match path {
-                            ScorePath::Float => scores_in(backend, kernel, blk, qs, g, out),
-                            ScorePath::Int8 => scores_int8_in(backend, kernel, blk, qs, g, out).map(|_| ()),
-                        };
-                        if let [blk] = parts {
-                            return score(blk, s);
-                        }
-                        // Key groups inside the block: each group's scores, put in place.
-                        let mut at = 0;
-                        for blk in parts {
-                            let nk = blk.rows();
-                            ws.resize(g * nk, 0.0);
-                            score(blk, ws)?;
-                            for (row, part) in s.chunks_exact_mut(n).zip(ws.chunks_exact(nk)) {
-                                row[at..at + nk].copy_from_slice(part);
-                            }
-                            at += nk;
-                        }
-                        Ok(())
-                    })?;
-                }
-            },
-        }
-        if let Some(cap) = options.softcap {
-            let inv = 1.0 / cap;
-            s.iter_mut().for_each(|x| *x = cap * (*x * inv).tanh());
-        }
-        // Tokens outside a row's span (before its window, after its own position) get no
-        // weight; most units lie inside every span.
-        if a < latest_start || b > earliest_end {
-            for (i, &(lo, hi)) in spans.iter().enumerate() {
-                let row = &mut s[i * n..(i + 1) * n];
-                row[..lo.saturating_sub(a).min(n)].fill(f32::NEG_INFINITY);
-                row[hi.saturating_sub(a).min(n)..].fill(f32::NEG_INFINITY);
+            (Run::Block(view), None) => {
+                with_keys(&view, readers, bufs, regions, |keys| attender.scores(kernel, keys, qs, g, s))?
             }
         }
-        // Online softmax: rescale what was accumulated when the running maximum grows.
-        for i in 0..g {
-            let scores = &mut s[i * n..(i + 1) * n];
-            let m = max_lanes(scores, st.m[i]);
-            if m == f32::NEG_INFINITY {
-                // Nothing of this row seen yet: no weight, and no 0 · ∞ in the rescaling.
-                scores.fill(0.0);
-                continue;
-            }
-            let factor = (st.m[i] - m).exp();
-            let sum = kvq_kernels_simd::softmax::exp_sum_with(backend, scores, m);
-            st.l[i] = st.l[i] * factor + sum;
-            st.m[i] = m;
-            if factor != 1.0 {
-                st.o[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= factor);
-            }
-        }
+        let mut state = state;
+        kvq_kernels_simd::unit::absorb(backend, s, n, &unit_options, &mut state);
         match v {
             Run::Full { rows, offset } => {
-                dense_run(backend, kernel, false, rows, offset, n, d, s, g, &mut st.o)?
+                dense_run(backend, kernel, false, rows, offset, n, d, s, g, state.o)?
             }
             Run::Block(view) => {
-                let ws = &mut widths.1;
-                with_parts(&view, &readers[1], bufs, |parts| {
-                    let mut sum = |blk: &QuantBlock<'_>, p: &[f32]| match path {
-                        ScorePath::Float => axpy_in(backend, kernel, blk, p, g, &mut st.o),
-                        ScorePath::Int8 => axpy_int_in(backend, kernel, blk, p, g, &mut st.o).map(|_| ()),
-                    };
-                    if let [blk] = parts {
-                        return sum(blk, s);
-                    }
-                    // Values per channel in token groups: each group's weights, gathered.
-                    let mut at = 0;
-                    for blk in parts {
-                        let nk = blk.rows();
-                        ws.clear();
-                        for row in s.chunks_exact(n) {
-                            ws.extend_from_slice(&row[at..at + nk]);
-                        }
-                        sum(blk, ws)?;
-                        at += nk;
-                    }
-                    Ok(())
-                })?;
+                with_parts(&view, &readers[1], vbufs, |vs| attender.add_values(kernel, vs, s, g, state.o))?
             }
         }
     }
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::max_lanes;
-
-    #[test]
-    fn max_lanes_is_the_f32_max_fold() {
-        let mut rng = kvq_quant_core::synth::Rng::new(3);
-        for n in 0..40usize {
-            for init in [f32::NEG_INFINITY, -1.0, 0.5] {
-                let mut x: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
-                if n > 2 {
-                    x[n / 2] = f32::NAN;
-                    x[n - 1] = f32::NEG_INFINITY;
-                }
-                let want = x.iter().copied().fold(init, f32::max);
-                assert_eq!(max_lanes(&x, init).to_bits(), want.to_bits(), "{n} {init}");
-            }
-        }
-        assert_eq!(max_lanes(&[f32::NAN; 9], f32::NEG_INFINITY), f32::NEG_INFINITY);
-        assert_eq!(max_lanes(&[1.0, f32::INFINITY, 2.0], 0.0), f32::INFINITY);
+/// A block of keys as the kernels take it: its width regions for keys with bits per channel
+/// (`-qa`), else the block or its token groups ([`with_parts`]).
+fn with_keys<R>(
+    view: &BlockView<'_>,
+    readers: &[PartReader; 2],
+    bufs: &mut (Vec<f32>, Vec<f32>),
+    regions: &mut (Vec<f32>, Vec<f32>),
+    f: impl FnOnce(kvq_kernels_simd::unit::Keys<'_>) -> Result<R, KernelError>,
+) -> Result<R, KernelError> {
+    use kvq_kernels_simd::unit::Keys;
+    if view.width_views().is_none() {
+        return with_parts(view, &readers[0], bufs, |ks| f(Keys::Parts(ks)));
     }
+    with_regions(view, &readers[0], regions, |rs| f(Keys::Regions(rs)))?.ok_or_else(|| {
+        // More regions than widths, regions in token groups, or regions short of the row:
+        // layouts the cache refuses to write.
+        KernelError::Shape("a -qa key block whose width regions the kernels cannot take".into())
+    })
 }
