@@ -11,21 +11,27 @@
 //! - [`cache`]: [`cache::KvCacheConfig`] (TOML/JSON, validated) and [`cache::QuantizedKvCache`],
 //!   a model's cache with per-layer specs; [`prelude`] imports the common types.
 //! - [`element`]: [`element::Element`], the f32, f16 and bf16 inputs and outputs of the cache.
-//! - [`analysis`]: the `kvq analyze` report; [`plot`]: its SVG figures; [`recommend`]: per-layer
-//!   specs from dumped tensors. These three, like the `kvq` binary and [`cli`], come with the
-//!   `cli` feature (on by default); an engine that only needs the cache turns it off.
-//!
-//! ```
-//! use kvq::analysis::{analyze, layers_from_file, KvSpec, Options};
-//! use kvq::quant::io::TensorFile;
-//!
-//! let file = TensorFile::from_bytes("sample", kvq::SAMPLE.to_vec())?;
-//! let layers = layers_from_file(&file)?;
-//! let specs = [KvSpec::parse("int4-channel/int4-token")?];
-//! let report = analyze("sample", &layers[..1], &specs, &Options::default(), |_, _| {})?;
-//! assert!(report.layers[0].rows[0].attn_rel_err < 0.2);
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
+//! - With the `cli` feature (on by default; an engine that only needs the cache turns it off):
+//!   the `kvq` binary and the modules behind it, listed below.
+#![cfg_attr(
+    feature = "cli",
+    doc = r#"
+  - [`analysis`]: the `kvq analyze` report; [`plot`]: its SVG figures; [`recommend`]: per-layer
+    specs from dumped tensors; [`cli`]: the command line as a function.
+
+```
+use kvq::analysis::{analyze, layers_from_file, KvSpec, Options};
+use kvq::quant::io::TensorFile;
+
+let file = TensorFile::from_bytes("sample", kvq::SAMPLE.to_vec())?;
+let layers = layers_from_file(&file)?;
+let specs = [KvSpec::parse("int4-channel/int4-token")?];
+let report = analyze("sample", &layers[..1], &specs, &Options::default(), |_, _| {})?;
+assert!(report.layers[0].rows[0].attn_rel_err < 0.2);
+# Ok::<(), Box<dyn std::error::Error>>(())
+```
+"#
+)]
 
 #[cfg(feature = "cli")]
 pub mod analysis;
