@@ -216,6 +216,43 @@ impl PagedCache {
         self.k_segments.get(layer.checked_mul(self.config.kv_heads)?.checked_add(head)?)
     }
 
+    /// Turns query rows (`head_dim` values each, in the model's channel order) into the frame
+    /// the keys of `(layer, head)` are stored in, in place, so that a row's dot product with a
+    /// stored key is its score: channels permuted as the head's `-qa` keys are
+    /// ([`HeadSegments::permutation`]), rows rotated as `-rot` keys are, others unchanged.
+    /// `tmp` is a buffer the caller keeps (one row).
+    ///
+    /// # Errors
+    /// [`CacheError::Shape`] when `rows` is not whole rows of `head_dim`.
+    pub fn queries_to_key_frame(
+        &self,
+        layer: usize,
+        head: usize,
+        rows: &mut [f32],
+        tmp: &mut Vec<f32>,
+    ) -> Result<()> {
+        let d = self.config.head_dim;
+        if d == 0 || !rows.len().is_multiple_of(d) {
+            return Err(CacheError::Shape {
+                expected: format!("query rows of {d} values"),
+                got: format!("{} values", rows.len()),
+            });
+        }
+        if let Some(seg) = self.key_segments(layer, head) {
+            for row in rows.chunks_exact_mut(d) {
+                tmp.clear();
+                tmp.extend_from_slice(row);
+                for (x, &c) in row.iter_mut().zip(&seg.permutation) {
+                    *x = tmp[c];
+                }
+            }
+        } else if self.config.k_spec.rotated() {
+            // The rotation is orthogonal: every score stays the same.
+            kvq_quant_core::rotation::rotate_rows(rows, d);
+        }
+        Ok(())
+    }
+
     /// The block pool.
     pub fn pool(&self) -> &BlockPool {
         &self.pool

@@ -445,3 +445,32 @@ fn forking_a_reserved_sequence_reserves_its_copies_or_fails() {
     assert!(matches!(c.reserve(SeqId(99), 0, 1), Err(CacheError::UnknownSequence(_))));
     assert!(matches!(c.reserve(b, 3, 1), Err(CacheError::Layer { .. })));
 }
+
+/// Queries come into the keys' frame so that a stored key's dot product is the score: plain
+/// keys leave them as they are, rotated keys rotate them (dots kept), and a row that is not
+/// whole is an error that changes nothing.
+#[test]
+fn queries_turn_into_the_keys_frame() {
+    let plain = small_cache(8);
+    let q = row(3, 16);
+    let mut x = q.clone();
+    let mut tmp = Vec::new();
+    plain.queries_to_key_frame(0, 1, &mut x, &mut tmp).unwrap();
+    assert_eq!(x, q);
+    let mut short = q[..7].to_vec();
+    assert!(matches!(plain.queries_to_key_frame(0, 0, &mut short, &mut tmp), Err(CacheError::Shape { .. })));
+    assert_eq!(short, q[..7]);
+
+    let rotated = PagedCache::new(
+        CacheConfig::new(1, 1, 8, 8)
+            .with_specs("int4-token-rot".parse().unwrap(), "int4-token".parse().unwrap()),
+    )
+    .unwrap();
+    let k = row(9, 8);
+    let (mut qr, mut kr) = (q[..8].to_vec(), k.clone());
+    rotated.queries_to_key_frame(0, 0, &mut qr, &mut tmp).unwrap();
+    rotated.queries_to_key_frame(0, 0, &mut kr, &mut tmp).unwrap();
+    assert_ne!(qr, q[..8]);
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    assert!((dot(&qr, &kr) - dot(&q[..8], &k)).abs() < 1e-4);
+}

@@ -507,8 +507,10 @@ struct Task {
     /// The sequence's new tokens whose rows this task attends (all of them, but where
     /// [`AttentionOptions::token_by_token`] shares them out).
     tokens: (usize, usize),
-    /// The group's query rows, token after token, scaled.
+    /// The group's query rows, token after token, scaled, in the keys' frame.
     q: Vec<f32>,
+    /// One query row, while it is permuted into the keys' channel order.
+    row: Vec<f32>,
     /// Per query row, the cached tokens it attends.
     spans: Vec<(usize, usize)>,
     st: Partial,
@@ -723,29 +725,13 @@ impl Task {
         let scale = options.scale.unwrap_or(1.0 / (d as f32).sqrt());
         // Only this task's tokens' rows.
         let (from, to) = self.tokens;
+        // The group's rows of those tokens, scaled, in the frame the head's keys are stored in.
         self.q.clear();
-        match cache.key_segments(layer, h) {
-            // Keys with bits per channel are stored with the head's channels permuted: so is
-            // the query, once per step.
-            Some(seg) => {
-                for r in from * g..to * g {
-                    let at = ((r / g) * query_heads + h * g + r % g) * d;
-                    let row = &q[at..at + d];
-                    self.q.extend(seg.permutation.iter().map(|&c| row[c].to_f32() * scale));
-                }
-            }
-            None => {
-                for j in from..to {
-                    let at = (j * query_heads + h * g) * d;
-                    self.q.extend(q[at..at + g * d].iter().map(|x| x.to_f32() * scale));
-                }
-                // Rotated keys (`-rot`) are stored rotated: so is the query, once per step
-                // (the rotation is orthogonal, so every score is the same).
-                if cache.config().k_spec.rotated() {
-                    kvq_quant_core::rotation::rotate_rows(&mut self.q, d);
-                }
-            }
+        for j in from..to {
+            let at = (j * query_heads + h * g) * d;
+            self.q.extend(q[at..at + g * d].iter().map(|x| x.to_f32() * scale));
         }
+        cache.queries_to_key_frame(layer, h, &mut self.q, &mut self.row)?;
         let rows = (to - from) * g;
         let window = |end: usize| options.sliding_window.map_or(0, |w| end.saturating_sub(w));
         let ks = cache.segment_iter(e.seq, layer, h, Part::K)?;
