@@ -4,12 +4,13 @@
 //! [`Recorder`] is a [`KvStore`] that serves attention from an f32 cache and keeps every key
 //! appended and every query asked; [`channel_bits`] runs calibration tokens through the model
 //! with it and fits one [`ChannelBits`] map per layer and KV head
-//! ([`kvq::quant::channel_bits::fit_heads`]: the spec's own per-channel error at each width, weighted by the
+//! ([`kvq::cache::fit_heads`]: the spec's own per-channel error at each width, weighted by the
 //! mean squared query of each channel over the query heads that read the KV head).
 
 use std::cell::RefCell;
 
-use kvq::quant::{ChannelBits, QuantSpec, Shape, Tensor};
+use kvq::cache::{ChannelBits, QuantSpec, Shape};
+use kvq::prelude::Tensor;
 
 use crate::error::{Error, Result};
 use crate::model::LlamaModel;
@@ -111,12 +112,12 @@ pub fn channel_bits(model: &LlamaModel, tokens: &[u32], spec: &QuantSpec) -> Res
     (0..c.layers)
         .map(|l| {
             let fit_err =
-                |e: kvq::quant::QuantError| Error::Eval(format!("layer {l}: bits per channel: {e}"));
+                |e: kvq::cache::QuantError| Error::Eval(format!("layer {l}: bits per channel: {e}"));
             let (k, q) = (
                 by_head(&keys[l], c.kv_heads).map_err(fit_err)?,
                 by_head(&queries[l], c.heads).map_err(fit_err)?,
             );
-            kvq::quant::channel_bits::fit_heads(&k, &q, spec, Some(c.rope_pairing)).map_err(fit_err)
+            kvq::cache::fit_heads(&k, &q, spec, Some(c.rope_pairing)).map_err(fit_err)
         })
         .collect()
 }

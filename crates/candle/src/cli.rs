@@ -33,7 +33,7 @@ use clap::Parser;
 use kvq::analysis::KvSpec;
 use kvq::attention::ScorePath;
 use kvq::cache::KvCacheConfig;
-use kvq::layout::TailDtype;
+use kvq::cache::TailDtype;
 use kvq::plot::{Point, Series};
 use kvq_candle::eval::{Candidate, Protocol, Report, evaluate};
 use kvq_candle::passkey::PasskeyPlan;
@@ -233,7 +233,7 @@ fn command(
     let plot_inputs = input_files(args, &default_model);
     if let Some(out) = &args.plot {
         // Before any work: a figure that may not be written is refused now.
-        kvq::quant::io::check_output(out, &plot_inputs, args.force)
+        kvq::io::check_output(out, &plot_inputs, args.force)
             .map_err(|e| format!("{}: {e}", out.display()))?;
     }
     let mut saved = args.plot_with.iter().map(|p| read_saved_report(p)).collect::<Result<Vec<_>, _>>()?;
@@ -255,7 +255,7 @@ fn command(
     let mut tokens = match (&args.tokens, &args.text) {
         (Some(p), _) => read_input_ids(p)?,
         (None, Some(p)) => {
-            let bytes = kvq::quant::io::read_regular_file(p, MAX_TEXT_BYTES).map_err(|e| {
+            let bytes = kvq::io::read_regular_file(p, MAX_TEXT_BYTES).map_err(|e| {
                 format!("{}: {e} (texts of at most {} MiB are read)", p.display(), MAX_TEXT_BYTES >> 20)
             })?;
             let text = String::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8 text", p.display()))?;
@@ -349,7 +349,7 @@ const MAX_REPORT_BYTES: u64 = 64 << 20;
 /// its name, `bits_per_value` and `kl_mean`.
 fn read_saved_report(path: &Path) -> Result<Series, Box<dyn std::error::Error>> {
     let fail = |why: String| format!("{}: {why}", path.display());
-    let bytes = kvq::quant::io::read_regular_file(path, MAX_REPORT_BYTES).map_err(|e| fail(e.to_string()))?;
+    let bytes = kvq::io::read_regular_file(path, MAX_REPORT_BYTES).map_err(|e| fail(e.to_string()))?;
     let json: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| fail(format!("not a JSON report: {e}")))?;
     let name = match json.get("series") {
@@ -399,7 +399,7 @@ fn write_plot(
     let title =
         args.plot_title.as_deref().unwrap_or("Mean KL of the next-token distribution against bits per value");
     let svg = kvq::plot::bits_vs_loss(title, "mean KL (nats, log scale)", &merged)?;
-    kvq::quant::io::write_output(out, svg.as_bytes(), inputs, args.force)
+    kvq::io::write_output(out, svg.as_bytes(), inputs, args.force)
         .map_err(|e| format!("{}: {e}", out.display()))?;
     let points: usize = merged.iter().map(|s| s.points.len()).sum();
     writeln!(
@@ -518,7 +518,7 @@ fn fit_channel_bits(
     model: &LlamaModel,
     calibration: &[u32],
     stderr: &mut dyn Write,
-) -> Result<Vec<Vec<kvq::quant::ChannelBits>>, Box<dyn std::error::Error>> {
+) -> Result<Vec<Vec<kvq::cache::ChannelBits>>, Box<dyn std::error::Error>> {
     if calibration.is_empty() {
         return Err(format!("spec {name:?}: no calibration tokens to fit its bits per channel").into());
     }
@@ -609,7 +609,7 @@ fn run_search(
     let default_model = PathBuf::from(DEFAULT_MODEL);
     let inputs = input_files(args, &default_model);
     // Before any work: an output that may not be written is refused now.
-    kvq::quant::io::check_output(out, &inputs, args.force).map_err(|e| format!("{}: {e}", out.display()))?;
+    kvq::io::check_output(out, &inputs, args.force).map_err(|e| format!("{}: {e}", out.display()))?;
     let parse = |name: &str| KvSpec::parse(name).map_err(|e| format!("spec {name:?}: {e}"));
     let ladder = match &args.ladder {
         Some(list) => list
@@ -664,7 +664,7 @@ fn run_search(
     drop(p);
     // A config that misses its bounds is not written: a failed run changes no file.
     if r.met {
-        kvq::quant::io::write_output(out, r.config.to_text_for(out).as_bytes(), &inputs, args.force)
+        kvq::io::write_output(out, r.config.to_text_for(out).as_bytes(), &inputs, args.force)
             .map_err(|e| format!("{}: {e}", out.display()))?;
     }
     if args.json {
@@ -767,8 +767,8 @@ const MAX_TEXT_BYTES: u64 = 256 << 20;
 
 /// The `input_ids` of a safetensors file (a regular file only).
 fn read_input_ids(path: &Path) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
-    let bytes = kvq::quant::io::read_regular_file(path, MAX_INPUT_BYTES)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let bytes =
+        kvq::io::read_regular_file(path, MAX_INPUT_BYTES).map_err(|e| format!("{}: {e}", path.display()))?;
     kvq_candle::eval::input_ids(&bytes).map_err(|e| format!("{}: {e}", path.display()).into())
 }
 

@@ -11,7 +11,7 @@ use std::borrow::Cow;
 use candle_core::{DType, Device, Storage, Tensor};
 use kvq::attention::{AttentionOptions, ScorePath};
 use kvq::cache::QuantizedKvCache;
-use kvq::layout::SeqId;
+use kvq::cache::SeqId;
 
 use crate::error::{Error, Result};
 

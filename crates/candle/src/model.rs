@@ -13,13 +13,12 @@ use std::path::Path;
 
 use candle_core::quantized::{GgmlDType, QMatMul, gguf_file};
 use candle_core::{Device, Module, Tensor};
+use kvq::attention::Backend;
 use kvq::attention::{AttentionOptions, BatchSeq, DecodeWorkspace};
 use kvq::cache::QuantizedKvCache;
-use kvq::kernels::dispatch::Backend;
-use kvq::kernels::ggml::{Activations, GgmlType};
-use kvq::kernels::ggml_packed::{self, PackedWeights};
-use kvq::layout::SeqId;
-use kvq::quant::RopePairing;
+use kvq::cache::RopePairing;
+use kvq::cache::SeqId;
+use kvq::weights::{self, Activations, GgmlType, PackedWeights};
 use rayon::prelude::*;
 
 use crate::convert::{to_f32_vec, with_f32};
@@ -211,7 +210,7 @@ impl LlamaConfig {
     pub fn cache_builder(&self) -> kvq::cache::KvCacheConfigBuilder {
         let builder =
             kvq::cache::KvCacheConfig::builder(self.layers, self.kv_heads, self.heads, self.head_dim);
-        match kvq::quant::Rope::new(&inv_freq(self.head_dim, self.rope_theta), self.rope_pairing) {
+        match kvq::cache::Rope::new(&inv_freq(self.head_dim, self.rope_theta), self.rope_pairing) {
             Ok(rope) => builder.rope(rope),
             // No frequencies (a head_dim under 2): the pairing alone.
             Err(_) => builder.rope_pairing(self.rope_pairing),
@@ -358,12 +357,12 @@ impl Linear {
             x.quantized = true;
         }
         t.resize(rows * n, 0.0);
-        let (groups, per_task) = (packed.groups(), ROWS_PER_TASK / ggml_packed::GROUP);
+        let (groups, per_task) = (packed.groups(), ROWS_PER_TASK / weights::GROUP);
         t.par_chunks_mut(ROWS_PER_TASK * n)
             .enumerate()
             .try_for_each(|(i, o)| {
                 let range = i * per_task..((i + 1) * per_task).min(groups);
-                ggml_packed::matmul_packed(backend, packed, range, act, o)
+                weights::matmul_packed(backend, packed, range, act, o)
             })
             .map_err(|e| Error::Shape(e.to_string()))?;
         // Back to token-major rows, a few tokens per task: each weight row's outputs for
@@ -551,7 +550,7 @@ impl LlamaModel {
         let ct = gguf_file::Content::read(reader)?;
         let config = LlamaConfig::from_gguf(&ct)?;
         let c = &config;
-        let backend = kvq::kernels::dispatch::selected().map_err(|e| Error::Unsupported(e.to_string()))?;
+        let backend = kvq::attention::selected_backend().map_err(|e| Error::Unsupported(e.to_string()))?;
         let mut ld = Loader { ct: &ct, reader, file_len, types: HashMap::new(), weights, backend };
         let embed = ld.dense("token_embd.weight", &[c.vocab, c.hidden])?;
         let norm = ld.dense("output_norm.weight", &[c.hidden])?;

@@ -126,7 +126,7 @@ pub struct SearchOptions {
     /// For `-qa` rungs, the per-layer bits per key channel fitted on calibration tokens
     /// ([`crate::calibrate::channel_bits`]), one entry per rung of [`Self::ladder`] (`None`
     /// for the others); empty when no rung has `-qa`.
-    pub channel_bits: Vec<Option<Vec<Vec<kvq::quant::ChannelBits>>>>,
+    pub channel_bits: Vec<Option<Vec<Vec<kvq::cache::ChannelBits>>>>,
 }
 
 /// What a rung did with every layer on it.

@@ -4,8 +4,8 @@
 use std::borrow::{Borrow, BorrowMut};
 
 use kvq::attention::{AttentionOptions, ScorePath};
+use kvq::cache::SeqId;
 use kvq::cache::{KvCacheConfig, QuantizedKvCache};
-use kvq::layout::SeqId;
 
 use crate::error::{Error, Result};
 

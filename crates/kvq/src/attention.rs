@@ -11,7 +11,7 @@
 
 use kvq_cache_layout::{BlockView, CacheError, Mode, PagedCache, ParamWidening, Segment, SeqId, TailBuf};
 use kvq_kernels_simd::{
-    Backend, KernelError, Levels, Params, QuantBlock, axpy_in, dense_axpy_with, dense_scores_with, scores_in,
+    KernelError, Levels, Params, QuantBlock, axpy_in, dense_axpy_with, dense_scores_with, scores_in,
 };
 use kvq_quant_core::calibration::Part;
 use kvq_quant_core::codebook::NF4_LEVELS;
@@ -20,6 +20,11 @@ use kvq_quant_core::{CodebookSource, GroupParams, Kind};
 use rayon::prelude::*;
 
 use crate::element::{Element, fits};
+
+/// The kernels' instruction sets ([`AttentionOptions::backend`]) and the process's choice
+/// among them (`KVQ_FORCE_BACKEND`, else the best the CPU has).
+#[doc(no_inline)]
+pub use kvq_kernels_simd::dispatch::{Backend, selected as selected_backend};
 
 /// Why attention could not be computed.
 #[derive(Debug, thiserror::Error)]

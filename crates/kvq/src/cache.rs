@@ -6,8 +6,17 @@
 
 use std::path::Path;
 
-use kvq_cache_layout::{CacheConfig, CacheError, CacheMemory, PagedCache, SeqId, TailDtype};
-use kvq_quant_core::{Calibration, ChannelBits, QuantSpec, Rope, RopePairing, Tensor};
+use kvq_cache_layout::{CacheConfig, CacheMemory, PagedCache};
+use kvq_quant_core::{Calibration, Tensor};
+
+// What a cache's config and calls name, from the crates below, so that a user of the facade
+// names them here.
+#[doc(no_inline)]
+pub use kvq_cache_layout::{CacheError, SeqId, TailDtype};
+#[doc(no_inline)]
+pub use kvq_quant_core::channel_bits::fit_heads;
+#[doc(no_inline)]
+pub use kvq_quant_core::{ChannelBits, QuantError, QuantSpec, Rope, RopePairing, Shape};
 
 use crate::attention::{
     AttentionError, AttentionOptions, BatchSeq, DecodeWorkspace, decode_attention, decode_attention_batch,

@@ -41,11 +41,13 @@ pub mod cache;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod element;
+pub mod io;
 #[cfg(feature = "cli")]
 pub mod plot;
 pub mod prelude;
 #[cfg(feature = "cli")]
 pub mod recommend;
+pub mod weights;
 
 pub use kvq_cache_layout as layout;
 pub use kvq_kernels_simd as kernels;

@@ -30,8 +30,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use kvq::attention::ScorePath;
+use kvq::cache::SeqId;
 use kvq::cache::{KvCacheConfig, QuantizedKvCache};
-use kvq::layout::SeqId;
 pub use kvq_candle::model::Prefill;
 use kvq_candle::model::{StepOptions, StepSeq, StepWorkspace};
 use kvq_candle::{GgufTokenizer, LlamaModel};
@@ -641,7 +641,7 @@ impl Engine {
                     let _ = self.cache.free(seq);
                 }
                 // Blocks may come back: the caller evicts and calls again.
-                Err(kvq::cache::KvqError::Cache(kvq::layout::CacheError::PoolExhausted { .. })) => {}
+                Err(kvq::cache::KvqError::Cache(kvq::cache::CacheError::PoolExhausted { .. })) => {}
                 Err(_) => {
                     // Checked entries that do not import (another build's layout): computed.
                     if let Some(store) = &self.config.store {

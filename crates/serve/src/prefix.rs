@@ -22,7 +22,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
-use kvq::layout::SeqId;
+use kvq::cache::SeqId;
 
 /// FNV-1a over 64 bits: stable across processes and releases, cheap, and never trusted alone
 /// (hits are confirmed by the tokens).

@@ -257,7 +257,7 @@ impl BlockStore for DirStore {
         keys.iter()
             .map(|k| {
                 let path = self.path(k);
-                match kvq::quant::io::read_regular_file(&path, MAX_ENTRY_BYTES) {
+                match kvq::io::read_regular_file(&path, MAX_ENTRY_BYTES) {
                     Ok(bytes) => {
                         // Its last use, for eviction (best effort: another process may have
                         // evicted it since).
@@ -280,7 +280,7 @@ impl BlockStore for DirStore {
         }
         // A temporary file renamed into place (the project's atomic write): readers, and other
         // writers of the same key, see no entry or a whole one, never a torn one.
-        kvq::quant::io::write_atomic(&path, value)
+        kvq::io::write_atomic(&path, value)
             .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
         let used = self.used.fetch_add(value.len() as u64, Ordering::Relaxed) + value.len() as u64;
         if used > self.max_bytes {
