@@ -217,7 +217,7 @@ pub fn search(
     options: &SearchOptions,
     mut progress: impl FnMut(Stage, usize, usize),
 ) -> Result<Search> {
-    let SearchOptions { target, ladder, probe, base, path, protocol, max_checks, channel_bits } = options;
+    let SearchOptions { target, ladder, channel_bits, .. } = options;
     target.check()?;
     if ladder.len() < 2 {
         return Err(Error::Eval(format!("a ladder of {} rungs: give two or more", ladder.len())));
@@ -229,41 +229,98 @@ pub fn search(
             ladder.len()
         )));
     }
-    let layers = base.layers.len();
-    let config = |rungs: &[usize]| -> Result<KvCacheConfig> {
-        let mut c = base.clone();
+    let measured = measure(model, tokens, options, &mut progress)?;
+    if let Some(b) = target.budget_bits {
+        let cheapest = measured.rungs.iter().map(|r| r.bits).fold(f64::INFINITY, f64::min);
+        if cheapest > b {
+            return Err(Error::Eval(format!(
+                "budget {b} bits: the cheapest rung takes {cheapest:.3} bits per value at this length"
+            )));
+        }
+    }
+    let checks = refine(model, tokens, options, &measured, &mut progress)?;
+    let chosen = checks
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.met)
+        .min_by(|a, b| a.1.report.bits_per_value.total_cmp(&b.1.report.bits_per_value))
+        .or_else(|| {
+            checks
+                .iter()
+                .enumerate()
+                .min_by(|a, b| target.ratio(&a.1.report).total_cmp(&target.ratio(&b.1.report)))
+        })
+        .map(|(i, _)| i)
+        .ok_or_else(|| Error::Eval("no config was measured".into()))?;
+    let Measured { rungs, layer_kl, sensitivity, probe } = measured;
+    Ok(Search {
+        target: *target,
+        probe: ladder[probe].name(),
+        met: checks[chosen].met,
+        rungs,
+        layer_kl,
+        sensitivity,
+        config: options.config(&checks[chosen].rungs)?,
+        checks,
+        chosen,
+    })
+}
+
+impl SearchOptions {
+    /// The base config with layer `l` on rung `rungs[l]`, validated.
+    fn config(&self, rungs: &[usize]) -> Result<KvCacheConfig> {
+        let mut c = self.base.clone();
         for (l, &r) in rungs.iter().enumerate() {
-            let s = ladder[r].for_block(base.block_size);
-            let maps = channel_bits.get(r).and_then(|m| m.as_ref()).map(|m| m[l].clone());
+            let s = self.ladder[r].for_block(self.base.block_size);
+            let maps = self.channel_bits.get(r).and_then(|m| m.as_ref()).map(|m| m[l].clone());
             if s.k.channel_bits() && maps.is_none() {
                 return Err(Error::Eval(format!(
                     "rung {}: -qa keys need fitted bits per channel",
-                    ladder[r].name()
+                    self.ladder[r].name()
                 )));
             }
             c.layers[l] = LayerSpecs { k: s.k, v: s.v, k_channel_bits: maps };
         }
         c.validate()?;
         Ok(c)
-    };
-    // Pass 1: every rung uniformly, and every layer alone at the probe over the richest rung.
-    // The richest rung is known from the specs' own bits (window and sinks are the same for
-    // every rung); the uniform runs measure the bits that count.
+    }
+}
+
+/// What the first pass found: each rung uniformly, each layer's KL alone and its share.
+struct Measured {
+    rungs: Vec<Rung>,
+    layer_kl: Vec<f64>,
+    sensitivity: Vec<f64>,
+    /// The probe's rung.
+    probe: usize,
+}
+
+/// Pass 1: every rung uniformly, and every layer alone at the probe over the richest rung,
+/// in one evaluation. The richest rung is known from the specs' own bits (window and sinks
+/// are the same for every rung); the uniform runs measure the bits that count.
+fn measure(
+    model: &LlamaModel,
+    tokens: &[u32],
+    options: &SearchOptions,
+    progress: &mut impl FnMut(Stage, usize, usize),
+) -> Result<Measured> {
+    let SearchOptions { ladder, probe, base, path, protocol, .. } = options;
+    let layers = base.layers.len();
     let uniform: Vec<KvCacheConfig> =
-        (0..ladder.len()).map(|r| config(&vec![r; layers])).collect::<Result<_>>()?;
+        (0..ladder.len()).map(|r| options.config(&vec![r; layers])).collect::<Result<_>>()?;
     let nominal: Vec<f64> = uniform.iter().map(KvCacheConfig::bits_per_value).collect();
     let richest = argmax_by(&nominal, |a, b| a.total_cmp(b));
-    let probe_rung = match probe {
+    let probe = match probe {
         Some(p) => ladder
             .iter()
             .position(|s| s == p)
             .ok_or_else(|| Error::Eval(format!("probe {} is not one of the ladder's rungs", p.name())))?,
         None => argmax_by(&nominal, |a, b| b.total_cmp(a)),
     };
-    if probe_rung == richest {
+    if probe == richest {
         return Err(Error::Eval(format!(
             "probe {}: the richest rung measures nothing",
-            ladder[probe_rung].name()
+            ladder[probe].name()
         )));
     }
     let mut candidates = Vec::with_capacity(ladder.len() + layers);
@@ -272,8 +329,12 @@ pub fn search(
     }
     for l in 0..layers {
         let mut rungs = vec![richest; layers];
-        rungs[l] = probe_rung;
-        candidates.push(Candidate { name: format!("layer {l}"), config: config(&rungs)?, path: *path });
+        rungs[l] = probe;
+        candidates.push(Candidate {
+            name: format!("layer {l}"),
+            config: options.config(&rungs)?,
+            path: *path,
+        });
     }
     let report = evaluate(model, tokens, *protocol, &candidates, |d, t| progress(Stage::Measure, d, t))?;
     let (uniform, alone) = report.candidates.split_at(ladder.len());
@@ -290,15 +351,21 @@ pub fn search(
     } else {
         vec![1.0 / layers as f64; layers]
     };
-    if let Some(b) = target.budget_bits {
-        let cheapest = rungs.iter().map(|r| r.bits).fold(f64::INFINITY, f64::min);
-        if cheapest > b {
-            return Err(Error::Eval(format!(
-                "budget {b} bits: the cheapest rung takes {cheapest:.3} bits per value at this length"
-            )));
-        }
-    }
-    // Pass 2: choose, measure, adjust.
+    Ok(Measured { rungs, layer_kl, sensitivity, probe })
+}
+
+/// Pass 2: choose a mix for an aimed KL, measure it, move the aim by what it found (between
+/// the highest aim that met the bounds and the lowest that missed them), until they meet,
+/// the knapsack has nothing new, or the checks run out.
+fn refine(
+    model: &LlamaModel,
+    tokens: &[u32],
+    options: &SearchOptions,
+    measured: &Measured,
+    progress: &mut impl FnMut(Stage, usize, usize),
+) -> Result<Vec<Check>> {
+    let SearchOptions { target, path, protocol, max_checks, .. } = options;
+    let Measured { rungs, sensitivity, .. } = measured;
     // Only a p99 bound: aim the mean at it scaled by the rungs' own mean/p99 ratio.
     let start = target.kl_mean.unwrap_or_else(|| {
         let k = target.kl_p99.unwrap_or(0.0);
@@ -311,7 +378,7 @@ pub fn search(
     let mut checks: Vec<Check> = Vec::new();
     let (mut aim, mut met_at, mut missed_at) = (start, None::<f64>, None::<f64>);
     for n in 0..(*max_checks).max(1) {
-        let picks = choose(&rungs, &sensitivity, if kl_bounded { aim } else { 0.0 }, budget);
+        let picks = choose(rungs, sensitivity, if kl_bounded { aim } else { 0.0 }, budget);
         if let Some(same) = checks.iter().find(|c| c.rungs == picks) {
             // The knapsack gave a choice already measured: move the aim past it, or stop
             // when there is nowhere left to go.
@@ -322,7 +389,7 @@ pub fn search(
             aim = if same.met { aim * 1.5 } else { aim / 1.5 };
             continue;
         }
-        let c = Candidate { name: format!("check {n}"), config: config(&picks)?, path: *path };
+        let c = Candidate { name: format!("check {n}"), config: options.config(&picks)?, path: *path };
         let r = evaluate(model, tokens, *protocol, &[c], |d, t| progress(Stage::Check(n), d, t))?
             .candidates
             .remove(0);
@@ -330,7 +397,7 @@ pub fn search(
         let ratio = target.ratio(&r);
         checks.push(Check {
             aimed_kl: aim,
-            predicted_kl: predicted_kl(&rungs, &sensitivity, &picks),
+            predicted_kl: predicted_kl(rungs, sensitivity, &picks),
             rungs: picks,
             report: r,
             met,
@@ -357,34 +424,7 @@ pub fn search(
             break;
         }
     }
-    if checks.is_empty() {
-        return Err(Error::Eval("no config was measured".into()));
-    }
-    let chosen = checks
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.met)
-        .min_by(|a, b| a.1.report.bits_per_value.total_cmp(&b.1.report.bits_per_value))
-        .or_else(|| {
-            checks
-                .iter()
-                .enumerate()
-                .min_by(|a, b| target.ratio(&a.1.report).total_cmp(&target.ratio(&b.1.report)))
-        })
-        .map(|(i, _)| i)
-        .expect("one check at least");
-    let config = config(&checks[chosen].rungs)?;
-    Ok(Search {
-        target: *target,
-        probe: ladder[probe_rung].name(),
-        met: checks[chosen].met,
-        rungs,
-        layer_kl,
-        sensitivity,
-        checks,
-        chosen,
-        config,
-    })
+    Ok(checks)
 }
 
 /// The index of the largest element under `cmp` (the first of equals).
