@@ -671,28 +671,13 @@ fn bench(
     stdout: &mut dyn Write,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use kvq::attention::{AttentionOptions, ScorePath, decode_attention};
-    use kvq::layout::{CacheConfig, PagedCache};
     use kvq::quant::synth::normal_tensor;
     use std::time::Instant;
     if context == 0 || steps == 0 {
         return Err("--context and --steps must be positive".into());
     }
     let (q_heads, kv_heads, d) = (32usize, 8usize, 128usize);
-    // K and V in f32 plus the largest cache (INT8, f32 tails): the memory is counted, and
-    // asked for, before anything is made.
-    if context > MAX_BENCH_CONTEXT {
-        return Err(format!(
-            "--context {context} is over the limit of {MAX_BENCH_CONTEXT} tokens (K and V alone would take {} GiB)",
-            context.saturating_mul(2 * kv_heads * d * 4) >> 30
-        )
-        .into());
-    }
-    let need = 2 * kv_heads * context * d * (4 + 4) + kvq::baseline::STREAM_BYTES;
-    let mut probe: Vec<u8> = Vec::new();
-    probe
-        .try_reserve_exact(need)
-        .map_err(|_| format!("--context {context} needs about {} MiB, which cannot be had", need >> 20))?;
-    drop(probe);
+    check_bench_memory(context, kv_heads, d)?;
     let specs = specs
         .iter()
         .map(|s| KvSpec::parse(s).map_err(|e| format!("--specs {s:?}: {e}")))
@@ -738,26 +723,7 @@ fn bench(
     let rate = kvq::baseline::read_rate(kvq::baseline::STREAM_BYTES, 3);
     let floor = |bytes: usize| bytes as f64 / rate;
     let f32_bytes = 2 * kv_heads * context * d * 4;
-    writeln!(
-        stdout,
-        "decode attention, {q_heads} query / {kv_heads} KV heads × {d}, {context} tokens, {steps} steps, blocks of {block_size} tokens, backend {backend} (float kernels: {}), one thread",
-        kvq::kernels::implementation(backend)
-    )?;
-    writeln!(
-        stdout,
-        "one-thread DRAM read: {:.1} GB/s ({} MiB, best of 3); \"x floor\" is ms/step over the cache's bytes at that rate",
-        rate / 1e9,
-        kvq::baseline::STREAM_BYTES >> 20
-    )?;
-    writeln!(
-        stdout,
-        "\"x paged\" is ms/step over the time to read the cache's own blocks in decode's order, with its prefetch (kvq::baseline::paged_read, best of 3)"
-    )?;
-    writeln!(
-        stdout,
-        "{:<46} {:>10} {:>12} {:>9} {:>8} {:>8} {:>8} {:>8}",
-        "cache", "ms/step", "cache MiB", "GB/s", "vs f32", "vs f16", "x floor", "x paged"
-    )?;
+    write_bench_header(stdout, (q_heads, kv_heads, d), (context, steps, block_size), backend, rate)?;
     // The kernels that ran the baselines (AVX-512 or AVX2: FMA, f16 widened with F16C; wide:
     // SSE2/NEON).
     let dense = kvq::kernels::dense_implementation(backend, d);
@@ -779,27 +745,7 @@ fn bench(
         )?;
     }
     for spec in &specs {
-        let mut config = CacheConfig::new(1, kv_heads, d, kv_heads * context.div_ceil(block_size))
-            .with_specs(spec.k.clone(), spec.v.clone())
-            .with_block_size(block_size)
-            .with_residual_blocks(residual_blocks)
-            .with_sink_tokens(sinks)
-            .with_row_kernels(kvq::kernels::row_kernels()?);
-        if spec.k.channel_bits() {
-            // Random keys have nothing to fit: a fixed three-width map.
-            config =
-                config.with_channel_bits(vec![kvq::quant::ChannelBits::spread(d, spec.k.bits())?; kv_heads]);
-        }
-        if spec.k.pre_rope() {
-            // Llama's frequencies; random keys are no better or worse in any frame.
-            config =
-                config.with_rope(kvq::quant::Rope::from_theta(10_000.0, d, kvq::quant::RopePairing::Half)?);
-        }
-        let mut cache = PagedCache::new(config)?;
-        // As QuantizedKvCache does: 2 MiB pages for the pool where the system allows it.
-        kvq::kernels::advise_huge_pages(cache.pool().arena());
-        let seq = cache.create();
-        cache.extend(seq, 0, &k, &v)?;
+        let (cache, seq) = bench_cache(spec, &k, &v, (residual_blocks, sinks, block_size))?;
         let bytes = cache.memory().used_bytes();
         // One thread, like the baseline, so the ratio compares code, not cores.
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
@@ -844,5 +790,85 @@ fn bench(
             )?;
         }
     }
+    Ok(())
+}
+
+/// `kvq bench`'s memory, counted and asked for before anything is made: K and V in f32 plus
+/// the largest cache (INT8, f32 tails), and the stream buffer of the floor.
+fn check_bench_memory(context: usize, kv_heads: usize, d: usize) -> Result<(), Box<dyn std::error::Error>> {
+    if context > MAX_BENCH_CONTEXT {
+        return Err(format!(
+            "--context {context} is over the limit of {MAX_BENCH_CONTEXT} tokens (K and V alone would take {} GiB)",
+            context.saturating_mul(2 * kv_heads * d * 4) >> 30
+        )
+        .into());
+    }
+    let need = 2 * kv_heads * context * d * (4 + 4) + kvq::baseline::STREAM_BYTES;
+    let mut probe: Vec<u8> = Vec::new();
+    probe
+        .try_reserve_exact(need)
+        .map_err(|_| format!("--context {context} needs about {} MiB, which cannot be had", need >> 20))?;
+    Ok(())
+}
+
+/// A one-layer cache of `spec` holding the keys `k` and values `v` (`kv_heads × context ×
+/// d`) as one sequence, its pool on huge pages as `QuantizedKvCache` puts it.
+fn bench_cache(
+    spec: &KvSpec,
+    k: &Tensor,
+    v: &Tensor,
+    (residual_blocks, sinks, block_size): (usize, usize, usize),
+) -> Result<(kvq::layout::PagedCache, kvq::cache::SeqId), Box<dyn std::error::Error>> {
+    use kvq::layout::{CacheConfig, PagedCache};
+    let Shape { heads: kv_heads, tokens: context, head_dim: d, .. } = k.shape();
+    let mut config = CacheConfig::new(1, kv_heads, d, kv_heads * context.div_ceil(block_size))
+        .with_specs(spec.k.clone(), spec.v.clone())
+        .with_block_size(block_size)
+        .with_residual_blocks(residual_blocks)
+        .with_sink_tokens(sinks)
+        .with_row_kernels(kvq::kernels::row_kernels()?);
+    if spec.k.channel_bits() {
+        // Random keys have nothing to fit: a fixed three-width map.
+        config = config.with_channel_bits(vec![kvq::quant::ChannelBits::spread(d, spec.k.bits())?; kv_heads]);
+    }
+    if spec.k.pre_rope() {
+        // Llama's frequencies; random keys are no better or worse in any frame.
+        config = config.with_rope(kvq::quant::Rope::from_theta(10_000.0, d, kvq::quant::RopePairing::Half)?);
+    }
+    let mut cache = PagedCache::new(config)?;
+    kvq::kernels::advise_huge_pages(cache.pool().arena());
+    let seq = cache.create();
+    cache.extend(seq, 0, k, v)?;
+    Ok((cache, seq))
+}
+
+/// `kvq bench`'s header: the shapes, the backend, the floor's read rate, the columns.
+fn write_bench_header(
+    stdout: &mut dyn Write,
+    (q_heads, kv_heads, d): (usize, usize, usize),
+    (context, steps, block_size): (usize, usize, usize),
+    backend: kvq::kernels::Backend,
+    rate: f64,
+) -> std::io::Result<()> {
+    writeln!(
+        stdout,
+        "decode attention, {q_heads} query / {kv_heads} KV heads × {d}, {context} tokens, {steps} steps, blocks of {block_size} tokens, backend {backend} (float kernels: {}), one thread",
+        kvq::kernels::implementation(backend)
+    )?;
+    writeln!(
+        stdout,
+        "one-thread DRAM read: {:.1} GB/s ({} MiB, best of 3); \"x floor\" is ms/step over the cache's bytes at that rate",
+        rate / 1e9,
+        kvq::baseline::STREAM_BYTES >> 20
+    )?;
+    writeln!(
+        stdout,
+        "\"x paged\" is ms/step over the time to read the cache's own blocks in decode's order, with its prefetch (kvq::baseline::paged_read, best of 3)"
+    )?;
+    writeln!(
+        stdout,
+        "{:<46} {:>10} {:>12} {:>9} {:>8} {:>8} {:>8} {:>8}",
+        "cache", "ms/step", "cache MiB", "GB/s", "vs f32", "vs f16", "x floor", "x paged"
+    )?;
     Ok(())
 }
