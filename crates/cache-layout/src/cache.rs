@@ -689,54 +689,16 @@ impl PagedCache {
                             tail.push(row(i, h, t));
                         }
                         if p + 1 - ls.done[i] >= (config.residual_blocks + 1) * bs {
-                            // Every head's parameters before any head changes: a head that
-                            // cannot be quantized leaves the block and every tail as they were.
-                            let fb = ls.done[i] / bs;
-                            rows.clear();
-                            for tail in &ls.tails[i] {
-                                tail.extend_f32(0..bs * d, rows);
-                            }
-                            if let (0, Some(rope)) = (i, &config.rope) {
-                                // `-prerope` keys: the block's tokens turned back by their
-                                // positions, quantized in the frame before RoPE.
-                                for block in rows.chunks_exact_mut(bs * d) {
-                                    rope.undo_rows(block, sinks + fb * bs);
-                                }
-                            }
-                            let params = rows
-                                .chunks_exact(bs * d)
-                                .enumerate()
-                                .map(|(h, block)| match segments(i, h) {
-                                    Some(seg) => seg
-                                        .channel_block_params(block, columns)
-                                        .map(|params| BlockParams { params, grid: None }),
-                                    None => layout.block_params(&config.row_kernels, block),
-                                })
-                                .collect::<Result<Vec<_>>>()?;
-                            for (h, (block, params)) in rows.chunks_exact(bs * d).zip(&params).enumerate() {
-                                let id = ls.blocks[fb * heads + h];
-                                let region = &mut pool.block_mut(id)[span.clone()];
-                                match segments(i, h) {
-                                    Some(seg) => seg.write_channel_block(
-                                        &config.row_kernels,
-                                        block,
-                                        &params.params,
-                                        region,
-                                        columns,
-                                        scratch,
-                                    ),
-                                    None => layout.write_block(
-                                        &config.row_kernels,
-                                        block,
-                                        &params.params,
-                                        params.grid.as_ref(),
-                                        region,
-                                        scratch,
-                                    ),
-                                }
-                                ls.tails[i][h].drain_front(bs * d);
-                            }
-                            ls.done[i] += bs;
+                            flush_tail_block(
+                                config,
+                                layout,
+                                i,
+                                span.clone(),
+                                |h| segments(i, h),
+                                ls,
+                                pool,
+                                (rows, columns, scratch),
+                            )?;
                         }
                     }
                 }
@@ -935,6 +897,66 @@ impl WritePlan {
         }
         Self { first_written, have, want: held_blocks(bs, done_after).max(have) }
     }
+}
+
+/// Quantizes the oldest block of part `i`'s tail (it left the residual window) into the
+/// block's `span` of every head: every head's parameters first, so that a head that cannot
+/// be quantized leaves the block and every tail as they were; `-prerope` keys turned back by
+/// their positions first, `-qa` keys (`segments(h)`) written as their width regions.
+#[allow(clippy::too_many_arguments)]
+fn flush_tail_block<'s>(
+    config: &CacheConfig,
+    layout: &PartLayout,
+    i: usize,
+    span: std::ops::Range<usize>,
+    segments: impl Fn(usize) -> Option<&'s HeadSegments>,
+    ls: &mut LayerSeq,
+    pool: &mut BlockPool,
+    (rows, columns, scratch): (&mut Vec<f32>, &mut Vec<f32>, &mut Vec<u8>),
+) -> Result<()> {
+    let (bs, heads, d) = (config.block_size, config.kv_heads, config.head_dim);
+    let fb = ls.done[i] / bs;
+    rows.clear();
+    for tail in &ls.tails[i] {
+        tail.extend_f32(0..bs * d, rows);
+    }
+    if let (0, Some(rope)) = (i, &config.rope) {
+        // `-prerope` keys: the block's tokens turned back by their positions, quantized in
+        // the frame before RoPE.
+        for block in rows.chunks_exact_mut(bs * d) {
+            rope.undo_rows(block, config.sink_tokens + fb * bs);
+        }
+    }
+    let params = rows
+        .chunks_exact(bs * d)
+        .enumerate()
+        .map(|(h, block)| match segments(h) {
+            Some(seg) => {
+                seg.channel_block_params(block, columns).map(|params| BlockParams { params, grid: None })
+            }
+            None => layout.block_params(&config.row_kernels, block),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for (h, (block, params)) in rows.chunks_exact(bs * d).zip(&params).enumerate() {
+        let id = ls.blocks[fb * heads + h];
+        let region = &mut pool.block_mut(id)[span.clone()];
+        match segments(h) {
+            Some(seg) => {
+                seg.write_channel_block(&config.row_kernels, block, &params.params, region, columns, scratch)
+            }
+            None => layout.write_block(
+                &config.row_kernels,
+                block,
+                &params.params,
+                params.grid.as_ref(),
+                region,
+                scratch,
+            ),
+        }
+        ls.tails[i][h].drain_front(bs * d);
+    }
+    ls.done[i] += bs;
+    Ok(())
 }
 
 /// Logical blocks a layer of a sequence needs when its parts have quantized `done` tokens
