@@ -31,6 +31,7 @@ pub enum Arithmetic {
 
 /// The keys of a unit, as the kernels read them.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub enum Keys<'a> {
     /// One block of keys, or its token groups with parameters of their own, in row order
     /// (per-channel keys whose parameters change inside a cache block).
