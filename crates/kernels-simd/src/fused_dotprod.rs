@@ -47,14 +47,6 @@ pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) 
         && (k.bits != 4 || crate::dotprod::int8_supported(k))
 }
 
-/// Whether [`crate::attend_int_parts_with`] runs this kernel for keys in `parts` with the
-/// values `v`: one part as [`attend_int_supported`] takes it; several (per-channel keys whose
-/// parameters change every few rows) only of INT4 keys, the first with the values of its rows
-/// as [`attend_int_supported`] takes it, the others in its layout, covering the values' rows.
-pub fn attend_int_parts_supported(parts: &[QuantBlock<'_>], v: &QuantBlock<'_>, n_q: usize) -> bool {
-    crate::parts_supported_int4(parts, v, |k, v| attend_int_supported(k, v, n_q))
-}
-
 /// Whether [`crate::attend_int_regions_with`] has a fused kernel on the `dotprod` backend for
 /// these key regions (`-qa` keys) and values: regions as the region scores take them
 /// (affine, per channel, 1 to 8 bits, multiples of 8 channels) with the values
@@ -88,49 +80,7 @@ pub(crate) struct FusedScratch {
     region_scores: Vec<f32>,
 }
 
-/// One block of keys and the block of values of the same tokens attended by `n_q` query rows
-/// (`q`, `n_q × dim`, already scaled), the online softmax `state` of the rows updated; see the
-/// module. Returns `false`, changing nothing, when [`attend_int_supported`] is false or a value
-/// scale is negative or NaN (byte weights need `p · scale ≥ 0`).
-pub(crate) fn attend_int_in(
-    parts: &[QuantBlock<'_>],
-    v: &QuantBlock<'_>,
-    q: &[f32],
-    n_q: usize,
-    state: Online<'_>,
-    w: &mut FusedScratch,
-) -> bool {
-    if !attend_int_parts_supported(parts, v, n_q) {
-        return false;
-    }
-    if parts[0].bits != 4 {
-        // One block of keys per channel of another width: a region of the whole row, which
-        // `attend_int_supported` checked as such.
-        return attend_int_regions_in(&[KeyRegion { first: 0, keys: parts[0] }], v, q, n_q, state, w);
-    }
-    // SAFETY: `attend_int_parts_supported` checked the CPU (dotprod), the widths, the layouts
-    // and the sizes of every part.
-    unsafe { run(Keys::Parts(parts), v, q, n_q, state, w) }
-}
-
-/// [`attend_int_in`] for keys in channel regions (`-qa`): their scores by the region scores
-/// ([`regions_neon`]), then the same softmax step and value sums. Returns `false`, changing
-/// nothing, when [`attend_int_regions_supported`] is false or a value scale is negative or
-/// NaN.
-pub(crate) fn attend_int_regions_in(
-    regions: &[KeyRegion<'_>],
-    v: &QuantBlock<'_>,
-    q: &[f32],
-    n_q: usize,
-    state: Online<'_>,
-    w: &mut FusedScratch,
-) -> bool {
-    if !attend_int_regions_supported(regions, v, n_q) {
-        return false;
-    }
-    // SAFETY: checked above.
-    unsafe { run(Keys::Regions(regions), v, q, n_q, state, w) }
-}
+fused_entries!();
 
 /// The fused kernel on query groups of up to four rows (`false`, changing nothing, where a
 /// value scale is negative or NaN).

@@ -65,6 +65,69 @@ macro_rules! by_4_or_8_and_group {
     };
 }
 
+/// The entries every fused module (`fused_avx2`, `fused_dotprod`) wraps around its own `run`,
+/// `attend_int_supported` and `attend_int_regions_supported`: which blocks in parts it takes,
+/// and the checked calls into `run` for keys in parts and in channel regions. Written once for
+/// every instruction set.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! fused_entries {
+    () => {
+        /// Whether [`crate::attend_int_parts_with`] runs this kernel for keys in `parts` with
+        /// the values `v`: one part as [`attend_int_supported`] takes it; several (per-channel
+        /// keys whose parameters change every few rows) only of INT4 keys, the first with the
+        /// values of its rows as [`attend_int_supported`] takes it, the others in its layout,
+        /// covering the values' rows.
+        pub fn attend_int_parts_supported(parts: &[QuantBlock<'_>], v: &QuantBlock<'_>, n_q: usize) -> bool {
+            crate::parts_supported_int4(parts, v, |k, v| attend_int_supported(k, v, n_q))
+        }
+
+        /// One block of keys and the block of values of the same tokens attended by `n_q`
+        /// query rows (`q`, `n_q × dim`, already scaled), the online softmax `state` of the rows
+        /// updated; see the module. Returns `false`, changing nothing, when
+        /// [`attend_int_parts_supported`] is false or a value scale is negative or NaN (byte
+        /// weights need `p · scale ≥ 0`).
+        pub(crate) fn attend_int_in(
+            parts: &[QuantBlock<'_>],
+            v: &QuantBlock<'_>,
+            q: &[f32],
+            n_q: usize,
+            state: Online<'_>,
+            w: &mut FusedScratch,
+        ) -> bool {
+            if !attend_int_parts_supported(parts, v, n_q) {
+                return false;
+            }
+            if parts[0].bits != 4 {
+                // One block of keys per channel of another width: a region of the whole row,
+                // which `attend_int_supported` checked as such.
+                return attend_int_regions_in(&[KeyRegion { first: 0, keys: parts[0] }], v, q, n_q, state, w);
+            }
+            // SAFETY: `attend_int_parts_supported` checked the CPU, the widths, the layouts and
+            // the sizes of every part.
+            unsafe { run(Keys::Parts(parts), v, q, n_q, state, w) }
+        }
+
+        /// [`attend_int_in`] for keys in channel regions (`-qa`): their scores by this
+        /// instruction set's region scores, then the same softmax step and value sums. Returns
+        /// `false`, changing nothing, when [`attend_int_regions_supported`] is false or a value
+        /// scale is negative or NaN.
+        pub(crate) fn attend_int_regions_in(
+            regions: &[KeyRegion<'_>],
+            v: &QuantBlock<'_>,
+            q: &[f32],
+            n_q: usize,
+            state: Online<'_>,
+            w: &mut FusedScratch,
+        ) -> bool {
+            if !attend_int_regions_supported(regions, v, n_q) {
+                return false;
+            }
+            // SAFETY: checked above.
+            unsafe { run(Keys::Regions(regions), v, q, n_q, state, w) }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
