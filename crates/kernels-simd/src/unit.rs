@@ -190,8 +190,7 @@ fn max_lanes(x: &[f32], init: f32) -> f32 {
 /// and stay.
 #[derive(Debug)]
 pub struct Attender {
-    backend: Backend,
-    arithmetic: Arithmetic,
+    path: Path,
     /// Whether fused kernels are still tried: off once a unit's layout has no fused code (a
     /// head's blocks share one layout).
     fused: bool,
@@ -215,8 +214,7 @@ impl Attender {
     /// An attender for one call on `backend` with `arithmetic`.
     pub fn new(backend: Backend, arithmetic: Arithmetic) -> Self {
         let mut a = Self {
-            backend,
-            arithmetic,
+            path: Path { backend, arithmetic },
             fused: true,
             int_fused: true,
             columns_ready: false,
@@ -230,8 +228,7 @@ impl Attender {
 
     /// Starts a new call (new query rows, maybe another head's layout), keeping the buffers.
     pub fn begin(&mut self, backend: Backend, arithmetic: Arithmetic) {
-        self.backend = backend;
-        self.arithmetic = arithmetic;
+        self.path = Path { backend, arithmetic };
         self.fused = true;
         self.int_fused = arithmetic == Arithmetic::Int8;
         self.columns_ready = false;
@@ -272,7 +269,7 @@ impl Attender {
         let result = (|| {
             size_scores(&mut s, n_q, n)?;
             self.scores(scratch, keys, q, n_q, &mut s)?;
-            absorb(self.backend, &mut s, n, options, &mut state);
+            absorb(self.path.backend, &mut s, n, options, &mut state);
             self.add_values(scratch, values, &s, n_q, state.o)
         })();
         self.s = s;
@@ -282,9 +279,9 @@ impl Attender {
     /// What [`attend`](Attender::attend) would run on a unit like this one (every row seeing
     /// it whole, no soft-capping), asking nothing of the CPU but what the kernels ask.
     pub fn plan(&self, keys: Keys<'_>, values: &[QuantBlock<'_>], n_q: usize) -> UnitKernel {
-        let b = self.backend;
+        let b = self.path.backend;
         let [v] = values else { return UnitKernel::Separate };
-        let int = self.arithmetic == Arithmetic::Int8;
+        let int = self.path.arithmetic == Arithmetic::Int8;
         match keys {
             Keys::Regions(rs) if int && crate::attend_int_fused_regions(b, rs, v, n_q) => {
                 UnitKernel::FusedIntRegions
@@ -307,12 +304,12 @@ impl Attender {
         n_q: usize,
         mut state: Online<'_>,
     ) -> Result<Fused, KernelError> {
-        let b = self.backend;
+        let b = self.path.backend;
         // Values in token groups (per channel) have no fused kernel.
         let [v] = values else { return Ok(Fused::NoCode) };
         match keys {
             Keys::Regions(rs) => {
-                if self.arithmetic != Arithmetic::Int8 {
+                if self.path.arithmetic != Arithmetic::Int8 {
                     // The float arithmetic has no fused kernel for keys with bits per channel.
                     return Ok(Fused::NoCode);
                 }
@@ -355,25 +352,21 @@ impl Attender {
     ) -> Result<(), KernelError> {
         let n = keys.rows();
         match keys {
-            Keys::Parts([k]) => self.block(scratch, true, k, q, n_q, s),
+            Keys::Parts([k]) => self.path.block(scratch, true, k, q, n_q, s),
             Keys::Parts(parts) => {
                 // Token groups inside the block: each group's scores, put in place.
-                let mut ws = std::mem::take(&mut self.part_scores);
-                let result = (|| {
-                    let mut at = 0;
-                    for k in parts {
-                        let nk = k.rows;
-                        ws.resize(n_q * nk, 0.0);
-                        self.block(scratch, true, k, q, n_q, &mut ws)?;
-                        for (row, part) in s.chunks_exact_mut(n).zip(ws.chunks_exact(nk)) {
-                            row[at..at + nk].copy_from_slice(part);
-                        }
-                        at += nk;
+                let ws = &mut self.part_scores;
+                let mut at = 0;
+                for k in parts {
+                    let nk = k.rows;
+                    ws.resize(n_q * nk, 0.0);
+                    self.path.block(scratch, true, k, q, n_q, ws)?;
+                    for (row, part) in s.chunks_exact_mut(n).zip(ws.chunks_exact(nk)) {
+                        row[at..at + nk].copy_from_slice(part);
                     }
-                    Ok(())
-                })();
-                self.part_scores = ws;
-                result
+                    at += nk;
+                }
+                Ok(())
             }
             Keys::Regions(rs) => self.score_regions(scratch, rs, q, n_q, s),
         }
@@ -390,8 +383,8 @@ impl Attender {
         n_q: usize,
         s: &mut [f32],
     ) -> Result<(), KernelError> {
-        if self.arithmetic == Arithmetic::Int8
-            && crate::scores_int8_regions_in(self.backend, scratch, rs, q, n_q, s)?
+        if self.path.arithmetic == Arithmetic::Int8
+            && crate::scores_int8_regions_in(self.path.backend, scratch, rs, q, n_q, s)?
         {
             return Ok(());
         }
@@ -416,43 +409,20 @@ impl Attender {
             self.columns_ready = true;
         }
         s.fill(0.0);
-        let (columns, mut ws) = (std::mem::take(&mut self.columns), std::mem::take(&mut self.part_scores));
-        let result = (|| {
-            for r in rs {
-                let c = r.keys.dim;
-                let wq = columns.get(n_q * r.first..n_q * (r.first + c)).ok_or_else(|| {
-                    KernelError::Shape(format!(
-                        "a width region at channel {} of {c} past the query's {d}",
-                        r.first
-                    ))
-                })?;
-                ws.resize(n_q * n, 0.0);
-                self.block(scratch, true, &r.keys, wq, n_q, &mut ws)?;
-                s.iter_mut().zip(ws.iter()).for_each(|(x, y)| *x += y);
-            }
-            Ok(())
-        })();
-        (self.columns, self.part_scores) = (columns, ws);
-        result
-    }
-
-    /// One block's scores (`scores`) or value sums through this arithmetic's kernel.
-    fn block(
-        &self,
-        scratch: &mut Scratch,
-        scores: bool,
-        b: &QuantBlock<'_>,
-        w: &[f32],
-        n_q: usize,
-        out: &mut [f32],
-    ) -> Result<(), KernelError> {
-        let backend = self.backend;
-        match (scores, self.arithmetic) {
-            (true, Arithmetic::Float) => crate::scores_in(backend, scratch, b, w, n_q, out),
-            (true, Arithmetic::Int8) => crate::scores_int8_in(backend, scratch, b, w, n_q, out).map(|_| ()),
-            (false, Arithmetic::Float) => crate::axpy_in(backend, scratch, b, w, n_q, out),
-            (false, Arithmetic::Int8) => crate::axpy_int_in(backend, scratch, b, w, n_q, out).map(|_| ()),
+        let (columns, ws) = (&self.columns, &mut self.part_scores);
+        for r in rs {
+            let c = r.keys.dim;
+            let wq = columns.get(n_q * r.first..n_q * (r.first + c)).ok_or_else(|| {
+                KernelError::Shape(format!(
+                    "a width region at channel {} of {c} past the query's {d}",
+                    r.first
+                ))
+            })?;
+            ws.resize(n_q * n, 0.0);
+            self.path.block(scratch, true, &r.keys, wq, n_q, ws)?;
+            s.iter_mut().zip(ws.iter()).for_each(|(x, y)| *x += y);
         }
+        Ok(())
     }
 
     /// Adds the values of a unit weighted by `p` (`n_q` rows of the values' rows, as
@@ -470,29 +440,53 @@ impl Attender {
         o: &mut [f32],
     ) -> Result<(), KernelError> {
         if let [v] = values {
-            return self.block(scratch, false, v, p, n_q, o);
+            return self.path.block(scratch, false, v, p, n_q, o);
         }
         // Values per channel in token groups: each group's weights, gathered.
         let n = values.iter().map(|v| v.rows).sum::<usize>();
         if p.len() != n_q * n {
             return Err(KernelError::Shape(format!("{} weights for {n_q} rows of {n} values", p.len())));
         }
-        let mut ws = std::mem::take(&mut self.part_scores);
-        let result = (|| {
-            let mut at = 0;
-            for v in values {
-                let nk = v.rows;
-                ws.clear();
-                for row in p.chunks_exact(n) {
-                    ws.extend_from_slice(&row[at..at + nk]);
-                }
-                self.block(scratch, false, v, &ws, n_q, o)?;
-                at += nk;
+        let ws = &mut self.part_scores;
+        let mut at = 0;
+        for v in values {
+            let nk = v.rows;
+            ws.clear();
+            for row in p.chunks_exact(n) {
+                ws.extend_from_slice(&row[at..at + nk]);
             }
-            Ok(())
-        })();
-        self.part_scores = ws;
-        result
+            self.path.block(scratch, false, v, ws, n_q, o)?;
+            at += nk;
+        }
+        Ok(())
+    }
+}
+
+/// The backend and arithmetic of one call: which kernel scores or sums a block.
+#[derive(Debug, Clone, Copy)]
+struct Path {
+    backend: Backend,
+    arithmetic: Arithmetic,
+}
+
+impl Path {
+    /// One block's scores (`scores`) or value sums through this arithmetic's kernel.
+    fn block(
+        self,
+        scratch: &mut Scratch,
+        scores: bool,
+        b: &QuantBlock<'_>,
+        w: &[f32],
+        n_q: usize,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let backend = self.backend;
+        match (scores, self.arithmetic) {
+            (true, Arithmetic::Float) => crate::scores_in(backend, scratch, b, w, n_q, out),
+            (true, Arithmetic::Int8) => crate::scores_int8_in(backend, scratch, b, w, n_q, out).map(|_| ()),
+            (false, Arithmetic::Float) => crate::axpy_in(backend, scratch, b, w, n_q, out),
+            (false, Arithmetic::Int8) => crate::axpy_int_in(backend, scratch, b, w, n_q, out).map(|_| ()),
+        }
     }
 }
 
