@@ -27,7 +27,7 @@ use kvq_benches::{best_float, layer_cache};
 /// does not name are skipped before their inputs are built (`kvq_benches::wanted`).
 const GROUPS: &[&str] = &["scores_", "axpy_", "decode_", "stream_"];
 use kvq_kernels_simd::{
-    Backend, DenseRow, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dense_axpy_with,
+    Backend, DenseRow, Kernels, Levels, Params, QuantBlock, axpy_int_with, axpy_with, dense_axpy_with,
     dense_scores_with, dispatch, scores_int8_with, scores_with,
 };
 use kvq_quant_core::synth::{Rng, normal_tensor};
@@ -149,8 +149,8 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
         };
         let block = QuantBlock::new(&codes, n, d, parsed.bits(), levels, params).unwrap();
         group.throughput(Throughput::Bytes(mem.total_bytes() as u64));
-        let backends: Vec<Backend> = if all_backends {
-            [Backend::Scalar, Backend::Wide, Backend::Avx2].into_iter().filter(|b| b.is_available()).collect()
+        let backends: Vec<Kernels> = if all_backends {
+            kvq_benches::kernels_of(&[Backend::Scalar, Backend::Wide, Backend::Avx2])
         } else {
             vec![best_float()]
         };
@@ -175,13 +175,13 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
             },
         )
         .unwrap();
-        let run = |backend: Backend, blk: &QuantBlock<'_>, out: &mut [f32]| match read {
+        let run = |backend: Kernels, blk: &QuantBlock<'_>, out: &mut [f32]| match read {
             Read::Scores => scores_with(backend, blk, &q, 1, out).unwrap(),
             Read::Values => axpy_with(backend, blk, &p[..blk.rows()], 1, out).unwrap(),
         };
         let reference = {
             let mut r = vec![0f32; out.len().min(check)];
-            run(Backend::Scalar, &small, &mut r);
+            run(Kernels::SCALAR, &small, &mut r);
             r
         };
         for &backend in &backends {
@@ -197,27 +197,30 @@ fn read_group(c: &mut Criterion, read: Read, n: usize, d: usize, all_backends: b
             // The integer value path (weights rounded to bytes for INT4 codes, to i16 for
             // INT8), where the backend has it.
             let mut o = vec![0f32; d];
-            if Backend::Avx512.is_available()
-                && axpy_int_with(Backend::Avx512, &block, &p, 1, &mut o).unwrap()
+            if let Ok(avx512) = Kernels::new(Backend::Avx512)
+                && axpy_int_with(avx512, &block, &p, 1, &mut o).unwrap()
             {
                 group.bench_function(BenchmarkId::new(spec, "avx512-int"), |b| {
-                    b.iter(|| axpy_int_with(Backend::Avx512, black_box(&block), &p, 1, &mut out).unwrap())
+                    b.iter(|| axpy_int_with(avx512, black_box(&block), &p, 1, &mut out).unwrap())
                 });
             }
             continue;
         }
-        for backend in [Backend::Avx2, Backend::Avx512] {
-            if backend.is_available() && scores_int8_with(backend, &block, &q, 1, &mut out).unwrap() {
+        for backend in kvq_benches::kernels_of(&[Backend::Avx2, Backend::Avx512]) {
+            if scores_int8_with(backend, &block, &q, 1, &mut out).unwrap() {
                 group.bench_function(BenchmarkId::new(spec, format!("{backend}-int8")), |b| {
                     b.iter(|| scores_int8_with(backend, black_box(&block), &q, 1, &mut out).unwrap())
                 });
             }
         }
         // The headline kernel once more on the quantizer's own allocation (4 KiB pages).
-        if dram && spec == "int4-channel" && Backend::Avx512.is_available() {
+        if dram
+            && spec == "int4-channel"
+            && let Ok(avx512) = Kernels::new(Backend::Avx512)
+        {
             let plain = QuantBlock::new(qt.codes(), n, d, parsed.bits(), levels, params).unwrap();
             group.bench_function(BenchmarkId::new(spec, "avx512-int8-4kpages"), |b| {
-                b.iter(|| scores_int8_with(Backend::Avx512, black_box(&plain), &q, 1, &mut out).unwrap())
+                b.iter(|| scores_int8_with(avx512, black_box(&plain), &q, 1, &mut out).unwrap())
             });
         }
     }
@@ -337,7 +340,7 @@ fn decode_at(c: &mut Criterion, len: usize) {
         let mem = cache.memory();
         group.throughput(Throughput::Bytes(mem.used_bytes() as u64));
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        for backend in [Backend::Wide, Backend::Avx2].into_iter().filter(|b| b.is_available()) {
+        for backend in kvq_benches::kernels_of(&[Backend::Wide, Backend::Avx2]) {
             let on_backend = AttentionOptions::default().backend(backend);
             group.bench_function(format!("{k}/{v}/{backend}_1thread"), |b| {
                 b.iter(|| {
@@ -358,7 +361,7 @@ fn decode_at(c: &mut Criterion, len: usize) {
         });
         // The integer score path (int8 query), with each backend's integer kernel, and on two
         // threads with the best one.
-        let int8 = |backend: Backend, pool: &rayon::ThreadPool, out: &mut [f32]| {
+        let int8 = |backend: Kernels, pool: &rayon::ThreadPool, out: &mut [f32]| {
             pool.install(|| {
                 decode_attention(
                     &AttentionOptions::with_path(ScorePath::Int8).backend(backend),
@@ -372,8 +375,7 @@ fn decode_at(c: &mut Criterion, len: usize) {
                 .unwrap()
             })
         };
-        let int8_backends: Vec<Backend> =
-            [Backend::Avx2, Backend::Avx512].into_iter().filter(|b| b.is_available()).collect();
+        let int8_backends = kvq_benches::kernels_of(&[Backend::Avx2, Backend::Avx512]);
         for &backend in &int8_backends {
             group.bench_function(format!("{k}/{v}/{backend}-int8_1thread"), |b| {
                 b.iter(|| int8(backend, &pool, &mut out))

@@ -21,7 +21,7 @@ use kvq::attention::{
     AttentionOptions, BatchSeq, DecodeWorkspace, ScorePath, decode_attention, decode_attention_batch,
 };
 use kvq_benches::{best_float, layer_cache_with};
-use kvq_kernels_simd::Backend;
+use kvq_kernels_simd::{Backend, Kernels};
 use kvq_quant_core::Shape;
 use kvq_quant_core::synth::{Rng, normal_tensor};
 
@@ -84,7 +84,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let forced =
         std::env::var_os("KVQ_FORCE_BACKEND").map(|_| kvq_kernels_simd::dispatch::selected()).transpose()?;
     let (backend, path) = if integer {
-        let best = if Backend::Avx512.is_available() { Backend::Avx512 } else { best_float() };
+        let best = Kernels::new(Backend::Avx512).unwrap_or_else(|_| best_float());
         (forced.unwrap_or(best), ScorePath::Int8)
     } else {
         (forced.unwrap_or_else(best_float), ScorePath::Float)

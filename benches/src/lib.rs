@@ -1,13 +1,18 @@
 //! Benchmarks live in benches/; this library holds what several of them set up alike.
 
 use kvq_cache_layout::{CacheConfig, PagedCache};
-use kvq_kernels_simd::Backend;
+use kvq_kernels_simd::{Backend, Kernels};
 use kvq_quant_core::{ChannelBits, QuantSpec};
 
 /// The fastest float backend of this CPU: AVX-512 where present (its own kernels for FP8
 /// rows; every other float kernel there is the AVX2 one), else AVX2, else `wide`.
-pub fn best_float() -> Backend {
-    [Backend::Avx512, Backend::Avx2].into_iter().find(|b| b.is_available()).unwrap_or(Backend::Wide)
+pub fn best_float() -> Kernels {
+    [Backend::Avx512, Backend::Avx2].into_iter().find_map(|b| Kernels::new(b).ok()).unwrap_or(Kernels::WIDE)
+}
+
+/// The kernels of those of `backends` this CPU runs.
+pub fn kernels_of(backends: &[Backend]) -> Vec<Kernels> {
+    backends.iter().filter_map(|&b| Kernels::new(b).ok()).collect()
 }
 
 /// An empty one-layer cache of `kv_heads` heads of `head_dim` channels, blocks of 32 tokens,

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use candle_core::quantized::{GgmlDType, QMatMul, gguf_file};
 use candle_core::{Device, Module, Tensor};
-use kvq::attention::Backend;
+use kvq::attention::Kernels;
 use kvq::attention::{AttentionOptions, BatchSeq, DecodeWorkspace};
 use kvq::cache::QuantizedKvCache;
 use kvq::cache::RopePairing;
@@ -323,7 +323,7 @@ enum Linear {
     /// per 5-bit code, blocks of 32 with f32 scales for the K-quants) and multiplied by kvq's
     /// kernels (runtime-dispatched SIMD; candle has no fast path for Q4_1, and builds its
     /// others only with target features a default build lacks).
-    Ggml { packed: PackedWeights, backend: Backend },
+    Ggml { packed: PackedWeights, backend: Kernels },
 }
 
 /// Weight rows per parallel task of a [`Linear::Ggml`] product.
@@ -439,7 +439,7 @@ struct Loader<'a, R> {
     file_len: u64,
     types: HashMap<String, usize>,
     weights: Weights,
-    backend: Backend,
+    backend: Kernels,
 }
 
 impl<R: Read + Seek> Loader<'_, R> {

@@ -86,10 +86,9 @@ pub fn float_supported(b: &QuantBlock<'_>) -> bool {
     supported(b)
 }
 
+/// AVX2, FMA and F16C, as detection found them once ([`crate::dispatch`]).
 pub(crate) fn cpu_ok() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
+    crate::dispatch::cpu().avx2
 }
 
 /// The zero point the kernels subtract from codes, in integers before the conversion to float
@@ -1302,10 +1301,10 @@ unsafe fn fma_dot(a: *const f32, b: *const f32, n: usize) -> f32 {
 /// The first multiple of 8 of `out`'s values widened from the f16 `bytes` with `vcvtph2ps`
 /// when the CPU has F16C (the count returned; 0 without it): [`crate::widen_f16`]'s fast part.
 pub(crate) fn widen_f16(bytes: &[u8], out: &mut [f32]) -> usize {
-    if !std::arch::is_x86_feature_detected!("f16c") {
+    if !cpu_ok() {
         return 0;
     }
-    // SAFETY: F16C (which implies AVX) was checked just above.
+    // SAFETY: F16C (which implies AVX) was detected (`cpu_ok`).
     unsafe { widen_f16_f16c(bytes, out) }
 }
 
@@ -1563,7 +1562,7 @@ unsafe fn turn_dot2<const NIB: bool, const HALF: bool>(
 
 /// Whether the full-precision kernels can run: AVX2, FMA and F16C (every AVX2 CPU so far).
 fn cpu_dense() -> bool {
-    cpu_ok() && std::arch::is_x86_feature_detected!("f16c")
+    cpu_ok()
 }
 
 /// Eight floats of a full-precision row from element `at` of `x`: f32 (`HALF = false`) or f16

@@ -34,12 +34,12 @@ use crate::regions::Keys;
 use crate::{int_values, int8};
 
 fn cpu_ok() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-        && std::arch::is_x86_feature_detected!("avx512vnni")
-        && std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
+    crate::dispatch::cpu().vnni
+}
+
+/// [`cpu_ok`] with VBMI.
+fn vbmi_ok() -> bool {
+    crate::dispatch::cpu().vbmi && cpu_ok()
 }
 
 /// Whether [`scores_int8`] has a VNNI kernel for this block on this CPU: affine codes per row
@@ -51,7 +51,7 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
     let ok_dim = match b.bits {
         4 => b.dim.is_multiple_of(128),
         8 => b.dim.is_multiple_of(64),
-        1..=7 => b.dim.is_multiple_of(128) && std::arch::is_x86_feature_detected!("avx512vl"),
+        1..=7 => b.dim.is_multiple_of(128),
         _ => false,
     };
     // 16-level tables and symmetric levels: 4-bit codes looked up in their int8 levels.
@@ -773,9 +773,7 @@ const FUSED_DIM: usize = 256;
 /// with INT1 to INT3 affine values per row (unpacked with VBMI); and affine keys per channel
 /// of 1 to 8 bits as one region of [`attend_int_regions_supported`] (INT3 and INT2 keys).
 pub fn attend_int_supported(k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    crate::fused_int_layout(k, v, n_q, narrow_values, attend_int_regions_supported)
-        && cpu_ok()
-        && std::arch::is_x86_feature_detected!("avx512vl")
+    crate::fused_int_layout(k, v, n_q, narrow_values, attend_int_regions_supported) && cpu_ok()
 }
 
 /// Values of 1 to 3 bits per code (`int3-token-mse-rot`, `int2-token`: the narrow values of
@@ -788,7 +786,7 @@ fn narrow_values(v: &QuantBlock<'_>) -> bool {
         && matches!(v.params, Params::PerRow { .. })
         && v.row_bytes == v.dim * usize::from(v.bits) / 8
         && v.rows.checked_mul(v.row_bytes).is_some_and(|n| n <= v.codes.len())
-        && std::arch::is_x86_feature_detected!("avx512vbmi")
+        && vbmi_ok()
 }
 
 /// Most value groups of a row the fused kernel takes: groups of 32 along [`FUSED_DIM`].
@@ -932,9 +930,7 @@ fn regions_supported(regions: &[crate::KeyRegion<'_>], rows: usize, dim: usize) 
         && regions.len() <= MAX_REGIONS
         && crate::regions_tile(regions, rows, dim)
         && regions.iter().all(crate::regions::region_codes_ok)
-        && cpu_ok()
-        && std::arch::is_x86_feature_detected!("avx512vl")
-        && std::arch::is_x86_feature_detected!("avx512vbmi")
+        && vbmi_ok()
 }
 
 /// The scores of [`crate::scores_int8_regions_with`] by the fused kernel's first steps
@@ -2854,10 +2850,8 @@ mod tests {
 
     fn step_the_queued_prefetch(backend: crate::Backend) {
         use crate::{Backend, Online, Params, QuantBlock, Scratch};
-        if !backend.is_available() {
-            return;
-        }
-        let vbmi = std::arch::is_x86_feature_detected!("avx512vbmi");
+        let Ok(backend) = crate::Kernels::new(backend) else { return };
+        let vbmi = super::vbmi_ok();
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut next = move || {
             seed ^= seed << 13;
@@ -2949,7 +2943,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn unpacked_rows_are_the_packed_codes() {
-        if !(super::cpu_ok() && std::arch::is_x86_feature_detected!("avx512vbmi")) {
+        if !super::vbmi_ok() {
             return;
         }
         let mut ub = vec![0u8; super::UNPACKED];

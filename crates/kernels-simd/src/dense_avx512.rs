@@ -19,7 +19,7 @@ pub fn supported(dim: usize) -> bool {
 }
 
 fn cpu_ok() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
+    crate::dispatch::cpu().avx512
 }
 
 /// Calls `$tile::<NQ, $half>` with `$args` for the query rows four at a time (`$i0` the first

@@ -1,7 +1,7 @@
 //! aarch64 integer score path with the dot-product extension: `sdot` multiplies 16 signed bytes
 //! by 16 signed bytes into 4 i32 lanes. `vdotq_s32` is still unstable in Rust, so the
 //! instruction is issued with `asm!` inside a `#[target_feature(enable = "dotprod")]` function,
-//! chosen at run time with `is_aarch64_feature_detected!("dotprod")`.
+//! chosen at run time when detection finds the extension (`crate::dispatch`).
 //!
 //! Covered: affine 4-bit rows of a multiple of 32 codes and 8-bit rows of a multiple of 16,
 //! with parameters per row or per channel; 4-bit rows per group of a multiple of 32 codes (one
@@ -19,7 +19,7 @@ use crate::block::{Levels, Params, QuantBlock};
 use crate::int8;
 
 pub(crate) fn cpu_ok() -> bool {
-    std::arch::is_aarch64_feature_detected!("dotprod")
+    crate::dispatch::cpu().dotprod
 }
 
 /// Whether [`scores_int8`] has a kernel for this block on this CPU.

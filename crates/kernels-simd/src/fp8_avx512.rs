@@ -39,7 +39,7 @@ pub fn supported(b: &QuantBlock<'_>) -> bool {
         && matches!(b.params, Params::PerRow { .. })
         && b.dim > 0
         && b.dim.is_multiple_of(32)
-        && crate::Backend::Avx512.is_available()
+        && crate::dispatch::cpu().avx512
 }
 
 /// Whether the fused kernel of [`crate::attend_float_with`] takes keys `k` and values `v` with

@@ -14,7 +14,7 @@
 use half::f16;
 
 use crate::block::KernelError;
-use crate::dispatch::Backend;
+use crate::dispatch::{Backend, Kernels};
 
 /// Values per block.
 pub const QK: usize = 32;
@@ -155,7 +155,7 @@ impl Activations {
     ///
     /// # Errors
     /// As [`Activations::quantize`]; the activations are then empty.
-    pub fn quantize_with(&mut self, backend: Backend, x: &[f32], k: usize) -> Result<(), KernelError> {
+    pub fn quantize_with(&mut self, backend: Kernels, x: &[f32], k: usize) -> Result<(), KernelError> {
         if k == 0 || !k.is_multiple_of(QK) || !x.len().is_multiple_of(k) {
             return Err(KernelError::Shape(format!("{} values in rows of {k} (a multiple of 32)", x.len())));
         }
@@ -169,7 +169,8 @@ impl Activations {
         let codes = &mut self.codes[..x.len()];
         let finite = match quantize_implementation(backend) {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `quantize_implementation` returns Avx2 only where AVX2 is available.
+            // SAFETY: `quantize_implementation` returns Avx2 only for kernels whose detection found
+            // AVX2.
             Backend::Avx2 => unsafe { x86::quantize_blocks(x, codes, &mut self.scales, &mut self.sums) },
             #[cfg(target_arch = "aarch64")]
             Backend::Wide => arm::quantize_blocks(x, codes, &mut self.scales, &mut self.sums),
@@ -199,10 +200,10 @@ impl Activations {
 /// The code that [`Activations::quantize_with`] runs for `backend`: AVX2's where the CPU
 /// has it (the AVX2 and AVX-512 backends), NEON's on aarch64 (the `wide` and dotprod
 /// backends), the scalar reference otherwise.
-pub fn quantize_implementation(backend: Backend) -> Backend {
-    match backend {
+pub fn quantize_implementation(backend: Kernels) -> Backend {
+    match backend.backend() {
         Backend::Wide | Backend::Dotprod if cfg!(target_arch = "aarch64") => Backend::Wide,
-        Backend::Avx2 | Backend::Avx512 if Backend::Avx2.is_available() => Backend::Avx2,
+        _ if backend.cpu().avx2 => Backend::Avx2,
         _ => Backend::Scalar,
     }
 }
@@ -233,21 +234,15 @@ pub fn scalar_quantize_blocks(x: &[f32], codes: &mut [i8], scales: &mut [f32], s
 /// The code that [`matmul_t`] runs for `backend`: AVX-512 VNNI's (`vpdpbusd` on 256-bit
 /// registers) where the CPU has it, AVX2's for the AVX2 backend (and an AVX-512 CPU without
 /// VNNI), the scalar reference otherwise.
-pub fn implementation(backend: Backend) -> Backend {
-    match backend {
-        Backend::Avx512 if backend.is_available() && vnni_available() => Backend::Avx512,
-        Backend::Avx2 | Backend::Avx512 if backend.is_available() => Backend::Avx2,
-        _ => Backend::Scalar,
+pub fn implementation(backend: Kernels) -> Backend {
+    let cpu = backend.cpu();
+    if cpu.vnni {
+        Backend::Avx512
+    } else if cpu.avx2 {
+        Backend::Avx2
+    } else {
+        Backend::Scalar
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn vnni_available() -> bool {
-    std::arch::is_x86_feature_detected!("avx512vnni")
-}
-#[cfg(not(target_arch = "x86_64"))]
-fn vnni_available() -> bool {
-    false
 }
 
 /// `out[r * n + t]` = weight row `r` of `weights` · activation row `t` of `act`, for every
@@ -257,7 +252,7 @@ fn vnni_available() -> bool {
 /// # Errors
 /// [`KernelError::Shape`] when `weights` is not whole rows or `out` is not `rows * n` long.
 pub fn matmul_t(
-    backend: Backend,
+    backend: Kernels,
     ty: GgmlType,
     weights: &[u8],
     act: &Activations,
@@ -843,7 +838,7 @@ pub(crate) mod tests {
         }
         // The ties round away from zero.
         let mut act = Activations::new();
-        act.quantize_with(Backend::Scalar, &inputs[0], QK).unwrap();
+        act.quantize_with(Kernels::SCALAR, &inputs[0], QK).unwrap();
         assert_eq!(act.codes[2..10], [1, -1, 2, -2, 3, -3, 127, -127]);
         // Every non-finite value, anywhere in a block, is refused by every backend.
         for backend in crate::dispatch::available() {
@@ -868,9 +863,9 @@ pub(crate) mod tests {
         act.quantize(&[1.0; 64], 32).unwrap();
         assert_eq!((act.rows(), act.k()), (2, 32));
         let mut out = vec![0f32; 2];
-        assert!(matmul_t(Backend::Scalar, GgmlType::Q4_1, &[0; 19], &act, &mut out).is_err());
-        assert!(matmul_t(Backend::Scalar, GgmlType::Q4_1, &[0; 20], &act, &mut [0f32; 3]).is_err());
-        matmul_t(Backend::Scalar, GgmlType::Q4_1, &[0; 20], &act, &mut out).unwrap();
+        assert!(matmul_t(Kernels::SCALAR, GgmlType::Q4_1, &[0; 19], &act, &mut out).is_err());
+        assert!(matmul_t(Kernels::SCALAR, GgmlType::Q4_1, &[0; 20], &act, &mut [0f32; 3]).is_err());
+        matmul_t(Kernels::SCALAR, GgmlType::Q4_1, &[0; 20], &act, &mut out).unwrap();
         assert_eq!(out, [0.0, 0.0]);
     }
 }

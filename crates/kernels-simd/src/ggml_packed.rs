@@ -32,7 +32,7 @@ use std::ops::Range;
 use half::f16;
 
 use crate::block::KernelError;
-use crate::dispatch::Backend;
+use crate::dispatch::{Backend, Kernels};
 use crate::ggml::{Activations, GgmlType, QK};
 use crate::k_quants::{self, Block32};
 
@@ -260,10 +260,10 @@ impl PackedWeights {
 /// [`crate::ggml::implementation`] (AVX-512 VNNI, AVX2, else the scalar reference); on aarch64
 /// the NEON kernel with `sdot` for the dotprod backend where the CPU has it, the NEON kernel
 /// with widening products for the `wide` backend (and dotprod on a CPU without it).
-pub fn implementation(backend: Backend) -> Backend {
+pub fn implementation(backend: Kernels) -> Backend {
     #[cfg(target_arch = "aarch64")]
-    match backend {
-        Backend::Dotprod if backend.is_available() => return Backend::Dotprod,
+    match backend.backend() {
+        Backend::Dotprod if backend.cpu().dotprod => return Backend::Dotprod,
         Backend::Wide | Backend::Dotprod => return Backend::Wide,
         _ => {}
     }
@@ -277,7 +277,7 @@ pub fn implementation(backend: Backend) -> Backend {
 /// [`KernelError::Shape`] when the activations' row length is not the weights', the groups
 /// are out of range, or `out` is not the rows of those groups times `n` long.
 pub fn matmul_packed(
-    backend: Backend,
+    backend: Kernels,
     w: &PackedWeights,
     groups: Range<usize>,
     act: &Activations,
@@ -886,7 +886,7 @@ mod tests {
         // The unpacked product takes blocks of 32 only.
         let mut act = Activations::new();
         act.quantize(&[1.0; 256], 256).unwrap();
-        assert!(crate::ggml::matmul_t(Backend::Scalar, GgmlType::Q4K, &raw, &act, &mut [0.0; 1]).is_err());
+        assert!(crate::ggml::matmul_t(Kernels::SCALAR, GgmlType::Q4K, &raw, &act, &mut [0.0; 1]).is_err());
     }
 
     #[test]
@@ -909,7 +909,7 @@ mod tests {
         let w = PackedWeights::new(GgmlType::Q4_1, &[0; 40], 2, 32).unwrap();
         let mut act = Activations::new();
         act.quantize(&[1.0; 64], 32).unwrap();
-        let backend = Backend::Scalar;
+        let backend = Kernels::SCALAR;
         assert!(matmul_packed(backend, &w, 0..2, &act, &mut [0.0; 4]).is_err());
         assert!(matmul_packed(backend, &w, 0..1, &act, &mut [0.0; 3]).is_err());
         let mut out = [f32::NAN; 4];

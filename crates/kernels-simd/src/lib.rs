@@ -17,17 +17,25 @@
 //! [`attend_float_with`]): [`implementation`] and [`implementation_for`] say which code
 //! actually runs, so no log claims a path that did not run.
 //!
+//! Every entry takes a [`Kernels`]: a backend this CPU was found to run, which only detection
+//! makes ([`dispatch`]). The CPU is asked once per process; the kernels' guards read what it
+//! answered, and no entry can be handed a backend the CPU lacks.
+//!
 //! ```
-//! use kvq_kernels_simd::{Backend, Levels, Params, QuantBlock, scores_with};
+//! use kvq_kernels_simd::{Kernels, Levels, Params, QuantBlock, dispatch, scores_with};
 //! // Two rows of 8 INT8 codes, per-row scale and offset.
 //! let codes: Vec<u8> = (0..16).collect();
 //! let block = QuantBlock::new(&codes, 2, 8, 8, Levels::Affine,
 //!     Params::PerRow { scale: &[0.5, 1.0], offset: Some(&[0.0, -1.0]) })?;
 //! let q = [1.0f32; 8];
 //! let mut s = [0.0f32; 2];
-//! scores_with(Backend::Wide, &block, &q, 1, &mut s)?;
+//! scores_with(Kernels::WIDE, &block, &q, 1, &mut s)?;
 //! assert_eq!(s, [0.5 * 28.0, 92.0 - 8.0]);
-//! # Ok::<(), kvq_kernels_simd::KernelError>(())
+//! // The best kernels this CPU runs (detected once; `KVQ_FORCE_BACKEND` may ask for others).
+//! let best = dispatch::detect();
+//! scores_with(best, &block, &q, 1, &mut s)?;
+//! assert!((s[1] - 84.0).abs() < 1e-4);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
 // The one crate of the workspace allowed `unsafe` (the SIMD intrinsics); every block carries a
@@ -168,7 +176,7 @@ pub mod unit;
 pub mod wide_backend;
 
 pub use block::{KernelError, Levels, Params, QuantBlock};
-pub use dispatch::{Backend, DispatchError};
+pub use dispatch::{Backend, DispatchError, Kernels};
 pub use memory::{advise_huge_pages, advise_huge_pages_of};
 pub use rowquant::{row_kernels, row_kernels_for};
 
@@ -244,10 +252,10 @@ pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
 /// dotprod the `wide` (NEON) ones; both have integer score kernels of their own (see
 /// [`scores_int8_with`]). The AVX2 kernels fall back to `wide` for layouts they do
 /// not cover.
-pub fn implementation(backend: Backend) -> Backend {
-    match backend {
+pub fn implementation(backend: Kernels) -> Backend {
+    match backend.backend() {
         Backend::Scalar => Backend::Scalar,
-        Backend::Avx2 | Backend::Avx512 if cfg!(target_arch = "x86_64") => Backend::Avx2,
+        _ if backend.cpu().avx2 => Backend::Avx2,
         _ => Backend::Wide,
     }
 }
@@ -257,10 +265,10 @@ pub fn implementation(backend: Backend) -> Backend {
 /// AVX-512 kernels of their own on `avx512` (`fp8_avx512`), and that where the AVX2 kernels do not cover a block's layout (code widths other than
 /// 2, 3, 4 and 8, rows not a multiple of the chunk (64 codes for 2 and 3 bits), per-group parameters in groups not a multiple
 /// of 16) the `wide` ones run, and this says so.
-pub fn implementation_for(backend: Backend, b: &QuantBlock<'_>) -> Backend {
+pub fn implementation_for(backend: Kernels, b: &QuantBlock<'_>) -> Backend {
     match implementation(backend) {
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 if backend == Backend::Avx512 && fp8_avx512::supported(b) => Backend::Avx512,
+        Backend::Avx2 if backend.cpu().avx512 && fp8_avx512::supported(b) => Backend::Avx512,
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 if !avx2::float_supported(b) => Backend::Wide,
         other => {
@@ -302,7 +310,7 @@ fn check_axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &[f32]) -> Result<
 ///
 /// # Errors
 /// [`KernelError::Shape`] when `out` is not `rows × dim` long.
-pub fn dequantize_with(backend: Backend, b: &QuantBlock<'_>, out: &mut [f32]) -> Result<(), KernelError> {
+pub fn dequantize_with(backend: Kernels, b: &QuantBlock<'_>, out: &mut [f32]) -> Result<(), KernelError> {
     check(out.len() == b.rows * b.dim, || format!("{} outputs for {} × {}", out.len(), b.rows, b.dim))?;
     match implementation(backend) {
         Backend::Scalar => scalar::dequantize(b, out),
@@ -316,7 +324,7 @@ pub fn dequantize_with(backend: Backend, b: &QuantBlock<'_>, out: &mut [f32]) ->
 /// # Errors
 /// [`KernelError::Shape`] when `q` is not `n_q × dim` or `out` not `n_q × rows` long.
 pub fn scores_with(
-    backend: Backend,
+    backend: Kernels,
     b: &QuantBlock<'_>,
     q: &[f32],
     n_q: usize,
@@ -331,7 +339,7 @@ pub fn scores_with(
 /// # Errors
 /// As [`scores_with`].
 pub fn scores_in(
-    backend: Backend,
+    backend: Kernels,
     scratch: &mut Scratch,
     b: &QuantBlock<'_>,
     q: &[f32],
@@ -347,7 +355,7 @@ pub fn scores_in(
 }
 
 fn scores_fast(
-    backend: Backend,
+    backend: Kernels,
     w: &mut Scratch,
     b: &QuantBlock<'_>,
     q: &[f32],
@@ -365,7 +373,7 @@ fn scores_fast(
     }
 }
 
-fn axpy_fast(backend: Backend, w: &mut Scratch, b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
+fn axpy_fast(backend: Kernels, w: &mut Scratch, b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
     match implementation(backend) {
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2 if backend == Backend::Avx512 && fp8_avx512::supported(b) => {
@@ -382,7 +390,7 @@ fn axpy_fast(backend: Backend, w: &mut Scratch, b: &QuantBlock<'_>, p: &[f32], n
 /// # Errors
 /// [`KernelError::Shape`] when `p` is not `n_q × rows` or `out` not `n_q × dim` long.
 pub fn axpy_with(
-    backend: Backend,
+    backend: Kernels,
     b: &QuantBlock<'_>,
     p: &[f32],
     n_q: usize,
@@ -396,7 +404,7 @@ pub fn axpy_with(
 /// # Errors
 /// As [`axpy_with`].
 pub fn axpy_in(
-    backend: Backend,
+    backend: Kernels,
     scratch: &mut Scratch,
     b: &QuantBlock<'_>,
     p: &[f32],
@@ -437,9 +445,9 @@ fn check_dense(
 /// conversion on aarch64, otherwise). Sealed: the kernels exist for these two.
 pub trait DenseRow: Copy + sealed::Sealed {
     #[doc(hidden)]
-    fn scores(backend: Backend, x: &[Self], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]);
+    fn scores(backend: Kernels, x: &[Self], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]);
     #[doc(hidden)]
-    fn axpy(backend: Backend, x: &[Self], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]);
+    fn axpy(backend: Kernels, x: &[Self], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]);
 }
 
 mod sealed {
@@ -474,22 +482,22 @@ macro_rules! dense_avx512 {
 }
 
 impl DenseRow for f32 {
-    fn scores(backend: Backend, x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+    fn scores(backend: Kernels, x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
         dense_avx512!(backend, dense_scores, false, (x, rows, dim, q, n_q, out));
         dense_kernel!(backend, dense_scores, (x, rows, dim, q, n_q, out))
     }
-    fn axpy(backend: Backend, x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+    fn axpy(backend: Kernels, x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
         dense_avx512!(backend, dense_axpy, false, (x, rows, dim, p, n_q, out));
         dense_kernel!(backend, dense_axpy, (x, rows, dim, p, n_q, out))
     }
 }
 
 impl DenseRow for half::f16 {
-    fn scores(backend: Backend, x: &[Self], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
+    fn scores(backend: Kernels, x: &[Self], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
         dense_avx512!(backend, dense_scores, true, (x, rows, dim, q, n_q, out));
         dense_kernel!(backend, dense_scores_f16, (x, rows, dim, q, n_q, out))
     }
-    fn axpy(backend: Backend, x: &[Self], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
+    fn axpy(backend: Kernels, x: &[Self], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
         dense_avx512!(backend, dense_axpy, true, (x, rows, dim, p, n_q, out));
         dense_kernel!(backend, dense_axpy_f16, (x, rows, dim, p, n_q, out))
     }
@@ -498,7 +506,7 @@ impl DenseRow for half::f16 {
 /// The code that runs [`dense_scores_with`] and [`dense_axpy_with`] for rows of `dim` values
 /// on `backend`: AVX-512 kernels of their own where the backend is AVX-512 and `dim` a multiple
 /// of 16 (`dense_avx512`), else [`implementation`]'s.
-pub fn dense_implementation(backend: Backend, dim: usize) -> Backend {
+pub fn dense_implementation(backend: Kernels, dim: usize) -> Backend {
     #[cfg(target_arch = "x86_64")]
     if backend == Backend::Avx512 && dense_avx512::supported(dim) {
         return Backend::Avx512;
@@ -517,7 +525,7 @@ pub fn dense_implementation(backend: Backend, dim: usize) -> Backend {
 /// [`KernelError::Shape`] when `x` is not `rows × dim`, `q` not `n_q × dim` or `out` not
 /// `n_q × rows` long.
 pub fn dense_scores_with<T: DenseRow>(
-    backend: Backend,
+    backend: Kernels,
     x: &[T],
     rows: usize,
     dim: usize,
@@ -538,7 +546,7 @@ pub fn dense_scores_with<T: DenseRow>(
 /// [`KernelError::Shape`] when `x` is not `rows × dim`, `p` not `n_q × rows` or `out` not
 /// `n_q × dim` long.
 pub fn dense_axpy_with<T: DenseRow>(
-    backend: Backend,
+    backend: Kernels,
     x: &[T],
     rows: usize,
     dim: usize,
@@ -566,7 +574,7 @@ pub fn dense_axpy_with<T: DenseRow>(
 /// # Errors
 /// As [`scores_with`].
 pub fn scores_int8_with(
-    backend: Backend,
+    backend: Kernels,
     b: &QuantBlock<'_>,
     q: &[f32],
     n_q: usize,
@@ -580,7 +588,7 @@ pub fn scores_int8_with(
 /// # Errors
 /// As [`scores_with`].
 pub fn scores_int8_in(
-    backend: Backend,
+    backend: Kernels,
     scratch: &mut Scratch,
     b: &QuantBlock<'_>,
     q: &[f32],
@@ -596,7 +604,7 @@ pub fn scores_int8_in(
 }
 
 fn scores_int8_fast(
-    backend: Backend,
+    backend: Kernels,
     w: &mut Scratch,
     b: &QuantBlock<'_>,
     q: &[f32],
@@ -634,7 +642,7 @@ fn scores_int8_fast(
 /// # Errors
 /// As [`axpy_with`].
 pub fn axpy_int_with(
-    backend: Backend,
+    backend: Kernels,
     b: &QuantBlock<'_>,
     p: &[f32],
     n_q: usize,
@@ -648,7 +656,7 @@ pub fn axpy_int_with(
 /// # Errors
 /// As [`axpy_with`].
 pub fn axpy_int_in(
-    backend: Backend,
+    backend: Kernels,
     scratch: &mut Scratch,
     b: &QuantBlock<'_>,
     p: &[f32],
@@ -664,7 +672,7 @@ pub fn axpy_int_in(
 }
 
 fn axpy_int_fast(
-    backend: Backend,
+    backend: Kernels,
     w: &mut Scratch,
     b: &QuantBlock<'_>,
     p: &[f32],
@@ -727,7 +735,7 @@ impl Online<'_> {
 /// [`KernelError::Shape`] when the blocks differ in rows or head_dim, or `q` and `state` do not
 /// hold `n_q` rows.
 pub fn attend_int_with(
-    backend: Backend,
+    backend: Kernels,
     k: &QuantBlock<'_>,
     v: &QuantBlock<'_>,
     q: &[f32],
@@ -860,19 +868,19 @@ pub(crate) fn fused_groups(
 
 /// Whether [`attend_int_with`] runs its fused kernel for blocks like `k` and `v` and `n_q`
 /// query rows on `backend` (it still declines a block whose value scales are negative).
-pub fn attend_int_fused(backend: Backend, k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
+pub fn attend_int_fused(backend: Kernels, k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     attend_int_fused_parts(backend, std::slice::from_ref(k), v, n_q)
 }
 
 /// [`attend_int_fused`] for keys in parts ([`attend_int_parts_with`]).
 pub fn attend_int_fused_parts(
-    backend: Backend,
+    backend: Kernels,
     parts: &[QuantBlock<'_>],
     v: &QuantBlock<'_>,
     n_q: usize,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    match backend {
+    match backend.backend() {
         // The AVX2 kernels where the AVX-512 ones have no code (no VNNI or VBMI, say).
         Backend::Avx512 => {
             return avx512::attend_int_parts_supported(parts, v, n_q)
@@ -938,7 +946,7 @@ pub(crate) fn parts_supported(
 /// # Errors
 /// As [`attend_int_with`].
 pub fn attend_int_in(
-    backend: Backend,
+    backend: Kernels,
     scratch: &mut Scratch,
     k: &QuantBlock<'_>,
     v: &QuantBlock<'_>,
@@ -962,7 +970,7 @@ pub fn attend_int_in(
 /// [`KernelError::Shape`] when there are no parts, their rows do not add up to the values',
 /// a part's head_dim differs from the values', or `q` and `state` do not hold `n_q` rows.
 pub fn attend_int_parts_with(
-    backend: Backend,
+    backend: Kernels,
     parts: &[QuantBlock<'_>],
     v: &QuantBlock<'_>,
     q: &[f32],
@@ -977,7 +985,7 @@ pub fn attend_int_parts_with(
 /// # Errors
 /// As [`attend_int_parts_with`].
 pub fn attend_int_parts_in(
-    backend: Backend,
+    backend: Kernels,
     scratch: &mut Scratch,
     parts: &[QuantBlock<'_>],
     v: &QuantBlock<'_>,
@@ -987,7 +995,7 @@ pub fn attend_int_parts_in(
 ) -> Result<bool, KernelError> {
     check_attend(parts, v, q, n_q, &state)?;
     #[cfg(target_arch = "x86_64")]
-    match backend {
+    match backend.backend() {
         // The AVX2 kernel where the AVX-512 one has no code (no VNNI or VBMI, say), or declines.
         Backend::Avx512 | Backend::Avx2 => {
             let mut state = state;
@@ -1106,7 +1114,7 @@ pub(crate) fn regions_tile(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -
 /// [`KernelError::Shape`] when the regions do not tile a row in order with the same rows, or
 /// `q` and `out` do not hold `n_q` rows.
 pub fn scores_int8_regions_with(
-    backend: Backend,
+    backend: Kernels,
     regions: &[KeyRegion<'_>],
     q: &[f32],
     n_q: usize,
@@ -1120,7 +1128,7 @@ pub fn scores_int8_regions_with(
 /// # Errors
 /// As [`scores_int8_regions_with`].
 pub fn scores_int8_regions_in(
-    backend: Backend,
+    backend: Kernels,
     scratch: &mut Scratch,
     regions: &[KeyRegion<'_>],
     q: &[f32],
@@ -1147,7 +1155,7 @@ pub fn scores_int8_regions_in(
         },
     )?;
     #[cfg(target_arch = "x86_64")]
-    match backend {
+    match backend.backend() {
         // The AVX2 kernel where the AVX-512 one has no code (no VBMI, say).
         Backend::Avx512 if avx512::scores_int8_regions_in(regions, q, n_q, out, &mut scratch.fused) => {
             return Ok(true);
@@ -1182,7 +1190,7 @@ pub fn scores_int8_regions_in(
 /// [`KernelError::Shape`] when the regions do not tile the values' head_dim in order with the
 /// values' rows, or `q` and `state` do not hold `n_q` rows.
 pub fn attend_int_regions_with(
-    backend: Backend,
+    backend: Kernels,
     regions: &[KeyRegion<'_>],
     v: &QuantBlock<'_>,
     q: &[f32],
@@ -1197,7 +1205,7 @@ pub fn attend_int_regions_with(
 /// # Errors
 /// As [`attend_int_regions_with`].
 pub fn attend_int_regions_in(
-    backend: Backend,
+    backend: Kernels,
     scratch: &mut Scratch,
     regions: &[KeyRegion<'_>],
     v: &QuantBlock<'_>,
@@ -1230,7 +1238,7 @@ pub fn attend_int_regions_in(
         },
     )?;
     #[cfg(target_arch = "x86_64")]
-    match backend {
+    match backend.backend() {
         // The AVX2 kernel where the AVX-512 one has no code (no VBMI, say), or declines.
         Backend::Avx512 | Backend::Avx2 => {
             let mut state = state;
@@ -1270,13 +1278,13 @@ pub fn attend_int_regions_in(
 /// Whether [`attend_int_regions_with`] runs a fused kernel for such regions and values and
 /// `n_q` query rows on `backend` (it still declines a block whose value scales are negative).
 pub fn attend_int_fused_regions(
-    backend: Backend,
+    backend: Kernels,
     regions: &[KeyRegion<'_>],
     v: &QuantBlock<'_>,
     n_q: usize,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    match backend {
+    match backend.backend() {
         // The AVX2 kernel where the AVX-512 one has no code (no VBMI, say).
         Backend::Avx512 => {
             return avx512::attend_int_regions_supported(regions, v, n_q)
@@ -1312,7 +1320,7 @@ pub fn attend_int_fused_regions(
 /// [`KernelError::Shape`] when the blocks differ in rows or head_dim, or `q` and `state` do not
 /// hold `n_q` rows.
 pub fn attend_float_with(
-    backend: Backend,
+    backend: Kernels,
     k: &QuantBlock<'_>,
     v: &QuantBlock<'_>,
     q: &[f32],
@@ -1330,7 +1338,7 @@ pub fn attend_float_with(
 
 /// Whether [`attend_float_with`] runs its fused kernel for blocks like `k` and `v` and `n_q`
 /// query rows on `backend`.
-pub fn attend_float_fused(backend: Backend, k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
+pub fn attend_float_fused(backend: Kernels, k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     if backend == Backend::Avx512 {
         return fp8_avx512::attend_supported(k, v, n_q);
@@ -1455,13 +1463,13 @@ fn check_turn(t: &TurnRows<'_>, out: usize) -> Result<(), KernelError> {
 /// # Errors
 /// [`KernelError::Shape`] for an odd or zero `dim`, codes that are not whole rows or not as
 /// many as `out`, a scale or offset not `dim` long, or a table shorter than `2 · dim` per row.
-pub fn decode_turn_with(backend: Backend, t: &TurnRows<'_>, out: &mut [f32]) -> Result<(), KernelError> {
+pub fn decode_turn_with(backend: Kernels, t: &TurnRows<'_>, out: &mut [f32]) -> Result<(), KernelError> {
     check_turn(t, out.len())?;
     #[cfg(target_arch = "x86_64")]
-    if matches!(backend, Backend::Avx2 | Backend::Avx512) && avx2::decode_turn(t, out) {
+    if backend.cpu().avx2 && avx2::decode_turn(t, out) {
         return Ok(());
     }
-    match backend {
+    match backend.backend() {
         Backend::Scalar => scalar::decode_turn(t, out),
         _ => wide_backend::decode_turn(t, out),
     }
@@ -1479,7 +1487,7 @@ pub fn decode_turn_with(backend: Backend, t: &TurnRows<'_>, out: &mut [f32]) -> 
 /// As [`decode_turn_with`], and [`KernelError::Shape`] when `q` is not `n_q × dim` or `out`
 /// not `n_q × rows` long.
 pub fn scores_turn_with(
-    backend: Backend,
+    backend: Kernels,
     t: &TurnRows<'_>,
     q: &[f32],
     n_q: usize,
@@ -1494,7 +1502,7 @@ pub fn scores_turn_with(
 /// # Errors
 /// As [`scores_turn_with`].
 pub fn scores_turn_in(
-    backend: Backend,
+    backend: Kernels,
     scratch: &mut Scratch,
     t: &TurnRows<'_>,
     q: &[f32],
@@ -1507,7 +1515,7 @@ pub fn scores_turn_in(
         format!("{n_q} query rows of {} values and {} outputs for {n} rows of {}", q.len(), out.len(), t.dim)
     })?;
     #[cfg(target_arch = "x86_64")]
-    if matches!(backend, Backend::Avx2 | Backend::Avx512) && avx2::scores_turn(t, q, n_q, out) {
+    if backend.cpu().avx2 && avx2::scores_turn(t, q, n_q, out) {
         return Ok(());
     }
     if backend == Backend::Scalar {

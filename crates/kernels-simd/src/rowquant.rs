@@ -4,7 +4,7 @@
 //! `kvq-quant-core` defines the contract (bit-identical results to its portable `wide`
 //! kernels) and the cache takes a [`RowKernels`] through its configuration, so neither of
 //! those crates needs `unsafe` or knows which CPU it runs on. [`row_kernels`] picks the best
-//! set for the selected [`Backend`].
+//! set for the selected [`Kernels`].
 //!
 //! The AVX2 encoder performs the portable arithmetic in the same order
 //! (`((x − offset) · inv).max(lo).min(hi) + add`, each step an IEEE f32 operation) and rounds
@@ -15,23 +15,18 @@
 
 use kvq_quant_core::RowKernels;
 
-use crate::dispatch::{Backend, DispatchError};
+use crate::dispatch::{DispatchError, Kernels};
 
 /// The row kernels for `backend`: AVX2 for `avx2` and `avx512` (which has none of its own),
 /// the portable `wide` ones for every other backend.
 ///
-/// # Errors
-/// [`DispatchError::Unavailable`] when this CPU lacks `backend`.
-pub fn row_kernels_for(backend: Backend) -> Result<RowKernels, DispatchError> {
-    if !backend.is_available() {
-        let names: Vec<&str> = crate::dispatch::available().iter().map(|b| b.name()).collect();
-        return Err(DispatchError::Unavailable(backend, names.join(", ")));
-    }
+pub fn row_kernels_for(backend: Kernels) -> RowKernels {
     #[cfg(target_arch = "x86_64")]
-    if matches!(backend, Backend::Avx2 | Backend::Avx512) {
-        return Ok(x86::AVX2);
+    if backend.cpu().avx2 {
+        return x86::AVX2;
     }
-    Ok(RowKernels::PORTABLE)
+    let _ = backend;
+    RowKernels::PORTABLE
 }
 
 /// The row kernels of the selected backend ([`crate::dispatch::selected`]: the best this CPU
@@ -40,7 +35,7 @@ pub fn row_kernels_for(backend: Backend) -> Result<RowKernels, DispatchError> {
 /// # Errors
 /// As [`crate::dispatch::selected`]: an unknown or unavailable forced backend.
 pub fn row_kernels() -> Result<RowKernels, DispatchError> {
-    row_kernels_for(crate::dispatch::selected()?)
+    Ok(row_kernels_for(crate::dispatch::selected()?))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -348,7 +343,7 @@ mod tests {
     /// Every available set of row kernels against the portable one, bit for bit.
     fn each_kernel_set(mut check: impl FnMut(&RowKernels)) {
         for b in available() {
-            check(&row_kernels_for(b).unwrap());
+            check(&row_kernels_for(b));
         }
     }
 
@@ -499,10 +494,8 @@ mod tests {
     }
 
     #[test]
-    fn unavailable_backends_are_errors() {
-        for b in [Backend::Scalar, Backend::Wide, Backend::Avx2, Backend::Avx512, Backend::Dotprod] {
-            assert_eq!(row_kernels_for(b).is_ok(), b.is_available(), "{b}");
-        }
-        assert_eq!(row_kernels_for(Backend::Wide).unwrap(), RowKernels::PORTABLE);
+    fn the_portable_kernels_are_wides() {
+        assert_eq!(row_kernels_for(Kernels::WIDE), RowKernels::PORTABLE);
+        assert_eq!(row_kernels_for(Kernels::SCALAR), RowKernels::PORTABLE);
     }
 }

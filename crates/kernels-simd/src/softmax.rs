@@ -9,7 +9,7 @@
 //! poisons its softmax instead of vanishing from it. [`exp_sum_scalar`] (through `f32::exp`)
 //! is the reference.
 
-use crate::dispatch::Backend;
+use crate::dispatch::{Backend, Kernels};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
@@ -20,14 +20,12 @@ const LOWEST: f32 = -87.0;
 
 /// `x[i] ← exp(x[i] − m)`, returning `Σ x[i]`, with `backend`'s code (AVX2 for `avx2` and
 /// `avx512`, `wide` for `wide` and `dotprod`, the reference for `scalar`).
-pub fn exp_sum_with(backend: Backend, x: &mut [f32], m: f32) -> f32 {
-    match backend {
+pub fn exp_sum_with(backend: Kernels, x: &mut [f32], m: f32) -> f32 {
+    match backend.backend() {
         Backend::Scalar => exp_sum_scalar(x, m),
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx2 | Backend::Avx512
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") =>
-        {
-            // SAFETY: AVX2 and FMA were just detected.
+        _ if backend.cpu().avx2 => {
+            // SAFETY: detection found AVX2 and FMA for these kernels (`Kernels::cpu`).
             unsafe { x86::exp_sum(x, m) }
         }
         _ => exp_sum_wide(x, m),
@@ -197,7 +195,7 @@ mod tests {
     use crate::dispatch::available;
     use kvq_quant_core::synth::Rng;
 
-    fn check(backend: Backend, x: &[f32], m: f32) {
+    fn check(backend: Kernels, x: &[f32], m: f32) {
         let (mut got, mut want) = (x.to_vec(), x.to_vec());
         let s = exp_sum_with(backend, &mut got, m);
         let w = exp_sum_scalar(&mut want, m);

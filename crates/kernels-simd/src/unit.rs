@@ -13,7 +13,7 @@
 //! softmax step ([`absorb`]) and value sum ([`Attender::add_values`]) finish them.
 
 use crate::block::{KernelError, QuantBlock};
-use crate::dispatch::Backend;
+use crate::dispatch::Kernels;
 use crate::{KeyRegion, Online, Scratch};
 
 /// The arithmetic of scores against quantized keys.
@@ -143,7 +143,7 @@ pub fn size_scores(s: &mut Vec<f32>, n_q: usize, n: usize) -> Result<(), KernelE
 /// taken, what `state` accumulated rescaled when it grows, and `s` turned into the weights
 /// `exp(s − m)` whose sum joins `l`. A row that has seen no token yet keeps weights of 0 (no
 /// `0 · ∞` in the rescaling). The values' sum ([`Attender::add_values`]) follows.
-pub fn absorb(backend: Backend, s: &mut [f32], n: usize, options: &UnitOptions<'_>, state: &mut Online<'_>) {
+pub fn absorb(backend: Kernels, s: &mut [f32], n: usize, options: &UnitOptions<'_>, state: &mut Online<'_>) {
     if let Some(cap) = options.softcap {
         let inv = 1.0 / cap;
         s.iter_mut().for_each(|x| *x = cap * (*x * inv).tanh());
@@ -206,13 +206,13 @@ pub struct Attender {
 
 impl Default for Attender {
     fn default() -> Self {
-        Self::new(Backend::Scalar, Arithmetic::Float)
+        Self::new(Kernels::SCALAR, Arithmetic::Float)
     }
 }
 
 impl Attender {
     /// An attender for one call on `backend` with `arithmetic`.
-    pub fn new(backend: Backend, arithmetic: Arithmetic) -> Self {
+    pub fn new(backend: Kernels, arithmetic: Arithmetic) -> Self {
         let mut a = Self {
             path: Path { backend, arithmetic },
             fused: true,
@@ -227,7 +227,7 @@ impl Attender {
     }
 
     /// Starts a new call (new query rows, maybe another head's layout), keeping the buffers.
-    pub fn begin(&mut self, backend: Backend, arithmetic: Arithmetic) {
+    pub fn begin(&mut self, backend: Kernels, arithmetic: Arithmetic) {
         self.path = Path { backend, arithmetic };
         self.fused = true;
         self.int_fused = arithmetic == Arithmetic::Int8;
@@ -465,7 +465,7 @@ impl Attender {
 /// The backend and arithmetic of one call: which kernel scores or sums a block.
 #[derive(Debug, Clone, Copy)]
 struct Path {
-    backend: Backend,
+    backend: Kernels,
     arithmetic: Arithmetic,
 }
 

@@ -6,6 +6,7 @@
 //! Tolerance: float results agree with the f64-accumulated reference within
 //! `1e-5 · Σ|terms| + 1e-30` (sums are reordered into lanes; FMA may fuse).
 
+use kvq_kernels_simd::Kernels;
 use kvq_kernels_simd::dispatch::available;
 use kvq_kernels_simd::{
     Backend, Levels, Params, QuantBlock, axpy_with, dequantize_with, scalar, scores_with,
@@ -221,8 +222,8 @@ fn for_each_case(seed: u64, mut f: impl FnMut(&mut Rng, &Case, &str)) {
     }
 }
 
-fn check_backend(backend: Backend) {
-    for_each_case(0x6b7671 + backend as u64, |rng, case, what| {
+fn check_backend(backend: Kernels) {
+    for_each_case(0x6b7671 + backend.backend() as u64, |rng, case, what| {
         let (rows, dim) = (case.rows, case.dim);
         let b = case.block();
         let what = format!("{backend} {what}");
@@ -271,10 +272,9 @@ macro_rules! backend_tests {
     ($($name:ident => $backend:expr),* $(,)?) => {$(
         #[test]
         fn $name() {
-            if $backend.is_available() {
-                check_backend($backend);
-            } else {
-                eprintln!("{} is not available on this CPU", $backend);
+            match Kernels::new($backend) {
+                Ok(kernels) => check_backend(kernels),
+                Err(e) => eprintln!("{e}"),
             }
         }
     )*};
@@ -410,9 +410,9 @@ fn bad_shapes_are_errors() {
     assert!(QuantBlock::new(&codes, 3, 8, 4, Levels::Affine, params).is_err());
     let b = QuantBlock::new(&codes, 2, 32, 4, Levels::Affine, params).unwrap();
     let mut out = [0f32; 2];
-    assert!(scores_with(Backend::Wide, &b, &[0.0; 31], 1, &mut out).is_err());
-    assert!(axpy_with(Backend::Wide, &b, &[0.0; 3], 1, &mut [0.0; 32]).is_err());
-    assert!(dequantize_with(Backend::Wide, &b, &mut [0.0; 63]).is_err());
+    assert!(scores_with(Kernels::WIDE, &b, &[0.0; 31], 1, &mut out).is_err());
+    assert!(axpy_with(Kernels::WIDE, &b, &[0.0; 3], 1, &mut [0.0; 32]).is_err());
+    assert!(dequantize_with(Kernels::WIDE, &b, &mut [0.0; 63]).is_err());
 }
 
 /// The integer score kernels at the largest sums their lanes can hold: every code at its
@@ -534,7 +534,7 @@ fn integer_scores_stay_within_the_query_rounding_bound() {
             }
         }
     }
-    if available().iter().any(|b| matches!(b, Backend::Avx2 | Backend::Dotprod)) {
+    if available().iter().any(|b| matches!(b.backend(), Backend::Avx2 | Backend::Dotprod)) {
         assert!(ran > 0, "the integer path never ran on a machine that has one");
     }
 }
@@ -603,12 +603,12 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
                         if !integer {
                             continue;
                         }
-                        *ran.entry((backend, group.is_some())).or_insert(0) += 1;
+                        *ran.entry((backend.backend(), group.is_some())).or_insert(0) += 1;
                         if other {
-                            widths.insert((backend, bits, case.per_channel));
+                            widths.insert((backend.backend(), bits, case.per_channel));
                         }
                         if levels > 0 {
-                            *tables.entry((backend, levels)).or_insert(0) += 1;
+                            *tables.entry((backend.backend(), levels)).or_insert(0) += 1;
                         }
                         assert!(scalar::scores_int8(&b, &q, n_q, &mut want));
                         for (k, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -624,16 +624,22 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
         }
     }
     for b in available() {
-        if matches!(b, Backend::Avx2 | Backend::Avx512 | Backend::Dotprod) {
-            assert!(ran.get(&(b, false)).copied().unwrap_or(0) > 0, "{b}: the integer path never ran");
+        if matches!(b.backend(), Backend::Avx2 | Backend::Avx512 | Backend::Dotprod) {
+            assert!(
+                ran.get(&(b.backend(), false)).copied().unwrap_or(0) > 0,
+                "{b}: the integer path never ran"
+            );
         }
-        if matches!(b, Backend::Avx2 | Backend::Dotprod) {
+        if matches!(b.backend(), Backend::Avx2 | Backend::Dotprod) {
             // 4-bit per-group blocks (groups of whole 32-code runs) and 16-level tables have an
             // AVX2 and a dotprod integer kernel.
-            assert!(ran.get(&(b, true)).copied().unwrap_or(0) > 0, "{b}: no per-group block took it");
+            assert!(
+                ran.get(&(b.backend(), true)).copied().unwrap_or(0) > 0,
+                "{b}: no per-group block took it"
+            );
             for levels in [1, 2] {
                 assert!(
-                    tables.get(&(b, levels)).copied().unwrap_or(0) > 0,
+                    tables.get(&(b.backend(), levels)).copied().unwrap_or(0) > 0,
                     "{b}: no block of levels {levels}"
                 );
             }
@@ -921,7 +927,8 @@ fn integer_values_equal_their_reference_and_stay_within_their_bound() {
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
+    if available().iter().any(|k| *k == Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni")
+    {
         assert!(ran > 0, "the integer value path never ran on a machine that has it");
     }
     let _ = ran;
@@ -1296,7 +1303,7 @@ fn decode_turn_matches_the_reference() {
                         }
                     }
                     let mut short = vec![0f32; n_q * rows + 1];
-                    assert!(scores_turn_with(Backend::Scalar, &t, &q, n_q, &mut short).is_err());
+                    assert!(scores_turn_with(Kernels::SCALAR, &t, &q, n_q, &mut short).is_err());
                 }
                 // Bad shapes are errors, not panics.
                 if rows > 0 {
@@ -1309,7 +1316,7 @@ fn decode_turn_matches_the_reference() {
                         TurnRows { bits: 0, ..t },
                     ];
                     for b in bad {
-                        assert!(decode_turn_with(Backend::Scalar, &b, &mut out).is_err());
+                        assert!(decode_turn_with(Kernels::SCALAR, &b, &mut out).is_err());
                     }
                 }
             }
@@ -1324,7 +1331,7 @@ fn decode_turn_matches_the_reference() {
         pairing: RopePairing::Half,
         dim: 3,
     };
-    assert!(decode_turn_with(Backend::Scalar, &odd, &mut [0f32; 3]).is_err());
+    assert!(decode_turn_with(Kernels::SCALAR, &odd, &mut [0f32; 3]).is_err());
 }
 
 /// A case of affine INT4 codes with parameters per channel (`per_channel`) or per row.
@@ -1507,9 +1514,9 @@ fn fused_block_attention_matches_its_reference() {
                         }
                         ran += 1;
                         if (kbits, vbits) == (4, 4) {
-                            ran_at.insert((backend, dim, group.is_some(), !per_channel));
+                            ran_at.insert((backend.backend(), dim, group.is_some(), !per_channel));
                         }
-                        narrow_at.insert((backend, dim, kbits, vbits));
+                        narrow_at.insert((backend.backend(), dim, kbits, vbits));
                         assert!(scalar::attend_int(
                             &k,
                             &v,
@@ -1551,7 +1558,7 @@ fn fused_block_attention_matches_its_reference() {
     };
     let none = Vec::<usize>::new();
     #[cfg(target_arch = "aarch64")]
-    if available().contains(&Backend::Dotprod) {
+    if available().iter().any(|k| *k == Backend::Dotprod) {
         assert_eq!(
             dims(Backend::Dotprod, false, false),
             vec![64, 128, 256],
@@ -1569,7 +1576,9 @@ fn fused_block_attention_matches_its_reference() {
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
+        if available().iter().any(|k| *k == Backend::Avx512)
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+        {
             assert!(ran > 0, "the fused kernel never ran on a machine that has it");
             let all = vec![64, 128, 256];
             assert_eq!(dims(Backend::Avx512, false, false), all, "head_dims the AVX-512 kernel ran at");
@@ -1583,7 +1592,7 @@ fn fused_block_attention_matches_its_reference() {
                 }
             }
         }
-        if available().contains(&Backend::Avx2) {
+        if available().iter().any(|k| *k == Backend::Avx2) {
             let all = vec![64, 128, 256];
             assert_eq!(dims(Backend::Avx2, false, false), all, "head_dims the AVX2 kernel ran at");
             assert_eq!(
@@ -1662,7 +1671,7 @@ fn fused_attention_over_key_parts_matches_its_reference() {
                         assert!(m == m0 && l == l0 && o == o0, "{backend}: a refusal changes nothing");
                         continue;
                     }
-                    ran.insert((backend, dim, group.is_some()));
+                    ran.insert((backend.backend(), dim, group.is_some()));
                     let (mut wm, mut wl, mut wo) = (m0.clone(), l0.clone(), o0.clone());
                     assert!(scalar::attend_int_parts(
                         &parts,
@@ -1760,7 +1769,9 @@ fn fused_attention_over_key_parts_matches_its_reference() {
     }
     #[cfg(target_arch = "x86_64")]
     {
-        if available().contains(&Backend::Avx512) && std::arch::is_x86_feature_detected!("avx512vnni") {
+        if available().iter().any(|k| *k == Backend::Avx512)
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+        {
             for dim in [64, 128, 256] {
                 for grouped in [false, true] {
                     assert!(
@@ -1770,14 +1781,14 @@ fn fused_attention_over_key_parts_matches_its_reference() {
                 }
             }
         }
-        if available().contains(&Backend::Avx2) {
+        if available().iter().any(|k| *k == Backend::Avx2) {
             for dim in [64, 128, 256] {
                 assert!(ran.contains(&(Backend::Avx2, dim, false)), "AVX2 parts at {dim}");
             }
         }
     }
     #[cfg(target_arch = "aarch64")]
-    if available().contains(&Backend::Dotprod) {
+    if available().iter().any(|k| *k == Backend::Dotprod) {
         for dim in [64, 128, 256] {
             assert!(ran.contains(&(Backend::Dotprod, dim, false)), "dotprod parts at {dim}");
         }
@@ -1880,10 +1891,10 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                         assert!(scalar::scores_int8_regions(&regions, &q, n_q, &mut want));
                         let mut got = vec![f32::NAN; n_q * rows + 3];
                         if scores_int8_regions_with(backend, &regions, &q, n_q, &mut got).unwrap() {
-                            scored.insert((backend, dim));
+                            scored.insert((backend.backend(), dim));
                             // The AVX2 and dotprod kernels take the reference's epilogue in its
                             // order: its bits.
-                            if matches!(backend, Backend::Avx2 | Backend::Dotprod) {
+                            if matches!(backend.backend(), Backend::Avx2 | Backend::Dotprod) {
                                 let same = got
                                     .iter()
                                     .zip(&want)
@@ -1905,14 +1916,14 @@ fn fused_attention_over_key_regions_matches_its_reference() {
                             "{what}: nothing past the scores"
                         );
                         assert!(
-                            !done || scored.contains(&(backend, dim)),
+                            !done || scored.contains(&(backend.backend(), dim)),
                             "{what}: a fused kernel scores alone too"
                         );
                         if !done {
                             assert!(m == m0 && l == l0 && o == o0, "{backend}: a refusal changes nothing");
                             continue;
                         }
-                        ran.insert((backend, dim, vbits));
+                        ran.insert((backend.backend(), dim, vbits));
                         let (mut wm, mut wl, mut wo) = (m0.clone(), l0.clone(), o0.clone());
                         let want = Online { m: &mut wm, l: &mut wl, o: &mut wo };
                         assert!(scalar::attend_int_regions(&regions, &v, &q, n_q, want));
@@ -1988,7 +1999,7 @@ fn fused_attention_over_key_regions_matches_its_reference() {
         assert!(m == [0.5; 4] && l == [1.0; 4] && o.iter().all(|&x| x == 0.25), "{backend}");
     }
     #[cfg(target_arch = "x86_64")]
-    if available().contains(&Backend::Avx512)
+    if available().iter().any(|k| *k == Backend::Avx512)
         && std::arch::is_x86_feature_detected!("avx512vnni")
         && std::arch::is_x86_feature_detected!("avx512vbmi")
     {
@@ -2003,7 +2014,7 @@ fn fused_attention_over_key_regions_matches_its_reference() {
     }
     // AVX2: the region scores at every head_dim, fused with values of 1 to 4 bits.
     #[cfg(target_arch = "x86_64")]
-    if available().contains(&Backend::Avx2) {
+    if available().iter().any(|k| *k == Backend::Avx2) {
         for dim in [64, 128, 256] {
             assert!(scored.contains(&(Backend::Avx2, dim)), "AVX2 region scores at {dim}");
             for vbits in 1..=4 {
@@ -2015,7 +2026,7 @@ fn fused_attention_over_key_regions_matches_its_reference() {
         }
     }
     // Dotprod: the same.
-    if available().contains(&Backend::Dotprod) {
+    if available().iter().any(|k| *k == Backend::Dotprod) {
         for dim in [64, 128, 256] {
             assert!(scored.contains(&(Backend::Dotprod, dim)), "dotprod region scores at {dim}");
             for vbits in 1..=4 {
@@ -2227,7 +2238,7 @@ fn fused_fp8_attention_matches_its_reference() {
                                 );
                                 continue;
                             }
-                            ran_at.insert((backend, dim));
+                            ran_at.insert((backend.backend(), dim));
                             let (mut wm, mut wl, mut wo) = (m0.clone(), l0.clone(), o0.clone());
                             assert!(scalar::attend_float(
                                 &k,
@@ -2413,7 +2424,7 @@ fn integer_scores_of_blocks_streamed_from_memory_equal_the_reference() {
             }
         }
     }
-    if available().iter().any(|b| matches!(b, Backend::Avx2 | Backend::Avx512 | Backend::Dotprod)) {
+    if available().iter().any(|b| matches!(b.backend(), Backend::Avx2 | Backend::Avx512 | Backend::Dotprod)) {
         assert!(ran > 0, "no integer kernel ran");
     }
 }

@@ -21,10 +21,11 @@ use rayon::prelude::*;
 
 use crate::element::{Element, fits};
 
-/// The kernels' instruction sets ([`AttentionOptions::backend`]) and the process's choice
+/// The kernels' instruction sets, the kernels of one this CPU was found to run
+/// ([`AttentionOptions::backend`]: `Kernels::new(Backend::Avx2)?`), and the process's choice
 /// among them (`KVQ_FORCE_BACKEND`, else the best the CPU has).
 #[doc(no_inline)]
-pub use kvq_kernels_simd::dispatch::{Backend, selected as selected_backend};
+pub use kvq_kernels_simd::dispatch::{Backend, Kernels, selected as selected_backend};
 
 /// Why attention could not be computed.
 #[derive(Debug, thiserror::Error)]
@@ -90,7 +91,7 @@ pub struct AttentionOptions {
     pub chunk: Option<usize>,
     /// The kernels to run; `None`: the process's selected backend
     /// ([`kvq_kernels_simd::dispatch::selected`]).
-    pub backend: Option<Backend>,
+    pub backend: Option<Kernels>,
 }
 
 impl AttentionOptions {
@@ -130,7 +131,7 @@ impl AttentionOptions {
     }
 
     /// Sets the kernel backend ([`AttentionOptions::backend`]).
-    pub fn backend(mut self, backend: Backend) -> Self {
+    pub fn backend(mut self, backend: Kernels) -> Self {
         self.backend = Some(backend);
         self
     }
@@ -714,7 +715,7 @@ impl Task {
     #[allow(clippy::too_many_arguments)]
     fn run<T: Element>(
         &mut self,
-        backend: Backend,
+        backend: Kernels,
         options: &AttentionOptions,
         cache: &PagedCache,
         layer: usize,
@@ -854,7 +855,7 @@ impl std::fmt::Display for DecodeKernel {
 /// # Errors
 /// As [`decode_kernel`].
 pub fn integer_decode_kernel(
-    backend: Backend,
+    backend: Kernels,
     cache: &PagedCache,
     seq: SeqId,
     query_rows: usize,
@@ -880,7 +881,7 @@ pub fn integer_decode_kernel(
 /// # Errors
 /// [`AttentionError::Cache`] for an unknown sequence; kernel errors for a corrupt block.
 pub fn decode_kernel(
-    backend: Backend,
+    backend: Kernels,
     path: ScorePath,
     cache: &PagedCache,
     seq: SeqId,
@@ -999,7 +1000,7 @@ impl RopeScratch {
 /// in registers (`scores_turn_with`).
 #[allow(clippy::too_many_arguments)]
 fn pre_rope_scores(
-    backend: Backend,
+    backend: Kernels,
     (rope, bs): (&kvq_quant_core::Rope, usize),
     view: &BlockView<'_>,
     params: &mut (Vec<f32>, Vec<f32>),
@@ -1069,7 +1070,7 @@ enum Run<'a> {
 /// kernels, as a symmetric 8-bit block with a scale per row.
 #[allow(clippy::too_many_arguments)]
 fn dense_run(
-    backend: Backend,
+    backend: Kernels,
     kernel: &mut kvq_kernels_simd::Scratch,
     scores: bool,
     rows: &TailBuf,
@@ -1081,7 +1082,7 @@ fn dense_run(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     fn run<T: kvq_kernels_simd::DenseRow>(
-        backend: Backend,
+        backend: Kernels,
         scores: bool,
         x: &[T],
         (n, d, w, g): (usize, usize, &[f32], usize),
@@ -1254,7 +1255,7 @@ impl Partial {
 /// here and finished by the kernels' softmax step and value sum.
 #[allow(clippy::too_many_arguments)]
 fn attend<'a>(
-    backend: Backend,
+    backend: Kernels,
     options: &AttentionOptions,
     readers: &[PartReader; 2],
     rope: Option<(&kvq_quant_core::Rope, usize)>,

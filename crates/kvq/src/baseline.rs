@@ -27,7 +27,7 @@
 
 use half::f16;
 use kvq_kernels_simd::softmax::exp_sum_with;
-use kvq_kernels_simd::{Backend, DenseRow, dense_axpy_with, dense_scores_with};
+use kvq_kernels_simd::{DenseRow, Kernels, dense_axpy_with, dense_scores_with};
 
 use crate::attention::AttentionError;
 
@@ -97,7 +97,7 @@ pub struct DenseScratch {
 /// `q_heads` is not a positive multiple of `kv_heads`, or when there are no tokens;
 /// [`AttentionError::Kernel`] should a kernel refuse its input.
 pub fn dense_attention(
-    backend: Backend,
+    backend: Kernels,
     kv: &DenseKv<'_>,
     dims: DenseDims,
     q: &[f32],
@@ -139,7 +139,7 @@ pub fn dense_attention(
 /// The body of [`dense_attention`] for one element type, the query already scaled in
 /// `scratch.q` and the buffers sized.
 fn heads<T: DenseRow>(
-    backend: Backend,
+    backend: Kernels,
     k: &[T],
     v: &[T],
     dims: DenseDims,
@@ -322,7 +322,7 @@ mod tests {
             let widen = |x: &[f16]| x.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
             let want16 = reference(&widen(&k16), &widen(&v16), dims, &q);
             let mut scratch = DenseScratch::default();
-            for backend in Backend::ALL.iter().copied().filter(|b| b.is_available()) {
+            for backend in kvq_kernels_simd::dispatch::available() {
                 for (kv, want) in [
                     (DenseKv::F32 { k: k.data(), v: v.data() }, &want),
                     (DenseKv::F16 { k: &k16, v: &v16 }, &want16),
@@ -389,7 +389,7 @@ mod tests {
         let kv = DenseKv::F32 { k: k.data(), v: v.data() };
         let mut out = vec![0f32; 32];
         let mut scratch = DenseScratch::default();
-        let b = Backend::Scalar;
+        let b = Kernels::SCALAR;
         for bad in [
             DenseDims { tokens: 0, ..dims },
             DenseDims { tokens: 4, ..dims },

@@ -847,7 +847,7 @@ fn write_bench_header(
     stdout: &mut dyn Write,
     (q_heads, kv_heads, d): (usize, usize, usize),
     (context, steps, block_size): (usize, usize, usize),
-    backend: kvq::kernels::Backend,
+    backend: kvq::kernels::Kernels,
     rate: f64,
 ) -> std::io::Result<()> {
     writeln!(
