@@ -1248,9 +1248,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     w: &mut FusedScratch,
 ) {
     let FusedScratch { q8, qp, dots, wb, p, acc, vt, wg, wq, wx, plans, ub, vb, lsq, ahead, .. } = w;
-    use int8::MAGIC;
-    let (d, n) = (D, v.rows);
-    let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+    let n = v.rows;
 
     // 1-2. The query rows rounded to int8 against each part of the keys, the integer dots of
     //      its rows, and their scores into `p`, the parts' side by side (keys per group or
@@ -1263,209 +1261,6 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     for (x, &m) in mx.iter_mut().zip(m.iter()).take(NQ) {
         *x = _mm512_set1_ps(m);
     }
-    // Step 1 for the keys `k`: each query row times the channel scales (keys per row or
-    // group, `GK`: the query row as it is), rounded to int8 into `q8`, and the rows' scales
-    // and (keys per channel) what the offsets add; with keys per row or group each row's sums
-    // over every 32 channels. `qp` holds the products between the two passes. A closure, so
-    // that it compiles inside this function with its target features.
-    let round_query = |k: &QuantBlock<'_>, q8: &mut [u8], qp: &mut [f32]| {
-        assert!(q.len() >= NQ * D && q8.len() >= NQ * D && qp.len() >= NQ * D && k.dim == D, "shapes");
-        // 1. Each query row times the channel scales (keys per group: the query row as it is),
-        //    rounded to int8 with the scale max / 127, stored in the order `vacc` reads a 4-bit
-        //    row (`int8::arrange4` with 64-byte chunks: 16-value piece w of each 128 goes to slot
-        //    4 · (w % 2) + w / 2); what the keys' offsets add, `Σ q · offset` (per group: the
-        //    query's sums over each 32 channels, `lane_sums`).
-        let mut kadd = [0f32; int8::GROUP];
-        let mut lane_sums = [[0f32; FUSED_DIM / 32]; int8::GROUP];
-        let (mut qmax, mut qnan) = ([0f32; int8::GROUP], [false; int8::GROUP]);
-        let mut ksv = [_mm512_set1_ps(1.0); FUSED_DIM / 16];
-        let ko = match k.params {
-            Params::PerChannel { scale: ks, offset } => {
-                for (j, x) in ksv.iter_mut().enumerate().take(D / 16) {
-                    // SAFETY: 16 · j + 16 <= d, inside the scales.
-                    *x = unsafe { _mm512_loadu_ps(ks.as_ptr().add(16 * j)) };
-                }
-                offset
-            }
-            Params::PerGroup { offset, .. } | Params::PerRow { offset, .. } => {
-                if offset.is_some() {
-                    for (i, sums) in lane_sums.iter_mut().enumerate().take(NQ) {
-                        for (t, x) in sums.iter_mut().enumerate().take(D / 32) {
-                            // SAFETY: 32 · t + 32 <= d, inside query row i.
-                            *x = unsafe {
-                                let at = q.as_ptr().add(i * d + 32 * t);
-                                _mm512_reduce_add_ps(_mm512_add_ps(
-                                    _mm512_loadu_ps(at),
-                                    _mm512_loadu_ps(at.add(16)),
-                                ))
-                            };
-                        }
-                    }
-                }
-                None
-            }
-        };
-        for i in 0..NQ {
-            let qi = &q[i * d..(i + 1) * d];
-            let (mut mx, mut any, mut dot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
-            for (j, &s) in ksv.iter().enumerate().take(D / 16) {
-                // SAFETY: 16 · j + 16 <= d, inside the query row and the offsets; `qp` holds
-                // GROUP · FUSED_DIM values.
-                unsafe {
-                    let x = _mm512_loadu_ps(qi.as_ptr().add(16 * j));
-                    // Keys per row or group: the query as it is (`ksv` stays 1).
-                    let y = if GK { x } else { _mm512_mul_ps(x, s) };
-                    _mm512_storeu_ps(qp.as_mut_ptr().add(i * d + 16 * j), y);
-                    // A NaN is skipped by the maximum (the second operand is returned) and makes
-                    // the sum `any` NaN.
-                    mx = _mm512_max_ps(_mm512_abs_ps(y), mx);
-                    any = _mm512_add_ps(any, y);
-                    if let Some(ko) = ko {
-                        dot = _mm512_fmadd_ps(x, _mm512_loadu_ps(ko.as_ptr().add(16 * j)), dot);
-                    }
-                }
-            }
-            kadd[i] = _mm512_reduce_add_ps(dot);
-            qmax[i] = _mm512_reduce_max_ps(mx);
-            qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
-        }
-        let (sq, qinv) = int8::scales_of4(qmax, qnan, 127.0);
-        for (i, &inv) in qinv.iter().enumerate().take(NQ) {
-            let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
-            for j in 0..D / 16 {
-                // Rows of 64 values are read as 32-byte chunks (`int8::arrange4` with 32: the low
-                // nibbles' values 0..16 and 32..48, then the high nibbles' 16..32 and 48..64).
-                let slot = if D == 64 {
-                    16 * (2 * (j % 2) + j / 2)
-                } else {
-                    128 * (j / 8) + 16 * (4 * (j % 2) + (j % 8) / 2)
-                };
-                // SAFETY: the products of row i lie in `qp` (stored above); the slot lies inside
-                // row i of `q8` (d <= FUSED_DIM).
-                unsafe {
-                    let y = _mm512_loadu_ps(qp.as_ptr().add(i * d + 16 * j));
-                    let y = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(y, invv), hi), lo);
-                    let r = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
-                    _mm_storeu_si128(q8.as_mut_ptr().add(i * d + slot).cast(), _mm512_cvtepi32_epi8(r));
-                }
-            }
-        }
-
-        (sq, kadd, lane_sums)
-    };
-    // Step 2 for keys per channel: the integer dots of every row of `k` with the rounded
-    // query rows (`q8`, as `round_query` leaves them) into `dots` (`NQ` rows of `k.rows`):
-    // four rows' bytes held in registers, one row of codes at a time.
-    let channel_dots = |k: &QuantBlock<'_>, q8: &[u8], dots: &mut [i32], ahead: &mut Ahead| {
-        let (d, n) = (D, k.rows);
-        assert!(k.dim == D && k.bits == 4 && q8.len() >= NQ * D && dots.len() >= NQ * n, "shapes");
-        if D == 64 {
-            // SAFETY: the block is 4-bit with rows of 32 bytes; `q8` holds NQ rows of 64 bytes,
-            // `dots` NQ · n values; the CPU features are this function's.
-            unsafe { dots64::<NQ>(k, &q8[..NQ * 64], &mut dots[..NQ * n], ahead) };
-        } else if NQ == 4 {
-            let mask = _mm512_set1_epi8(0x0f);
-            let per = 2 * D / 128;
-            let mut qr = [_mm512_setzero_si512(); 2 * int8::GROUP * FUSED_DIM / 128];
-            for (t, x) in qr.iter_mut().enumerate().take(NQ * per) {
-                // SAFETY: 64 · t + 64 <= NQ · d, inside `q8`.
-                *x = unsafe { _mm512_loadu_si512(q8.as_ptr().add(64 * t).cast()) };
-            }
-            // Four rows at a time, their 16-byte lanes regrouped (`vshufi64x2`, a 4 × 4
-            // transpose of lanes): vector m of chunk c holds lane m of each row (lane k = row
-            // r + k), so its low nibbles meet the query's 16 bytes of lane m of `qr[2c]` and its
-            // high nibbles those of `qr[2c + 1]`, broadcast, and each 32-bit lane of a query
-            // row's sums adds four channels of one row: the rows' dots are the sums of each
-            // 128-bit lane, the four query rows' reduced together (`lane_sums4`).
-            let to_rows = to_rows();
-            let mut r = 0;
-            while r + 4 <= n {
-                ahead.step();
-                let mut sums = [_mm512_setzero_si512(); 4];
-                for c in 0..D / 128 {
-                    // SAFETY: chunk c (64 bytes) lies within row r + j (row_bytes = d / 2).
-                    let row =
-                        |j: usize| unsafe { _mm512_loadu_si512(k.row(r + j).as_ptr().add(64 * c).cast()) };
-                    let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
-                    let (a, b) = (
-                        _mm512_shuffle_i64x2::<0b01_00_01_00>(r0, r1),
-                        _mm512_shuffle_i64x2::<0b01_00_01_00>(r2, r3),
-                    );
-                    let (e, f) = (
-                        _mm512_shuffle_i64x2::<0b11_10_11_10>(r0, r1),
-                        _mm512_shuffle_i64x2::<0b11_10_11_10>(r2, r3),
-                    );
-                    let lanes = [
-                        _mm512_shuffle_i64x2::<0b10_00_10_00>(a, b),
-                        _mm512_shuffle_i64x2::<0b11_01_11_01>(a, b),
-                        _mm512_shuffle_i64x2::<0b10_00_10_00>(e, f),
-                        _mm512_shuffle_i64x2::<0b11_01_11_01>(e, f),
-                    ];
-                    for (m, &t) in lanes.iter().enumerate() {
-                        let (lo, hi) =
-                            (_mm512_and_si512(t, mask), _mm512_and_si512(_mm512_srli_epi16(t, 4), mask));
-                        for (i, a) in sums.iter_mut().enumerate() {
-                            // SAFETY: lane m of rows i · per + 2c and + 1 of `qr` (64 bytes each)
-                            // lies in `q8` (NQ · D bytes).
-                            let (ql, qh) = unsafe {
-                                let at = q8.as_ptr().add(64 * (i * per + 2 * c) + 16 * m);
-                                (
-                                    _mm512_broadcast_i32x4(_mm_loadu_si128(at.cast())),
-                                    _mm512_broadcast_i32x4(_mm_loadu_si128(at.add(64).cast())),
-                                )
-                            };
-                            *a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*a, lo, ql), hi, qh);
-                        }
-                    }
-                }
-                // Element 4k + i: row r + k, query row i; then 4i + k.
-                let t = _mm512_permutexvar_epi32(to_rows, lane_sums4(&sums));
-                // SAFETY: r + 4 <= n: inside row i of `dots` (NQ · n values).
-                unsafe {
-                    let base = dots.as_mut_ptr().add(r);
-                    let at = |i: usize| base.add(i * n).cast();
-                    _mm_storeu_si128(at(0), _mm512_castsi512_si128(t));
-                    _mm_storeu_si128(at(1), _mm512_extracti32x4_epi32::<1>(t));
-                    _mm_storeu_si128(at(2), _mm512_extracti32x4_epi32::<2>(t));
-                    _mm_storeu_si128(at(3), _mm512_extracti32x4_epi32::<3>(t));
-                }
-                r += 4;
-            }
-            while r < n {
-                let row = k.row(r);
-                let mut sums = [_mm512_setzero_si512(); 4];
-                for c in 0..D / 128 {
-                    // SAFETY: chunk c (64 bytes) lies within the row (row_bytes = d / 2).
-                    let v = unsafe { _mm512_loadu_si512(row.as_ptr().add(64 * c).cast()) };
-                    let (lo, hi) =
-                        (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
-                    for (i, a) in sums.iter_mut().enumerate() {
-                        *a = _mm512_dpbusd_epi32(*a, lo, qr[i * per + 2 * c]);
-                        *a = _mm512_dpbusd_epi32(*a, hi, qr[i * per + 2 * c + 1]);
-                    }
-                }
-                // SAFETY: AVX-512 is enabled by this function's target features.
-                let t = unsafe { hsum4_zmm(&sums) };
-                for (i, &x) in t.iter().enumerate() {
-                    dots[i * n + r] = x;
-                }
-                r += 1;
-            }
-        } else {
-            // SAFETY: the block is 4-bit with d a multiple of 128 (checked by the caller); `q8`
-            // holds NQ rows of d bytes, `dots` NQ · n values.
-            unsafe {
-                vdots_with::<4, NQ, false, true>(
-                    k,
-                    0..n,
-                    &q8[..NQ * d],
-                    _mm512_setzero_si512(),
-                    &mut dots[..NQ * n],
-                    ahead,
-                )
-            };
-        }
-    };
     // Keys per group or row, and key regions: the maxima are taken from `p` in step 3.
     let late_max = GK || matches!(keys, Keys::Regions(_));
     if let Keys::Regions(regions) = keys {
@@ -1476,7 +1271,7 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     } else if GK {
         let Keys::Parts(parts) = keys else { unreachable!("parts") };
         let k = &parts[0];
-        let (sq, _, lane_sums) = round_query(k, q8, qp);
+        let (sq, _, lane_sums) = round_query::<NQ, D, GK>(k, q, q8, qp);
         // SAFETY: `k` is 4-bit per row or per group (groups of a power of two multiple of 32)
         // with rows of D / 2 bytes; `q8` holds NQ arranged rows of D bytes; row i of `p` (at
         // i · pr) has room for n rounded up to 8; the CPU features are this function's.
@@ -1491,9 +1286,9 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
         let mut at = 0;
         for k in parts {
             let nk = k.rows;
-            let (sq, kadd, _) = round_query(k, q8, qp);
+            let (sq, kadd, _) = round_query::<NQ, D, GK>(k, q, q8, qp);
             // `dots` holds GROUP · FUSED_ROWS values.
-            channel_dots(k, &q8[..NQ * D], &mut dots[..NQ * nk], ahead);
+            channel_dots::<NQ, D>(k, &q8[..NQ * D], &mut dots[..NQ * nk], ahead);
             // The scores `sq · dot + kadd` (the scores kernel's epilogue) and their maxima.
             for (i, mx) in mx.iter_mut().enumerate().take(NQ) {
                 let (sqv, addv) = (_mm512_set1_ps(sq[i]), _mm512_set1_ps(kadd[i]));
@@ -1518,7 +1313,6 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
     //    weights `p · scale`, rounded to bytes (scale max / 255), zero past the block's rows
     //    up to the stride. `p` holds row i's values at i · (FUSED_ROWS + 16).
     let stride = n.next_multiple_of(8);
-    let z = f32::from(int_values::center(v.bits));
     let mut top = [f32::NEG_INFINITY; int8::GROUP];
     for (i, mx) in mx.iter_mut().enumerate().take(NQ) {
         if late_max {
@@ -1548,6 +1342,272 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
         unsafe { grouped_values::<NQ, D>(v, &top, &mut factor, m, l, o, bufs) };
         return;
     }
+    // SAFETY: forwarded from this function's contract (values per row); `p`, `wb`, `m` and
+    // `l` as `row_weights` asks.
+    let (sw, vadd) = unsafe { row_weights::<NQ>(v, p, &top, &mut factor, m, l, wb) };
+
+    // 4. The integer sums of the centred value codes under the byte weights, and the epilogue:
+    //    `o ← o · factor + (sw · sum + add)`.
+    // SAFETY: `v` is 4-bit with d a multiple of 128 and n >= 1 rows; `wb` holds NQ rows of
+    // `stride` bytes, zero from n to the stride (each row's bytes are written in chunks of 16
+    // past n, zero weights there); `acc` NQ · d values.
+    unsafe {
+        if v.bits != 4 {
+            // Narrow values (checked by `narrow_values`): unpacked into `vb` by `fused_run`.
+            vsums_codes::<NQ>(v, n, wb, stride, vb, acc, ahead)
+        } else if D == 64 {
+            vsums_bytes64::<NQ, false>(v, n, wb, stride, &[], acc, ahead)
+        } else {
+            vsums_bytes::<NQ, false>(v, 0..n, wb, stride, false, &[], acc, ahead)
+        }
+    };
+    rescale_add::<NQ, D>(o, acc, &factor, &sw, &vadd);
+}
+
+/// Step 1 of [`attend4`] for the keys `k`: each query row times the channel scales (keys per
+/// row or group, `GK`: the query row as it is), rounded to int8 into `q8`; `qp` holds the
+/// products between the two passes. Returns the query rows' int8 scales, what the keys'
+/// offsets add (keys per channel) and each row's sums over every 32 channels (keys per row or
+/// group with offsets).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+fn round_query<const NQ: usize, const D: usize, const GK: bool>(
+    k: &QuantBlock<'_>,
+    q: &[f32],
+    q8: &mut [u8],
+    qp: &mut [f32],
+) -> ([f32; int8::GROUP], [f32; int8::GROUP], [[f32; FUSED_DIM / 32]; int8::GROUP]) {
+    use int8::MAGIC;
+    let d = D;
+    let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+    assert!(q.len() >= NQ * D && q8.len() >= NQ * D && qp.len() >= NQ * D && k.dim == D, "shapes");
+    // 1. Each query row times the channel scales (keys per group: the query row as it is),
+    //    rounded to int8 with the scale max / 127, stored in the order `vacc` reads a 4-bit
+    //    row (`int8::arrange4` with 64-byte chunks: 16-value piece w of each 128 goes to slot
+    //    4 · (w % 2) + w / 2); what the keys' offsets add, `Σ q · offset` (per group: the
+    //    query's sums over each 32 channels, `lane_sums`).
+    let mut kadd = [0f32; int8::GROUP];
+    let mut lane_sums = [[0f32; FUSED_DIM / 32]; int8::GROUP];
+    let (mut qmax, mut qnan) = ([0f32; int8::GROUP], [false; int8::GROUP]);
+    let mut ksv = [_mm512_set1_ps(1.0); FUSED_DIM / 16];
+    let ko = match k.params {
+        Params::PerChannel { scale: ks, offset } => {
+            for (j, x) in ksv.iter_mut().enumerate().take(D / 16) {
+                // SAFETY: 16 · j + 16 <= d, inside the scales.
+                *x = unsafe { _mm512_loadu_ps(ks.as_ptr().add(16 * j)) };
+            }
+            offset
+        }
+        Params::PerGroup { offset, .. } | Params::PerRow { offset, .. } => {
+            if offset.is_some() {
+                for (i, sums) in lane_sums.iter_mut().enumerate().take(NQ) {
+                    for (t, x) in sums.iter_mut().enumerate().take(D / 32) {
+                        // SAFETY: 32 · t + 32 <= d, inside query row i.
+                        *x = unsafe {
+                            let at = q.as_ptr().add(i * d + 32 * t);
+                            _mm512_reduce_add_ps(_mm512_add_ps(
+                                _mm512_loadu_ps(at),
+                                _mm512_loadu_ps(at.add(16)),
+                            ))
+                        };
+                    }
+                }
+            }
+            None
+        }
+    };
+    for i in 0..NQ {
+        let qi = &q[i * d..(i + 1) * d];
+        let (mut mx, mut any, mut dot) = (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+        for (j, &s) in ksv.iter().enumerate().take(D / 16) {
+            // SAFETY: 16 · j + 16 <= d, inside the query row and the offsets; `qp` holds
+            // GROUP · FUSED_DIM values.
+            unsafe {
+                let x = _mm512_loadu_ps(qi.as_ptr().add(16 * j));
+                // Keys per row or group: the query as it is (`ksv` stays 1).
+                let y = if GK { x } else { _mm512_mul_ps(x, s) };
+                _mm512_storeu_ps(qp.as_mut_ptr().add(i * d + 16 * j), y);
+                // A NaN is skipped by the maximum (the second operand is returned) and makes
+                // the sum `any` NaN.
+                mx = _mm512_max_ps(_mm512_abs_ps(y), mx);
+                any = _mm512_add_ps(any, y);
+                if let Some(ko) = ko {
+                    dot = _mm512_fmadd_ps(x, _mm512_loadu_ps(ko.as_ptr().add(16 * j)), dot);
+                }
+            }
+        }
+        kadd[i] = _mm512_reduce_add_ps(dot);
+        qmax[i] = _mm512_reduce_max_ps(mx);
+        qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
+    }
+    let (sq, qinv) = int8::scales_of4(qmax, qnan, 127.0);
+    for (i, &inv) in qinv.iter().enumerate().take(NQ) {
+        let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        for j in 0..D / 16 {
+            // Rows of 64 values are read as 32-byte chunks (`int8::arrange4` with 32: the low
+            // nibbles' values 0..16 and 32..48, then the high nibbles' 16..32 and 48..64).
+            let slot = if D == 64 {
+                16 * (2 * (j % 2) + j / 2)
+            } else {
+                128 * (j / 8) + 16 * (4 * (j % 2) + (j % 8) / 2)
+            };
+            // SAFETY: the products of row i lie in `qp` (stored above); the slot lies inside
+            // row i of `q8` (d <= FUSED_DIM).
+            unsafe {
+                let y = _mm512_loadu_ps(qp.as_ptr().add(i * d + 16 * j));
+                let y = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(y, invv), hi), lo);
+                let r = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
+                _mm_storeu_si128(q8.as_mut_ptr().add(i * d + slot).cast(), _mm512_cvtepi32_epi8(r));
+            }
+        }
+    }
+
+    (sq, kadd, lane_sums)
+}
+
+/// Step 2 of [`attend4`] for keys per channel: the integer dots of every row of `k` with the rounded
+/// query rows (`q8`, as [`round_query`] leaves them) into `dots` (`NQ` rows of `k.rows`):
+/// four rows' bytes held in registers, one row of codes at a time.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+fn channel_dots<const NQ: usize, const D: usize>(
+    k: &QuantBlock<'_>,
+    q8: &[u8],
+    dots: &mut [i32],
+    ahead: &mut Ahead,
+) {
+    let (d, n) = (D, k.rows);
+    assert!(k.dim == D && k.bits == 4 && q8.len() >= NQ * D && dots.len() >= NQ * n, "shapes");
+    if D == 64 {
+        // SAFETY: the block is 4-bit with rows of 32 bytes; `q8` holds NQ rows of 64 bytes,
+        // `dots` NQ · n values; the CPU features are this function's.
+        unsafe { dots64::<NQ>(k, &q8[..NQ * 64], &mut dots[..NQ * n], ahead) };
+    } else if NQ == 4 {
+        let mask = _mm512_set1_epi8(0x0f);
+        let per = 2 * D / 128;
+        let mut qr = [_mm512_setzero_si512(); 2 * int8::GROUP * FUSED_DIM / 128];
+        for (t, x) in qr.iter_mut().enumerate().take(NQ * per) {
+            // SAFETY: 64 · t + 64 <= NQ · d, inside `q8`.
+            *x = unsafe { _mm512_loadu_si512(q8.as_ptr().add(64 * t).cast()) };
+        }
+        // Four rows at a time, their 16-byte lanes regrouped (`vshufi64x2`, a 4 × 4
+        // transpose of lanes): vector m of chunk c holds lane m of each row (lane k = row
+        // r + k), so its low nibbles meet the query's 16 bytes of lane m of `qr[2c]` and its
+        // high nibbles those of `qr[2c + 1]`, broadcast, and each 32-bit lane of a query
+        // row's sums adds four channels of one row: the rows' dots are the sums of each
+        // 128-bit lane, the four query rows' reduced together (`lane_sums4`).
+        let to_rows = to_rows();
+        let mut r = 0;
+        while r + 4 <= n {
+            ahead.step();
+            let mut sums = [_mm512_setzero_si512(); 4];
+            for c in 0..D / 128 {
+                // SAFETY: chunk c (64 bytes) lies within row r + j (row_bytes = d / 2).
+                let row = |j: usize| unsafe { _mm512_loadu_si512(k.row(r + j).as_ptr().add(64 * c).cast()) };
+                let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
+                let (a, b) = (
+                    _mm512_shuffle_i64x2::<0b01_00_01_00>(r0, r1),
+                    _mm512_shuffle_i64x2::<0b01_00_01_00>(r2, r3),
+                );
+                let (e, f) = (
+                    _mm512_shuffle_i64x2::<0b11_10_11_10>(r0, r1),
+                    _mm512_shuffle_i64x2::<0b11_10_11_10>(r2, r3),
+                );
+                let lanes = [
+                    _mm512_shuffle_i64x2::<0b10_00_10_00>(a, b),
+                    _mm512_shuffle_i64x2::<0b11_01_11_01>(a, b),
+                    _mm512_shuffle_i64x2::<0b10_00_10_00>(e, f),
+                    _mm512_shuffle_i64x2::<0b11_01_11_01>(e, f),
+                ];
+                for (m, &t) in lanes.iter().enumerate() {
+                    let (lo, hi) =
+                        (_mm512_and_si512(t, mask), _mm512_and_si512(_mm512_srli_epi16(t, 4), mask));
+                    for (i, a) in sums.iter_mut().enumerate() {
+                        // SAFETY: lane m of rows i · per + 2c and + 1 of `qr` (64 bytes each)
+                        // lies in `q8` (NQ · D bytes).
+                        let (ql, qh) = unsafe {
+                            let at = q8.as_ptr().add(64 * (i * per + 2 * c) + 16 * m);
+                            (
+                                _mm512_broadcast_i32x4(_mm_loadu_si128(at.cast())),
+                                _mm512_broadcast_i32x4(_mm_loadu_si128(at.add(64).cast())),
+                            )
+                        };
+                        *a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*a, lo, ql), hi, qh);
+                    }
+                }
+            }
+            // Element 4k + i: row r + k, query row i; then 4i + k.
+            let t = _mm512_permutexvar_epi32(to_rows, lane_sums4(&sums));
+            // SAFETY: r + 4 <= n: inside row i of `dots` (NQ · n values).
+            unsafe {
+                let base = dots.as_mut_ptr().add(r);
+                let at = |i: usize| base.add(i * n).cast();
+                _mm_storeu_si128(at(0), _mm512_castsi512_si128(t));
+                _mm_storeu_si128(at(1), _mm512_extracti32x4_epi32::<1>(t));
+                _mm_storeu_si128(at(2), _mm512_extracti32x4_epi32::<2>(t));
+                _mm_storeu_si128(at(3), _mm512_extracti32x4_epi32::<3>(t));
+            }
+            r += 4;
+        }
+        while r < n {
+            let row = k.row(r);
+            let mut sums = [_mm512_setzero_si512(); 4];
+            for c in 0..D / 128 {
+                // SAFETY: chunk c (64 bytes) lies within the row (row_bytes = d / 2).
+                let v = unsafe { _mm512_loadu_si512(row.as_ptr().add(64 * c).cast()) };
+                let (lo, hi) = (_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+                for (i, a) in sums.iter_mut().enumerate() {
+                    *a = _mm512_dpbusd_epi32(*a, lo, qr[i * per + 2 * c]);
+                    *a = _mm512_dpbusd_epi32(*a, hi, qr[i * per + 2 * c + 1]);
+                }
+            }
+            // SAFETY: AVX-512 is enabled by this function's target features.
+            let t = unsafe { hsum4_zmm(&sums) };
+            for (i, &x) in t.iter().enumerate() {
+                dots[i * n + r] = x;
+            }
+            r += 1;
+        }
+    } else {
+        // SAFETY: the block is 4-bit with d a multiple of 128 (checked by the caller); `q8`
+        // holds NQ rows of d bytes, `dots` NQ · n values.
+        unsafe {
+            vdots_with::<4, NQ, false, true>(
+                k,
+                0..n,
+                &q8[..NQ * d],
+                _mm512_setzero_si512(),
+                &mut dots[..NQ * n],
+                ahead,
+            )
+        };
+    }
+}
+
+/// Step 3 of [`attend4`] for values per row: each query row's exponentials `e^(s − top)`
+/// from its scores in `p` (row `i` at `i · (FUSED_ROWS + 16)`), their sum into `l` (the old
+/// sum rescaled by `factor`), `top` into `m`, the weights `e · scale` rounded to bytes (scale
+/// max / 255) into `wb` (`NQ` rows of the block's rows rounded up to 8, zero past them), and
+/// what the offsets and the codes' centre add. Rows with nothing seen (`top` = −∞) keep their
+/// state (`factor` 1) and get zero weights. Returns the weights' scales and those additions.
+///
+/// # Safety
+/// `v` is per row with `1..=FUSED_ROWS` rows; `p` holds `NQ` rows `FUSED_ROWS + 16` apart, each
+/// with 16 values of room past the block's rows; `wb` holds `NQ` rows of the rows rounded up to
+/// 8 and 16 bytes more; `m` and `l` hold `NQ` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+unsafe fn row_weights<const NQ: usize>(
+    v: &QuantBlock<'_>,
+    p: &mut [f32],
+    top: &[f32; int8::GROUP],
+    factor: &mut [f32; int8::GROUP],
+    m: &mut [f32],
+    l: &mut [f32],
+    wb: &mut [u8],
+) -> ([f32; int8::GROUP], [f32; int8::GROUP]) {
+    use int8::MAGIC;
+    let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+    let (n, pr) = (v.rows, FUSED_ROWS + 16);
+    let stride = n.next_multiple_of(8);
+    let z = f32::from(int_values::center(v.bits));
     let Params::PerRow { scale: vs, offset: vo } = v.params else { unreachable!("checked") };
     let (mut wmax, mut wnan, mut vadd) = ([0f32; int8::GROUP], [false; int8::GROUP], [0f32; int8::GROUP]);
     for i in 0..NQ {
@@ -1606,22 +1666,21 @@ unsafe fn attend4<const NQ: usize, const D: usize, const GK: bool, const GV: boo
             }
         }
     }
+    (sw, vadd)
+}
 
-    // 4. The integer sums of the centred value codes under the byte weights, and the epilogue:
-    //    `o ← o · factor + (sw · sum + add)`.
-    // SAFETY: `v` is 4-bit with d a multiple of 128 and n >= 1 rows; `wb` holds NQ rows of
-    // `stride` bytes, zero from n to the stride (each row's bytes are written in chunks of 16
-    // past n, zero weights there); `acc` NQ · d values.
-    unsafe {
-        if v.bits != 4 {
-            // Narrow values (checked by `narrow_values`): unpacked into `vb` by `fused_run`.
-            vsums_codes::<NQ>(v, n, wb, stride, vb, acc, ahead)
-        } else if D == 64 {
-            vsums_bytes64::<NQ, false>(v, n, wb, stride, &[], acc, ahead)
-        } else {
-            vsums_bytes::<NQ, false>(v, 0..n, wb, stride, false, &[], acc, ahead)
-        }
-    };
+/// Step 4's epilogue of [`attend4`]: `o ← o · factor + (sw · acc + add)` for each of the `NQ`
+/// query rows (`o` and `acc` rows of `D` values).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+fn rescale_add<const NQ: usize, const D: usize>(
+    o: &mut [f32],
+    acc: &[i32],
+    factor: &[f32; int8::GROUP],
+    sw: &[f32; int8::GROUP],
+    vadd: &[f32; int8::GROUP],
+) {
+    assert!(o.len() >= NQ * D && acc.len() >= NQ * D, "shapes");
+    let d = D;
     for i in 0..NQ {
         let (f, s, a) = (_mm512_set1_ps(factor[i]), _mm512_set1_ps(sw[i]), _mm512_set1_ps(vadd[i]));
         for c in (0..D / 16).map(|j| 16 * j) {
