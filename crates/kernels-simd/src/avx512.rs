@@ -2392,7 +2392,6 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
     let Grouped { p, vt, wg, wq, wx, acc, ahead } = w;
     let Params::PerGroup { group, scale: vs, offset: vo } = v.params else { unreachable!("checked") };
     let (n, per, pr) = (v.rows, D / group, FUSED_ROWS + 16);
-    let quads = n.div_ceil(4);
     assert!(
         (1..=FUSED_ROWS).contains(&n)
             && per <= MAX_GROUPS
@@ -2513,6 +2512,37 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
             }
         }
     }
+    // SAFETY: `wq` holds the quads' weights of every query row (written above for the rows
+    // seen), `wx` room for every operand (asserted at the top); n <= FUSED_ROWS.
+    unsafe { group_operands::<NQ, D>(n, group, wq, wx) };
+    if D == 64 {
+        // SAFETY: `v` is 4-bit with rows of 64 codes and n rows; `wx` holds the operands of
+        // every query row and 8 rows; `acc` NQ · 64 values.
+        unsafe { vsums_bytes64::<NQ, true>(v, n, &[], 0, wx, acc, ahead) };
+    } else {
+        // SAFETY: `v` is 4-bit with D a multiple of 128 and 1..=FUSED_ROWS rows; `wx` holds
+        // the operands of every chunk, query row and quad of the rows; `acc` NQ · D values.
+        unsafe { vsums_bytes::<NQ, true>(v, 0..n, &[], 0, false, wx, acc, ahead) };
+    }
+    rescale_add_grouped::<NQ, D>(o, acc, factor, group, &gsw, &gadd);
+}
+
+/// [`grouped_values`]' operands of `vpdpbusd` from the byte weights of each quad's groups
+/// (`wq`) into `wx`: for rows of a multiple of 128 codes, per chunk, query row and quad of rows
+/// the weights of the groups of each 16-byte lane (32 channels) repeated over the lane; for
+/// rows of 64 codes, per 8 rows, as [`vsums_bytes64`] reads them.
+///
+/// # Safety
+/// `n <= FUSED_ROWS`; `group` divides `D` (64, 128 or 256) and is a multiple of 32; `wq` holds
+/// `NQ · QUADS · QUAD_GROUPS` values and `wx` `D.div_ceil(128) · NQ · QUADS · 16`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+unsafe fn group_operands<const NQ: usize, const D: usize>(
+    n: usize,
+    group: usize,
+    wq: &[u32],
+    wx: &mut [i32],
+) {
+    let quads = n.div_ceil(4);
     // Each (chunk, query row, quad)'s operand: 16-byte lane L holds channels 128c + 32L ..
     // + 32, of group (128c + 32L) / group; its four weights repeated over the lane's 4 i32s.
     for c in 0..D / 128 {
@@ -2561,14 +2591,24 @@ unsafe fn grouped_values<const NQ: usize, const D: usize>(
                 }
             }
         }
-        // SAFETY: `v` is 4-bit with rows of 64 codes and n rows; `wx` holds the operands of
-        // every query row and 8 rows; `acc` NQ · 64 values.
-        unsafe { vsums_bytes64::<NQ, true>(v, n, &[], 0, wx, acc, ahead) };
-    } else {
-        // SAFETY: `v` is 4-bit with D a multiple of 128 and 1..=FUSED_ROWS rows; `wx` holds
-        // the operands of every chunk, query row and quad of the rows; `acc` NQ · D values.
-        unsafe { vsums_bytes::<NQ, true>(v, 0..n, &[], 0, false, wx, acc, ahead) };
     }
+}
+
+/// The epilogue of [`grouped_values`]: `o ← o · factor + (sw · acc + add)` for each of the `NQ`
+/// query rows, `sw` and `add` those of each channel's group.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+fn rescale_add_grouped<const NQ: usize, const D: usize>(
+    o: &mut [f32],
+    acc: &[i32],
+    factor: &[f32; int8::GROUP],
+    group: usize,
+    gsw: &[[f32; MAX_GROUPS]; int8::GROUP],
+    gadd: &[[f32; MAX_GROUPS]; int8::GROUP],
+) {
+    assert!(
+        o.len() >= NQ * D && acc.len() >= NQ * D && group.is_power_of_two() && D / group <= MAX_GROUPS,
+        "shapes"
+    );
     for i in 0..NQ {
         let f = _mm512_set1_ps(factor[i]);
         for c in (0..D / 16).map(|j| 16 * j) {

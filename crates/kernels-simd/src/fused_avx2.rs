@@ -226,39 +226,9 @@ unsafe fn attend<const NQ: usize>(
     if let Some(k) = parts.first()
         && matches!(k.params, Params::PerChannel { .. })
     {
-        let scores = grown(scores, NQ * n);
-        let mut at = 0;
-        for k in parts {
-            let Params::PerChannel { scale: ks, offset: ko } = k.params else { unreachable!("checked") };
-            let nk = k.rows;
-            let mut sq = [0f32; int8::GROUP];
-            // 1. The query rows times the channel scales, rounded to int8 and arranged as the
-            //    scores kernel rounds and arranges them; what the keys' offsets add, `Σ q · offset`.
-            // Written in full by the two calls (d is a multiple of 64), so only grown, never cleared.
-            let (q8, arranged) = (grown(q8, NQ * d), grown(arranged, NQ * d));
-            // SAFETY: AVX2 (this function's contract); q holds NQ rows of d (a multiple of 8) values.
-            unsafe { avx2::round_queries_by::<NQ>(q, ks, q8, &mut sq) };
-            // SAFETY: AVX2 (this function's contract).
-            unsafe { avx2::arrange4_32(q8, arranged) };
-            let kadd = match ko {
-                Some(ko) => offset_dots::<NQ>(q, ko),
-                None => [0.0; int8::GROUP],
-            };
-
-            // 2. The integer dots of every row of the part with the rounded query rows.
-            let dots = grown(dots, NQ * nk);
-            // SAFETY: `int8_supported(k)` (checked by the caller): 4-bit rows of d codes, d a
-            // multiple of 64; `arranged` holds NQ rows of d bytes, `dots` NQ · nk values.
-            unsafe { avx2::int_dots_4bit::<NQ>(k, arranged, dots, ahead) };
-            // The part's scores (the scores kernel's epilogue), the parts side by side.
-            for i in 0..NQ {
-                let row = &mut scores[i * n + at..i * n + at + nk];
-                for (x, &dot) in row.iter_mut().zip(&dots[i * nk..(i + 1) * nk]) {
-                    *x = sq[i] * dot as f32 + kadd[i];
-                }
-            }
-            at += nk;
-        }
+        // SAFETY: as this function's: the parts are 4-bit per channel with rows of d codes (a
+        // multiple of 64), their rows n in all.
+        unsafe { channel_scores::<NQ>(parts, q, n, grown(scores, NQ * n), q8, arranged, dots, ahead) };
     } else if let Some(k) = parts.first() {
         // 1-2. Keys per row or per group: the integer scores kernel's scores themselves (its
         //      per-group dots and epilogue), so the same bits as it gives.
@@ -360,6 +330,87 @@ unsafe fn attend<const NQ: usize>(
             byte_value_sums::<NQ>(codes, n, d, crate::int_values::center(v.bits), wb, stride, acc, ahead)
         };
     }
+    rescale_add::<NQ>(o, acc, d, group, &factor, &gsw, &gadd);
+}
+
+/// Steps 1-2 of [`attend`] for keys per channel, in one part or several: each part's query
+/// rows times its channel scales, rounded to int8 and arranged as the scores kernel does, the
+/// integer dots of its rows, and its scores (the scores kernel's epilogue) into `scores`
+/// (`NQ` rows of `n`), the parts side by side.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; every part is 4-bit per channel with rows of `d`
+/// codes, `d` a multiple of 64 (`avx2::int8_supported`), their rows adding up to `n`; `q`
+/// holds `NQ` rows of `d` values and `scores` `NQ · n`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn channel_scores<const NQ: usize>(
+    parts: &[QuantBlock<'_>],
+    q: &[f32],
+    n: usize,
+    scores: &mut [f32],
+    q8: &mut Vec<i8>,
+    arranged: &mut Vec<u8>,
+    dots: &mut Vec<i32>,
+    ahead: &mut Ahead,
+) {
+    let d = parts.first().map_or(0, |k| k.dim);
+    let mut at = 0;
+    for k in parts {
+        let Params::PerChannel { scale: ks, offset: ko } = k.params else { unreachable!("checked") };
+        let nk = k.rows;
+        let mut sq = [0f32; int8::GROUP];
+        // 1. The query rows times the channel scales, rounded to int8 and arranged as the
+        //    scores kernel rounds and arranges them; what the keys' offsets add, `Σ q · offset`.
+        // Written in full by the two calls (d is a multiple of 64), so only grown, never cleared.
+        let (q8, arranged) = (grown(q8, NQ * d), grown(arranged, NQ * d));
+        // SAFETY: AVX2 (this function's contract); q holds NQ rows of d (a multiple of 8) values.
+        unsafe { avx2::round_queries_by::<NQ>(q, ks, q8, &mut sq) };
+        // SAFETY: AVX2 (this function's contract).
+        unsafe { avx2::arrange4_32(q8, arranged) };
+        let kadd = match ko {
+            Some(ko) => offset_dots::<NQ>(q, ko),
+            None => [0.0; int8::GROUP],
+        };
+
+        // 2. The integer dots of every row of the part with the rounded query rows.
+        let dots = grown(dots, NQ * nk);
+        // SAFETY: `int8_supported(k)` (checked by the caller): 4-bit rows of d codes, d a
+        // multiple of 64; `arranged` holds NQ rows of d bytes, `dots` NQ · nk values.
+        unsafe { avx2::int_dots_4bit::<NQ>(k, arranged, dots, ahead) };
+        // The part's scores (the scores kernel's epilogue), the parts side by side.
+        for i in 0..NQ {
+            let row = &mut scores[i * n + at..i * n + at + nk];
+            for (x, &dot) in row.iter_mut().zip(&dots[i * nk..(i + 1) * nk]) {
+                *x = sq[i] * dot as f32 + kadd[i];
+            }
+        }
+        at += nk;
+    }
+}
+
+/// The epilogue of [`attend`]: `o ← o · factor + (sw · acc + add)` for each of the `NQ` query
+/// rows of `d` values, `sw` and `add` those of each channel's group (values per row: one
+/// group of `d` channels).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rescale_add<const NQ: usize>(
+    o: &mut [f32],
+    acc: &[i32],
+    d: usize,
+    group: usize,
+    factor: &[f32; 8],
+    gsw: &[[f32; MAX_GROUPS]; int8::GROUP],
+    gadd: &[[f32; MAX_GROUPS]; int8::GROUP],
+) {
+    assert!(
+        o.len() >= NQ * d
+            && acc.len() >= NQ * d
+            && group > 0
+            && group.is_multiple_of(8)
+            && d.is_multiple_of(group)
+            && d / group <= MAX_GROUPS,
+        "shapes"
+    );
     for i in 0..NQ {
         let f = _mm256_set1_ps(factor[i]);
         // Group by group (values per row: one group of d channels).
