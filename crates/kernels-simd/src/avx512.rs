@@ -1731,8 +1731,6 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
     plan: &HeadPlan,
     ahead: &mut Ahead,
 ) {
-    use int8::MAGIC;
-    let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
     let pr = FUSED_ROWS + 16;
     let n = regions[0].keys.rows;
     assert!(
@@ -1749,62 +1747,8 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
             && plan.pieces.iter().all(|pc| pc.region < regions.len()),
         "the query rows, the grown buffers and the plan"
     );
-    // 1. Each region's query columns times its channel scales, rounded (`round_query`'s
-    //    algebra per region); `sqs[i]` holds row i's scale of each region (lane = region),
-    //    `kadd[i]` what all the regions' offsets add.
-    let mut sqs = [[0f32; 16]; int8::GROUP];
-    // What the offsets add, per query row over every region: reduced once, after them.
-    let mut dots = [_mm512_setzero_ps(); int8::GROUP];
-    for (j, r) in regions.iter().enumerate() {
-        let k = &r.keys;
-        let Params::PerChannel { scale, offset } = k.params else { unreachable!("checked") };
-        let c = k.dim;
-        let mut qnan = [false; int8::GROUP];
-        let mut mxs = [_mm512_setzero_ps(); int8::GROUP];
-        for (i, (dot, mx)) in dots.iter_mut().zip(mxs.iter_mut()).enumerate().take(NQ) {
-            let mut any = _mm512_setzero_ps();
-            for t in (0..c.div_ceil(16)).map(|j| 16 * j) {
-                let mask = lanes(c - t);
-                // SAFETY: the masked lanes lie inside the region's columns of query row i
-                // (first + c <= D), its scales and offsets, and row i of `qp`.
-                unsafe {
-                    let x = _mm512_maskz_loadu_ps(mask, q.as_ptr().add(i * D + r.first + t));
-                    let y = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(mask, scale.as_ptr().add(t)));
-                    _mm512_mask_storeu_ps(qp.as_mut_ptr().add(i * D + r.first + t), mask, y);
-                    *mx = _mm512_max_ps(_mm512_abs_ps(y), *mx);
-                    any = _mm512_add_ps(any, y);
-                    if let Some(ko) = offset {
-                        *dot = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mask, ko.as_ptr().add(t)), *dot);
-                    }
-                }
-            }
-            qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
-        }
-        // The four rows' maxima in one reduction (rows past NQ: zero).
-        let mut qmax = [0f32; 4];
-        // SAFETY: `qmax` holds 4 floats.
-        unsafe { _mm_storeu_ps(qmax.as_mut_ptr(), fold4_ps::<true>(&mxs)) };
-        let (sq, qinv) = int8::scales_of4(qmax, qnan, 127.0);
-        for (i, &inv) in qinv.iter().enumerate().take(NQ) {
-            sqs[i][j] = sq[i];
-            let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
-            for t in (0..c.div_ceil(16)).map(|j| 16 * j) {
-                let mask = lanes(c - t);
-                // SAFETY: the masked lanes lie in the region's columns of row i of `qp`
-                // (written above) and of `q8` (NQ rows of D bytes).
-                unsafe {
-                    let at = i * D + r.first + t;
-                    let y = _mm512_maskz_loadu_ps(mask, qp.as_ptr().add(at));
-                    let y = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(y, invv), hi), lo);
-                    let x = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
-                    _mm_mask_storeu_epi8(q8.as_mut_ptr().add(at).cast(), mask, _mm512_cvtepi32_epi8(x));
-                }
-            }
-        }
-    }
-    let mut kadd = [0f32; 4];
-    // SAFETY: `kadd` holds 4 floats.
-    unsafe { _mm_storeu_ps(kadd.as_mut_ptr(), fold4_ps::<false>(&dots)) };
+    // 1. Each region's query columns times its channel scales, rounded.
+    let (sqs, kadd) = round_region_queries::<NQ, D>(regions, q, q8, qp);
     // Each (run, query row)'s lane scales: lane 4k + j takes the `sq` of the region of
     // quarter j of the run's blocks.
     // In `lsq` (a stack array of every run's would be zeroed at each call), 16 floats per
@@ -1876,6 +1820,86 @@ unsafe fn region_scores<const NQ: usize, const D: usize>(
         }
         r0 += 4;
     }
+}
+
+/// Step 1 of [`region_scores`]: each region's columns of the `NQ` query rows times its channel
+/// scales, rounded to int8 with a scale of its own (`round_query`'s algebra per region) into
+/// `q8` in the keys' channel order, `qp` holding the products between the passes. Returns
+/// each query row's scale of each region (lane = region) and what all the regions' offsets
+/// add to each row's scores.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,avx2,fma,f16c")]
+fn round_region_queries<const NQ: usize, const D: usize>(
+    regions: &[crate::KeyRegion<'_>],
+    q: &[f32],
+    q8: &mut [u8],
+    qp: &mut [f32],
+) -> ([[f32; 16]; int8::GROUP], [f32; 4]) {
+    use int8::MAGIC;
+    assert!(
+        q.len() >= NQ * D
+            && q8.len() >= NQ * D
+            && qp.len() >= NQ * D
+            && regions.len() <= 16
+            && regions
+                .iter()
+                .all(|r| r.first + r.keys.dim <= D && matches!(r.keys.params, Params::PerChannel { .. })),
+        "the query rows and the regions"
+    );
+    let (magic, magic_bits) = (_mm512_set1_ps(MAGIC), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+    let mut sqs = [[0f32; 16]; int8::GROUP];
+    // What the offsets add, per query row over every region: reduced once, after them.
+    let mut dots = [_mm512_setzero_ps(); int8::GROUP];
+    for (j, r) in regions.iter().enumerate() {
+        let k = &r.keys;
+        let Params::PerChannel { scale, offset } = k.params else { unreachable!("checked") };
+        let c = k.dim;
+        let mut qnan = [false; int8::GROUP];
+        let mut mxs = [_mm512_setzero_ps(); int8::GROUP];
+        for (i, (dot, mx)) in dots.iter_mut().zip(mxs.iter_mut()).enumerate().take(NQ) {
+            let mut any = _mm512_setzero_ps();
+            for t in (0..c.div_ceil(16)).map(|j| 16 * j) {
+                let mask = lanes(c - t);
+                // SAFETY: the masked lanes lie inside the region's columns of query row i
+                // (first + c <= D), its scales and offsets, and row i of `qp`.
+                unsafe {
+                    let x = _mm512_maskz_loadu_ps(mask, q.as_ptr().add(i * D + r.first + t));
+                    let y = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(mask, scale.as_ptr().add(t)));
+                    _mm512_mask_storeu_ps(qp.as_mut_ptr().add(i * D + r.first + t), mask, y);
+                    *mx = _mm512_max_ps(_mm512_abs_ps(y), *mx);
+                    any = _mm512_add_ps(any, y);
+                    if let Some(ko) = offset {
+                        *dot = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mask, ko.as_ptr().add(t)), *dot);
+                    }
+                }
+            }
+            qnan[i] = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(any, any) != 0;
+        }
+        // The four rows' maxima in one reduction (rows past NQ: zero).
+        let mut qmax = [0f32; 4];
+        // SAFETY: `qmax` holds 4 floats.
+        unsafe { _mm_storeu_ps(qmax.as_mut_ptr(), fold4_ps::<true>(&mxs)) };
+        let (sq, qinv) = int8::scales_of4(qmax, qnan, 127.0);
+        for (i, &inv) in qinv.iter().enumerate().take(NQ) {
+            sqs[i][j] = sq[i];
+            let (invv, lo, hi) = (_mm512_set1_ps(inv), _mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+            for t in (0..c.div_ceil(16)).map(|j| 16 * j) {
+                let mask = lanes(c - t);
+                // SAFETY: the masked lanes lie in the region's columns of row i of `qp`
+                // (written above) and of `q8` (NQ rows of D bytes).
+                unsafe {
+                    let at = i * D + r.first + t;
+                    let y = _mm512_maskz_loadu_ps(mask, qp.as_ptr().add(at));
+                    let y = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(y, invv), hi), lo);
+                    let x = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, magic)), magic_bits);
+                    _mm_mask_storeu_epi8(q8.as_mut_ptr().add(at).cast(), mask, _mm512_cvtepi32_epi8(x));
+                }
+            }
+        }
+    }
+    let mut kadd = [0f32; 4];
+    // SAFETY: `kadd` holds 4 floats.
+    unsafe { _mm_storeu_ps(kadd.as_mut_ptr(), fold4_ps::<false>(&dots)) };
+    (sqs, kadd)
 }
 
 /// Step 4 of [`attend4`] for narrow values ([`narrow_values`]): the integer sums of every
