@@ -199,8 +199,15 @@ unsafe fn axpy_tile<const NQ: usize, const HALF: bool>(
     out: &mut [f32],
 ) {
     let (pp, op) = (p.as_ptr(), out.as_mut_ptr());
+    let bytes = if HALF { 2 } else { 4 };
     for r0 in (0..rows).step_by(SPAN) {
         let end = rows.min(r0 + SPAN);
+        // The next span's rows, a line at a time: its column passes read each row 64 or 128
+        // bytes at a time, a stride the hardware prefetcher does not follow from DRAM.
+        for off in (end * dim * bytes..rows.min(end + SPAN) * dim * bytes).step_by(64) {
+            // SAFETY: `off` lies inside `x` (rows · dim elements); a prefetch reads nothing.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(x.add(off).cast()) };
+        }
         let mut c = 0;
         while c + 32 <= dim {
             // SAFETY: c + 32 <= dim; output rows i < NQ lie within out.
