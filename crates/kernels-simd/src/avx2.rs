@@ -1560,11 +1560,6 @@ unsafe fn turn_dot2<const NIB: bool, const HALF: bool>(
     unsafe { reduce8(&acc) }
 }
 
-/// Whether the full-precision kernels can run: AVX2, FMA and F16C (every AVX2 CPU so far).
-fn cpu_dense() -> bool {
-    cpu_ok()
-}
-
 /// Eight floats of a full-precision row from element `at` of `x`: f32 (`HALF = false`) or f16
 /// widened in the register (`vcvtph2ps`).
 ///
@@ -1811,8 +1806,8 @@ unsafe fn dense_axpy_tile<const NQ: usize, const HALF: bool>(
 
 /// [`dense_scores_fma`] when the CPU has AVX2, FMA and F16C, else the `wide` kernel.
 pub(crate) fn dense_scores(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: usize, out: &mut [f32]) {
-    if cpu_dense() {
-        // SAFETY: cpu_dense() checked AVX2, FMA and F16C; lib.rs checked the lengths.
+    if cpu_ok() {
+        // SAFETY: cpu_ok() checked AVX2, FMA and F16C; lib.rs checked the lengths.
         unsafe { dense_scores_fma(x, rows, dim, q, n_q, out) }
     } else {
         wide_backend::dense_scores(x, rows, dim, q, n_q, out)
@@ -1821,7 +1816,7 @@ pub(crate) fn dense_scores(x: &[f32], rows: usize, dim: usize, q: &[f32], n_q: u
 
 /// [`dense_axpy_fma`] when the CPU has AVX2, FMA and F16C, else the `wide` kernel.
 pub(crate) fn dense_axpy(x: &[f32], rows: usize, dim: usize, p: &[f32], n_q: usize, out: &mut [f32]) {
-    if cpu_dense() {
+    if cpu_ok() {
         // SAFETY: as above.
         unsafe { dense_axpy_fma(x, rows, dim, p, n_q, out) }
     } else {
@@ -1839,7 +1834,7 @@ pub(crate) fn dense_scores_f16(
     n_q: usize,
     out: &mut [f32],
 ) {
-    if cpu_dense() && dim.is_multiple_of(8) {
+    if cpu_ok() && dim.is_multiple_of(8) {
         // SAFETY: the CPU checks and dim % 8 above; lib.rs checked the lengths (x holds
         // rows · dim f16).
         unsafe { dense_scores_tiles::<true>(x.as_ptr().cast(), rows, dim, q, n_q, out) }
@@ -1858,7 +1853,7 @@ pub(crate) fn dense_axpy_f16(
     n_q: usize,
     out: &mut [f32],
 ) {
-    if cpu_dense() && dim.is_multiple_of(16) {
+    if cpu_ok() && dim.is_multiple_of(16) {
         // SAFETY: as above, with dim % 16.
         unsafe { dense_axpy_tiles::<true>(x.as_ptr().cast(), rows, dim, p, n_q, out) }
     } else {

@@ -109,6 +109,8 @@ pub(crate) struct Cpu {
 }
 
 impl Cpu {
+    const NONE: Cpu = Cpu { avx2: false, avx512: false, vnni: false, vbmi: false, dotprod: false };
+
     fn detect() -> Self {
         let (avx2, avx512, dotprod) = (avx2_available(), avx512_available(), dotprod_available());
         #[cfg(target_arch = "x86_64")]
@@ -184,10 +186,6 @@ impl Kernels {
     }
 }
 
-impl Cpu {
-    const NONE: Cpu = Cpu { avx2: false, avx512: false, vnni: false, vbmi: false, dotprod: false };
-}
-
 impl PartialEq<Backend> for Kernels {
     fn eq(&self, other: &Backend) -> bool {
         self.backend == *other
@@ -214,7 +212,7 @@ pub enum DispatchError {
 
 /// The backends this CPU can run, worst to best.
 pub fn available() -> Vec<Kernels> {
-    Backend::ALL.into_iter().filter(|b| b.is_available()).filter_map(|b| Kernels::new(b).ok()).collect()
+    Backend::ALL.into_iter().filter_map(|b| Kernels::new(b).ok()).collect()
 }
 
 /// The best backend this CPU can run.
