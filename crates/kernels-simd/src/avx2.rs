@@ -1220,11 +1220,6 @@ unsafe fn axpy_group_with(
 }
 
 /// See [`crate::scalar::scores`]. Falls back to the `wide` kernels for layouts it does not cover.
-pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
-    crate::with_scratch(|w| scores_in(b, q, n_q, out, w))
-}
-
-/// [`scores`] with the caller's scratch.
 pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &mut crate::Scratch) {
     if !supported(b) {
         return wide_backend::scores_in(b, q, n_q, out, &mut w.wide);
@@ -1234,11 +1229,6 @@ pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f3
 }
 
 /// See [`crate::scalar::axpy`]. Falls back to the `wide` kernels for layouts it does not cover.
-pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
-    crate::with_scratch(|w| axpy_in(b, p, n_q, out, w))
-}
-
-/// [`axpy`] with the caller's scratch.
 pub(crate) fn axpy_in(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32], w: &mut crate::Scratch) {
     if !supported(b) {
         return wide_backend::axpy_in(b, p, n_q, out, &mut w.wide);
@@ -2660,7 +2650,7 @@ pub(crate) unsafe fn int_dots_4bit<const NQ: usize>(
     unsafe { idots_in::<4, NQ, false>(b, 0..b.rows, q, _mm256_setzero_si256(), dots, ahead) }
 }
 
-/// Whether [`scores_int8`] has an integer kernel for this block: affine 4-bit rows of a
+/// Whether [`scores_int8_in`] has an integer kernel for this block: affine 4-bit rows of a
 /// multiple of 64 codes or 8-bit rows of a multiple of 16, parameters per row or per channel,
 /// and 4-bit rows with parameters per group of a multiple of 32 values; 4-bit rows of a
 /// 16-level table (NF4, 4-bit codebooks) or of symmetric levels as affine 4-bit ones; on a CPU
@@ -2690,11 +2680,6 @@ pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
 /// Tolerance against the float scores: each score is off by at most
 /// `scale_q / 2 · Σ_d |level_d| · scale` (the query's rounding), `scale_q = max|q| / 127`.
 /// Returns `false`, computing nothing, when [`int8_supported`] is false.
-pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
-    crate::with_scratch(|w| scores_int8_in(b, q, n_q, out, &mut w.int8))
-}
-
-/// [`scores_int8`] with the caller's scratch.
 pub(crate) fn scores_int8_in(
     b: &QuantBlock<'_>,
     q: &[f32],

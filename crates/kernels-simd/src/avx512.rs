@@ -414,14 +414,9 @@ unsafe fn vdots_with<const BITS: u8, const NQ: usize, const TABLE: bool, const S
     }
 }
 
-/// Scores through `vpdpbusd`; see [`crate::avx2::scores_int8`] for the algebra and the error
+/// Scores through `vpdpbusd`; see [`crate::avx2::scores_int8_in`] for the algebra and the error
 /// bound (the scores are the same, bit for bit). Returns `false`, computing nothing, when
 /// [`int8_supported`] is false.
-pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
-    crate::with_scratch(|w| scores_int8_in(b, q, n_q, out, &mut w.int8))
-}
-
-/// [`scores_int8`] with the caller's scratch.
 pub(crate) fn scores_int8_in(
     b: &QuantBlock<'_>,
     q: &[f32],
@@ -724,11 +719,6 @@ fn interleave4(p: [__m512i; 4]) -> [__m512i; 4] {
 /// 32767). Equal, bit for bit, to
 /// [`crate::scalar::axpy_int`]. Returns `false`, computing nothing, when
 /// [`axpy_int_supported`] is false.
-pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> bool {
-    crate::with_scratch(|w| axpy_int_in(b, p, n_q, out, &mut w.intv))
-}
-
-/// [`axpy_int`] with the caller's scratch.
 pub(crate) fn axpy_int_in(
     b: &QuantBlock<'_>,
     p: &[f32],

@@ -22,7 +22,7 @@ pub(crate) fn cpu_ok() -> bool {
     crate::dispatch::cpu().dotprod
 }
 
-/// Whether [`scores_int8`] has a kernel for this block on this CPU.
+/// Whether [`scores_int8_in`] has a kernel for this block on this CPU.
 pub fn int8_supported(b: &QuantBlock<'_>) -> bool {
     let ok_dim = match b.bits {
         4 => b.dim.is_multiple_of(32),
@@ -298,11 +298,6 @@ impl int8::IntKernel for Sdot {
 /// Scores through `sdot`; see [`crate::scores_int8_with`] for the algebra and error bound
 /// (the scores equal [`crate::scalar::scores_int8`] bit for bit). Returns `false`, computing
 /// nothing, when [`int8_supported`] is false.
-pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -> bool {
-    crate::with_scratch(|w| scores_int8_in(b, q, n_q, out, &mut w.int8))
-}
-
-/// [`scores_int8`] with the caller's scratch.
 pub(crate) fn scores_int8_in(
     b: &QuantBlock<'_>,
     q: &[f32],

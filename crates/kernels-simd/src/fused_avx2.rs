@@ -5,7 +5,7 @@
 //! softmax and the float value kernel one after the other, and the float value sums (every
 //! code widened to a float and multiplied once per query row) took half of a decode step.
 //!
-//! The scores are the integer scores kernel's ([`crate::avx2::scores_int8`]: the same query
+//! The scores are the integer scores kernel's ([`crate::avx2::scores_int8_in`]: the same query
 //! rounding, dots and epilogue, so the same bits); the values go through the integer value
 //! path's algebra (the `int_values` module's) with byte weights: `vpmaddubsw` multiplies the weights of
 //! two rows (`0..=255`) by their centred codes (`−8..=7`) interleaved byte by byte, sixteen

@@ -3,7 +3,7 @@
 //! Kernels that read a quantized KV cache block without materializing it in f32: dequantize,
 //! scores (`s[t] = q · k̂[t]`, for several query rows at once, as a GQA group needs) and axpy
 //! (`o += Σ_t p[t] · v̂[t]`). Every kernel has a scalar reference in [`scalar`]; the `wide`
-//! backend in [`wide_backend`] is tested against it on random blocks of many shapes.
+//! backend (`wide_backend`) is tested against it on random blocks of many shapes.
 //!
 //! This crate is the only one of the workspace allowed `unsafe` (the `std::arch` paths);
 //! every `unsafe` block carries a `// SAFETY:` comment. **Status:** the scalar and `wide`
@@ -137,21 +137,21 @@ macro_rules! fused_entries {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub mod avx2;
+mod avx2;
 #[cfg(target_arch = "x86_64")]
-pub mod avx512;
+mod avx512;
 pub mod block;
 #[cfg(target_arch = "x86_64")]
 mod dense_avx512;
 pub mod dispatch;
 #[cfg(target_arch = "aarch64")]
-pub mod dotprod;
+mod dotprod;
 #[cfg(target_arch = "x86_64")]
-pub mod fp8_avx512;
+mod fp8_avx512;
 #[cfg(target_arch = "x86_64")]
-pub mod fused_avx2;
+mod fused_avx2;
 #[cfg(target_arch = "aarch64")]
-pub mod fused_dotprod;
+mod fused_dotprod;
 pub mod ggml;
 pub mod ggml_packed;
 mod int8;
@@ -173,7 +173,7 @@ pub mod rowquant;
 pub mod scalar;
 pub mod softmax;
 pub mod unit;
-pub mod wide_backend;
+mod wide_backend;
 
 pub use block::{KernelError, Levels, Params, QuantBlock};
 pub use dispatch::{Backend, DispatchError, Kernels};
@@ -211,7 +211,7 @@ pub struct Scratch {
 impl Scratch {
     /// Queues `data` (memory the caller reads after the next call, a decode's next blocks) to
     /// be brought into cache during the next fused attention call on this scratch
-    /// ([`attend_int_parts_in`], [`attend_int_regions_in`], [`attend_int_in`]), a few cache
+    /// (a unit a [`unit::Attender`] attends with it), a few cache
     /// lines at a time from the kernel's row loops, so that the loads overlap its arithmetic
     /// instead of stalling it as one burst of [`prefetch`] before the call does (the AVX-512
     /// and AVX2 fused kernels; the NEON one, and a block no fused kernel takes, prefetch the
@@ -603,6 +603,26 @@ pub fn scores_int8_in(
     Ok(scores_int8_fast(backend, scratch, b, q, n_q, out))
 }
 
+/// The integer kernel that [`scores_int8_with`] runs for the block `b` on `backend`:
+/// `Some(Backend::Avx512)` for the VNNI kernels, `Some(Backend::Avx2)`, `Some(Backend::Dotprod)`,
+/// or `None` where the block takes the float kernels instead ([`implementation_for`]).
+pub fn int8_implementation(backend: Kernels, b: &QuantBlock<'_>) -> Option<Backend> {
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512 && avx512::int8_supported(b) {
+        return Some(Backend::Avx512);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if implementation(backend) == Backend::Avx2 && avx2::int8_supported(b) {
+        return Some(Backend::Avx2);
+    }
+    #[cfg(target_arch = "aarch64")]
+    if backend == Backend::Dotprod && dotprod::int8_supported(b) {
+        return Some(Backend::Dotprod);
+    }
+    let _ = (backend, b);
+    None
+}
+
 fn scores_int8_fast(
     backend: Kernels,
     w: &mut Scratch,
@@ -866,13 +886,9 @@ pub(crate) fn fused_groups(
     true
 }
 
-/// Whether [`attend_int_with`] runs its fused kernel for blocks like `k` and `v` and `n_q`
-/// query rows on `backend` (it still declines a block whose value scales are negative).
-pub fn attend_int_fused(backend: Kernels, k: &QuantBlock<'_>, v: &QuantBlock<'_>, n_q: usize) -> bool {
-    attend_int_fused_parts(backend, std::slice::from_ref(k), v, n_q)
-}
-
-/// [`attend_int_fused`] for keys in parts ([`attend_int_parts_with`]).
+/// Whether [`attend_int_parts_with`] (and [`attend_int_with`], keys in one part) runs its fused
+/// kernel for keys in `parts` like these, values like `v` and `n_q` query rows on `backend` (it
+/// still declines a block whose value scales are negative).
 pub fn attend_int_fused_parts(
     backend: Kernels,
     parts: &[QuantBlock<'_>],
@@ -945,7 +961,7 @@ pub(crate) fn parts_supported(
 ///
 /// # Errors
 /// As [`attend_int_with`].
-pub fn attend_int_in(
+pub(crate) fn attend_int_in(
     backend: Kernels,
     scratch: &mut Scratch,
     k: &QuantBlock<'_>,
@@ -984,7 +1000,7 @@ pub fn attend_int_parts_with(
 ///
 /// # Errors
 /// As [`attend_int_parts_with`].
-pub fn attend_int_parts_in(
+pub(crate) fn attend_int_parts_in(
     backend: Kernels,
     scratch: &mut Scratch,
     parts: &[QuantBlock<'_>],
@@ -1127,7 +1143,7 @@ pub fn scores_int8_regions_with(
 ///
 /// # Errors
 /// As [`scores_int8_regions_with`].
-pub fn scores_int8_regions_in(
+pub(crate) fn scores_int8_regions_in(
     backend: Kernels,
     scratch: &mut Scratch,
     regions: &[KeyRegion<'_>],
@@ -1204,7 +1220,7 @@ pub fn attend_int_regions_with(
 ///
 /// # Errors
 /// As [`attend_int_regions_with`].
-pub fn attend_int_regions_in(
+pub(crate) fn attend_int_regions_in(
     backend: Kernels,
     scratch: &mut Scratch,
     regions: &[KeyRegion<'_>],

@@ -78,7 +78,7 @@ pub fn scores_int8(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) -
 /// The integer value path's reference: weights rounded per block as every integer value
 /// kernel rounds them (8 bits for codes of up to 4 bits, 16 above), exact integer sums with
 /// the centred codes, and the shared float epilogue (see
-/// `kvq_kernels_simd::avx512::axpy_int`). Every integer value kernel equals it bit for bit.
+/// [`crate::axpy_int_with`]). Every integer value kernel equals it bit for bit.
 /// Returns `false`, computing nothing, for levels that are not the codes themselves and for
 /// per-group parameters.
 pub fn axpy_int(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) -> bool {

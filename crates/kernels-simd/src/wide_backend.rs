@@ -294,10 +294,6 @@ pub(crate) fn decode_turn_in(t: &crate::TurnRows<'_>, out: &mut [f32], c: &mut V
 }
 
 /// See [`crate::scalar::scores`].
-pub fn scores(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32]) {
-    crate::with_scratch(|w| scores_in(b, q, n_q, out, &mut w.wide))
-}
-
 pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f32], w: &mut Scratch) {
     let d = b.dim;
     let Scratch { codes, levels, qw, cst, .. } = w;
@@ -339,10 +335,6 @@ pub(crate) fn scores_in(b: &QuantBlock<'_>, q: &[f32], n_q: usize, out: &mut [f3
 }
 
 /// See [`crate::scalar::axpy`].
-pub fn axpy(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32]) {
-    crate::with_scratch(|w| axpy_in(b, p, n_q, out, &mut w.wide))
-}
-
 pub(crate) fn axpy_in(b: &QuantBlock<'_>, p: &[f32], n_q: usize, out: &mut [f32], w: &mut Scratch) {
     let d = b.dim;
     let Scratch { codes, levels, acc, .. } = w;

@@ -9,7 +9,7 @@
 use kvq_kernels_simd::Kernels;
 use kvq_kernels_simd::dispatch::available;
 use kvq_kernels_simd::{
-    Backend, Levels, Params, QuantBlock, axpy_with, dequantize_with, scalar, scores_with,
+    Backend, Levels, Params, QuantBlock, axpy_with, dequantize_with, int8_implementation, scalar, scores_with,
 };
 use kvq_quant_core::Fp8Format;
 use kvq_quant_core::pack::{pack, packed_len};
@@ -664,7 +664,8 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
         let case = Case::random(&mut rng, 4, 128, 4, 0);
         let mut case = case;
         case.levels_kind = 0;
-        assert!(kvq_kernels_simd::avx512::int8_supported(&case.block()));
+        let vnni = Kernels::new(Backend::Avx512).unwrap();
+        assert_eq!(int8_implementation(vnni, &case.block()), Some(Backend::Avx512));
         // And 16-level tables and symmetric levels of 4 bits, per row or per channel (their
         // results: above, bit for bit).
         for (levels, per_channel) in [(1u8, false), (2, false), (2, true)] {
@@ -672,7 +673,7 @@ fn integer_kernels_equal_the_integer_reference_bit_for_bit() {
             (case.levels_kind, case.per_channel) = (levels, per_channel);
             case.scale = (0..if per_channel { 128 } else { 4 }).map(|_| 1.0).collect();
             case.offset = case.scale.clone();
-            assert!(kvq_kernels_simd::avx512::int8_supported(&case.block()), "levels {levels}");
+            assert_eq!(int8_implementation(vnni, &case.block()), Some(Backend::Avx512), "levels {levels}");
         }
     }
 }
