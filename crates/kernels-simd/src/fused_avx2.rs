@@ -68,7 +68,7 @@ pub(crate) struct FusedScratch {
     int8: int8::Scratch,
     scores: Vec<f32>,
     /// Keys in channel regions (`-qa`): their scores kernel's buffers and plans.
-    pub(crate) regions: regions_avx2::Scratch,
+    pub(crate) regions: regions::Scratch<regions_avx2::Step>,
     /// Values of 1 to 3 bits: their rows unpacked to a code a byte.
     values: regions_avx2::Unpacker,
     /// Keys in channel regions: the block's scores of every query row of the call.
@@ -107,7 +107,8 @@ unsafe fn run(
     w.ahead.pace(n_q.div_ceil(int8::GROUP) * (key_steps + v.dim / 32 * n.div_ceil(16)));
     let (mut all, mut values) = (std::mem::take(&mut w.region_scores), std::mem::take(&mut w.values));
     if let Keys::Regions(rs) = keys {
-        let done = regions_avx2::scores_in(rs, q, n_q, grown(&mut all, n_q * n), &mut w.regions);
+        let done =
+            regions::scores_in::<regions_avx2::Kernel>(rs, q, n_q, grown(&mut all, n_q * n), &mut w.regions);
         debug_assert!(done, "`attend_int_regions_supported` checked the regions");
     }
     let codes: &[u8] = if v.bits == 4 {

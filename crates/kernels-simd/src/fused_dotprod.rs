@@ -73,7 +73,7 @@ pub(crate) struct FusedScratch {
     /// Keys per row or group: the scores kernel's scratch.
     int8: int8::Scratch,
     /// Keys in channel regions (`-qa`): their scores kernel's buffers and plans.
-    pub(crate) regions: regions_neon::Scratch,
+    pub(crate) regions: regions::Scratch<regions_neon::Step>,
     /// Values of 1 to 3 bits: their rows unpacked to a code a byte.
     values: regions_neon::Unpacker,
     /// Keys in channel regions: the block's scores of every query row of the call.
@@ -101,7 +101,8 @@ unsafe fn run(
     let n = v.rows;
     let (mut all, mut values) = (std::mem::take(&mut w.region_scores), std::mem::take(&mut w.values));
     if let Keys::Regions(rs) = keys {
-        let done = regions_neon::scores_in(rs, q, n_q, grown(&mut all, n_q * n), &mut w.regions);
+        let done =
+            regions::scores_in::<regions_neon::Kernel>(rs, q, n_q, grown(&mut all, n_q * n), &mut w.regions);
         debug_assert!(done, "`attend_int_regions_supported` checked the regions");
     }
     let codes: &[u8] = if v.bits == 4 {

@@ -1177,13 +1177,25 @@ pub(crate) fn scores_int8_regions_in(
             return Ok(true);
         }
         Backend::Avx512 | Backend::Avx2 => {
-            return Ok(regions_avx2::scores_in(regions, q, n_q, out, &mut scratch.fused_avx2.regions));
+            return Ok(regions::scores_in::<regions_avx2::Kernel>(
+                regions,
+                q,
+                n_q,
+                out,
+                &mut scratch.fused_avx2.regions,
+            ));
         }
         _ => {}
     }
     #[cfg(target_arch = "aarch64")]
     if backend == Backend::Dotprod {
-        return Ok(regions_neon::scores_in(regions, q, n_q, out, &mut scratch.fused_dotprod.regions));
+        return Ok(regions::scores_in::<regions_neon::Kernel>(
+            regions,
+            q,
+            n_q,
+            out,
+            &mut scratch.fused_dotprod.regions,
+        ));
     }
     let _ = (backend, scratch);
     Ok(false)

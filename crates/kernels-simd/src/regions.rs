@@ -361,3 +361,201 @@ pub(crate) fn scatter(sums: &[f32], n: usize, nq: usize, out: &mut [f32]) {
         }
     }
 }
+
+/// What one CPU's region scores kernel brings to the shared [`scores_in`] and [`scores`]: its
+/// unpacking, its integer kernel's rounding of the query (so the reference's bytes), and the
+/// dots of one region with their epilogue. The AVX2 and NEON kernels implement it
+/// (`regions_avx2::Kernel`, `regions_neon::Kernel`).
+pub(crate) trait RegionKernel {
+    /// A step of its unpacking [`Plan`].
+    type Step;
+    /// The integer scores kernel whose rounding of a per-channel block's query rows it shares.
+    type Int: crate::int8::IntKernel;
+
+    /// Whether it takes these regions of `rows` rows tiling a row of `dim` channels on this
+    /// CPU ([`supported`] with its CPU check).
+    fn supported(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -> bool;
+
+    /// Every row of `regions` unpacked to a code a byte ([`Unpacker::unpack`]).
+    ///
+    /// # Safety
+    /// [`RegionKernel::supported`] for the regions.
+    unsafe fn unpack<'u>(
+        u: &'u mut Unpacker<Self::Step>,
+        regions: &[KeyRegion<'_>],
+    ) -> (&'u [u8], usize, &'u [usize]);
+
+    /// [`scores`] for `nq` (1 to 4) query rows, compiled with the CPU's features: written by
+    /// [`scores_group_for`].
+    ///
+    /// # Safety
+    /// As [`scores`].
+    unsafe fn scores_group(
+        nq: usize,
+        regions: &[KeyRegion<'_>],
+        q: &[f32],
+        rows: (&[u8], usize, &[usize]),
+        out: &mut [f32],
+        bufs: Bufs<'_>,
+    );
+
+    /// One region's dots (`keys` its block: its width and bits) of every pair of rows of `u`
+    /// (rows of `width` bytes, from the region's first) with `NQ` query rows of `q` (rows of
+    /// `width`), and `sums[8 · pair + 4 · h ..] += sq · dot + add` for row `h` of the pair (a
+    /// multiply, then an add: the reference's epilogue), 8-bit codes taken as `code − 128`
+    /// with `corr` (`128 · Σ q8`) added back to their dots. `(sq, add, corr)` per query row.
+    ///
+    /// # Safety
+    /// The CPU's features; `u` holds `2 · pairs` rows and `q` `NQ` rows of `width`, each with
+    /// the region's bytes padded to whole vectors from the pointer; `sums` `8 · pairs` floats.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn region_dots<const NQ: usize>(
+        keys: &QuantBlock<'_>,
+        u: *const u8,
+        q: *const i8,
+        width: usize,
+        pairs: usize,
+        epilogue: ([f32; 4], [f32; 4], [i32; 4]),
+        sums: &mut [f32],
+    );
+}
+
+/// [`RegionKernel::scores_group`] of the kernel `$kernel` (a type of the module it is used in):
+/// [`scores`] for 1 to 4 query rows, each compiled with the target features `$features` (the
+/// one part of a kernel's [`scores`] that its CPU alone tells apart).
+macro_rules! scores_group_for {
+    ($kernel:ty, $features:literal) => {
+        unsafe fn scores_group(
+            nq: usize,
+            regions: &[KeyRegion<'_>],
+            q: &[f32],
+            rows: (&[u8], usize, &[usize]),
+            out: &mut [f32],
+            bufs: regions::Bufs<'_>,
+        ) {
+            /// [`regions::scores`] compiled with the CPU's features.
+            ///
+            /// # Safety
+            /// As [`regions::scores`], on a CPU with these features.
+            #[target_feature(enable = $features)]
+            unsafe fn scores<const NQ: usize>(
+                regions: &[KeyRegion<'_>],
+                q: &[f32],
+                rows: (&[u8], usize, &[usize]),
+                out: &mut [f32],
+                bufs: regions::Bufs<'_>,
+            ) {
+                // SAFETY: forwarded from the caller.
+                unsafe { regions::scores::<$kernel, NQ>(regions, q, rows, out, bufs) }
+            }
+            // SAFETY: forwarded from the caller (the CPU's features among `scores`'s contract).
+            unsafe { by_group!(scores, nq, (regions, q, rows, out, bufs)) }
+        }
+    };
+}
+pub(crate) use scores_group_for;
+
+/// The buffers of [`scores_in`], grown to the largest call seen, then reused.
+pub(crate) struct Scratch<S> {
+    unpacker: Unpacker<S>,
+    qc: Vec<f32>,
+    q8: Vec<i8>,
+    prep: crate::int8::Prepared,
+    sums: Vec<f32>,
+}
+
+impl<S> Default for Scratch<S> {
+    fn default() -> Self {
+        Self {
+            unpacker: Unpacker::default(),
+            qc: Vec::new(),
+            q8: Vec::new(),
+            prep: crate::int8::Prepared::default(),
+            sums: Vec::new(),
+        }
+    }
+}
+
+/// The query-side buffers of [`scores`].
+pub(crate) struct Bufs<'a> {
+    qc: &'a mut Vec<f32>,
+    q8: &'a mut Vec<i8>,
+    prep: &'a mut crate::int8::Prepared,
+    sums: &'a mut Vec<f32>,
+}
+
+/// The scores of [`crate::scores_int8_regions_with`] by kernel `K` for `n_q` query rows (`q`,
+/// `n_q × dim`), row `i`'s into `out[i · rows ..]`: the block unpacked once, then four query
+/// rows at a time. Returns `false`, computing nothing, where `K` does not take the regions
+/// ([`RegionKernel::supported`]) or the shapes do not match.
+pub(crate) fn scores_in<K: RegionKernel>(
+    regions: &[KeyRegion<'_>],
+    q: &[f32],
+    n_q: usize,
+    out: &mut [f32],
+    w: &mut Scratch<K::Step>,
+) -> bool {
+    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
+    let n = regions.first().map_or(0, |r| r.keys.rows);
+    if !K::supported(regions, n, d) || q.len() != n_q * d || out.len() < n_q * n {
+        return false;
+    }
+    let Scratch { unpacker, qc, q8, prep, sums } = w;
+    // SAFETY: `supported` checked the CPU and the regions.
+    let rows = unsafe { K::unpack(unpacker, regions) };
+    let mut i0 = 0;
+    while i0 < n_q {
+        let nq = (n_q - i0).min(crate::int8::GROUP);
+        let (q, out) = (&q[i0 * d..(i0 + nq) * d], &mut out[i0 * n..(i0 + nq) * n]);
+        let bufs = Bufs { qc, q8, prep, sums };
+        // SAFETY: as above; `q` holds nq rows of d, `out` nq rows of n; `rows` is the
+        // regions' rows unpacked.
+        unsafe { K::scores_group(nq, regions, q, rows, out, bufs) }
+        i0 += nq;
+    }
+    true
+}
+
+/// The scores of `NQ` query rows against keys in regions, their rows unpacked (`rows`: the
+/// bytes, the width of a row and each region's first byte in it, as [`Unpacker::unpack`]
+/// returns them): the query's rounding per region, then region by region the integer dots
+/// and the reference's epilogue, added to the rows' scores in region order (so the bits of
+/// the reference, which adds the regions' scores one after the other). Inlined into each
+/// kernel's [`RegionKernel::scores_group`], which compiles it with the CPU's features.
+///
+/// # Safety
+/// `K`'s CPU features; [`RegionKernel::supported`] for `regions` (n rows, head_dim d); `rows`
+/// their unpacked rows; `q` holds `NQ` rows of d, `out` `NQ` rows of n.
+#[inline(always)]
+pub(crate) unsafe fn scores<K: RegionKernel, const NQ: usize>(
+    regions: &[KeyRegion<'_>],
+    q: &[f32],
+    rows: (&[u8], usize, &[usize]),
+    out: &mut [f32],
+    bufs: Bufs<'_>,
+) {
+    let n = regions[0].keys.rows;
+    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
+    let (unpacked, width, starts) = rows;
+    assert!(q.len() == NQ * d && out.len() >= NQ * n && regions.len() <= MAX_REGIONS, "shapes");
+    assert!(unpacked.len() >= (n + 1) * width && starts.len() == regions.len(), "the unpacked rows");
+    let Bufs { qc, q8, prep, sums } = bufs;
+
+    // 1. Each region's columns of the query rows rounded as the scores kernel rounds a
+    //    per-channel block, into the region's bytes of a row of `width`.
+    let x = round_query::<K::Int>(regions, q, NQ, (width, starts), prep, qc, q8);
+
+    // 2. Region by region, two rows at a time: the dots and the epilogue.
+    let pairs = n.div_ceil(2);
+    let sums = grown(sums, pairs * 8);
+    sums.fill(0.0);
+    for (j, r) in regions.iter().enumerate() {
+        let at = starts[j];
+        let (u, qb) = (unpacked[at..].as_ptr(), q8[at..].as_ptr());
+        // SAFETY: `unpacked` holds n + 1 rows of `width` and `q8` NQ rows, the region's
+        // padded bytes from `at` inside each; `sums` `pairs` · 8 floats; the CPU as `K` needs
+        // (this function's contract).
+        unsafe { K::region_dots::<NQ>(&r.keys, u, qb, width, pairs, (x.sq[j], x.kadd[j], x.qsum[j]), sums) }
+    }
+    scatter(sums, n, NQ, out);
+}

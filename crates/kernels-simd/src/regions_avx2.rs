@@ -14,12 +14,12 @@
 
 use std::arch::x86_64::*;
 
-use crate::int8::{self, grown};
+use crate::block::QuantBlock;
 use crate::{KeyRegion, avx2};
 
 use crate::regions::{self, MAX_REGIONS};
 
-/// Whether [`scores_in`] takes these regions of `rows` rows tiling a row of `dim` channels
+/// Whether [`Kernel`] takes these regions of `rows` rows tiling a row of `dim` channels
 /// ([`regions::supported`]) on this CPU (AVX2, FMA and F16C).
 pub(crate) fn supported(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -> bool {
     regions::supported(regions, rows, dim, avx2::cpu_ok())
@@ -161,112 +161,53 @@ fn source(c: usize, w: usize, pbase: usize, base: usize, o: usize, rb: usize) ->
     Source::Words { at: at4, idx, mult, keep }
 }
 
-/// The buffers of [`scores_in`], grown to the largest call seen, then reused.
-#[derive(Default)]
-pub(crate) struct Scratch {
-    unpacker: Unpacker,
-    qc: Vec<f32>,
-    q8: Vec<i8>,
-    prep: int8::Prepared,
-    sums: Vec<f32>,
-}
+/// The AVX2 region scores kernel, for [`regions::scores_in`].
+pub(crate) struct Kernel;
 
-/// The scores of [`crate::scores_int8_regions_with`] for `n_q` query rows (`q`, `n_q × dim`),
-/// row `i`'s into `out[i · rows ..]`: the block unpacked once, then four query rows at a time.
-/// Returns `false`, computing nothing, where [`supported`] is false or the shapes do not
-/// match.
-pub(crate) fn scores_in(
-    regions: &[KeyRegion<'_>],
-    q: &[f32],
-    n_q: usize,
-    out: &mut [f32],
-    w: &mut Scratch,
-) -> bool {
-    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
-    let n = regions.first().map_or(0, |r| r.keys.rows);
-    if !supported(regions, n, d) || q.len() != n_q * d || out.len() < n_q * n {
-        return false;
+impl regions::RegionKernel for Kernel {
+    type Step = Step;
+    type Int = avx2::Avx2Int;
+
+    fn supported(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -> bool {
+        supported(regions, rows, dim)
     }
-    let Scratch { unpacker, qc, q8, prep, sums } = w;
-    // SAFETY: `supported` checked the CPU and the regions.
-    let (unpacked, width, starts) = unsafe { unpack(unpacker, regions) };
-    let mut i0 = 0;
-    while i0 < n_q {
-        let nq = (n_q - i0).min(int8::GROUP);
-        let (q, out) = (&q[i0 * d..(i0 + nq) * d], &mut out[i0 * n..(i0 + nq) * n]);
-        let bufs = Bufs { qc, q8, prep, sums };
-        // SAFETY: as above; `q` holds nq rows of d, `out` nq rows of n; `unpacked` is the
-        // regions' rows.
-        unsafe { by_group!(scores, nq, (regions, q, (unpacked, width, starts), out, bufs)) }
-        i0 += nq;
+
+    unsafe fn unpack<'u>(u: &'u mut Unpacker, regions: &[KeyRegion<'_>]) -> (&'u [u8], usize, &'u [usize]) {
+        // SAFETY: `supported` (the caller's contract) checked AVX2 and the regions' rows.
+        unsafe { unpack(u, regions) }
     }
-    true
-}
 
-/// The query-side buffers of [`scores`].
-struct Bufs<'a> {
-    qc: &'a mut Vec<f32>,
-    q8: &'a mut Vec<i8>,
-    prep: &'a mut int8::Prepared,
-    sums: &'a mut Vec<f32>,
-}
+    regions::scores_group_for!(Kernel, "avx2,fma,f16c");
 
-/// The scores of `NQ` query rows against keys in regions, their rows unpacked (`rows`: the
-/// bytes, the width of a row and each region's first byte in it, as [`Unpacker::unpack`]
-/// returns them): the query's rounding per region, then region by region the integer dots
-/// and the reference's epilogue (see the module).
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C; [`supported`] for `regions` (n rows, head_dim
-/// d); `rows` their unpacked rows; `q` holds `NQ` rows of d, `out` `NQ` rows of n.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores<const NQ: usize>(
-    regions: &[KeyRegion<'_>],
-    q: &[f32],
-    rows: (&[u8], usize, &[usize]),
-    out: &mut [f32],
-    bufs: Bufs<'_>,
-) {
-    let n = regions[0].keys.rows;
-    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
-    let (unpacked, width, starts) = rows;
-    assert!(q.len() == NQ * d && out.len() >= NQ * n && regions.len() <= MAX_REGIONS, "shapes");
-    assert!(unpacked.len() >= (n + 1) * width && starts.len() == regions.len(), "the unpacked rows");
-    let Bufs { qc, q8, prep, sums } = bufs;
-
-    // 1. Each region's columns of the query rows rounded as the scores kernel rounds a
-    //    per-channel block, into the region's bytes of a row of `width`.
-    let x = regions::round_query::<avx2::Avx2Int>(regions, q, NQ, (width, starts), prep, qc, q8);
-    let (sq, kadd, qsum) = (x.sq, x.kadd, x.qsum);
-
-    // 3. Region by region, two rows at a time: the integer dots with the query rows, the
-    //    epilogue `sq · dot + kadd` added to the rows' scores in region order (so the bits of
-    //    the reference, which adds the regions' scores one after the other).
-    let pairs = n.div_ceil(2);
-    let sums = grown(sums, pairs * 8);
-    sums.fill(0.0);
-    for (j, r) in regions.iter().enumerate() {
-        let at = starts[j];
-        let twice = |x: [f32; 4]| _mm256_setr_ps(x[0], x[1], x[2], x[3], x[0], x[1], x[2], x[3]);
-        let qs = qsum[j];
-        let epilogue = Epilogue {
-            sq: twice(sq[j]),
-            add: twice(kadd[j]),
-            corr: _mm256_setr_epi32(qs[0], qs[1], qs[2], qs[3], qs[0], qs[1], qs[2], qs[3]),
-        };
-        let (u, qb) = (unpacked[at..].as_ptr(), q8[at..].as_ptr());
-        let vecs = r.keys.dim.div_ceil(32);
-        // SAFETY: `unpacked` holds n + 1 rows of `width` and `q8` NQ rows, the region's
-        // `vecs` vectors from `at` inside each; `sums` `pairs` · 8 floats.
+    #[inline(always)]
+    unsafe fn region_dots<const NQ: usize>(
+        keys: &QuantBlock<'_>,
+        u: *const u8,
+        q: *const i8,
+        width: usize,
+        pairs: usize,
+        (sq, add, corr): ([f32; 4], [f32; 4], [i32; 4]),
+        sums: &mut [f32],
+    ) {
+        // SAFETY: AVX2 and the bounds, the caller's contract (32-byte vectors: the plan pads
+        // regions to 32 bytes).
         unsafe {
-            if r.keys.bits == 8 {
-                region_dots::<NQ, true>(u, qb, width, vecs, pairs, &epilogue, sums);
+            let twice = |x: [f32; 4]| _mm256_setr_ps(x[0], x[1], x[2], x[3], x[0], x[1], x[2], x[3]);
+            let e = Epilogue {
+                sq: twice(sq),
+                add: twice(add),
+                corr: _mm256_setr_epi32(
+                    corr[0], corr[1], corr[2], corr[3], corr[0], corr[1], corr[2], corr[3],
+                ),
+            };
+            let vecs = keys.dim.div_ceil(32);
+            if keys.bits == 8 {
+                region_dots::<NQ, true>(u, q, width, vecs, pairs, &e, sums);
             } else {
-                region_dots::<NQ, false>(u, qb, width, vecs, pairs, &epilogue, sums);
+                region_dots::<NQ, false>(u, q, width, vecs, pairs, &e, sums);
             }
         }
     }
-    regions::scatter(sums, n, NQ, out);
 }
 
 /// One region's epilogue, for two rows of four query rows (`[row 0: q0..q3 | row 1: q0..q3]`):
@@ -474,7 +415,9 @@ mod tests {
         if !super::avx2::cpu_ok() {
             return;
         }
-        let mut w = super::Scratch::default();
-        check_guarded_scores(|regions, q, out| super::scores_in(regions, q, 4, out, &mut w));
+        let mut w = crate::regions::Scratch::default();
+        check_guarded_scores(|regions, q, out| {
+            crate::regions::scores_in::<super::Kernel>(regions, q, 4, out, &mut w)
+        });
     }
 }

@@ -14,11 +14,11 @@
 use std::arch::aarch64::*;
 
 use crate::KeyRegion;
+use crate::block::QuantBlock;
 use crate::dotprod::{Sdot, sdot};
-use crate::int8::{self, grown};
 use crate::regions::{self, MAX_REGIONS};
 
-/// Whether [`scores_in`] takes these regions of `rows` rows tiling a row of `dim` channels
+/// Whether [`Kernel`] takes these regions of `rows` rows tiling a row of `dim` channels
 /// ([`regions::supported`]) on this CPU (the dot-product extension).
 pub(crate) fn supported(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -> bool {
     regions::supported(regions, rows, dim, crate::dotprod::cpu_ok())
@@ -124,101 +124,49 @@ unsafe fn unpack_rows(
     }
 }
 
-/// The buffers of [`scores_in`], grown to the largest call seen, then reused.
-#[derive(Default)]
-pub(crate) struct Scratch {
-    unpacker: Unpacker,
-    prep: int8::Prepared,
-    qc: Vec<f32>,
-    q8: Vec<i8>,
-    sums: Vec<f32>,
-}
+/// The NEON (dot-product) region scores kernel, for [`regions::scores_in`].
+pub(crate) struct Kernel;
 
-/// The scores of [`crate::scores_int8_regions_with`] for `n_q` query rows (`q`, `n_q × dim`),
-/// row `i`'s into `out[i · rows ..]`: the block unpacked once, then four query rows at a time.
-/// Returns `false`, computing nothing, where [`supported`] is false or the shapes do not
-/// match.
-pub(crate) fn scores_in(
-    regions: &[KeyRegion<'_>],
-    q: &[f32],
-    n_q: usize,
-    out: &mut [f32],
-    w: &mut Scratch,
-) -> bool {
-    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
-    let n = regions.first().map_or(0, |r| r.keys.rows);
-    if !supported(regions, n, d) || q.len() != n_q * d || out.len() < n_q * n {
-        return false;
+impl regions::RegionKernel for Kernel {
+    type Step = Step;
+    type Int = Sdot;
+
+    fn supported(regions: &[KeyRegion<'_>], rows: usize, dim: usize) -> bool {
+        supported(regions, rows, dim)
     }
-    let Scratch { unpacker, prep, qc, q8, sums } = w;
-    let rows = unpack(unpacker, regions);
-    let mut i0 = 0;
-    while i0 < n_q {
-        let nq = (n_q - i0).min(int8::GROUP);
-        let (q, out) = (&q[i0 * d..(i0 + nq) * d], &mut out[i0 * n..(i0 + nq) * n]);
-        // SAFETY: `supported` checked the CPU and the regions; `q` holds nq rows of d, `out`
-        // nq rows of n; `rows` is the regions' rows unpacked.
-        unsafe {
-            by_group!(scores, nq, (regions, q, rows, out, (&mut *prep, &mut *qc, &mut *q8, &mut *sums)))
-        }
-        i0 += nq;
+
+    unsafe fn unpack<'u>(u: &'u mut Unpacker, regions: &[KeyRegion<'_>]) -> (&'u [u8], usize, &'u [usize]) {
+        unpack(u, regions)
     }
-    true
-}
 
-/// The scores of `NQ` query rows against keys in regions, their rows unpacked (`rows`, as
-/// [`Unpacker::unpack`] returns them): the query's rounding per region, then region by region
-/// the integer dots and the reference's epilogue in its order.
-///
-/// # Safety
-/// The CPU must support the dot-product extension; [`supported`] for `regions` (n rows,
-/// head_dim d); `rows` their unpacked rows; `q` holds `NQ` rows of d, `out` `NQ` rows of n.
-#[target_feature(enable = "neon,dotprod")]
-unsafe fn scores<const NQ: usize>(
-    regions: &[KeyRegion<'_>],
-    q: &[f32],
-    rows: (&[u8], usize, &[usize]),
-    out: &mut [f32],
-    bufs: (&mut int8::Prepared, &mut Vec<f32>, &mut Vec<i8>, &mut Vec<f32>),
-) {
-    let n = regions[0].keys.rows;
-    let d: usize = regions.iter().map(|r| r.keys.dim).sum();
-    let (unpacked, width, starts) = rows;
-    let (prep, qc, q8, sums) = bufs;
-    assert!(q.len() == NQ * d && out.len() >= NQ * n && regions.len() <= MAX_REGIONS, "shapes");
-    assert!(unpacked.len() >= (n + 1) * width && starts.len() == regions.len(), "the unpacked rows");
+    regions::scores_group_for!(Kernel, "neon,dotprod");
 
-    // 1. Each region's columns of the query rows rounded as the scores kernel rounds a
-    //    per-channel block, into the region's bytes of a row of `width`.
-    let x = regions::round_query::<Sdot>(regions, q, NQ, (width, starts), prep, qc, q8);
-    let (sq, kadd, qsum) = (x.sq, x.kadd, x.qsum);
-
-    // 2. Region by region, two rows at a time: the dots, the epilogue `sq · dot + kadd` added
-    //    to the rows' scores in region order.
-    let pairs = n.div_ceil(2);
-    let sums = grown(sums, pairs * 8);
-    sums.fill(0.0);
-    for (j, r) in regions.iter().enumerate() {
-        let e = Epilogue {
-            // SAFETY: each holds 4 values.
-            sq: unsafe { vld1q_f32(sq[j].as_ptr()) },
-            add: unsafe { vld1q_f32(kadd[j].as_ptr()) },
-            corr: unsafe { vld1q_s32(qsum[j].as_ptr()) },
-        };
-        let (u, qb) = (unpacked[starts[j]..].as_ptr(), q8[starts[j]..].as_ptr());
-        let vecs = r.keys.dim.div_ceil(16);
-        // SAFETY: dotprod (this function's contract); `unpacked` holds n + 1 rows of `width`
-        // and `q8` NQ rows, the region's `vecs` vectors from its start inside each; `sums`
-        // `pairs` · 8 floats.
+    #[inline(always)]
+    unsafe fn region_dots<const NQ: usize>(
+        keys: &QuantBlock<'_>,
+        u: *const u8,
+        q: *const i8,
+        width: usize,
+        pairs: usize,
+        (sq, add, corr): ([f32; 4], [f32; 4], [i32; 4]),
+        sums: &mut [f32],
+    ) {
+        // SAFETY: the dot-product extension and the bounds, the caller's contract (16-byte
+        // vectors: the plan pads regions to 16 bytes); each array holds 4 values.
         unsafe {
-            if r.keys.bits == 8 {
-                region_dots::<NQ, true>(u, qb, width, vecs, pairs, &e, sums);
+            let e = Epilogue {
+                sq: vld1q_f32(sq.as_ptr()),
+                add: vld1q_f32(add.as_ptr()),
+                corr: vld1q_s32(corr.as_ptr()),
+            };
+            let vecs = keys.dim.div_ceil(16);
+            if keys.bits == 8 {
+                region_dots::<NQ, true>(u, q, width, vecs, pairs, &e, sums);
             } else {
-                region_dots::<NQ, false>(u, qb, width, vecs, pairs, &e, sums);
+                region_dots::<NQ, false>(u, q, width, vecs, pairs, &e, sums);
             }
         }
     }
-    regions::scatter(sums, n, NQ, out);
 }
 
 /// One region's epilogue for four query rows: their scales, what the offsets add, and for
@@ -307,7 +255,9 @@ mod tests {
         if !crate::dotprod::cpu_ok() {
             return;
         }
-        let mut w = super::Scratch::default();
-        check_guarded_scores(|regions, q, out| super::scores_in(regions, q, 4, out, &mut w));
+        let mut w = crate::regions::Scratch::default();
+        check_guarded_scores(|regions, q, out| {
+            crate::regions::scores_in::<super::Kernel>(regions, q, 4, out, &mut w)
+        });
     }
 }
