@@ -131,6 +131,11 @@ impl PartLayout {
             Granularity::PerChannel { .. } if calibrated => Mode::Static { seg: 1 },
             Granularity::PerChannel { .. } => Mode::Channel,
             Granularity::PerTensor | Granularity::PerHead => Mode::Static { seg: head_dim },
+            other => {
+                return Err(crate::error::CacheError::Config(format!(
+                    "the paged cache has no layout for {other:?} groups"
+                )));
+            }
         };
         // Per-channel groups of fewer tokens than a block: a set of channel parameters per
         // token group (the configuration checks that the group divides the block).

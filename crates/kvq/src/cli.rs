@@ -25,6 +25,7 @@ use kvq::quant::{Calibration, Shape, Tensor};
 
 /// Why a command line did not run to the end.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CliError {
     /// The arguments do not parse (exit code 2), or asked for help or the version (0): clap's
     /// message, which [`main`] prints as clap would.

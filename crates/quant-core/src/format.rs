@@ -33,6 +33,7 @@ use crate::tensor::Shape;
 
 /// How the values of one group map to codes.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum Kind {
     /// Asymmetric min/max: `q = round((x - min) / (max - min) * (2^b - 1))`.
     Affine,
@@ -46,6 +47,7 @@ pub enum Kind {
 
 /// Where a codebook's levels come from.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum CodebookSource {
     /// The 16 NormalFloat-4 levels of QLoRA (4 bits only).
     Nf4,
@@ -95,6 +97,7 @@ impl ParamDtype {
 
 /// Which elements of a `[batch, heads, tokens, head_dim]` tensor share one set of parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Granularity {
     /// One group for the whole tensor.
     PerTensor,
@@ -114,6 +117,7 @@ pub enum Granularity {
 
 /// How a group's parameters follow from its values (when they are not calibrated).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum RangeRule {
     /// The group's minimum and maximum (absmax for the symmetric kinds): no value clips.
     #[default]

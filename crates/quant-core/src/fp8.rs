@@ -5,6 +5,7 @@
 
 /// One of the two OCP 8-bit float formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Fp8Format {
     /// 4 exponent bits (bias 7), 3 mantissa bits; no infinities; max 448.
     E4M3,
